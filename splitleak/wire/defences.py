@@ -1,0 +1,225 @@
+"""Defences as wire transforms.
+
+A defence transforms the tensor of a frame in two directions: ``forward`` on the activations the
+client sends, ``backward`` on the gradient the server returns. It is pure given its seeded
+context: every random draw comes from a generator derived from (run seed, phase, step, direction,
+position of the defence in the chain, document id), so the result does not depend on how documents
+are batched. Defences compose in a list and apply in the order given, in both directions.
+
+Registry: ``DEFENCES`` maps the name used on the command line and in YAML to the class; adding a
+defence is one class and one line there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from splitleak.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class WireContext:
+    """What a defence may know about the frame it transforms."""
+
+    seed: int
+    phase: str  # "train" | "capture" | "eval"
+    step: int
+    doc_ids: tuple[int, ...]
+    position: int = 0  # index of the defence in its chain
+
+    def generator(self, direction: str, doc_id: int, device: torch.device | str = "cpu") -> torch.Generator:
+        """A torch generator for one document, derived with SHA-256 from the whole context."""
+        key = f"{self.seed}|{self.phase}|{self.step}|{direction}|{self.position}|{doc_id}".encode()
+        g = torch.Generator(device=device)
+        g.manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1))
+        return g
+
+
+class Defence:
+    """Base class. Subclasses set ``name`` and override ``forward``/``backward``; the default
+    direction is the identity."""
+
+    name: ClassVar[str] = ""
+    #: bits per element on the wire after this defence, per direction; None leaves it unchanged
+    bits: ClassVar[dict[str, int | None]] = {"forward": None, "backward": None}
+
+    def forward(self, x: torch.Tensor, ctx: WireContext) -> torch.Tensor:
+        return x
+
+    def backward(self, g: torch.Tensor, ctx: WireContext) -> torch.Tensor:
+        return g
+
+    def args(self) -> dict[str, Any]:
+        return {}
+
+    def __repr__(self) -> str:
+        a = ", ".join(f"{k}={v}" for k, v in self.args().items())
+        return f"{self.name}({a})"
+
+
+def quantize_symmetric(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Symmetric signed rounding to ``bits`` bits with one scale per document (dim 0): the levels
+    are k * scale for integer |k| <= 2**(bits-1) - 1, scale = max|x| of the document / that bound.
+    Round half to even; a document that is all zero stays zero."""
+    if x.dim() < 2:
+        raise ValueError("quantize_symmetric expects [docs, ...]")
+    qmax = 2 ** (bits - 1) - 1
+    reduce = tuple(range(1, x.dim()))
+    scale = x.abs().amax(dim=reduce, keepdim=True) / qmax
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round(x / safe), -qmax, qmax)
+    return torch.where(scale > 0, q * safe, torch.zeros_like(x))
+
+
+def clip_per_document(g: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale each document's whole gradient [tokens, width] to L2 norm at most ``max_norm``."""
+    norms = g.flatten(1).norm(dim=1).view(-1, *([1] * (g.dim() - 1)))
+    factor = torch.clamp(max_norm / torch.clamp(norms, min=torch.finfo(g.dtype).tiny), max=1.0)
+    return g * factor
+
+
+def gaussian_noise_rms(g: torch.Tensor, rel_sigma: float, ctx: WireContext, direction: str) -> torch.Tensor:
+    """Add N(0, (rel_sigma * RMS_doc)^2) to each document, RMS taken over its tokens and width."""
+    out = torch.empty_like(g)
+    for i, doc_id in enumerate(ctx.doc_ids):
+        rms = g[i].pow(2).mean().sqrt()
+        noise = torch.randn(g[i].shape, generator=ctx.generator(direction, doc_id), dtype=g.dtype)
+        out[i] = g[i] + rel_sigma * rms * noise.to(g.device)
+    return out
+
+
+class NoDefence(Defence):
+    name = "none"
+
+
+class Quant(Defence):
+    """Symmetric signed rounding of activations and gradients (000 §5, "8-bit defence")."""
+
+    name = "quant8"
+    n_bits: ClassVar[int] = 8
+    bits = {"forward": 8, "backward": 8}
+
+    def forward(self, x, ctx):
+        return quantize_symmetric(x, self.n_bits)
+
+    def backward(self, g, ctx):
+        return quantize_symmetric(g, self.n_bits)
+
+
+class Quant4(Quant):
+    name = "quant4"
+    n_bits = 4
+    bits = {"forward": 4, "backward": 4}
+
+
+class Quant4Noisy(Quant4):
+    """000 §5 "4-bit noisy defence": 4-bit activations; the returned gradient is clipped to
+    L2 norm ``clip`` per document, gets Gaussian noise ``noise`` x its RMS (after clipping), then
+    is rounded to 4 bits — in that order."""
+
+    name = "quant4-noisy"
+
+    def __init__(self, clip: float = 1.0, noise: float = 0.1):
+        if not clip > 0:
+            raise ConfigError(f"quant4-noisy: clip must be > 0, got {clip}")
+        if not noise >= 0:
+            raise ConfigError(f"quant4-noisy: noise must be >= 0, got {noise}")
+        self.clip = float(clip)
+        self.noise = float(noise)
+
+    def args(self):
+        return {"clip": self.clip, "noise": self.noise}
+
+    def backward(self, g, ctx):
+        g = clip_per_document(g, self.clip)
+        g = gaussian_noise_rms(g, self.noise, ctx, "backward")
+        return quantize_symmetric(g, self.n_bits)
+
+
+DEFENCES: dict[str, type[Defence]] = {
+    cls.name: cls for cls in (NoDefence, Quant, Quant4, Quant4Noisy)
+}
+
+
+@dataclass(frozen=True)
+class DefenceSpec:
+    name: str
+    args: tuple[tuple[str, Any], ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "args": dict(self.args)}
+
+
+def build_defence(name: str, args: dict[str, Any] | None = None) -> Defence:
+    args = dict(args or {})
+    cls = DEFENCES.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown defence {name!r}; known defences: {', '.join(sorted(DEFENCES))}")
+    try:
+        return cls(**args)
+    except TypeError:
+        import inspect
+
+        allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        raise ConfigError(
+            f"defence {name!r} does not take argument(s) {sorted(args)}; it takes "
+            f"{', '.join(allowed) if allowed else 'no arguments'}"
+        ) from None
+
+
+class DefenceChain:
+    """Defences applied in the order given, in both directions."""
+
+    def __init__(self, defences: list[Defence], seed: int):
+        self.defences = [d for d in defences if not isinstance(d, NoDefence)]
+        self.seed = seed
+
+    @classmethod
+    def from_specs(cls, specs: list[dict[str, Any]], seed: int) -> "DefenceChain":
+        return cls([build_defence(s["name"], s.get("args")) for s in specs], seed)
+
+    def _ctx(self, phase, step, doc_ids, position):
+        return WireContext(self.seed, phase, step, tuple(doc_ids), position)
+
+    def forward(self, x: torch.Tensor, phase: str, step: int, doc_ids) -> torch.Tensor:
+        for i, d in enumerate(self.defences):
+            x = d.forward(x, self._ctx(phase, step, doc_ids, i))
+        return x
+
+    def backward(self, g: torch.Tensor, phase: str, step: int, doc_ids) -> torch.Tensor:
+        for i, d in enumerate(self.defences):
+            g = d.backward(g, self._ctx(phase, step, doc_ids, i))
+        return g
+
+    def payload_bits(self, direction: str, base: int) -> int:
+        bits = base
+        for d in self.defences:
+            b = d.bits.get(direction)
+            if b is not None:
+                bits = min(bits, b)
+        return bits
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"name": d.name, "args": d.args()} for d in self.defences] or [{"name": "none", "args": {}}]
+
+
+def parse_defence_args(items: list[str]) -> dict[str, Any]:
+    """``["lambda=0.75", "k=3"]`` -> ``{"lambda": 0.75, "k": 3}`` (numbers parsed, else strings)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"defence argument {item!r} is not KEY=VALUE (e.g. --defence-arg lambda=0.75)")
+        k, v = item.split("=", 1)
+        for conv in (int, float):
+            try:
+                out[k.strip()] = conv(v)
+                break
+            except ValueError:
+                continue
+        else:
+            out[k.strip()] = {"true": True, "false": False}.get(v.lower(), v)
+    return out

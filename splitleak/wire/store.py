@@ -1,0 +1,233 @@
+"""A run directory whose every file is recorded in a hash-chained journal.
+
+``journal.jsonl`` has one JSON object per line::
+
+    {"seq": 3, "kind": "captures", "time": "...", "files": {"captures/shard-00000.safetensors": "<sha256>"},
+     "info": {...}, "prev": "<sha256 of the previous line's bytes>"}
+
+The first entry's ``prev`` is 64 zeros. A file is written to a temporary name, flushed and renamed
+before its entry is appended, so a crash leaves either a recorded file or none. A run that ends
+writes a closing entry, ``complete`` or ``failed`` (a failed run stays verifiable: what it wrote
+before the failure is intact). ``verify_run`` re-hashes everything and names the first problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save
+
+from splitleak.errors import IntegrityError, SplitleakError
+
+JOURNAL = "journal.jsonl"
+GENESIS = "0" * 64
+CLOSING = ("complete", "failed")
+
+
+def sha256_bytes(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    return sha256_bytes(canonical_json(config))
+
+
+class RunStore:
+    """Append-only writer of a run directory."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._prev = GENESIS
+        self._seq = 0
+        self._files: set[str] = set()
+        self.closed = False
+
+    @classmethod
+    def create(cls, root: str | Path, force: bool = False) -> "RunStore":
+        root = Path(root)
+        if root.exists() and (not root.is_dir() or any(root.iterdir())):
+            if not force:
+                raise SplitleakError(
+                    f"{root} already exists and is not empty; choose another --out, or pass --force "
+                    "to delete it and write a new run there"
+                )
+            if root.is_dir():
+                shutil.rmtree(root)
+            else:
+                root.unlink()
+        root.mkdir(parents=True, exist_ok=True)
+        return cls(root)
+
+    # ---------------------------------------------------------------- writing
+    def _write_atomic(self, rel: str, data: bytes) -> str:
+        if rel in self._files or rel == JOURNAL:
+            raise IntegrityError(f"{rel} is already recorded in this run; files are never overwritten")
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self._files.add(rel)
+        return sha256_bytes(data)
+
+    def add(self, kind: str, files: dict[str, bytes] | None = None, info: dict[str, Any] | None = None) -> dict:
+        """Write ``files`` (relative path -> bytes) and append one journal entry recording them."""
+        if self.closed:
+            raise IntegrityError(f"run {self.root} is closed; nothing more can be added")
+        hashes = {rel: self._write_atomic(rel, data) for rel, data in (files or {}).items()}
+        entry = {
+            "seq": self._seq,
+            "kind": kind,
+            "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "files": hashes,
+            "info": info or {},
+            "prev": self._prev,
+        }
+        line = canonical_json(entry) + b"\n"
+        with open(self.root / JOURNAL, "ab") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        self._prev = sha256_bytes(line)
+        self._seq += 1
+        if kind in CLOSING:
+            self.closed = True
+        return entry
+
+    def add_json(self, kind: str, rel: str, obj: Any, info: dict[str, Any] | None = None) -> dict:
+        return self.add(kind, {rel: json.dumps(obj, indent=2, sort_keys=True).encode() + b"\n"}, info)
+
+    def add_tensors(
+        self, kind: str, rel: str, tensors: dict[str, torch.Tensor], info: dict[str, Any] | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> dict:
+        blob = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=metadata)
+        return self.add(kind, {rel: blob}, info)
+
+    def close(self, ok: bool, info: dict[str, Any] | None = None) -> dict:
+        return self.add("complete" if ok else "failed", None, info)
+
+
+# -------------------------------------------------------------------- verification
+
+
+@dataclass
+class VerifyResult:
+    ok: bool
+    message: str
+    entries: int = 0
+    files: int = 0
+    status: str = ""  # "complete" | "failed" | ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def verify_run(root: str | Path) -> VerifyResult:
+    """Re-hash every recorded file, check the chain, and look for unrecorded files."""
+    root = Path(root)
+    if not root.is_dir():
+        return VerifyResult(False, f"{root} is not a directory; pass the folder that `splitleak train --out` wrote")
+    jpath = root / JOURNAL
+    if not jpath.is_file():
+        return VerifyResult(False, f"{root} has no {JOURNAL}; it is not a splitleak run or the journal was deleted")
+    lines = jpath.read_bytes().split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    else:
+        return VerifyResult(False, f"{JOURNAL}: the last line is incomplete (no newline); the journal was cut or edited")
+    prev = GENESIS
+    recorded: dict[str, str] = {}
+    status = ""
+    for n, raw in enumerate(lines):
+        where = f"{JOURNAL} line {n + 1}"
+        try:
+            entry = json.loads(raw)
+        except json.JSONDecodeError:
+            return VerifyResult(False, f"{where}: not valid JSON; the journal is corrupt", n)
+        if raw + b"\n" != canonical_json(entry) + b"\n":
+            return VerifyResult(False, f"{where}: not in canonical form; the entry was edited", n)
+        if entry.get("seq") != n:
+            return VerifyResult(
+                False, f"{where}: sequence number {entry.get('seq')} where {n} was expected; an entry was removed or reordered", n
+            )
+        if entry.get("prev") != prev:
+            return VerifyResult(
+                False, f"{where} (entry {n}, {entry.get('kind')}): hash of the previous entry does not match; "
+                "an entry before it was removed or changed", n
+            )
+        if status:
+            return VerifyResult(False, f"{where}: entry after the closing '{status}' entry; the journal was appended to", n)
+        for rel, digest in entry.get("files", {}).items():
+            path = root / rel
+            if rel in recorded:
+                return VerifyResult(False, f"{where}: {rel} is recorded twice", n)
+            if not path.is_file():
+                return VerifyResult(False, f"{rel}: recorded in {where} but missing", n)
+            if sha256_file(path) != digest:
+                return VerifyResult(False, f"{rel}: content differs from the sha256 recorded in {where}; the file was changed", n)
+            recorded[rel] = digest
+        if entry.get("kind") in CLOSING:
+            status = entry["kind"]
+        prev = sha256_bytes(raw + b"\n")
+    if not lines:
+        return VerifyResult(False, f"{JOURNAL} is empty")
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            rel = path.relative_to(root).as_posix()
+            if rel != JOURNAL and rel not in recorded:
+                return VerifyResult(
+                    False, f"{rel}: present but not recorded in the journal (an entry was removed, or the file was added later)",
+                    len(lines), len(recorded),
+                )
+    if not status:
+        return VerifyResult(
+            False,
+            f"{JOURNAL} ends without a closing entry after {len(lines)} entries: the last entry was removed, "
+            "or the run was killed before it finished",
+            len(lines), len(recorded),
+        )
+    manifest = root / "manifest.json"
+    if "manifest.json" in recorded:
+        m = json.loads(manifest.read_text())
+        if "config" in m and m.get("config_hash") != config_hash(m["config"]):
+            return VerifyResult(False, "manifest.json: config_hash does not match its config", len(lines), len(recorded))
+    return VerifyResult(True, f"intact: {len(lines)} journal entries, {len(recorded)} files, run {status}", len(lines), len(recorded), status)
+
+
+def read_tensors(root: str | Path, rel: str) -> dict[str, torch.Tensor]:
+    """Load a recorded safetensors file, checking its sha256 against the journal first."""
+    root = Path(root)
+    expected = None
+    for raw in (root / JOURNAL).read_bytes().splitlines():
+        entry = json.loads(raw)
+        if rel in entry.get("files", {}):
+            expected = entry["files"][rel]
+    if expected is None:
+        raise IntegrityError(f"{rel} is not recorded in {root / JOURNAL}; run `splitleak verify {root}`")
+    if sha256_file(root / rel) != expected:
+        raise IntegrityError(f"{rel} does not match its recorded sha256; run `splitleak verify {root}` for details")
+    return load_file(str(root / rel))
