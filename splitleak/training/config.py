@@ -1,0 +1,82 @@
+"""The typed, hashed configuration of one split-training run."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from splitleak.errors import ConfigError
+from splitleak.wire.defences import build_defence
+from splitleak.wire.store import config_hash
+
+
+class DefenceConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainConfig(BaseModel):
+    """Everything that determines a run's numbers. Runtime choices (device, threads, output
+    folder) are not part of it and do not change its hash."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = "tiny-gpt2"
+    model_path: str | None = None
+    precision: Literal["float32", "float64"] = "float32"
+    depth: int | None = None
+    offload_start: int | None = None
+    offload_length: int | None = None
+    defences: tuple[DefenceConfig, ...] = (DefenceConfig(name="none"),)
+    data: str = "synthetic-pii"
+    data_path: str | None = None
+    seed: int = 0
+    steps: int | None = None  # None: one pass over the training documents
+    lr: float = 5e-5
+    n_calib: int = Field(32, ge=1)
+    n_train: int = Field(128, ge=1)
+    n_eval: int = Field(256, ge=1)
+    doc_len: int = Field(32, ge=2)
+    capture_batch: int = Field(16, ge=1)
+    all_local_baseline: bool = True
+
+    @field_validator("defences")
+    @classmethod
+    def _known_defences(cls, v):
+        for d in v:
+            build_defence(d.name, d.args)  # raises ConfigError naming the problem
+        return v
+
+    @field_validator("steps")
+    @classmethod
+    def _steps(cls, v):
+        if v is not None and v < 1:
+            raise ValueError("steps must be >= 1")
+        return v
+
+    @property
+    def n_steps(self) -> int:
+        return self.steps if self.steps is not None else self.n_train
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def hash(self) -> str:
+        return config_hash(self.as_dict())
+
+
+def make_train_config(**kwargs) -> TrainConfig:
+    """Build a TrainConfig, turning pydantic's errors into one ConfigError with the field named."""
+    from pydantic import ValidationError
+
+    try:
+        return TrainConfig(**kwargs)
+    except ValidationError as exc:
+        msgs = []
+        for e in exc.errors():
+            loc = ".".join(str(x) for x in e["loc"]) or "config"
+            msg = str(e.get("ctx", {}).get("error", e["msg"]))
+            msgs.append(f"{loc}: {msg}")
+        raise ConfigError("invalid training configuration: " + "; ".join(msgs)) from None

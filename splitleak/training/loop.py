@@ -1,0 +1,228 @@
+"""The step loop of split training, the all-local baseline, held-out utility and traffic capture."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from splitleak.data import Document
+from splitleak.models.split import SplitModel, next_token_loss
+from splitleak.progress import Progress, Silent
+from splitleak.training.roles import FLOAT64_HINT, ClientRole, ServerRole, _grads_finite, make_optimizer
+from splitleak.wire.channel import InProcessChannel, Tap
+from splitleak.wire.defences import DefenceChain
+from splitleak.wire.frames import Frame, check_finite
+
+
+def training_order(n_docs: int, steps: int, seed: int) -> list[int]:
+    """Indices of the training documents, one per step: seeded permutations, one per pass."""
+    rng = np.random.default_rng([seed, 0x5EED])
+    order: list[int] = []
+    while len(order) < steps:
+        order.extend(int(i) for i in rng.permutation(n_docs))
+    return order[:steps]
+
+
+def ids_tensor(docs: Sequence[Document], device) -> torch.Tensor:
+    return torch.tensor([list(d.token_ids) for d in docs], dtype=torch.long, device=device)
+
+
+def set_trainable(split: SplitModel, all_params: bool = False) -> None:
+    """Freeze every parameter, then unfreeze the ones this run trains."""
+    for p in split.model.parameters():
+        p.requires_grad_(all_params)
+    if not all_params:
+        client, server = split.trainable_parameters()
+        for p in client + server:
+            p.requires_grad_(True)
+
+
+def _release_grads(split: SplitModel) -> None:
+    """Gradient buffers are kept between steps for speed; free them once training ends."""
+    for p in split.model.parameters():
+        p.grad = None
+
+
+@dataclass
+class TrainLog:
+    losses: list[float] = field(default_factory=list)
+    doc_ids: list[int] = field(default_factory=list)
+    bytes_per_step: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    tokens: int = 0
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return {
+            "losses": self.losses,
+            "doc_ids": self.doc_ids,
+            "bytes_per_step": self.bytes_per_step,
+            "seconds": self.seconds,
+            "tokens": self.tokens,
+            "tokens_per_second": self.tokens / self.seconds if self.seconds > 0 else None,
+            "error": self.error,
+        }
+
+
+def train_split(
+    split: SplitModel,
+    train_docs: Sequence[Document],
+    chain_client: DefenceChain,
+    chain_server: DefenceChain,
+    *,
+    seed: int,
+    steps: int,
+    lr: float,
+    progress: Progress | None = None,
+    taps: list[Tap] | None = None,
+    log: TrainLog | None = None,
+) -> TrainLog:
+    """AdamW, batch 1, one seeded pass; client and server each step their own parameters.
+    Raises NonFiniteError naming the step; ``log`` holds what was done until then."""
+    progress = progress or Silent()
+    log = log if log is not None else TrainLog()
+    set_trainable(split)
+    server = ServerRole(split, chain_server, lr)
+    channel = InProcessChannel(server.handle, taps)
+    client = ClientRole(split, chain_client, channel, lr)
+    task = progress.start("split training", steps)
+    t0 = time.perf_counter()
+    try:
+        for step, i in enumerate(training_order(len(train_docs), steps, seed)):
+            doc = train_docs[i]
+            ids = ids_tensor([doc], split.device)
+            losses = client.exchange(ids, (doc.doc_id,), step, "train")
+            log.losses.append(losses[0])
+            log.doc_ids.append(doc.doc_id)
+            log.tokens += ids.numel()
+            progress.advance(task)
+    finally:
+        log.seconds = time.perf_counter() - t0
+        _release_grads(split)
+        n = max(1, len(log.losses))
+        log.bytes_per_step = {k: v / n for k, v in channel.bytes_per_direction().items()}
+        progress.finish(task)
+    return log
+
+
+def train_all_local(
+    split: SplitModel,
+    train_docs: Sequence[Document],
+    *,
+    seed: int,
+    steps: int,
+    lr: float,
+    progress: Progress | None = None,
+) -> TrainLog:
+    """The paired baseline: the whole model trained on the client, same order, same optimiser."""
+    progress = progress or Silent()
+    set_trainable(split, all_params=True)
+    params = list(split.model.parameters())
+    opt = make_optimizer(params, lr)
+    log = TrainLog()
+    task = progress.start("all-local baseline", steps)
+    t0 = time.perf_counter()
+    for step, i in enumerate(training_order(len(train_docs), steps, seed)):
+        ids = ids_tensor([train_docs[i]], split.device)
+        loss = next_token_loss(split.full_logits(ids), ids)
+        check_finite(loss, f"all-local next-token loss at step {step}", FLOAT64_HINT)
+        loss.backward()
+        _grads_finite(params, "all-local", step)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        log.losses.append(float(loss.detach()))
+        log.doc_ids.append(train_docs[i].doc_id)
+        log.tokens += ids.numel()
+        progress.advance(task)
+    log.seconds = time.perf_counter() - t0
+    progress.finish(task)
+    _release_grads(split)
+    set_trainable(split, all_params=False)
+    return log
+
+
+@torch.no_grad()
+def evaluate_ce(split: SplitModel, docs: Sequence[Document], batch: int = 32, progress: Progress | None = None,
+                name: str = "held-out loss") -> np.ndarray:
+    """Per-document mean next-token cross-entropy (nats) of the uncut model."""
+    progress = progress or Silent()
+    task = progress.start(name, len(docs))
+    out = []
+    for s in range(0, len(docs), batch):
+        chunk = docs[s : s + batch]
+        ids = ids_tensor(chunk, split.device)
+        out.append(next_token_loss(split.full_logits(ids), ids, reduction="per_doc").double().cpu().numpy())
+        progress.advance(task, len(chunk))
+    progress.finish(task)
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def utility(per_doc_ce: np.ndarray) -> dict[str, float]:
+    """Held-out cross-entropy (mean over documents of each one's mean loss) and the geometric mean
+    of per-document perplexities, exp(that mean)."""
+    ce = float(np.mean(per_doc_ce))
+    return {"ce": ce, "perplexity": math.exp(ce)}
+
+
+def capture_traffic(
+    split: SplitModel,
+    docs: Sequence[Document],
+    chain_client: DefenceChain,
+    chain_server: DefenceChain,
+    *,
+    batch: int,
+    on_batch: Callable[[dict[str, torch.Tensor]], None],
+    progress: Progress | None = None,
+) -> dict[str, float]:
+    """Frozen weights: send every document through the wire once and record, from the tap,
+    the forward activations and returned gradients after the defence. ``on_batch`` receives
+    one dict of tensors per batch. Returns throughput and the share of all-zero gradient rows."""
+    progress = progress or Silent()
+    set_trainable(split)
+    seen: dict[str, Frame] = {}
+
+    def tap(frame: Frame) -> None:
+        if frame.kind in ("forward", "backward"):
+            seen[frame.kind] = frame
+
+    server = ServerRole(split, chain_server, lr=0.0)
+    server.opt = None
+    channel = InProcessChannel(server.handle, [tap])
+    client = ClientRole(split, chain_client, channel, lr=0.0)
+    client.opt = None
+    task = progress.start("capture", len(docs))
+    t0 = time.perf_counter()
+    zero_rows = total_rows = 0
+    for s in range(0, len(docs), batch):
+        chunk = docs[s : s + batch]
+        ids = ids_tensor(chunk, split.device)
+        seen.clear()
+        client.exchange(ids, tuple(d.doc_id for d in chunk), -1, "capture")
+        fwd, bwd = seen["forward"], seen["backward"]
+        assert fwd.doc_ids == bwd.doc_ids == tuple(d.doc_id for d in chunk)
+        rows = bwd.tensor.flatten(0, 1)
+        zero_rows += int((rows == 0).all(dim=1).sum())
+        total_rows += rows.shape[0]
+        on_batch(
+            {
+                "doc_ids": torch.tensor(fwd.doc_ids, dtype=torch.long),
+                "activations": fwd.tensor,
+                "gradients": bwd.tensor,
+                "mask": fwd.mask,
+            }
+        )
+        progress.advance(task, len(chunk))
+    secs = time.perf_counter() - t0
+    progress.finish(task)
+    n_tok = sum(len(d.token_ids) for d in docs)
+    return {
+        "seconds": secs,
+        "tokens_per_second": n_tok / secs if secs > 0 else None,
+        "zero_gradient_rows": zero_rows,
+        "zero_gradient_row_share": zero_rows / max(1, total_rows),
+    }

@@ -1,0 +1,212 @@
+"""One run end to end: load, split-train over the wire, measure utility, capture, record.
+
+Everything that can be checked is checked before the run directory is created (configuration,
+model, documents, split), so bad input writes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import json
+import platform
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import splitleak
+from splitleak.data import DocumentSets, load_documents
+from splitleak.errors import ConfigError, NonFiniteError
+from splitleak.models import LoadedModel, SplitModel, load_model
+from splitleak.progress import Progress, Silent
+from splitleak.training.config import TrainConfig
+from splitleak.training.loop import TrainLog, capture_traffic, evaluate_ce, train_all_local, train_split, utility
+from splitleak.wire.defences import DefenceChain
+from splitleak.wire.store import RunStore
+
+SHARD_DOCS = 64
+PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic", "faker", "gguf")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was requested but no CUDA device is visible; use --device cpu or auto")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ConfigError(f"unknown device {device!r}; use auto, cpu or cuda")
+    return torch.device(device)
+
+
+def apply_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version(), "splitleak": splitleak.__version__}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    metrics: dict[str, Any]
+    config: TrainConfig
+
+
+def _documents(config: TrainConfig, tokenizer) -> DocumentSets:
+    return load_documents(
+        config.data,
+        tokenizer,
+        seed=config.seed,
+        n_calib=config.n_calib,
+        n_train=config.n_train,
+        n_eval=config.n_eval,
+        doc_len=config.doc_len,
+        data_path=config.data_path,
+    )
+
+
+def run_training(
+    config: TrainConfig,
+    out: str | Path,
+    *,
+    force: bool = False,
+    device: str = "auto",
+    threads: int | None = None,
+    progress: Progress | None = None,
+    lm: LoadedModel | None = None,
+) -> RunResult:
+    """Train one split run and write its directory (manifest, documents, training log, captures,
+    trained client layers, metrics, journal). ``lm`` lets a caller pass a model already loaded
+    with the same name, precision and seed."""
+    progress = progress or Silent()
+    apply_threads(threads)
+    dev = resolve_device(device)
+    chain_client = DefenceChain.from_specs([d.model_dump() for d in config.defences], config.seed)
+    chain_server = DefenceChain.from_specs([d.model_dump() for d in config.defences], config.seed)
+    if lm is None:
+        lm = load_model(config.model, precision=config.precision, seed=config.seed, model_path=config.model_path)
+    lm.model.to(dev)
+    docs = _documents(config, lm.tokenizer)
+    split = SplitModel(lm, config.depth, config.offload_start, config.offload_length)
+    if config.doc_len > getattr(lm.model.config, "max_position_embeddings", getattr(lm.model.config, "n_positions", 10**9)):
+        raise ConfigError(f"--doc-len {config.doc_len} exceeds the model's context length")
+    pristine = copy.deepcopy(lm.model) if config.all_local_baseline else None
+
+    store = RunStore.create(out, force=force)
+    manifest = {
+        "splitleak_version": splitleak.__version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": config.as_dict(),
+        "config_hash": config.hash(),
+        "packages": package_versions(),
+        "model": {
+            "name": lm.name,
+            "source": lm.source,
+            "fingerprint": lm.fingerprint(),
+            **lm.info,
+        },
+        "split": split.spec.as_dict(),
+        "defences": chain_client.describe(),
+        "documents": {
+            "source": docs.source,
+            "fingerprint": docs.fingerprint(),
+            "n_calib": len(docs.calibration),
+            "n_train": len(docs.train),
+            "n_eval": len(docs.evaluation),
+        },
+        "runtime": {"device": str(dev), "threads": torch.get_num_threads()},
+        "labels_cross_wire": not split.spec.u_shape,
+    }
+    store.add_json("manifest", "manifest.json", manifest)
+    store.add_json("documents", "documents.json", docs.to_json())
+
+    pre = utility(evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss"))
+    log = TrainLog()
+    try:
+        train_split(
+            split, docs.train, chain_client, chain_server,
+            seed=config.seed, steps=config.n_steps, lr=config.lr, progress=progress, log=log,
+        )
+    except NonFiniteError as exc:
+        log.error = str(exc)
+        store.add_json("training", "training.json", log.as_dict())
+        store.close(False, {"error": str(exc), "steps_done": len(log.losses)})
+        raise
+    store.add_json("training", "training.json", log.as_dict())
+    post = utility(evaluate_ce(split, docs.evaluation, progress=progress))
+
+    shard = {"n": 0}
+
+    def write_shard(batch: dict[str, torch.Tensor]) -> None:
+        # one shard per capture batch group, named in order
+        rel = f"captures/shard-{shard['n']:05d}.safetensors"
+        store.add_tensors("captures", rel, batch, {"doc_ids": batch["doc_ids"].tolist()})
+        shard["n"] += 1
+
+    buffer: list[dict[str, torch.Tensor]] = []
+
+    def on_batch(batch: dict[str, torch.Tensor]) -> None:
+        buffer.append(batch)
+        if sum(len(b["doc_ids"]) for b in buffer) >= SHARD_DOCS:
+            flush()
+
+    def flush() -> None:
+        if buffer:
+            write_shard({k: torch.cat([b[k] for b in buffer]) for k in buffer[0]})
+            buffer.clear()
+
+    cap = capture_traffic(split, docs.evaluation, chain_client, chain_server,
+                          batch=config.capture_batch, on_batch=on_batch, progress=progress)
+    flush()
+    store.add_tensors(
+        "client-layers", "client_layers.safetensors", split.client_state_dict(),
+        {"cut": split.spec.cut}, metadata={"model": lm.name, "cut": str(split.spec.cut)},
+    )
+
+    metrics: dict[str, Any] = {
+        "heldout_ce": post["ce"],
+        "perplexity": post["perplexity"],
+        "pretrained_ce": pre["ce"],
+        "pretrained_perplexity": pre["perplexity"],
+        "wire_bytes_per_step": log.bytes_per_step,
+        "train_tokens_per_second": log.as_dict()["tokens_per_second"],
+        "capture": cap,
+    }
+    if pristine is not None:
+        del split
+        base_lm = LoadedModel(lm.name, pristine, lm.tokenizer, lm.precision, lm.source, dict(lm.info))
+        base = SplitModel(base_lm, depth=1)  # the cut is irrelevant: the whole model trains locally
+        local_log = train_all_local(base, docs.train, seed=config.seed, steps=config.n_steps,
+                                    lr=config.lr, progress=progress)
+        local = utility(evaluate_ce(base, docs.evaluation, progress=progress, name="all-local loss"))
+        metrics.update(
+            {
+                "all_local_ce": local["ce"],
+                "all_local_perplexity": local["perplexity"],
+                "delta_u": post["ce"] - local["ce"],
+                "all_local_train_tokens_per_second": local_log.as_dict()["tokens_per_second"],
+            }
+        )
+        store.add_json("all-local", "all_local.json", local_log.as_dict())
+    else:
+        metrics.update({"all_local_ce": None, "all_local_perplexity": None, "delta_u": None})
+    store.add_json("metrics", "metrics.json", metrics)
+    store.close(True, {"config_hash": config.hash()})
+    return RunResult(Path(out), metrics, config)
+
+
+def read_metrics(run_dir: str | Path) -> dict[str, Any]:
+    return json.loads((Path(run_dir) / "metrics.json").read_text())
