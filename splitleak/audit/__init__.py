@@ -1,0 +1,1 @@
+"""The audit: the main job on embedded defaults (later: the pre-registered protocol and verdicts)."""

@@ -1,0 +1,224 @@
+"""The command line: parses, then calls the same functions a Python user would."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from splitleak.errors import ConfigError, SplitleakError
+
+app = typer.Typer(
+    help="splitleak: split learning of language models, what crosses the split, and what it gives away.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err = Console(stderr=True)
+
+
+@contextmanager
+def _user_errors():
+    try:
+        yield
+    except SplitleakError as exc:
+        err.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+# ------------------------------------------------------------------ shared options
+DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present), cpu or cuda")
+ThreadsOpt = typer.Option(None, "--threads", help="torch intra-op threads (default: torch's choice)")
+
+
+def parse_defences(names: list[str], args: list[str]) -> list[dict[str, Any]]:
+    """``--defence quant4-noisy --defence-arg clip=1.0`` or ``--defence quant4-noisy:clip=1.0,noise=0.1``;
+    with several defences, ``--defence-arg NAME.KEY=VALUE``. Applied in the order given."""
+    from splitleak.wire.defences import parse_defence_args
+
+    specs: list[dict[str, Any]] = []
+    for raw in names or ["none"]:
+        name, _, inline = raw.partition(":")
+        specs.append({"name": name.strip(), "args": parse_defence_args([x for x in inline.split(",") if x])})
+    for item in args or []:
+        key, _, _ = item.partition("=")
+        if "." in key:
+            target, _, rest = item.partition(".")
+            matches = [s for s in specs if s["name"] == target]
+            if not matches:
+                raise ConfigError(f"--defence-arg {item}: no defence named {target!r} was given with --defence")
+            matches[0]["args"].update(parse_defence_args([rest]))
+        elif len(specs) == 1:
+            specs[0]["args"].update(parse_defence_args([item]))
+        else:
+            raise ConfigError(
+                f"--defence-arg {item} is ambiguous with {len(specs)} defences; write NAME.{item}"
+            )
+    return specs
+
+
+def _progress(quiet: bool):
+    from splitleak.progress import Silent, rich_progress
+
+    if quiet:
+        @contextmanager
+        def silent():
+            yield Silent()
+
+        return silent()
+    return rich_progress()
+
+
+# ------------------------------------------------------------------ commands
+@app.command("models")
+def models_cmd() -> None:
+    """List the model presets and whether each loads offline here."""
+    from splitleak.models import PRESETS, preset_available
+
+    t = Table(title="model presets")
+    for col in ("name", "description", "offline", "where / how"):
+        t.add_column(col)
+    for name, p in PRESETS.items():
+        ok, where = preset_available(name)
+        t.add_row(name, p.description, "yes" if ok else "no", where)
+    console.print(t)
+    console.print("Any other name is taken as a Hugging Face model id or a local directory (--model-path).")
+
+
+def _train_config(**kw):
+    from splitleak.training import make_train_config
+
+    return make_train_config(**kw)
+
+
+@app.command("train")
+def train_cmd(
+    out: Path = typer.Option(..., "--out", help="run directory to write (must not exist, unless --force)"),
+    model: str = typer.Option("tiny-gpt2", "--model", help="preset name, Hugging Face id or local directory"),
+    model_path: Optional[Path] = typer.Option(None, "--model-path", help="local directory holding the model"),
+    depth: Optional[int] = typer.Option(None, "--depth", help="cut after L blocks (plain split)"),
+    offload_start: Optional[int] = typer.Option(None, "--offload-start", help="partial offloading: first server-trained block b"),
+    offload_length: Optional[int] = typer.Option(None, "--offload-length", help="partial offloading: number of server-trained blocks s"),
+    defence: list[str] = typer.Option(["none"], "--defence", help="defence name (repeat to compose, applied in order)"),
+    defence_arg: list[str] = typer.Option([], "--defence-arg", help="KEY=VALUE (or NAME.KEY=VALUE) for a defence"),
+    data: str = typer.Option("synthetic-pii", "--data", help="wikitext2, synthetic-pii or text"),
+    data_path: Optional[Path] = typer.Option(None, "--data-path", help="folder of wiki.*.raw files, or your text files"),
+    seed: int = typer.Option(0, "--seed", help="victim seed: documents, order, defence noise, tiny-model init"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="training steps (default: one pass over the training documents)"),
+    precision: str = typer.Option("float32", "--precision", help="float32 or float64"),
+    n_calib: int = typer.Option(32, "--n-calib"),
+    n_train: int = typer.Option(128, "--n-train"),
+    n_eval: int = typer.Option(256, "--n-eval"),
+    doc_len: int = typer.Option(32, "--doc-len"),
+    no_baseline: bool = typer.Option(False, "--no-baseline", help="skip the paired all-local baseline"),
+    force: bool = typer.Option(False, "--force", help="replace an existing run directory"),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    quiet: bool = typer.Option(False, "--quiet", help="no progress bars"),
+) -> None:
+    """Split-train a model over the wire, measure utility and capture the traffic into OUT."""
+    from splitleak.training import run_training
+
+    with _user_errors():
+        if depth is None and offload_start is None and offload_length is None:
+            raise ConfigError("give --depth L (plain split) or --offload-start b --offload-length s")
+        cfg = _train_config(
+            model=model, model_path=str(model_path) if model_path else None, precision=precision,
+            depth=depth, offload_start=offload_start, offload_length=offload_length,
+            defences=parse_defences(defence, defence_arg), data=data,
+            data_path=str(data_path) if data_path else None, seed=seed, steps=steps,
+            n_calib=n_calib, n_train=n_train, n_eval=n_eval, doc_len=doc_len,
+            all_local_baseline=not no_baseline,
+        )
+        with _progress(quiet) as prog:
+            res = run_training(cfg, out, force=force, device=device, threads=threads, progress=prog)
+        _print_summary(res)
+
+
+def _print_summary(res) -> None:
+    m = res.metrics
+    t = Table(title=f"run {res.run_dir}")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    fmt = lambda v, f="{:.4f}": "n/a" if v is None else f.format(v)  # noqa: E731
+    t.add_row("held-out cross-entropy (nats)", fmt(m["heldout_ce"]))
+    t.add_row("held-out perplexity (geometric mean)", fmt(m["perplexity"], "{:.2f}"))
+    t.add_row("pretrained cross-entropy", fmt(m["pretrained_ce"]))
+    t.add_row("all-local cross-entropy", fmt(m["all_local_ce"]))
+    t.add_row("ΔU = L_split − L_all-local", fmt(m["delta_u"]))
+    w = m["wire_bytes_per_step"]
+    t.add_row("wire bytes / step, client → server", f"{w.get('client_to_server', 0):,.0f}")
+    t.add_row("wire bytes / step, server → client", f"{w.get('server_to_client', 0):,.0f}")
+    c = m["capture"]
+    t.add_row("captured documents", str(res.config.n_eval))
+    t.add_row("all-zero gradient rows in capture", f"{c['zero_gradient_rows']} ({100 * c['zero_gradient_row_share']:.2f} %)")
+    console.print(t)
+
+
+@app.command("verify")
+def verify_cmd(run_dir: Path = typer.Argument(..., help="a run directory")) -> None:
+    """Re-hash every file of a run against its hash-chained journal. Exit 0 when intact."""
+    from splitleak.wire import verify_run
+
+    res = verify_run(run_dir)
+    if res.ok:
+        console.print(f"[green]ok[/] {run_dir}: {res.message}")
+        return
+    err.print(f"[bold red]FAILED[/] {run_dir}: {res.message}", highlight=False)
+    raise typer.Exit(1)
+
+
+@app.command("audit")
+def audit_cmd(
+    out: Optional[Path] = typer.Option(None, "--out", help="output folder (default: runs/audit-<time>)"),
+    model: Optional[str] = typer.Option(None, "--model", help="default: smollm2-135m when installed, else tiny-gpt2"),
+    model_path: Optional[Path] = typer.Option(None, "--model-path"),
+    depth: Optional[int] = typer.Option(None, "--depth", help="default 6 (capped for models with fewer blocks)"),
+    defence: list[str] = typer.Option(["none"], "--defence"),
+    defence_arg: list[str] = typer.Option([], "--defence-arg"),
+    data: str = typer.Option("synthetic-pii", "--data"),
+    data_path: Optional[Path] = typer.Option(None, "--data-path"),
+    seed: int = typer.Option(0, "--seed"),
+    steps: Optional[int] = typer.Option(None, "--steps"),
+    n_calib: int = typer.Option(32, "--n-calib"),
+    n_train: int = typer.Option(128, "--n-train"),
+    n_eval: int = typer.Option(256, "--n-eval"),
+    force: bool = typer.Option(False, "--force"),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    quiet: bool = typer.Option(False, "--quiet"),
+) -> None:
+    """The main job: train and capture on embedded defaults, then summarise utility and traffic."""
+    from splitleak.audit.run import choose_default_model, run_audit
+
+    with _user_errors():
+        if model is None:
+            model, why = choose_default_model()
+            console.print(f"model: [bold]{model}[/] ({why})")
+        if out is None:
+            out = Path("runs") / f"audit-{datetime.now():%Y%m%d-%H%M%S}"
+        with _progress(quiet) as prog:
+            res = run_audit(
+                out, model=model, model_path=str(model_path) if model_path else None, depth=depth,
+                defences=parse_defences(defence, defence_arg), data=data,
+                data_path=str(data_path) if data_path else None, seed=seed, steps=steps,
+                n_calib=n_calib, n_train=n_train, n_eval=n_eval, force=force, device=device,
+                threads=threads, progress=prog, say=console.print,
+            )
+        _print_summary(res.run)
+        console.print(res.summary)
+
+
+def main() -> None:  # console-script entry point
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

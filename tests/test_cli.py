@@ -1,0 +1,83 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from splitleak.cli import app, parse_defences
+from splitleak.errors import ConfigError
+
+runner = CliRunner()
+SMALL = ["--n-calib", "4", "--n-train", "6", "--n-eval", "10"]
+
+
+def test_help_on_every_command():
+    for cmd in ([], ["models"], ["train"], ["verify"], ["audit"]):
+        r = runner.invoke(app, cmd + ["--help"])
+        assert r.exit_code == 0 and "Usage" in r.output
+
+
+def test_models_lists_presets_with_availability():
+    r = runner.invoke(app, ["models"])
+    assert r.exit_code == 0
+    for name in ("tiny-gpt2", "smollm2-135m", "gpt2", "qwen3-0.6b"):
+        assert name in r.output
+
+
+def test_train_then_verify_then_refuse_overwrite(tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--model", "tiny-gpt2", "--depth", "2", "--defence", "quant8", "--seed", "3",
+            "--out", str(out), "--quiet", "--threads", "1", "--device", "cpu", *SMALL]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "metrics.json").read_text())
+    assert {"heldout_ce", "perplexity", "all_local_ce", "delta_u"} <= set(m)
+    assert json.loads((out / "manifest.json").read_text())["defences"] == [{"name": "quant8", "args": {}}]
+    assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
+    before = (out / "journal.jsonl").read_bytes()
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and "--force" in r.output
+    assert (out / "journal.jsonl").read_bytes() == before
+    r = runner.invoke(app, args + ["--force"])
+    assert r.exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (["--depth", "2", "--defence", "mixupp"], "unknown defence 'mixupp'"),
+        (["--depth", "7"], "out of range"),
+        ([], "--depth"),
+        (["--depth", "2", "--data", "books"], "books"),
+        (["--depth", "2", "--precision", "half"], "precision"),
+        (["--depth", "2", "--device", "tpu"], "unknown device"),
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_writes_nothing(tmp_path, extra, words):
+    out = tmp_path / "run"
+    r = runner.invoke(app, ["train", "--model", "tiny-gpt2", "--out", str(out), "--quiet", *SMALL, *extra])
+    assert r.exit_code == 2, r.output
+    assert words in r.output.replace("\n", " ")
+    assert not out.exists()
+
+
+def test_missing_model_names_offline_preset(tmp_path):
+    r = runner.invoke(app, ["train", "--model", "gpt2", "--depth", "3", "--out", str(tmp_path / "r"), "--quiet"])
+    assert r.exit_code == 2 and "smollm2-135m" in r.output.replace("\n", " ")
+
+
+def test_defence_argument_forms():
+    assert parse_defences(["quant4-noisy"], ["clip=2.0"]) == [{"name": "quant4-noisy", "args": {"clip": 2.0}}]
+    assert parse_defences(["quant8", "quant4-noisy:noise=0.2"], ["quant4-noisy.clip=0.5"]) == [
+        {"name": "quant8", "args": {}}, {"name": "quant4-noisy", "args": {"noise": 0.2, "clip": 0.5}}]
+    with pytest.raises(ConfigError, match="ambiguous"):
+        parse_defences(["quant8", "quant4"], ["clip=1"])
+
+
+def test_audit_on_tiny_model(tmp_path):
+    out = tmp_path / "audit"
+    r = runner.invoke(app, ["audit", "--model", "tiny-gpt2", "--out", str(out), "--quiet", *SMALL])
+    assert r.exit_code == 0, r.output
+    assert "depth: 2" in r.output and "verified" in r.output
+    summary = json.loads((out / "audit.json").read_text())
+    assert summary["capture"]["documents"] == 10 and summary["capture"]["width"] == 64
+    assert runner.invoke(app, ["verify", str(out / "run")]).exit_code == 0
