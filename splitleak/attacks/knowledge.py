@@ -1,0 +1,194 @@
+"""What an observer at the split holds, and nothing more.
+
+``Knowledge`` carries a copy of the client's layers (embeddings and blocks [0, cut), built from the
+public pretrained weights or from the run's trained client layers), the token embedding matrix and
+the public calibration documents. It cannot carry the server's layers, the labels or the
+evaluation text: the copy is physically truncated at the cut (the blocks after it are dropped and
+the final norm replaced by the identity), and the calibration documents come from their own
+section of ``documents.json``.
+
+``Traffic`` is what the observer recorded: activations and, in training, the returned gradients.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from splitleak.data import Document, DocumentSets
+from splitleak.errors import ConfigError, IntegrityError
+from splitleak.models import load_model
+from splitleak.models.presets import _NORM_NAMES, find_blocks
+from splitleak.wire import Capture, load_capture, read_tensors
+
+COPIES = ("public", "trained")
+
+
+class ClientCopy:
+    """The attacker's copy of the client layers: token ids in, activations at the cut out."""
+
+    def __init__(self, model: nn.Module, cut: int, tokenizer: Any = None):
+        owner, blocks, attr = find_blocks(model)
+        if not 1 <= cut <= len(blocks):
+            raise ConfigError(f"cut {cut} does not fit a model with {len(blocks)} blocks")
+        setattr(owner, attr, nn.ModuleList(list(blocks)[:cut]))
+        if hasattr(owner.config, "num_hidden_layers"):
+            owner.config.num_hidden_layers = cut
+        if hasattr(owner.config, "n_layer"):
+            owner.config.n_layer = cut
+        for name in _NORM_NAMES:
+            if isinstance(getattr(owner, name, None), nn.Module):
+                setattr(owner, name, nn.Identity())
+        self.owner = owner.eval()
+        for p in self.owner.parameters():
+            p.requires_grad_(False)
+        self.cut = cut
+        self.tokenizer = tokenizer
+        self.embedding = owner.get_input_embeddings().weight.detach()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding.device
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.embedding.shape[0])
+
+    def to(self, device) -> "ClientCopy":
+        self.owner.to(device)
+        self.embedding = self.owner.get_input_embeddings().weight.detach()
+        return self
+
+    @torch.no_grad()
+    def activations(self, input_ids: torch.Tensor, batch: int = 64) -> torch.Tensor:
+        """Activations at the cut for full sequences [n, T] -> [n, T, d]."""
+        out = []
+        for s in range(0, input_ids.shape[0], batch):
+            ids = input_ids[s : s + batch].to(self.device)
+            out.append(self.owner(input_ids=ids, use_cache=False).last_hidden_state)
+        return torch.cat(out)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.owner.config)
+
+    @torch.no_grad()
+    def extend(self, cache, candidates: torch.Tensor, position: int) -> torch.Tensor:
+        """Activations of ``k`` alternative next tokens for each of ``n`` cached prefixes of length
+        ``position``, in one forward pass: ``candidates`` [n, k] -> [n, k, d]. Each candidate attends
+        to its prefix and itself only (a 4-D mask), at position id ``position``. The cache grows by
+        ``k`` entries per row; ``select_cache`` keeps the chosen ones."""
+        n, k = candidates.shape
+        mask = torch.zeros(n, 1, k, position + k, dtype=torch.bool, device=self.device)
+        mask[..., :position] = True
+        idx = torch.arange(k, device=self.device)
+        mask[:, 0, idx, position + idx] = True
+        pos = torch.full((n, k), position, dtype=torch.long, device=self.device)
+        out = self.owner(
+            input_ids=candidates.to(self.device), position_ids=pos, attention_mask=mask,
+            cache=cache, use_cache=True,
+        )
+        return out.last_hidden_state
+
+
+def select_cache(cache, position: int, parent: torch.Tensor, choice: torch.Tensor | None) -> None:
+    """Keep, for new row r, the prefix of row ``parent[r]`` and (when ``choice`` is given) the entry
+    of its candidate ``choice[r]`` appended by ``ClientCopy.extend``."""
+    for layer in cache.layers:
+        for attr in ("keys", "values"):
+            t = getattr(layer, attr)
+            prefix = t[parent, :, :position]
+            if choice is not None:
+                picked = t[parent, :, position + choice].unsqueeze(2)
+                prefix = torch.cat([prefix, picked], dim=2)
+            setattr(layer, attr, prefix.contiguous())
+
+
+@dataclass
+class Knowledge:
+    """The attacker's side information. No server layers, no labels, no evaluation text."""
+
+    client: ClientCopy
+    calibration: tuple[Document, ...]
+    copy: str
+    model: str
+
+    def calibration_ids(self) -> torch.Tensor:
+        return torch.tensor([list(d.token_ids) for d in self.calibration], dtype=torch.long)
+
+
+@dataclass
+class Traffic:
+    """What the observer recorded, per document (rows in capture order)."""
+
+    doc_ids: tuple[int, ...]
+    activations: torch.Tensor  # [n, T, d]
+    gradients: torch.Tensor | None  # [n, T, d] or None (inference traffic)
+
+    def __len__(self) -> int:
+        return len(self.doc_ids)
+
+    @classmethod
+    def from_capture(cls, cap: Capture, with_gradients: bool = True) -> "Traffic":
+        return cls(tuple(int(i) for i in cap.doc_ids), cap.activations, cap.gradients if with_gradients else None)
+
+    def subset(self, rows: Sequence[int]) -> "Traffic":
+        rows = list(rows)
+        return Traffic(
+            tuple(self.doc_ids[i] for i in rows), self.activations[rows],
+            None if self.gradients is None else self.gradients[rows],
+        )
+
+
+def read_manifest(run_dir: str | Path) -> dict[str, Any]:
+    path = Path(run_dir) / "manifest.json"
+    if not path.is_file():
+        raise IntegrityError(f"{run_dir} has no manifest.json; pass a run directory written by `splitleak train`")
+    return json.loads(path.read_text())
+
+
+def read_documents(run_dir: str | Path) -> DocumentSets:
+    return DocumentSets.from_json(json.loads((Path(run_dir) / "documents.json").read_text()))
+
+
+def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None) -> Knowledge:
+    """The attacker's knowledge for a run: its client-layer copy and the calibration documents."""
+    if copy not in COPIES:
+        raise ConfigError(f"unknown copy {copy!r}; use public (pretrained weights) or trained (the run's client layers)")
+    m = read_manifest(run_dir)
+    cfg = m["config"]
+    if lm is None:
+        lm = load_model(cfg["model"], precision=cfg["precision"], seed=cfg["seed"], model_path=cfg.get("model_path"))
+    client = ClientCopy(lm.model, m["split"]["cut"], lm.tokenizer)
+    if copy == "trained":
+        state = read_tensors(run_dir, "client_layers.safetensors")
+        missing, unexpected = lm.model.load_state_dict(state, strict=False)
+        if unexpected:
+            raise IntegrityError(
+                f"client_layers.safetensors holds tensors this model does not have ({unexpected[:3]}...); "
+                "the run was written for another model"
+            )
+        client.embedding = client.owner.get_input_embeddings().weight.detach()
+    docs = read_documents(run_dir)
+    return Knowledge(client, docs.calibration, copy, cfg["model"])
+
+
+def load_traffic(run_dir: str | Path, with_gradients: bool = True) -> Traffic:
+    return Traffic.from_capture(load_capture(run_dir), with_gradients)
+
+
+def eval_token_ids(run_dir: str | Path, doc_ids: Sequence[int]) -> np.ndarray:
+    """The evaluation documents' true token ids, for scoring only (never given to an attack)."""
+    docs = {d.doc_id: d for d in read_documents(run_dir).evaluation}
+    return np.array([docs[i].token_ids for i in doc_ids], dtype=np.int64)

@@ -1,0 +1,216 @@
+"""Run one attack configuration against one run directory and score it.
+
+The orchestrator is the only place that holds both sides: it gives the attack its ``Knowledge``
+and the ``Traffic``, and afterwards scores the returned token ids against the evaluation documents,
+which the attack never sees.
+
+Observer-side gradient perturbations (000 §4.4) change what the attacker observes, not training:
+Gaussian noise σ × the document's gradient RMS, or symmetric signed rounding to b bits with one
+max-abs scale per document.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from splitleak.attacks.core import ATTACKS, Majority, VMI, make_attack
+from splitleak.attacks.knowledge import Knowledge, Traffic, load_knowledge, load_traffic, read_documents, read_manifest
+from splitleak.errors import ConfigError, SplitleakError
+from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
+from splitleak.progress import Progress, Silent
+from splitleak.wire.defences import quantize_symmetric
+from splitleak.wire.store import config_hash
+
+
+class AttackConfig(BaseModel):
+    """One attack evaluation; hashed into ``config_hash``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    attack: str
+    k: int | None = Field(None, ge=2)
+    client_copy: Literal["public", "trained"] = "public"
+    budget: int | Literal["exhaustive"] | None = None
+    attack_seed: int = 0
+    gradient_noise: float | None = Field(None, ge=0)
+    gradient_bits: int | None = Field(None, ge=2, le=16)
+    inference: bool = False  # traffic of inference: activations only
+
+    def attack_params(self) -> dict[str, Any]:
+        p: dict[str, Any] = {"seed": self.attack_seed}
+        if self.k is not None:
+            p["k"] = self.k
+        if self.budget is not None:
+            p["budget"] = self.budget
+        return p
+
+    def hash(self) -> str:
+        return config_hash(self.model_dump(mode="json"))
+
+
+def make_attack_config(**kw) -> AttackConfig:
+    from pydantic import ValidationError
+
+    if kw.get("attack") not in ATTACKS:
+        raise ConfigError(f"unknown attack {kw.get('attack')!r}; known attacks: {', '.join(ATTACKS)}")
+    if kw.get("gradient_noise") is not None and kw.get("gradient_bits") is not None:
+        raise ConfigError("give either --gradient-noise or --gradient-bits, not both")
+    try:
+        cfg = AttackConfig(**kw)
+    except ValidationError as exc:
+        raise ConfigError(
+            "invalid attack configuration: "
+            + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        ) from None
+    make_attack(cfg.attack, **cfg.attack_params())  # parameter names checked here
+    return cfg
+
+
+def perturb_gradients(grad: torch.Tensor, noise: float | None, bits: int | None, seed: int) -> torch.Tensor:
+    """Observer-side perturbation of captured gradients [n, T, d] (000 §4.4)."""
+    if noise is not None:
+        g = torch.Generator().manual_seed(int(seed) * 1_000_003 + 17)
+        rms = grad.double().pow(2).mean(dim=(1, 2), keepdim=True).sqrt().to(grad.dtype)
+        return grad + noise * rms * torch.randn(grad.shape, generator=g, dtype=grad.dtype)
+    if bits is not None:
+        return quantize_symmetric(grad, bits)
+    return grad
+
+
+def _decoder(tokenizer):
+    if tokenizer is None:
+        return None
+    return lambda i: tokenizer.decode([int(i)])
+
+
+def property_scores(scores: np.ndarray, tokens: list[int], docs) -> list[dict[str, Any]]:
+    out = []
+    for tok in tokens:
+        labels = np.array([int(tok in d.token_ids) for d in docs])
+        auc = roc_auc(scores, labels) if 0 < labels.sum() < len(labels) else None
+        out.append({"token_id": int(tok), "auc": auc, "share_present": float(labels.mean())})
+    return out
+
+
+def run_attack(
+    run_dir: str | Path,
+    config: AttackConfig,
+    *,
+    out: str | Path | None = None,
+    force: bool = False,
+    knowledge: Knowledge | None = None,
+    traffic: Traffic | None = None,
+    progress: Progress | None = None,
+    device: str | None = None,
+) -> dict[str, Any]:
+    """Fit and run the attack, score it, and (with ``out``) write RESULT.json and the per-document
+    predictions as Parquet beside it. Returns the result dictionary."""
+    progress = progress or Silent()
+    run_dir = Path(run_dir)
+    out_path = Path(out) if out is not None else None
+    if out_path is not None and out_path.exists() and not force:
+        raise SplitleakError(f"{out_path} already exists; choose another --out or pass --force")
+    manifest = read_manifest(run_dir)
+    attack = make_attack(config.attack, **config.attack_params())
+    if knowledge is None:
+        knowledge = load_knowledge(run_dir, config.client_copy)
+    if device is not None:
+        knowledge.client.to(device)
+    if traffic is None:
+        traffic = load_traffic(run_dir, with_gradients=not config.inference)
+    if config.inference and attack.uses_gradients:
+        raise ConfigError(f"attack {config.attack!r} needs gradients, which inference traffic does not carry")
+    if traffic.gradients is not None and (config.gradient_noise is not None or config.gradient_bits is not None):
+        traffic = Traffic(traffic.doc_ids, traffic.activations,
+                          perturb_gradients(traffic.gradients, config.gradient_noise, config.gradient_bits,
+                                            config.attack_seed))
+    docs_by_id = {d.doc_id: d for d in read_documents(run_dir).evaluation}
+    docs = [docs_by_id[i] for i in traffic.doc_ids]
+
+    t0 = time.perf_counter()
+    attack.fit(knowledge)
+    rec = attack.reconstruct(traffic, progress)
+    seconds = time.perf_counter() - t0
+
+    result: dict[str, Any] = {
+        "attack": config.attack,
+        "config": config.model_dump(mode="json"),
+        "config_hash": config.hash(),
+        "attack_params": attack.params(),
+        "run": {"dir": str(run_dir), "config_hash": manifest["config_hash"], "config": manifest["config"],
+                "cut": manifest["split"]["cut"]},
+        "n_docs": len(traffic),
+        "n_tokens": int(traffic.activations.shape[0] * traffic.activations.shape[1]),
+        "seconds": seconds,
+    }
+    per_doc_rows: list[dict[str, Any]] = []
+    if rec.tokens is not None:
+        sc = score_reconstruction(rec.tokens.numpy(), docs, _decoder(knowledge.client.tokenizer))
+        result.update(sc.as_dict())
+        if "chosen_in_candidates" in rec.extra:
+            truth = torch.tensor([list(d.token_ids) for d in docs])
+            result["true_token_in_candidates"] = float((rec.extra["candidates"] == truth.unsqueeze(-1)).any(-1).float().mean())
+        if "matched" in rec.extra:
+            result["certified_tokens"] = float(rec.extra["matched"].float().mean())
+            result["mean_checks_per_token"] = float(rec.extra["checks"].float().mean())
+        for row, pred in zip(sc.per_doc(), rec.tokens.tolist()):
+            row = dict(row)
+            row["predicted"] = pred
+            per_doc_rows.append(row)
+    else:
+        scores = rec.extra["scores"]
+        props = property_scores(scores, rec.extra["property_tokens"], docs)
+        vmi = VMI(seed=config.attack_seed).fit(knowledge).reconstruct(traffic).tokens
+        maj = Majority().fit(knowledge).reconstruct(traffic).tokens
+        truth = torch.tensor([list(d.token_ids) for d in docs])
+        a_vmi = float((vmi == truth).float().mean())
+        a_ctl = float((maj == truth).float().mean())
+        aucs = [p["auc"] for p in props if p["auc"] is not None]
+        result.update({"properties": props, "vmi_token_recovery": a_vmi, "majority_token_recovery": a_ctl,
+                       "leakage_index": leakage_index(a_vmi, a_ctl, aucs),
+                       "token_recovery": None, "doc_recovery": None, "span_recovery": None})
+        per_doc_rows = [{"doc_id": int(i), "score": float(s)} for i, s in zip(traffic.doc_ids, scores)]
+    if out_path is not None:
+        write_result(out_path, result, per_doc_rows)
+    result["per_doc"] = per_doc_rows
+    return result
+
+
+def write_result(out_path: Path, result: dict[str, Any], per_doc_rows: list[dict[str, Any]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    pq_path = out_path.with_suffix(".parquet")
+    flat = []
+    for row in per_doc_rows:
+        r = {}
+        for k, v in row.items():
+            r[k] = json.dumps(v, sort_keys=True) if isinstance(v, dict) else v
+        flat.append(r)
+    table = pa.Table.from_pylist(flat) if flat else pa.table({})
+    tmp = pq_path.with_name(f".{pq_path.name}.tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(pq_path)
+    result = dict(result)
+    result["predictions"] = pq_path.name
+    tmpj = out_path.with_name(f".{out_path.name}.tmp")
+    tmpj.write_text(json.dumps(result, indent=2, sort_keys=True, default=_json_default) + "\n")
+    tmpj.replace(out_path)
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(type(o).__name__)

@@ -1,0 +1,191 @@
+"""Search over token sequences whose recomputed activations match the observed ones.
+
+Both searches run through the attacker's client-layer copy with a key/value cache: at each
+position one forward pass scores every (document, beam, candidate) at once; each candidate
+attends to its own beam's cached prefix and itself (``ClientCopy.extend``). ``beam_search_naive``
+is the reference that recomputes the whole prefix for every candidate, one document at a time;
+the two must return identical tokens.
+
+Distance: the L2 norm between the recomputed and the observed activation at a position; a
+partial text's score is the sum of its positions' distances. Ties are broken by a stable sort
+(earlier beam, then earlier candidate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from splitleak.attacks.knowledge import ClientCopy, select_cache
+from splitleak.progress import Progress, Silent
+
+
+@dataclass
+class SearchResult:
+    tokens: torch.Tensor  # [n, T] long
+    distance: torch.Tensor  # [n, T] distance of the chosen token at each position
+    checks: torch.Tensor  # [n, T] candidate activations computed per position
+    matched: torch.Tensor | None = None  # [n, T] bool, SipIt: the chosen token matched within tolerance
+
+
+def _stable_best(scores: torch.Tensor, width: int) -> torch.Tensor:
+    """Indices of the ``width`` smallest entries of each row, ties to the earlier index."""
+    return torch.sort(scores, dim=-1, stable=True).indices[..., :width]
+
+
+def beam_search(
+    client: ClientCopy,
+    observed: torch.Tensor,
+    candidates: torch.Tensor,
+    width: int = 2,
+    chunk_docs: int = 64,
+    progress: Progress | None = None,
+    name: str = "beam search",
+) -> SearchResult:
+    """Beam search of width ``width`` over per-position candidate lists.
+
+    observed: [n, T, d]; candidates: [n, T, k] token ids. Returns the best beam per document."""
+    progress = progress or Silent()
+    n, T, _ = observed.shape
+    k = candidates.shape[-1]
+    if k < width:
+        raise ValueError(f"beam width {width} needs at least {width} candidates per position, got {k}")
+    task = progress.start(name, n * T)
+    out_tokens, out_dist = [], []
+    for s in range(0, n, chunk_docs):
+        obs = observed[s : s + chunk_docs].to(client.device, client.dtype)
+        cand = candidates[s : s + chunk_docs].to(client.device)
+        m = obs.shape[0]
+        cache = client.new_cache()
+        # position 0: one empty prefix per document
+        h = client.extend(cache, cand[:, 0], 0)  # [m, k, d]
+        d0 = (h - obs[:, 0:1]).norm(dim=-1)  # [m, k]
+        pick = _stable_best(d0, width)  # [m, W]
+        parent = torch.arange(m, device=client.device).repeat_interleave(width)
+        select_cache(cache, 0, parent, pick.reshape(-1))
+        hist = torch.gather(cand[:, 0], 1, pick).unsqueeze(-1)  # [m, W, 1]
+        step_d = torch.gather(d0, 1, pick).unsqueeze(-1)  # [m, W, 1]
+        cum = step_d[..., 0].clone()
+        progress.advance(task, m)
+        for t in range(1, T):
+            c = cand[:, t].repeat_interleave(width, dim=0)  # [m*W, k]
+            h = client.extend(cache, c, t).view(m, width, k, -1)
+            dist = (h - obs[:, t].view(m, 1, 1, -1)).norm(dim=-1)  # [m, W, k]
+            total = (cum.unsqueeze(-1) + dist).view(m, width * k)
+            pick = _stable_best(total, width)  # [m, W] over (beam, candidate)
+            beam, j = pick // k, pick % k
+            rows = (torch.arange(m, device=client.device).unsqueeze(1) * width + beam).reshape(-1)
+            select_cache(cache, t, rows, j.reshape(-1))
+            hist = torch.cat([hist[torch.arange(m).unsqueeze(1), beam], torch.gather(cand[:, t], 1, j).unsqueeze(-1)], -1)
+            step_d = torch.cat(
+                [step_d[torch.arange(m).unsqueeze(1), beam], dist.view(m, width * k).gather(1, pick).unsqueeze(-1)], -1
+            )
+            cum = torch.gather(total, 1, pick)
+            progress.advance(task, m)
+        best = _stable_best(cum, 1)[:, 0]
+        out_tokens.append(hist[torch.arange(m), best].cpu())
+        out_dist.append(step_d[torch.arange(m), best].cpu())
+    progress.finish(task)
+    tokens = torch.cat(out_tokens)
+    checks = torch.full((n, T), width * k, dtype=torch.long)
+    checks[:, 0] = k
+    return SearchResult(tokens, torch.cat(out_dist), checks)
+
+
+@torch.no_grad()
+def beam_search_naive(client: ClientCopy, observed: torch.Tensor, candidates: torch.Tensor, width: int = 2) -> SearchResult:
+    """Reference: recompute the full prefix for every candidate, one document at a time."""
+    n, T, _ = observed.shape
+    k = candidates.shape[-1]
+    toks, dists = [], []
+    for i in range(n):
+        obs = observed[i].to(client.device, client.dtype)
+        # a beam: (tokens, per-position distances, cumulative distance as a 0-d tensor)
+        beams = [([], [], torch.zeros((), dtype=client.dtype))]
+        for t in range(T):
+            texts, steps, totals = [], [], []
+            for prefix, ds, cum in beams:
+                for j in range(k):
+                    tok = int(candidates[i, t, j])
+                    ids = torch.tensor([prefix + [tok]], device=client.device)
+                    h = client.owner(input_ids=ids, use_cache=False).last_hidden_state[0, -1]
+                    d = (h - obs[t]).norm()
+                    texts.append(prefix + [tok])
+                    steps.append(ds + [float(d)])
+                    totals.append(cum + d)
+            order = _stable_best(torch.stack(totals).unsqueeze(0), width)[0].tolist()
+            beams = [(texts[o], steps[o], totals[o]) for o in order]
+        best = _stable_best(torch.stack([c for _, _, c in beams]).unsqueeze(0), 1)[0, 0]
+        toks.append(beams[best][0])
+        dists.append(beams[best][1])
+    return SearchResult(torch.tensor(toks), torch.tensor(dists, dtype=observed.dtype),
+                        torch.zeros(n, T, dtype=torch.long))
+
+
+def sipit(
+    client: ClientCopy,
+    observed: torch.Tensor,
+    order: Callable[[torch.Tensor, int, int], torch.Tensor],
+    budget: int | None,
+    tol: float | torch.Tensor,
+    round_size: int = 16,
+    chunk_docs: int = 64,
+    progress: Progress | None = None,
+    name: str = "SipIt",
+) -> SearchResult:
+    """Position by position, check candidates in ``order`` until one's recomputed activation lies
+    within ``tol`` (L2) of the observed one; keep it. With a ``budget``, stop after that many checks
+    and keep the best checked candidate; ``budget=None`` checks the whole vocabulary if needed
+    (exhaustive: a match certifies the token).
+
+    ``order(rows, t, start, size)`` returns, for documents ``rows`` (indices into ``observed``), the
+    candidate token ids of ranks [start, start + size) at position ``t``: [len(rows), size]."""
+    progress = progress or Silent()
+    n, T, _ = observed.shape
+    vocab = client.vocab_size
+    limit = vocab if budget is None else min(budget, vocab)
+    task = progress.start(name, n * T)
+    tokens = torch.zeros(n, T, dtype=torch.long)
+    dist = torch.full((n, T), float("inf"), dtype=torch.float64)
+    checks = torch.zeros(n, T, dtype=torch.long)
+    matched = torch.zeros(n, T, dtype=torch.bool)
+    tolv = tol.double().cpu() if isinstance(tol, torch.Tensor) else torch.full((n, T), float(tol), dtype=torch.float64)
+    for s in range(0, n, chunk_docs):
+        rows_all = torch.arange(s, min(n, s + chunk_docs))
+        m = len(rows_all)
+        obs = observed[rows_all].to(client.device, client.dtype)
+        cache = client.new_cache()
+        for t in range(T):
+            active = torch.arange(m)
+            start = 0
+            while len(active) and start < limit:
+                r = min(round_size, limit - start)
+                cand = order(rows_all[active], t, start, r).to(client.device)
+                sub = _subset_cache(client, cache, active) if t > 0 else client.new_cache()
+                h = client.extend(sub, cand, t)  # [a, r, d]
+                d = (h - obs[active, t].unsqueeze(1)).norm(dim=-1).double().cpu()  # [a, r]
+                bd, bj = d.min(dim=1)
+                gi = rows_all[active]
+                better = bd < dist[gi, t]
+                dist[gi[better], t] = bd[better]
+                tokens[gi[better], t] = cand.cpu()[better, bj[better]]
+                checks[gi, t] += r
+                hit = bd <= tolv[gi, t]
+                matched[gi[hit], t] = True
+                active = active[~hit]
+                start += r
+            client.extend(cache, tokens[rows_all, t].unsqueeze(1).to(client.device), t)  # grow the prefix
+            progress.advance(task, m)
+    progress.finish(task)
+    return SearchResult(tokens, dist.to(observed.dtype), checks, matched)
+
+
+def _subset_cache(client: ClientCopy, cache, rows: torch.Tensor):
+    """A new cache holding only ``rows`` of ``cache`` (the prefixes of the documents still searching)."""
+    sub = client.new_cache()
+    idx = rows.to(client.device)
+    for i, layer in enumerate(cache.layers):
+        sub.update(layer.keys[idx], layer.values[idx], i)
+    return sub
