@@ -79,7 +79,7 @@ def main() -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=HERE).stdout.strip() or "uncommitted"
         with open(HERE / "RESULTS.md", "a") as f:
-            f.write(row[:-1] + f" {commit} |\n")
+            f.write(row + f" {commit} |\n")
 
 
 if __name__ == "__main__":

@@ -175,6 +175,61 @@ def verify_cmd(run_dir: Path = typer.Argument(..., help="a run directory")) -> N
     raise typer.Exit(1)
 
 
+@app.command("attack")
+def attack_cmd(
+    run_dir: Path = typer.Argument(..., help="a run directory written by `splitleak train`"),
+    attack: str = typer.Option(..., "--attack", help="vmi, majority, activation, joint, shuffled-gradient, "
+                               "random-candidate, backward-only, sipit, property"),
+    out: Path = typer.Option(..., "--out", help="RESULT.json to write (predictions go beside it as .parquet)"),
+    k: Optional[int] = typer.Option(None, "--k", help="candidate budget of the beam attackers (8, 16, 32)"),
+    copy: str = typer.Option("public", "--copy", help="public (pretrained) or trained (the run's client layers)"),
+    budget: Optional[str] = typer.Option(None, "--budget", help="SipIt checks per token (32, 64, 128) or 'exhaustive'"),
+    attack_seed: int = typer.Option(0, "--attack-seed"),
+    gradient_noise: Optional[float] = typer.Option(None, "--gradient-noise", help="observer-side noise, sigma x gradient RMS"),
+    gradient_bits: Optional[int] = typer.Option(None, "--gradient-bits", help="observer-side rounding of the gradient to b bits"),
+    inference: bool = typer.Option(False, "--inference", help="use the activations only (inference traffic)"),
+    force: bool = typer.Option(False, "--force", help="replace an existing RESULT.json"),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    quiet: bool = typer.Option(False, "--quiet"),
+) -> None:
+    """Run one attack against a run's captured traffic and score it per token, document and span."""
+    from splitleak.attacks import make_attack_config, run_attack
+    from splitleak.training.run import apply_threads, resolve_device
+
+    with _user_errors():
+        apply_threads(threads)
+        dev = resolve_device(device)
+        b: int | str | None = budget
+        if budget is not None and budget != "exhaustive":
+            try:
+                b = int(budget)
+            except ValueError:
+                raise ConfigError(f"--budget {budget!r} is neither an integer nor 'exhaustive'") from None
+        cfg = make_attack_config(attack=attack, k=k, client_copy=copy, budget=b, attack_seed=attack_seed,
+                                 gradient_noise=gradient_noise, gradient_bits=gradient_bits, inference=inference)
+        with _progress(quiet) as prog:
+            res = run_attack(run_dir, cfg, out=out, force=force, progress=prog, device=str(dev))
+        t = Table(title=f"{attack} on {run_dir}")
+        t.add_column("measure")
+        t.add_column("value", justify="right")
+        from splitleak.metrics import fmt_pct
+
+        if res.get("token_recovery") is not None:
+            t.add_row("token recovery (%)", fmt_pct(res["token_recovery"]))
+            t.add_row("whole-document recovery (%)", fmt_pct(res["doc_recovery"]))
+            for cls, v in res["span_recovery"].items():
+                t.add_row(f"{cls} spans (%) [{res['span_counts'][cls]}]", "n/a" if v is None else fmt_pct(v))
+            if res.get("leading_space_errors") is not None:
+                t.add_row("wrong tokens / of them leading-space only", f"{res['wrong_tokens']} / {res['leading_space_errors']}")
+        else:
+            for p in res["properties"]:
+                t.add_row(f"AUC, token {p['token_id']}", "n/a" if p["auc"] is None else f"{p['auc']:.4f}")
+            t.add_row("leakage index I", f"{res['leakage_index']:.4f}")
+        t.add_row("seconds", f"{res['seconds']:.1f}")
+        console.print(t)
+
+
 @app.command("audit")
 def audit_cmd(
     out: Optional[Path] = typer.Option(None, "--out", help="output folder (default: runs/audit-<time>)"),
@@ -195,7 +250,7 @@ def audit_cmd(
     threads: Optional[int] = ThreadsOpt,
     quiet: bool = typer.Option(False, "--quiet"),
 ) -> None:
-    """The main job: train and capture on embedded defaults, then summarise utility and traffic."""
+    """The main job: train and capture on embedded defaults, attack the traffic, write a report."""
     from splitleak.audit.run import choose_default_model, run_audit
 
     with _user_errors():
@@ -213,7 +268,17 @@ def audit_cmd(
                 threads=threads, progress=prog, say=console.print,
             )
         _print_summary(res.run)
+        from splitleak.audit.run import ATTACK_HEADER, attack_table_rows
+
+        t = Table(title="leakage (public copy of the client layers)")
+        for i, col in enumerate(ATTACK_HEADER):
+            t.add_column(col, justify="left" if i == 0 else "right")
+        for row in attack_table_rows(res.attacks):
+            t.add_row(*row)
+        console.print(t)
         console.print(res.summary)
+        console.print(f"[bold]{res.verdict}[/]")
+        console.print(f"report: {res.out / 'report.md'}")
 
 
 def main() -> None:  # console-script entry point

@@ -77,7 +77,14 @@ def test_audit_on_tiny_model(tmp_path):
     out = tmp_path / "audit"
     r = runner.invoke(app, ["audit", "--model", "tiny-gpt2", "--out", str(out), "--quiet", *SMALL])
     assert r.exit_code == 0, r.output
-    assert "depth: 2" in r.output and "verified" in r.output
-    summary = json.loads((out / "audit.json").read_text())
-    assert summary["capture"]["documents"] == 10 and summary["capture"]["width"] == 64
+    assert "depth: 2" in r.output and "verified" in r.output and "LEAKS" in r.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["capture"]["documents"] == 10 and report["capture"]["width"] == 64
+    by_name = {a["attack"]: a for a in report["attacks"]}
+    assert set(by_name) == {"majority", "vmi", "activation", "joint", "sipit"}
+    # on the tiny model at depth 2 the activation attacker beats the majority control by far
+    assert by_name["activation"]["token_recovery"] > by_name["majority"]["token_recovery"] + 0.5
+    md = (out / "report.md").read_text()
+    assert "| activation k=32 |" in md and report["verdict"] in md
+    assert (out / "attacks" / "joint.parquet").is_file()
     assert runner.invoke(app, ["verify", str(out / "run")]).exit_code == 0
