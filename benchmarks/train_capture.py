@@ -42,6 +42,18 @@ def cpu_name() -> str:
     return platform.processor() or "unknown cpu"
 
 
+def record_row(section: str, row: str) -> None:
+    """Insert ``row`` at the end of the table that follows the heading ``section`` in RESULTS.md."""
+    path = HERE / "RESULTS.md"
+    lines = path.read_text().splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.startswith(section))
+    i = next(j for j in range(start, len(lines)) if lines[j].startswith("|"))
+    while i < len(lines) and lines[i].startswith("|"):
+        i += 1
+    lines.insert(i, row if row.endswith("\n") else row + "\n")
+    path.write_text("".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -78,8 +90,7 @@ def main() -> None:
     if a.record:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=HERE).stdout.strip() or "uncommitted"
-        with open(HERE / "RESULTS.md", "a") as f:
-            f.write(row + f" {commit} |\n")
+        record_row("## Split training and capture", row + f" {commit} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,122 @@
+"""Throughput of the batched beam-search attacker against the naive reference (run by hand).
+
+    .venv/bin/python benchmarks/attack_throughput.py --run RUN_DIR [--naive-docs 2] [--record]
+
+RUN_DIR is a run of `splitleak train` (e.g. the `run/` folder that `make audit` writes; default
+model smollm2-135m at depth 6). The script
+1. measures this machine's float32 matmul throughput (GFLOP/s, 2048^3 products);
+2. runs the activation-only attacker (k = 32, width 2, public copy) over all captured documents,
+   batched with the key/value cache, and records wall time and peak RSS;
+3. runs the naive reference (every prefix recomputed for every candidate, one document at a
+   time) on the first --naive-docs documents, checks that the batched search returns identical
+   tokens for them, and reports the per-document speed ratio;
+4. counts the batched search's multiply-adds (token-forwards x 2 x client-block parameters, plus
+   attention) and reports wall time against the floor that FLOPs / measured throughput gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from splitleak.attacks import load_knowledge, load_traffic, make_attack  # noqa: E402
+from splitleak.attacks.knowledge import eval_token_ids  # noqa: E402
+from splitleak.attacks.search import beam_search, beam_search_naive  # noqa: E402
+from train_capture import cpu_name, peak_rss_gib, record_row  # noqa: E402
+
+
+def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * n**3 * reps / (time.perf_counter() - t) / 1e9
+
+
+def search_flops(client, n_docs: int, T: int, k: int, width: int) -> float:
+    """Multiply-adds x 2 of the batched search: every candidate token through the client blocks."""
+    from splitleak.models.presets import find_blocks
+
+    _, blocks, _ = find_blocks(client.owner) if not hasattr(client.owner, "h") else (None, client.owner.h, None)
+    block_params = sum(p.numel() for b in blocks for p in b.parameters())
+    d = client.embedding.shape[1]
+    n_blocks = client.cut
+    tokens = n_docs * (k + (T - 1) * width * k)
+    dense = 2 * tokens * block_params
+    # attention scores and weighted sums: each new token attends to ~t cached positions
+    attn = sum(2 * 2 * d * (t + 1) * n_docs * (k if t == 0 else width * k) for t in range(T)) * n_blocks
+    return float(dense + attn)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--k", type=int, default=32)
+    ap.add_argument("--naive-docs", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--record", action="store_true")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    gflops = matmul_gflops()
+    kn = load_knowledge(a.run, "public")
+    traffic = load_traffic(a.run)
+    attack = make_attack("activation", k=a.k).fit(kn)
+    cand = attack.candidates(traffic)
+    n, T = traffic.activations.shape[:2]
+    t0 = time.perf_counter()
+    fast = beam_search(kn.client, traffic.activations, cand, width=2)
+    wall = time.perf_counter() - t0
+    rss = peak_rss_gib()
+    truth = torch.tensor(eval_token_ids(a.run, traffic.doc_ids))
+    tok = float((fast.tokens == truth).float().mean())
+
+    m = a.naive_docs
+    t1 = time.perf_counter()
+    fast_sub = beam_search(kn.client, traffic.activations[:m], cand[:m], width=2)
+    fast_sub_s = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    slow = beam_search_naive(kn.client, traffic.activations[:m], cand[:m], width=2)
+    naive_s = time.perf_counter() - t2
+    identical = bool(torch.equal(fast_sub.tokens, slow.tokens)) and bool(torch.equal(fast_sub.tokens, fast.tokens[:m]))
+    ratio_same = naive_s / fast_sub_s
+    ratio_per_doc = (naive_s / m) / (wall / n)
+
+    flops = search_flops(kn.client, n, T, a.k, 2)
+    floor = flops / (gflops * 1e9)
+    manifest = json.loads((Path(a.run) / "manifest.json").read_text())
+    res = {
+        "model": manifest["config"]["model"], "cut": manifest["split"]["cut"], "docs": n, "k": a.k,
+        "matmul_gflops": gflops, "batched_s": wall, "peak_rss_gib": rss, "token_recovery": tok,
+        "naive_docs": m, "naive_s": naive_s, "batched_same_docs_s": fast_sub_s, "identical": identical,
+        "speedup_same_docs": ratio_same, "speedup_per_doc": ratio_per_doc,
+        "search_tflop": flops / 1e12, "floor_s": floor, "wall_over_floor": wall / floor,
+    }
+    print(json.dumps(res, indent=2))
+    if a.record:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=HERE).stdout.strip() or "uncommitted"
+        dev = f"cpu: {cpu_name()}, {torch.get_num_threads()} threads"
+        row = (
+            f"| {date.today().isoformat()} | {res['model']} | {res['cut']} | {n} | {a.k} | {dev} | {gflops:.0f} | "
+            f"{wall:.0f} | {floor:.0f} | {wall / floor:.2f} | {rss:.2f} | {m} | {ratio_same:.1f} | {ratio_per_doc:.0f} | "
+            f"{'yes' if identical else 'NO'} | {tok:.4f} | {commit} |\n"
+        )
+        record_row("## Attack throughput", row)
+
+
+if __name__ == "__main__":
+    main()
