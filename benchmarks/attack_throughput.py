@@ -47,10 +47,7 @@ def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
 
 def search_flops(client, n_docs: int, T: int, k: int, width: int) -> float:
     """Multiply-adds x 2 of the batched search: every candidate token through the client blocks."""
-    from splitleak.models.presets import find_blocks
-
-    _, blocks, _ = find_blocks(client.owner) if not hasattr(client.owner, "h") else (None, client.owner.h, None)
-    block_params = sum(p.numel() for b in blocks for p in b.parameters())
+    block_params = sum(p.numel() for b in client.blocks for p in b.parameters())
     d = client.embedding.shape[1]
     n_blocks = client.cut
     tokens = n_docs * (k + (T - 1) * width * k)
@@ -74,6 +71,7 @@ def main() -> None:
     gflops = matmul_gflops()
     kn = load_knowledge(a.run, "public")
     traffic = load_traffic(a.run)
+    print(f"matmul {gflops:.0f} GFLOP/s; search {search_flops(kn.client, len(traffic), traffic.activations.shape[1], a.k, 2) / 1e12:.2f} TFLOP", flush=True)
     attack = make_attack("activation", k=a.k).fit(kn)
     cand = attack.candidates(traffic)
     n, T = traffic.activations.shape[:2]

@@ -24,7 +24,7 @@ import torch
 
 from splitleak.attacks.knowledge import Knowledge, Traffic
 from splitleak.attacks.ridge import RidgeMap, cosine_scores, cosine_topk
-from splitleak.attacks.search import beam_search, sipit
+from splitleak.attacks.search import GradientGuidedOrder, beam_search, sipit
 from splitleak.errors import ConfigError
 from splitleak.progress import Progress, Silent
 
@@ -306,7 +306,7 @@ class _RidgeOrder:
         self.top = cosine_topk(estimate, embedding, self.depth).cpu()  # [n, T, depth]
         self._full: dict[tuple[int, int], torch.Tensor] = {}
 
-    def __call__(self, rows: torch.Tensor, t: int, start: int, size: int) -> torch.Tensor:
+    def __call__(self, rows: torch.Tensor, t: int, start: int, size: int, prefix=None) -> torch.Tensor:
         if start + size <= self.depth:
             return self.top[rows, t, start : start + size]
         out = []
@@ -325,21 +325,27 @@ class SipIt(_RidgeAttack):
     token returns the best checked candidate when it runs out; ``budget='exhaustive'`` checks the
     whole vocabulary if needed, so every match is certified.
 
-    Order of checks: by cosine to the ridge estimate of the input embedding (the ridge fit replaces
-    the original paper's gradient-step proposal; see the README)."""
+    Order of checks (``order``): ``gradient`` (default) is SipIt's policy — start at the ridge
+    estimate of the input embedding, check the nearest unchecked tokens by cosine, then take a
+    normalised gradient step on the activation mismatch through the client layers and check the
+    nearest unchecked tokens to the new estimate; ``ridge`` checks tokens in plain cosine order
+    to the ridge estimate."""
 
     name = "sipit"
 
     def __init__(self, budget: int | str = 32, tol_rel: float = 1e-3, round_size: int = 16, seed: int = 0,
-                 chunk_docs: int = 64):
+                 chunk_docs: int = 64, order: str = "gradient", step: float = 0.5):
         self.budget = budget
+        self.order = order
+        self.step = step
         self.tol_rel = tol_rel
         self.round_size = round_size
         self.seed = seed
         self.chunk_docs = chunk_docs
 
     def params(self):
-        return {"budget": self.budget, "tol_rel": self.tol_rel, "round_size": self.round_size, "seed": self.seed}
+        return {"budget": self.budget, "tol_rel": self.tol_rel, "round_size": self.round_size, "seed": self.seed,
+                "order": self.order, "step": self.step}
 
     def reconstruct(self, traffic, progress=None):
         self._check(traffic)
@@ -348,7 +354,12 @@ class SipIt(_RidgeAttack):
         client = self.knowledge_.client
         est = self.embed_estimate(traffic)
         budget = None if self.budget == "exhaustive" else int(self.budget)
-        order = _RidgeOrder(est, client.embedding, 256 if budget is None else max(budget, self.round_size))
+        if self.order == "ridge":
+            order = _RidgeOrder(est, client.embedding, 256 if budget is None else max(budget, self.round_size))
+        elif self.order == "gradient":
+            order = GradientGuidedOrder(client, traffic.activations, est, self.step)
+        else:
+            raise ConfigError(f"SipIt order must be 'gradient' or 'ridge', got {self.order!r}")
         obs = traffic.activations
         tol = self.tol_rel * obs.double().norm(dim=-1)
         res = sipit(client, obs, order, budget, tol, self.round_size, self.chunk_docs, progress,

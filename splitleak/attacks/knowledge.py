@@ -37,7 +37,8 @@ class ClientCopy:
         owner, blocks, attr = find_blocks(model)
         if not 1 <= cut <= len(blocks):
             raise ConfigError(f"cut {cut} does not fit a model with {len(blocks)} blocks")
-        setattr(owner, attr, nn.ModuleList(list(blocks)[:cut]))
+        self.blocks = nn.ModuleList(list(blocks)[:cut])
+        setattr(owner, attr, self.blocks)
         if hasattr(owner.config, "num_hidden_layers"):
             owner.config.num_hidden_layers = cut
         if hasattr(owner.config, "n_layer"):

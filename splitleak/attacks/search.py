@@ -127,7 +127,7 @@ def beam_search_naive(client: ClientCopy, observed: torch.Tensor, candidates: to
 def sipit(
     client: ClientCopy,
     observed: torch.Tensor,
-    order: Callable[[torch.Tensor, int, int], torch.Tensor],
+    order: Callable[..., torch.Tensor],
     budget: int | None,
     tol: float | torch.Tensor,
     round_size: int = 16,
@@ -140,8 +140,10 @@ def sipit(
     and keep the best checked candidate; ``budget=None`` checks the whole vocabulary if needed
     (exhaustive: a match certifies the token).
 
-    ``order(rows, t, start, size)`` returns, for documents ``rows`` (indices into ``observed``), the
-    candidate token ids of ranks [start, start + size) at position ``t``: [len(rows), size]."""
+    ``order(rows, t, start, size, prefix)`` returns, for documents ``rows`` (indices into
+    ``observed``), the candidate token ids of ranks [start, start + size) at position ``t``:
+    [len(rows), size]; ``prefix()`` gives a fresh cache of those rows' prefixes (None at t = 0)
+    for orders that probe the client layers."""
     progress = progress or Silent()
     n, T, _ = observed.shape
     vocab = client.vocab_size
@@ -162,8 +164,11 @@ def sipit(
             start = 0
             while len(active) and start < limit:
                 r = min(round_size, limit - start)
-                cand = order(rows_all[active], t, start, r).to(client.device)
-                sub = _subset_cache(client, cache, active) if t > 0 else client.new_cache()
+                def prefix(act=active):
+                    return _subset_cache(client, cache, act) if t > 0 else None
+
+                cand = order(rows_all[active], t, start, r, prefix).to(client.device)
+                sub = prefix() or client.new_cache()
                 h = client.extend(sub, cand, t)  # [a, r, d]
                 d = (h - obs[active, t].unsqueeze(1)).norm(dim=-1).double().cpu()  # [a, r]
                 bd, bj = d.min(dim=1)
@@ -189,3 +194,49 @@ def _subset_cache(client: ClientCopy, cache, rows: torch.Tensor):
     for i, layer in enumerate(cache.layers):
         sub.update(layer.keys[idx], layer.values[idx], i)
     return sub
+
+
+class GradientGuidedOrder:
+    """SipIt's proposal policy: start from an estimate of the input embedding at position t (the
+    ridge fit's), check the unchecked tokens nearest to it by cosine, then move the estimate by a
+    normalised gradient step on ||f(prefix, e) - h_t||^2 through the client layers and check the
+    unchecked tokens nearest to the new estimate, and so on."""
+
+    def __init__(self, client: ClientCopy, observed: torch.Tensor, estimate: torch.Tensor, step: float = 0.5):
+        self.client = client
+        self.observed = observed
+        self.estimate = estimate
+        self.step = step
+        self._state: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._unit = torch.nn.functional.normalize(client.embedding, dim=-1)
+
+    def _grad_step(self, e: torch.Tensor, rows: torch.Tensor, t: int, prefix) -> torch.Tensor:
+        c = self.client
+        e = e.detach().clone().requires_grad_(True)
+        pos = torch.full((len(rows), 1), t, dtype=torch.long, device=c.device)
+        with torch.enable_grad():
+            out = c.owner(inputs_embeds=e.unsqueeze(1), position_ids=pos, cache=prefix() if t > 0 else None,
+                          use_cache=t > 0).last_hidden_state[:, 0]
+            loss = (out - self.observed[rows, t].to(c.device, c.dtype)).pow(2).sum()
+            (g,) = torch.autograd.grad(loss, e)
+        g = torch.nn.functional.normalize(g, dim=-1)
+        return (e - self.step * e.norm(dim=-1, keepdim=True) * g).detach()
+
+    def __call__(self, rows: torch.Tensor, t: int, start: int, size: int, prefix) -> torch.Tensor:
+        c = self.client
+        if start == 0:
+            for r in rows.tolist():
+                self._state.pop((r, t - 1), None)  # the previous position is settled
+            es = self.estimate[rows, t].to(c.device, c.dtype)
+            checked = torch.zeros(len(rows), c.vocab_size, dtype=torch.bool, device=c.device)
+        else:
+            es = torch.stack([self._state[(int(r), t)][0] for r in rows])
+            checked = torch.stack([self._state[(int(r), t)][1] for r in rows])
+            es = self._grad_step(es, rows, t, prefix)
+        scores = torch.nn.functional.normalize(es, dim=-1) @ self._unit.T
+        scores = scores.masked_fill(checked, float("-inf"))
+        pick = torch.topk(scores, size, dim=-1).indices
+        checked = checked.scatter(1, pick, True)
+        for i, r in enumerate(rows.tolist()):
+            self._state[(r, t)] = (es[i], checked[i])
+        return pick.cpu()
