@@ -20,7 +20,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
+console = Console() if sys.stdout.isatty() else Console(width=120)  # wide tables in plain logs
 err = Console(stderr=True)
 
 

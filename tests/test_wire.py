@@ -106,3 +106,62 @@ def test_frame_round_trip_and_wire_bytes():
         decode(b"\x00" * 16)
     with pytest.raises(ValueError, match="one row per document"):
         Frame("forward", 0, (1,), t, torch.ones(2, 32))
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_clip_noise_bounds_rows_and_adds_the_stated_noise(seed):
+    from splitleak.wire.defences import clip_rows
+
+    x = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 4
+    clipped = clip_rows(x, 1.5)
+    assert (clipped.norm(dim=-1) <= 1.5 + 1e-12).all()
+    small = x / x.norm(dim=-1, keepdim=True) * 0.5  # rows already inside the ball are untouched
+    assert torch.equal(clip_rows(small, 1.5), small)
+    d = build_defence("clip-noise", {"clip": 1.5, "sigma": 0.2, "where": "forward"})
+    ctx = WireContext(seed=seed, phase="train", step=0, doc_ids=(1, 2, 3))
+    y = d.forward(x, ctx)
+    noise = y - clipped
+    assert abs(float(noise.std()) - 0.2 * 1.5) < 0.03
+    assert torch.equal(d.backward(x, ctx), x)  # forward only
+    both = build_defence("clip-noise", {"clip": 1.5, "sigma": 0.0})
+    assert (both.backward(x, ctx).norm(dim=-1) <= 1.5 + 1e-12).all()
+    with pytest.raises(ConfigError, match="where"):
+        build_defence("clip-noise", {"where": "sideways"})
+
+
+def test_dp_forward_epsilon_matches_the_accountant():
+    from opacus.accountants import RDPAccountant
+
+    d = build_defence("dp-forward", {"noise_multiplier": 1.1, "clip": 2.0, "delta": 1e-5})
+    rep = d.privacy(tokens=1)
+    acc = RDPAccountant()
+    acc.step(noise_multiplier=1.1, sample_rate=1.0)
+    assert rep["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+    doc = d.privacy(tokens=32)
+    for _ in range(31):
+        acc.step(noise_multiplier=1.1, sample_rate=1.0)
+    assert doc["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+    assert doc["epsilon"] > rep["epsilon"]
+    # more noise, less epsilon
+    assert build_defence("dp-forward", {"noise_multiplier": 4.0}).privacy()["epsilon"] < rep["epsilon"]
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0)) * 10
+    ctx = WireContext(seed=1, phase="train", step=0, doc_ids=(5, 6))
+    y = d.forward(x, ctx)
+    assert torch.equal(d.backward(y, ctx), y)
+    assert abs(float((y - x / x.norm(dim=-1, keepdim=True) * 2.0).std()) - 2.2) < 0.3
+
+
+@pytest.mark.parametrize("name", ["quant4", "quant4-noisy", "clip-noise", "dp-forward"])
+def test_every_defence_composes_with_quant8(name):
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(1))
+    chain = DefenceChain.from_specs([{"name": "quant8"}, {"name": name}], seed=2)
+    solo = DefenceChain.from_specs([{"name": name}], seed=2)
+    first = quantize_symmetric(x, 8)
+    # the chain is quant8 followed by the defence, with the defence at position 1 of the chain
+    from splitleak.wire.defences import build_defence as bd
+
+    d = bd(name)
+    ctx = WireContext(seed=2, phase="train", step=4, doc_ids=(0, 1), position=1)
+    assert torch.equal(chain.forward(x, "train", 4, (0, 1)), d.forward(first, ctx))
+    assert torch.equal(chain.backward(x, "train", 4, (0, 1)), d.backward(quantize_symmetric(x, 8), ctx))
+    assert solo.describe()[0]["name"] == name

@@ -140,8 +140,91 @@ class Quant4Noisy(Quant4):
         return quantize_symmetric(g, self.n_bits)
 
 
+def clip_rows(x: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale every row (one token's vector, last dim) to L2 norm at most ``max_norm``."""
+    norms = x.norm(dim=-1, keepdim=True)
+    return x * torch.clamp(max_norm / torch.clamp(norms, min=torch.finfo(x.dtype).tiny), max=1.0)
+
+
+def gaussian_rows(x: torch.Tensor, std: float, ctx: WireContext, direction: str) -> torch.Tensor:
+    """Add N(0, std^2) to every entry, drawn per document from the context's generator."""
+    out = torch.empty_like(x)
+    for i, doc_id in enumerate(ctx.doc_ids):
+        noise = torch.randn(x[i].shape, generator=ctx.generator(direction, doc_id), dtype=x.dtype)
+        out[i] = x[i] + std * noise.to(x.device)
+    return out
+
+
+class ClipNoise(Defence):
+    """Per-row L2 clip to ``clip`` and Gaussian noise ``sigma`` x ``clip``, on the forward wire,
+    the returned gradient, or both (``where``)."""
+
+    name = "clip-noise"
+
+    def __init__(self, clip: float = 1.0, sigma: float = 0.1, where: str = "both"):
+        if not clip > 0:
+            raise ConfigError(f"clip-noise: clip must be > 0, got {clip}")
+        if not sigma >= 0:
+            raise ConfigError(f"clip-noise: sigma must be >= 0, got {sigma}")
+        if where not in ("forward", "backward", "both"):
+            raise ConfigError(f"clip-noise: where must be forward, backward or both, got {where!r}")
+        self.clip, self.sigma, self.where = float(clip), float(sigma), where
+
+    def args(self):
+        return {"clip": self.clip, "sigma": self.sigma, "where": self.where}
+
+    def _apply(self, x, ctx, direction):
+        return gaussian_rows(clip_rows(x, self.clip), self.sigma * self.clip, ctx, direction)
+
+    def forward(self, x, ctx):
+        return self._apply(x, ctx, "forward") if self.where in ("forward", "both") else x
+
+    def backward(self, g, ctx):
+        return self._apply(g, ctx, "backward") if self.where in ("backward", "both") else g
+
+
+class DPForward(Defence):
+    """DP-forward (Du et al. 2023 style): clip each activation row to L2 norm ``clip`` and add
+    Gaussian noise with standard deviation ``noise_multiplier`` x ``clip``. Each row is one release
+    of the Gaussian mechanism with sensitivity ``clip``; ``privacy()`` reports its (epsilon, delta)
+    and that of one whole document (``tokens`` releases composed), from Opacus's RDP accountant."""
+
+    name = "dp-forward"
+
+    def __init__(self, noise_multiplier: float = 1.0, clip: float = 1.0, delta: float = 1e-5):
+        if not noise_multiplier > 0:
+            raise ConfigError(f"dp-forward: noise_multiplier must be > 0, got {noise_multiplier}")
+        if not clip > 0:
+            raise ConfigError(f"dp-forward: clip must be > 0, got {clip}")
+        if not 0 < delta < 1:
+            raise ConfigError(f"dp-forward: delta must be in (0, 1), got {delta}")
+        self.noise_multiplier, self.clip, self.delta = float(noise_multiplier), float(clip), float(delta)
+
+    def args(self):
+        return {"noise_multiplier": self.noise_multiplier, "clip": self.clip, "delta": self.delta}
+
+    def forward(self, x, ctx):
+        return gaussian_rows(clip_rows(x, self.clip), self.noise_multiplier * self.clip, ctx, "forward")
+
+    def privacy(self, tokens: int = 1) -> dict[str, float]:
+        return gaussian_mechanism_epsilon(self.noise_multiplier, self.delta, releases=tokens)
+
+
+def gaussian_mechanism_epsilon(noise_multiplier: float, delta: float, releases: int = 1) -> dict[str, float]:
+    """(epsilon, delta) of ``releases`` compositions of the Gaussian mechanism with noise multiplier
+    ``noise_multiplier`` (sampling rate 1), from Opacus's RDP accountant."""
+    try:
+        from opacus.accountants import RDPAccountant
+    except ImportError as exc:  # pragma: no cover - opacus is a dependency
+        raise ConfigError("dp-forward's privacy report needs the package opacus (`pip install opacus`)") from exc
+    acc = RDPAccountant()
+    acc.history = [(float(noise_multiplier), 1.0, int(releases))]
+    return {"epsilon": float(acc.get_epsilon(delta)), "delta": float(delta), "releases": int(releases),
+            "noise_multiplier": float(noise_multiplier), "accountant": "opacus RDP"}
+
+
 DEFENCES: dict[str, type[Defence]] = {
-    cls.name: cls for cls in (NoDefence, Quant, Quant4, Quant4Noisy)
+    cls.name: cls for cls in (NoDefence, Quant, Quant4, Quant4Noisy, ClipNoise, DPForward)
 }
 
 
