@@ -90,10 +90,15 @@ def train_split(
     server = ServerRole(split, chain_server, lr)
     channel = InProcessChannel(server.handle, taps)
     client = ClientRole(split, chain_client, channel, lr)
+    order = training_order(len(train_docs), steps, seed)
+    if chain_client.mixup is not None:  # decoys are recycled from earlier training data of this run
+        with torch.no_grad():
+            for i in order[: chain_client.mixup.warmup]:
+                chain_client.mixup.remember(split.bottom(ids_tensor([train_docs[i]], split.device)))
     task = progress.start("split training", steps)
     t0 = time.perf_counter()
     try:
-        for step, i in enumerate(training_order(len(train_docs), steps, seed)):
+        for step, i in enumerate(order):
             doc = train_docs[i]
             ids = ids_tensor([doc], split.device)
             losses = client.exchange(ids, (doc.doc_id,), step, "train")
@@ -197,23 +202,27 @@ def capture_traffic(
     client.opt = None
     task = progress.start("capture", len(docs))
     t0 = time.perf_counter()
-    zero_rows = total_rows = 0
+    zero_rows = zero_rows_early = total_rows = 0
+    per_frame: list[float] = []
     for s in range(0, len(docs), batch):
         chunk = docs[s : s + batch]
         ids = ids_tensor(chunk, split.device)
         seen.clear()
         client.exchange(ids, tuple(d.doc_id for d in chunk), -1, "capture")
         fwd, bwd = seen["forward"], seen["backward"]
-        assert fwd.doc_ids == bwd.doc_ids == tuple(d.doc_id for d in chunk)
-        rows = bwd.tensor.flatten(0, 1)
-        zero_rows += int((rows == 0).all(dim=1).sum())
-        total_rows += rows.shape[0]
+        n = len(chunk)  # rows after these are mixup's decoy probes
+        assert fwd.doc_ids[:n] == bwd.doc_ids[:n] == tuple(d.doc_id for d in chunk)
+        zero = (bwd.tensor == 0).all(dim=-1)  # [rows, tokens]: all-zero returned gradient rows
+        per_frame.append(float(zero[:n].float().mean()))
+        zero_rows += int(zero[:n].sum())
+        zero_rows_early += int(zero[:n, :-1].sum())
+        total_rows += zero[:n].numel()
         on_batch(
             {
-                "doc_ids": torch.tensor(fwd.doc_ids, dtype=torch.long),
-                "activations": fwd.tensor,
-                "gradients": bwd.tensor,
-                "mask": fwd.mask,
+                "doc_ids": torch.tensor(fwd.doc_ids[:n], dtype=torch.long),
+                "activations": fwd.tensor[:n],
+                "gradients": bwd.tensor[:n],
+                "mask": fwd.mask[:n],
             }
         )
         progress.advance(task, len(chunk))
@@ -225,4 +234,8 @@ def capture_traffic(
         "tokens_per_second": n_tok / secs if secs > 0 else None,
         "zero_gradient_rows": zero_rows,
         "zero_gradient_row_share": zero_rows / max(1, total_rows),
+        # the last position has no next-token target, so its gradient is zero by construction;
+        # zero rows anywhere else are what an observer could use to discard decoys (002)
+        "zero_gradient_rows_before_last": zero_rows_early,
+        "zero_gradient_row_share_per_frame": per_frame,
     }

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from splitleak.errors import NonFiniteError
+from splitleak.errors import ConfigError, NonFiniteError
 from splitleak.models.split import BlockContext, SplitModel, next_token_loss
 from splitleak.wire.channel import Channel
 from splitleak.wire.defences import DefenceChain
@@ -63,12 +63,17 @@ class ServerRole:
             self._ctx_cache[(b, t)] = self.split.context(b, t)
         return self._ctx_cache[(b, t)]
 
-    def _return_gradient(self, frame: Frame, h_in: torch.Tensor, out: torch.Tensor, grad_out, meta: dict) -> Frame:
+    def _return_gradient(self, frame: Frame, h_in: torch.Tensor, out: torch.Tensor, grad_out, meta: dict,
+                         probe: torch.Tensor | None = None) -> Frame:
+        if probe is not None:  # probe rows: their gradient is returned, never trained on
+            (g_probe,) = torch.autograd.grad(probe, h_in, retain_graph=True)
         if frame.phase == "train":
             out.backward(grad_out)
             g = h_in.grad
         else:  # capture: the gradient only, parameters untouched
             (g,) = torch.autograd.grad(out, h_in, grad_outputs=grad_out)
+        if probe is not None:
+            g = g + g_probe
         _finite(g, "gradient at the split", frame.step)
         if frame.phase == "train" and self.opt is not None:
             _grads_finite(self.params, "server", frame.step)
@@ -95,9 +100,12 @@ class ServerRole:
                 )
             logits = self.split.head_logits(self.split.trunk(h_in, ctx), ctx)
             per_doc = next_token_loss(logits, frame.labels.to(dev), reduction="per_doc")
-            loss = per_doc.sum()  # each document's gradient is that of its own mean loss
-            _finite(loss, "next-token loss", frame.step)
-            return self._return_gradient(frame, h_in, loss, None, {"loss": [float(x) for x in per_doc.detach()]})
+            _finite(per_doc, "next-token loss", frame.step)
+            n_main = len(per_doc) - int(frame.meta.get("probe_rows", 0))
+            loss = per_doc[:n_main].sum()  # each document's gradient is that of its own mean loss
+            probe = per_doc[n_main:].sum() if n_main < len(per_doc) else None
+            return self._return_gradient(frame, h_in, loss, None,
+                                         {"loss": [float(x) for x in per_doc[:n_main].detach()]}, probe)
         if frame.kind == "backward-top":
             h_in, h_out = self._pending.pop(frame.step)
             return self._return_gradient(frame, h_in, h_out, frame.tensor.to(dev), dict(frame.meta))
@@ -111,6 +119,9 @@ class ClientRole:
         self.channel = channel
         self.params, _ = split.trainable_parameters()
         self.opt = make_optimizer(self.params, lr)
+        self.last_gradient: torch.Tensor | None = None  # gradient applied to the bottom's output
+        if chain.mixup is not None and split.spec.u_shape:
+            raise ConfigError("mixup is implemented for the plain split only, not for partial offloading")
 
     def exchange(self, input_ids: torch.Tensor, doc_ids: tuple[int, ...], step: int, phase: str) -> list[float]:
         """One forward and backward through the wire; steps the client optimizer in training.
@@ -120,11 +131,21 @@ class ClientRole:
         train = phase == "train"
         with torch.set_grad_enabled(train):
             h = split.bottom(input_ids)
-        x = self.chain.forward(h.detach(), phase, step, doc_ids)
+        mix = self.chain.mixup
+        rows, row_ids, labels, meta = h.detach(), doc_ids, input_ids, {}
+        if mix is not None:
+            mixed, decoy = mix.mix(h.detach())
+            # the decoys travel as probe rows (ids -1 - doc id): their gradient comes back untrained on
+            rows = torch.cat([mixed, decoy])
+            row_ids = tuple(doc_ids) + tuple(-1 - d for d in doc_ids)
+            labels = torch.cat([input_ids, input_ids])
+            meta = {"probe_rows": len(doc_ids)}
+            mask = torch.ones(labels.shape, dtype=torch.int64)
+        x = self.chain.forward(rows, phase, step, row_ids)
         bits = self.chain.payload_bits("forward", 8 * x.element_size())
         fwd = Frame(
-            "forward", step, doc_ids, x, mask, phase,
-            labels=None if split.spec.u_shape else input_ids.cpu(), payload_bits=bits,
+            "forward", step, row_ids, x, mask, phase,
+            labels=None if split.spec.u_shape else labels.cpu(), payload_bits=bits, meta=meta,
         )
         reply = self.channel.request(fwd)
         if reply.kind == "forward-return":
@@ -144,6 +165,12 @@ class ClientRole:
             )
         g = reply.tensor.to(split.device)
         _finite(g, "returned gradient", step)
+        if mix is not None:
+            n = len(doc_ids)
+            g = mix.correct(g[:n], g[n:])
+            if train:
+                mix.remember(h.detach())
+        self.last_gradient = g
         if train and self.opt is not None:
             h.backward(g)  # straight-through the forward defence
             _grads_finite(self.params, "client", step)

@@ -103,6 +103,8 @@ def run_training(
     split = SplitModel(lm, config.depth, config.offload_start, config.offload_length)
     if config.doc_len > getattr(lm.model.config, "max_position_embeddings", getattr(lm.model.config, "n_positions", 10**9)):
         raise ConfigError(f"--doc-len {config.doc_len} exceeds the model's context length")
+    if chain_client.mixup is not None and split.spec.u_shape:
+        raise ConfigError("mixup is implemented for the plain split only, not for partial offloading; use --depth")
     pristine = copy.deepcopy(lm.model) if config.all_local_baseline else None
 
     store = RunStore.create(out, force=force)

@@ -223,8 +223,77 @@ def gaussian_mechanism_epsilon(noise_multiplier: float, delta: float, releases: 
             "noise_multiplier": float(noise_multiplier), "accountant": "opacus RDP"}
 
 
+def decoy_generator(seed: int, chunk: int) -> torch.Generator:
+    """The generator of one chunk's decoy draw: seeded with SHA-256 of (run seed, chunk index)."""
+    digest = hashlib.sha256(f"mixup|{seed}|{chunk}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def draw_decoy_indices(pool_size: int, n: int, seed: int, chunk: int) -> torch.Tensor:
+    """``n`` distinct indices into a pool of ``pool_size`` rows (without replacement)."""
+    if n > pool_size:
+        raise ConfigError(
+            f"mixup needs {n} decoy rows for this chunk but its pool holds {pool_size}; "
+            "raise the defence argument warmup (training documents that prefill the pool)"
+        )
+    return torch.randperm(pool_size, generator=decoy_generator(seed, chunk))[:n]
+
+
+class SecretMixup(Defence):
+    """Secret mixup (000 §4.5): every position sends lambda * (true activation) + (1 - lambda) *
+    (decoy). Decoys are real activation rows recycled from earlier training data of the same run,
+    drawn without replacement per chunk (one chunk = one message) by a generator seeded with SHA-256
+    of (run seed, chunk index). The client also sends the decoys alone as probe rows; the server
+    returns their gradient g_decoy without training on it, and the client corrects the returned
+    gradient to (g - (1 - lambda) g_decoy) / lambda — exact when the gradient is affine in the
+    server's input (a linear server), approximate otherwise.
+
+    Client-side state: the pool of earlier activation rows (``remember``) and the chunk counter."""
+
+    name = "mixup"
+    stateful = True
+
+    def __init__(self, **kw):
+        lam = kw.pop("lambda", kw.pop("lam", 0.75))
+        warmup = kw.pop("warmup", 4)
+        pool_rows = kw.pop("pool_rows", 8192)
+        if kw:
+            raise ConfigError(f"defence 'mixup' does not take argument(s) {sorted(kw)}; it takes lambda, warmup, pool_rows")
+        if not (isinstance(lam, (int, float)) and 0 < lam <= 1):
+            raise ConfigError(f"mixup: lambda must be in (0, 1], got {lam!r}")
+        if not (isinstance(warmup, int) and warmup >= 1):
+            raise ConfigError(f"mixup: warmup must be an integer >= 1, got {warmup!r}")
+        self.lam, self.warmup, self.pool_rows = float(lam), warmup, int(pool_rows)
+        self.seed = 0
+        self.chunk = 0
+        self._pool: list[torch.Tensor] = []
+
+    def args(self):
+        return {"lambda": self.lam, "warmup": self.warmup, "pool_rows": self.pool_rows}
+
+    def remember(self, h: torch.Tensor) -> None:
+        """Add true activation rows [docs, tokens, width] of a training message to the pool (FIFO)."""
+        self._pool.append(h.detach().reshape(-1, h.shape[-1]).cpu())
+        while sum(p.shape[0] for p in self._pool) - self._pool[0].shape[0] >= self.pool_rows:
+            self._pool.pop(0)
+
+    def pool_size(self) -> int:
+        return sum(p.shape[0] for p in self._pool)
+
+    def mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mixed activations, decoys), both shaped like x; advances the chunk counter."""
+        pool = torch.cat(self._pool) if self._pool else torch.zeros(0, x.shape[-1], dtype=x.dtype)
+        idx = draw_decoy_indices(pool.shape[0], x.shape[0] * x.shape[1], self.seed, self.chunk)
+        self.chunk += 1
+        decoy = pool[idx].view_as(x).to(x.device, x.dtype)
+        return self.lam * x + (1 - self.lam) * decoy, decoy
+
+    def correct(self, g: torch.Tensor, g_decoy: torch.Tensor) -> torch.Tensor:
+        return (g - (1 - self.lam) * g_decoy) / self.lam
+
+
 DEFENCES: dict[str, type[Defence]] = {
-    cls.name: cls for cls in (NoDefence, Quant, Quant4, Quant4Noisy, ClipNoise, DPForward)
+    cls.name: cls for cls in (NoDefence, Quant, Quant4, Quant4Noisy, ClipNoise, DPForward, SecretMixup)
 }
 
 
@@ -260,6 +329,12 @@ class DefenceChain:
     def __init__(self, defences: list[Defence], seed: int):
         self.defences = [d for d in defences if not isinstance(d, NoDefence)]
         self.seed = seed
+        mixups = [d for d in self.defences if isinstance(d, SecretMixup)]
+        if len(mixups) > 1:
+            raise ConfigError("mixup can appear once in a defence chain")
+        self.mixup: SecretMixup | None = mixups[0] if mixups else None
+        if self.mixup is not None:
+            self.mixup.seed = seed
 
     @classmethod
     def from_specs(cls, specs: list[dict[str, Any]], seed: int) -> "DefenceChain":
@@ -269,8 +344,10 @@ class DefenceChain:
         return WireContext(self.seed, phase, step, tuple(doc_ids), position)
 
     def forward(self, x: torch.Tensor, phase: str, step: int, doc_ids) -> torch.Tensor:
+        """The forward transforms in order; mixup is applied by the client before (see ClientRole)."""
         for i, d in enumerate(self.defences):
-            x = d.forward(x, self._ctx(phase, step, doc_ids, i))
+            if d is not self.mixup:
+                x = d.forward(x, self._ctx(phase, step, doc_ids, i))
         return x
 
     def backward(self, g: torch.Tensor, phase: str, step: int, doc_ids) -> torch.Tensor:

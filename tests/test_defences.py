@@ -1,0 +1,110 @@
+import pytest
+import torch
+
+from splitleak.errors import ConfigError
+from splitleak.models import SplitModel, load_model
+from splitleak.training import make_train_config, run_training
+from splitleak.training.roles import ClientRole
+from splitleak.wire import DefenceChain, Frame, InProcessChannel, build_defence, load_capture
+from splitleak.wire.defences import SecretMixup, draw_decoy_indices
+
+
+@pytest.mark.parametrize("seed,chunk", [(0, 0), (0, 7), (5, 7)])
+def test_decoy_draws_are_reproducible_and_without_replacement(seed, chunk):
+    a = draw_decoy_indices(500, 64, seed, chunk)
+    assert torch.equal(a, draw_decoy_indices(500, 64, seed, chunk))
+    assert len(set(a.tolist())) == 64
+    assert not torch.equal(a, draw_decoy_indices(500, 64, seed, chunk + 1))
+    assert not torch.equal(a, draw_decoy_indices(500, 64, seed + 1, chunk))
+    with pytest.raises(ConfigError, match="warmup"):
+        draw_decoy_indices(10, 64, seed, chunk)
+
+
+@pytest.mark.parametrize("lam", [0.75, 0.4])
+def test_mixup_correction_is_exact_for_a_linear_server(lam):
+    """A server whose returned gradient is affine in what it receives, g(x) = x A + c: the client's
+    corrected gradient equals the gradient of its own activations, g(h), up to float64 rounding."""
+    lm = load_model("tiny-gpt2", seed=0, precision="float64")
+    split = SplitModel(lm, depth=2)
+    gen = torch.Generator().manual_seed(1)
+    A = torch.randn(64, 64, generator=gen, dtype=torch.float64) / 8
+    c = torch.randn(64, generator=gen, dtype=torch.float64)
+
+    def linear_server(frame: Frame) -> Frame:
+        return Frame("backward", frame.step, frame.doc_ids, frame.tensor @ A + c, frame.mask, frame.phase)
+
+    chain = DefenceChain([build_defence("mixup", {"lambda": lam})], seed=3)
+    client = ClientRole(split, chain, InProcessChannel(linear_server), lr=0.0)
+    ids = torch.randint(0, 500, (1, 32), generator=gen)
+    chain.mixup.remember(split.bottom(torch.randint(0, 500, (2, 32), generator=gen)).detach())
+    seen = []
+    client.channel.taps.append(seen.append)
+    client.exchange(ids, (11,), 0, "capture")
+    with torch.no_grad():
+        h = split.bottom(ids)
+    assert torch.allclose(client.last_gradient, h @ A + c, atol=1e-10, rtol=0)
+    sent = seen[0]
+    assert sent.tensor.shape[0] == 2 and sent.doc_ids == (11, -12) and sent.meta["probe_rows"] == 1
+    # what crossed the wire is the mix, not the activation
+    assert not torch.allclose(sent.tensor[0], h[0])
+    assert torch.allclose(sent.tensor[0], lam * h[0] + (1 - lam) * sent.tensor[1], atol=1e-12)
+
+
+def test_mixup_is_not_exact_for_a_nonlinear_server_but_close():
+    lm = load_model("tiny-gpt2", seed=2)
+    split = SplitModel(lm, depth=2)
+    chain = DefenceChain([build_defence("mixup", {"lambda": 0.75})], seed=0)
+    from splitleak.training.roles import ServerRole
+
+    server = ServerRole(split, DefenceChain([], 0), lr=0.0)
+    client = ClientRole(split, chain, InProcessChannel(server.handle), lr=0.0)
+    gen = torch.Generator().manual_seed(0)
+    chain.mixup.remember(split.bottom(torch.randint(0, 500, (4, 32), generator=gen)).detach())
+    ids = torch.randint(0, 500, (1, 32), generator=gen)
+    client.exchange(ids, (0,), 0, "capture")
+    plain = ClientRole(split, DefenceChain([], 0), InProcessChannel(server.handle), lr=0.0)
+    plain.exchange(ids, (0,), 0, "capture")
+    diff = (client.last_gradient - plain.last_gradient).norm() / plain.last_gradient.norm()
+    assert 1e-6 < diff < 1.0
+
+
+def test_mixup_run_gradients_are_dense_and_deterministic(tmp_path):
+    cfg = make_train_config(model="tiny-gpt2", depth=2, n_calib=4, n_train=12, n_eval=20, seed=1,
+                            defences=[{"name": "mixup", "args": {"lambda": 0.75}}], all_local_baseline=False)
+    m = run_training(cfg, tmp_path / "a", device="cpu").metrics
+    assert m["capture"]["zero_gradient_rows_before_last"] == 0
+    assert len(m["capture"]["zero_gradient_row_share_per_frame"]) == 2  # 20 documents in batches of 16
+    run_training(cfg, tmp_path / "b", device="cpu")
+    a, b = load_capture(tmp_path / "a"), load_capture(tmp_path / "b")
+    assert torch.equal(a.activations, b.activations) and torch.equal(a.gradients, b.gradients)
+    # the wire carries the mix: it differs from the trained client's clean activations
+    plain = run_training(make_train_config(model="tiny-gpt2", depth=2, n_calib=4, n_train=12, n_eval=20, seed=1,
+                                           all_local_baseline=False), tmp_path / "c", device="cpu")
+    assert not torch.allclose(load_capture(plain.run_dir).activations, a.activations)
+
+
+def test_mixup_composes_with_quant8(tmp_path):
+    cfg = make_train_config(model="tiny-gpt2", depth=2, n_calib=4, n_train=8, n_eval=8, seed=0,
+                            defences=[{"name": "mixup"}, {"name": "quant8"}], all_local_baseline=False)
+    run_training(cfg, tmp_path / "r", device="cpu")
+    from splitleak.wire import quantize_symmetric
+
+    cap = load_capture(tmp_path / "r")
+    assert torch.equal(quantize_symmetric(cap.activations, 8), cap.activations)
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [({"lambda": 0.0}, r"lambda must be in \(0, 1\]"), ({"lambda": 1.5}, "lambda"), ({"k": 3}, "does not take")],
+)
+def test_bad_mixup_arguments_fail_before_training(args, words):
+    with pytest.raises(ConfigError, match=words):
+        make_train_config(model="tiny-gpt2", depth=2, defences=[{"name": "mixup", "args": args}])
+
+
+def test_mixup_refuses_partial_offloading(tmp_path):
+    cfg = make_train_config(model="tiny-gpt2", offload_start=1, offload_length=2, n_calib=2, n_train=4, n_eval=4,
+                            defences=[{"name": "mixup"}])
+    with pytest.raises(ConfigError, match="plain split"):
+        run_training(cfg, tmp_path / "r", device="cpu")
+    assert not (tmp_path / "r").exists()
