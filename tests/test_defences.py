@@ -108,3 +108,48 @@ def test_mixup_refuses_partial_offloading(tmp_path):
     with pytest.raises(ConfigError, match="plain split"):
         run_training(cfg, tmp_path / "r", device="cpu")
     assert not (tmp_path / "r").exists()
+
+
+def test_one_lying_replica_is_flagged_and_does_not_move_the_median():
+    from splitleak.training.replicas import ReplicaMedianServer, make_replicas
+    from splitleak.training.roles import ServerRole
+
+    lm = load_model("tiny-gpt2", seed=3)
+    split = SplitModel(lm, depth=2)
+    reps = make_replicas(split, 3, 1e-4, seed=3)
+    server = ReplicaMedianServer(reps, DefenceChain([], 3), lr=0.0, threshold=0.02)
+    honest = list(server.handlers)
+
+    def liar(frame):
+        out = honest[2](frame)
+        out.tensor = -50 * out.tensor + 1.0  # a replica that lies about the gradient
+        return out
+
+    server.handlers[2] = liar
+    ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h = split.bottom(ids)
+    frame = Frame("forward", 0, (0, 1), h, torch.ones(2, 32, dtype=torch.long), "capture", labels=ids)
+    reply = server.handle(frame)
+    assert reply.meta["flagged"] == [2]
+    assert server.flag_log[-1]["deviation"][0] < 0.02 and server.flag_log[-1]["deviation"][1] < 0.02
+    g0, g1 = honest[0](frame).tensor, honest[1](frame).tensor
+    lo, hi = torch.minimum(g0, g1), torch.maximum(g0, g1)
+    assert ((reply.tensor >= lo) & (reply.tensor <= hi)).all()  # the median stays between the honest copies
+    # without the liar nothing is flagged
+    server.handlers[2] = honest[2]
+    assert server.handle(frame).meta["flagged"] == []
+
+
+def test_replica_median_run_costs_little(tmp_path):
+    cfg = make_train_config(model="tiny-gpt2", depth=2, n_calib=4, n_train=12, n_eval=20, seed=1,
+                            defences=[{"name": "replica-median"}])
+    m = run_training(cfg, tmp_path / "r", device="cpu").metrics
+    assert m["replica_flagged_messages"] == 0 and 0 < m["replica_max_deviation"] < 0.02
+    assert abs(m["delta_u"]) < 1e-3
+
+
+@pytest.mark.parametrize("args,words", [({"k": 2}, "k must be an integer >= 3"), ({"threshold": 0}, "threshold")])
+def test_bad_replica_arguments(args, words):
+    with pytest.raises(ConfigError, match=words):
+        make_train_config(model="tiny-gpt2", depth=2, defences=[{"name": "replica-median", "args": args}])

@@ -81,13 +81,14 @@ def train_split(
     progress: Progress | None = None,
     taps: list[Tap] | None = None,
     log: TrainLog | None = None,
+    server=None,
 ) -> TrainLog:
     """AdamW, batch 1, one seeded pass; client and server each step their own parameters.
     Raises NonFiniteError naming the step; ``log`` holds what was done until then."""
     progress = progress or Silent()
     log = log if log is not None else TrainLog()
     set_trainable(split)
-    server = ServerRole(split, chain_server, lr)
+    server = server if server is not None else ServerRole(split, chain_server, lr)
     channel = InProcessChannel(server.handle, taps)
     client = ClientRole(split, chain_client, channel, lr)
     order = training_order(len(train_docs), steps, seed)
@@ -153,15 +154,17 @@ def train_all_local(
 
 @torch.no_grad()
 def evaluate_ce(split: SplitModel, docs: Sequence[Document], batch: int = 32, progress: Progress | None = None,
-                name: str = "held-out loss") -> np.ndarray:
-    """Per-document mean next-token cross-entropy (nats) of the uncut model."""
+                name: str = "held-out loss", server_logits=None) -> np.ndarray:
+    """Per-document mean next-token cross-entropy (nats) of the uncut model; with
+    ``server_logits`` (hidden at the cut -> logits), of the client bottom followed by that."""
     progress = progress or Silent()
     task = progress.start(name, len(docs))
     out = []
     for s in range(0, len(docs), batch):
         chunk = docs[s : s + batch]
         ids = ids_tensor(chunk, split.device)
-        out.append(next_token_loss(split.full_logits(ids), ids, reduction="per_doc").double().cpu().numpy())
+        logits = split.full_logits(ids) if server_logits is None else server_logits(split.bottom(ids))
+        out.append(next_token_loss(logits, ids, reduction="per_doc").double().cpu().numpy())
         progress.advance(task, len(chunk))
     progress.finish(task)
     return np.concatenate(out) if out else np.zeros(0)
@@ -183,6 +186,7 @@ def capture_traffic(
     batch: int,
     on_batch: Callable[[dict[str, torch.Tensor]], None],
     progress: Progress | None = None,
+    server=None,
 ) -> dict[str, float]:
     """Frozen weights: send every document through the wire once and record, from the tap,
     the forward activations and returned gradients after the defence. ``on_batch`` receives
@@ -195,8 +199,9 @@ def capture_traffic(
         if frame.kind in ("forward", "backward"):
             seen[frame.kind] = frame
 
-    server = ServerRole(split, chain_server, lr=0.0)
-    server.opt = None
+    if server is None:
+        server = ServerRole(split, chain_server, lr=0.0)
+        server.opt = None
     channel = InProcessChannel(server.handle, [tap])
     client = ClientRole(split, chain_client, channel, lr=0.0)
     client.opt = None

@@ -105,6 +105,8 @@ def run_training(
         raise ConfigError(f"--doc-len {config.doc_len} exceeds the model's context length")
     if chain_client.mixup is not None and split.spec.u_shape:
         raise ConfigError("mixup is implemented for the plain split only, not for partial offloading; use --depth")
+    if chain_client.replica is not None and split.spec.u_shape:
+        raise ConfigError("replica-median is implemented for the plain split only, not for partial offloading; use --depth")
     pristine = copy.deepcopy(lm.model) if config.all_local_baseline else None
 
     store = RunStore.create(out, force=force)
@@ -136,19 +138,31 @@ def run_training(
     store.add_json("documents", "documents.json", docs.to_json())
 
     pre = utility(evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss"))
+    server = None
+    server_logits = None
+    if chain_server.replica is not None:
+        from splitleak.training.replicas import ReplicaMedianServer, make_replicas
+
+        rep = chain_server.replica
+        server = ReplicaMedianServer(make_replicas(split, rep.k, rep.perturbation, config.seed), chain_server,
+                                     config.lr, rep.threshold)
+        server_logits = server.median_logits
     log = TrainLog()
     try:
         train_split(
             split, docs.train, chain_client, chain_server,
-            seed=config.seed, steps=config.n_steps, lr=config.lr, progress=progress, log=log,
+            seed=config.seed, steps=config.n_steps, lr=config.lr, progress=progress, log=log, server=server,
         )
     except NonFiniteError as exc:
         log.error = str(exc)
         store.add_json("training", "training.json", log.as_dict())
         store.close(False, {"error": str(exc), "steps_done": len(log.losses)})
         raise
-    store.add_json("training", "training.json", log.as_dict())
-    post = utility(evaluate_ce(split, docs.evaluation, progress=progress))
+    train_record = log.as_dict()
+    if server is not None and hasattr(server, "flag_log"):
+        train_record["replica_flags"] = server.flag_log
+    store.add_json("training", "training.json", train_record)
+    post = utility(evaluate_ce(split, docs.evaluation, progress=progress, server_logits=server_logits))
 
     shard = {"n": 0}
 
@@ -171,7 +185,7 @@ def run_training(
             buffer.clear()
 
     cap = capture_traffic(split, docs.evaluation, chain_client, chain_server,
-                          batch=config.capture_batch, on_batch=on_batch, progress=progress)
+                          batch=config.capture_batch, on_batch=on_batch, progress=progress, server=server)
     flush()
     store.add_tensors(
         "client-layers", "client_layers.safetensors", split.client_state_dict(),
@@ -187,6 +201,9 @@ def run_training(
         "train_tokens_per_second": log.as_dict()["tokens_per_second"],
         "capture": cap,
     }
+    if server is not None and hasattr(server, "flag_log"):
+        metrics["replica_flagged_messages"] = sum(1 for f in server.flag_log if f["flagged"])
+        metrics["replica_max_deviation"] = max((max(f["deviation"]) for f in server.flag_log), default=0.0)
     if pristine is not None:
         del split
         base_lm = LoadedModel(lm.name, pristine, lm.tokenizer, lm.precision, lm.source, dict(lm.info))

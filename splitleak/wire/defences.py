@@ -292,8 +292,31 @@ class SecretMixup(Defence):
         return (g - (1 - self.lam) * g_decoy) / self.lam
 
 
+class ReplicaMedian(Defence):
+    """Replica median (000 §4.5): ``k`` >= 3 server copies, each with its own seed and a seeded
+    relative weight perturbation ``perturbation``, their returned gradients combined by the
+    coordinate-wise median; copies deviating by more than ``threshold`` (relative) are flagged.
+    The wire transforms are the identity: this defence changes the server side (see
+    ``splitleak.training.replicas``)."""
+
+    name = "replica-median"
+
+    def __init__(self, k: int = 3, perturbation: float = 1e-4, threshold: float = 0.02):
+        if not (isinstance(k, int) and k >= 3):
+            raise ConfigError(f"replica-median: k must be an integer >= 3 (a median of fewer copies cannot outvote a liar), got {k!r}")
+        if not perturbation >= 0:
+            raise ConfigError(f"replica-median: perturbation must be >= 0, got {perturbation}")
+        if not threshold > 0:
+            raise ConfigError(f"replica-median: threshold must be > 0, got {threshold}")
+        self.k, self.perturbation, self.threshold = k, float(perturbation), float(threshold)
+
+    def args(self):
+        return {"k": self.k, "perturbation": self.perturbation, "threshold": self.threshold}
+
+
 DEFENCES: dict[str, type[Defence]] = {
-    cls.name: cls for cls in (NoDefence, Quant, Quant4, Quant4Noisy, ClipNoise, DPForward, SecretMixup)
+    cls.name: cls
+    for cls in (NoDefence, Quant, Quant4, Quant4Noisy, ClipNoise, DPForward, SecretMixup, ReplicaMedian)
 }
 
 
@@ -333,6 +356,10 @@ class DefenceChain:
         if len(mixups) > 1:
             raise ConfigError("mixup can appear once in a defence chain")
         self.mixup: SecretMixup | None = mixups[0] if mixups else None
+        replicas = [d for d in self.defences if isinstance(d, ReplicaMedian)]
+        if len(replicas) > 1:
+            raise ConfigError("replica-median can appear once in a defence chain")
+        self.replica: ReplicaMedian | None = replicas[0] if replicas else None
         if self.mixup is not None:
             self.mixup.seed = seed
 
