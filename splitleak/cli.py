@@ -21,7 +21,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 console = Console() if sys.stdout.isatty() else Console(width=120)  # wide tables in plain logs
-err = Console(stderr=True)
+err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=120)
 
 
 @contextmanager
@@ -228,6 +228,29 @@ def attack_cmd(
             t.add_row("leakage index I", f"{res['leakage_index']:.4f}")
         t.add_row("seconds", f"{res['seconds']:.1f}")
         console.print(t)
+
+
+@app.command("compare")
+def compare_cmd(
+    runs: list[Path] = typer.Argument(..., help="run directories or audit folders"),
+    figure: Optional[Path] = typer.Option(None, "--figure", help="write the leakage-against-cost figure as FIGURE.png and FIGURE.svg"),
+) -> None:
+    """One table of the runs (defence, depth, utility, and recovery per attack, one line per attack),
+    and the leakage-against-cost figure."""
+    from splitleak.report.compare import compare_runs, leakage_cost_figure, table_rows
+
+    with _user_errors():
+        summaries = compare_runs(runs)
+        header, rows = table_rows(summaries)
+        t = Table(title="leakage and cost per run")
+        for i, col in enumerate(header):
+            t.add_column(col, justify="left" if i in (0, 1, 2, 8) else "right")
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+        if figure is not None:
+            for p in leakage_cost_figure(summaries, figure):
+                console.print(f"figure: {p}")
 
 
 @app.command("audit")

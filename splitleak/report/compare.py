@@ -1,0 +1,151 @@
+"""Leakage against cost across runs: `splitleak compare RUN_DIR...`.
+
+Each argument is a run directory (from `splitleak train`) or an audit folder (holding ``run/`` and
+``attacks/*.json``). For every run: defence, depth, seed, utility (held-out cross-entropy,
+perplexity, ΔU), the relative perplexity change against the undefended run of the same model,
+data, split and seed when one is among the arguments, and token / document / span recovery of
+every attack result found beside it. The figure plots leakage (token and whole-document recovery,
+pooled over the attacks run against each run) against that perplexity change (000 Figure 6).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from splitleak.errors import SplitleakError
+
+LABELS = ("name", "number", "identifier")
+
+
+@dataclass
+class RunSummary:
+    path: Path
+    config: dict[str, Any]
+    metrics: dict[str, Any]
+    attacks: list[dict[str, Any]] = field(default_factory=list)
+    rel_ppl_change: float | None = None
+
+    @property
+    def defence(self) -> str:
+        names = [d["name"] for d in self.config["defences"]]
+        return "+".join(names) if names else "none"
+
+    @property
+    def depth(self) -> str:
+        c = self.config
+        if c.get("offload_start") is not None:
+            return f"b={c['offload_start']},s={c['offload_length']}"
+        return str(c["depth"])
+
+    def key(self) -> tuple:
+        c = self.config
+        return (c["model"], c["data"], c["depth"], c.get("offload_start"), c.get("offload_length"), c["seed"],
+                c["n_train"], c["n_eval"], c.get("steps"))
+
+    def pooled(self, what: str) -> float | None:
+        vals = [a[what] for a in self.attacks if a.get(what) is not None and a["attack"] != "majority"]
+        return sum(vals) / len(vals) if vals else None
+
+
+def load_summary(path: str | Path) -> RunSummary:
+    path = Path(path)
+    run = path / "run" if (path / "run" / "manifest.json").is_file() else path
+    if not (run / "manifest.json").is_file() or not (run / "metrics.json").is_file():
+        raise SplitleakError(
+            f"{path} is neither a finished run directory nor an audit folder (no manifest.json and metrics.json); "
+            "pass folders written by `splitleak train` or `splitleak audit`"
+        )
+    manifest = json.loads((run / "manifest.json").read_text())
+    metrics = json.loads((run / "metrics.json").read_text())
+    attacks = []
+    adir = path / "attacks"
+    if adir.is_dir():
+        for f in sorted(adir.glob("*.json")):
+            attacks.append(json.loads(f.read_text()))
+    return RunSummary(path, manifest["config"], metrics, attacks)
+
+
+def compare_runs(paths: list[str | Path]) -> list[RunSummary]:
+    runs = [load_summary(p) for p in paths]
+    base = {r.key(): r for r in runs if r.defence == "none"}
+    for r in runs:
+        b = base.get(r.key())
+        if b is not None and b.metrics.get("perplexity"):
+            r.rel_ppl_change = r.metrics["perplexity"] / b.metrics["perplexity"] - 1.0
+    return runs
+
+
+def _label(a: dict[str, Any]) -> str:
+    p = a.get("attack_params", {})
+    extra = f" k={p['k']}" if "k" in p else (f" budget={p['budget']}" if "budget" in p else "")
+    return f"{a['attack']}{extra}"
+
+
+def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
+    """Long format: one row per (run, attack); the utility columns repeat for each attack of a run."""
+    from splitleak.metrics import fmt_pct
+
+    header = ["run", "defence", "depth", "seed", "held-out CE", "perplexity", "ΔU", "Δ ppl vs none",
+              "attack", "token %", "document %", "name %", "number %", "identifier %"]
+    rows = []
+    for r in runs:
+        m = r.metrics
+        util = [
+            str(r.path), r.defence, r.depth, str(r.config["seed"]), f"{m['heldout_ce']:.4f}",
+            f"{m['perplexity']:.2f}", "n/a" if m.get("delta_u") is None else f"{m['delta_u']:+.4f}",
+            "n/a" if r.rel_ppl_change is None else f"{100 * r.rel_ppl_change:+.2f} %",
+        ]
+        scored = [a for a in r.attacks if a.get("token_recovery") is not None]
+        if not scored:
+            rows.append(util + ["(no attack results)", "", "", "", "", ""])
+        for a in scored:
+            spans = a.get("span_recovery") or {}
+            rows.append(util + [_label(a), fmt_pct(a["token_recovery"]), fmt_pct(a["doc_recovery"])]
+                        + ["n/a" if spans.get(c) is None else fmt_pct(spans[c]) for c in LABELS])
+    return header, rows
+
+
+def leakage_cost_figure(runs: list[RunSummary], out_stem: str | Path) -> list[Path]:
+    """Token and whole-document recovery (pooled over attacks) against the perplexity change,
+    one labelled point per run; writes OUT.png and OUT.svg."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [r for r in runs if r.rel_ppl_change is not None and r.pooled("token_recovery") is not None]
+    if not pts:
+        raise SplitleakError(
+            "nothing to plot: the figure needs, for each defended run, the undefended run of the same model, "
+            "data, split and seed among the arguments, and attack results beside the runs (audit folders)"
+        )
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), constrained_layout=True)
+    for ax, what, title in ((axes[0], "token_recovery", "token recovery"),
+                            (axes[1], "doc_recovery", "whole-document recovery")):
+        groups: dict[tuple[float, float], tuple[float, float, list[str]]] = {}
+        for r in pts:
+            x, y = 100 * r.rel_ppl_change, 100 * r.pooled(what)
+            # points closer than the plot can show share one label
+            groups.setdefault((round(x, 2), round(y, 1)), (x, y, []))[2].append(f"{r.defence}, depth {r.depth}")
+        for x, y, names in groups.values():
+            ax.scatter([x], [y], s=40, color="C0" if any(n.startswith("none") for n in names) else "C3")
+            ax.annotate("\n".join(names), (x, y), textcoords="offset points", xytext=(6, -4), fontsize=9,
+                        va="top")
+        ax.margins(x=0.35)
+        ax.set_xlabel("cost: held-out perplexity change vs. undefended run (%)")
+        ax.set_ylabel(f"{title} (%), mean over attacks")
+        ax.set_title(f"{title} against cost")
+        ax.set_ylim(-2, 102)
+        ax.grid(alpha=0.3)
+    out_stem = Path(out_stem)
+    out_stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for ext in ("png", "svg"):
+        p = out_stem.with_suffix(f".{ext}")
+        fig.savefig(p, dpi=150)
+        paths.append(p)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,44 @@
+import pytest
+from typer.testing import CliRunner
+
+from splitleak.cli import app
+from splitleak.errors import SplitleakError
+from splitleak.report.compare import compare_runs, leakage_cost_figure, table_rows
+
+runner = CliRunner()
+SMALL = ["--n-calib", "8", "--n-train", "8", "--n-eval", "12", "--quiet", "--device", "cpu", "--model", "tiny-gpt2"]
+
+
+@pytest.fixture(scope="module")
+def audits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cmp")
+    for d in ("none", "quant4-noisy"):
+        r = runner.invoke(app, ["audit", "--defence", d, "--out", str(root / d), *SMALL])
+        assert r.exit_code == 0, r.output
+    return root
+
+
+def test_compare_relates_each_defended_run_to_its_undefended_twin(audits):
+    runs = compare_runs([audits / "none", audits / "quant4-noisy"])
+    none, noisy = runs
+    assert none.rel_ppl_change == 0.0
+    expected = noisy.metrics["perplexity"] / none.metrics["perplexity"] - 1
+    assert noisy.rel_ppl_change == pytest.approx(expected) and noisy.rel_ppl_change != 0
+    header, rows = table_rows(runs)
+    assert len(rows) == 2 * 5  # five attacks per audit, one line each
+    assert {r[8] for r in rows} == {"majority", "vmi", "activation k=32", "joint k=32", "sipit budget=32"}
+
+
+def test_compare_cli_writes_png_and_svg(audits, tmp_path):
+    r = runner.invoke(app, ["compare", str(audits / "none"), str(audits / "quant4-noisy"), "--figure", str(tmp_path / "f")])
+    assert r.exit_code == 0, r.output
+    png, svg = tmp_path / "f.png", tmp_path / "f.svg"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "quant4-noisy, depth 2" in svg.read_text()
+
+
+def test_compare_without_a_baseline_cannot_plot(audits, tmp_path):
+    with pytest.raises(SplitleakError, match="undefended run"):
+        leakage_cost_figure(compare_runs([audits / "quant4-noisy"]), tmp_path / "f")
+    r = runner.invoke(app, ["compare", str(tmp_path)])
+    assert r.exit_code == 2 and "neither a finished run" in " ".join(r.output.split())
