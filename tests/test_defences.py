@@ -153,3 +153,4 @@ def test_replica_median_run_costs_little(tmp_path):
 def test_bad_replica_arguments(args, words):
     with pytest.raises(ConfigError, match=words):
         make_train_config(model="tiny-gpt2", depth=2, defences=[{"name": "replica-median", "args": args}])
+

@@ -242,7 +242,7 @@ def draw_decoy_indices(pool_size: int, n: int, seed: int, chunk: int) -> torch.T
 class SecretMixup(Defence):
     """Secret mixup (000 §4.5): every position sends lambda * (true activation) + (1 - lambda) *
     (decoy). Decoys are real activation rows recycled from earlier training data of the same run,
-    drawn without replacement per chunk (one chunk = one message) by a generator seeded with SHA-256
+    drawn without replacement per chunk (one chunk = one document's rows) by a generator seeded with SHA-256
     of (run seed, chunk index). The client also sends the decoys alone as probe rows; the server
     returns their gradient g_decoy without training on it, and the client corrects the returned
     gradient to (g - (1 - lambda) g_decoy) / lambda — exact when the gradient is affine in the
@@ -281,11 +281,16 @@ class SecretMixup(Defence):
         return sum(p.shape[0] for p in self._pool)
 
     def mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mixed activations, decoys), both shaped like x; advances the chunk counter."""
+        """(mixed activations, decoys), both shaped like x [docs, tokens, width]. One chunk is one
+        document's rows: each document's decoys are drawn without replacement from the pool with
+        the generator of the next chunk index."""
         pool = torch.cat(self._pool) if self._pool else torch.zeros(0, x.shape[-1], dtype=x.dtype)
-        idx = draw_decoy_indices(pool.shape[0], x.shape[0] * x.shape[1], self.seed, self.chunk)
-        self.chunk += 1
-        decoy = pool[idx].view_as(x).to(x.device, x.dtype)
+        decoys = []
+        for _ in range(x.shape[0]):
+            idx = draw_decoy_indices(pool.shape[0], x.shape[1], self.seed, self.chunk)
+            self.chunk += 1
+            decoys.append(pool[idx])
+        decoy = torch.stack(decoys).to(x.device, x.dtype)
         return self.lam * x + (1 - self.lam) * decoy, decoy
 
     def correct(self, g: torch.Tensor, g_decoy: torch.Tensor) -> torch.Tensor:
