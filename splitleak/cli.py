@@ -101,6 +101,8 @@ def _train_config(**kw):
 @app.command("train")
 def train_cmd(
     out: Path = typer.Option(..., "--out", help="run directory to write (must not exist, unless --force)"),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML file with the training configuration "
+                                          "(model, depth, defences: [{name, args}], data, seed, ...) instead of options"),
     model: str = typer.Option("tiny-gpt2", "--model", help="preset name, Hugging Face id or local directory"),
     model_path: Optional[Path] = typer.Option(None, "--model-path", help="local directory holding the model"),
     depth: Optional[int] = typer.Option(None, "--depth", help="cut after L blocks (plain split)"),
@@ -127,6 +129,24 @@ def train_cmd(
     from splitleak.training import run_training
 
     with _user_errors():
+        options = dict(
+            model=model, model_path=model_path, depth=depth, offload_start=offload_start,
+            offload_length=offload_length, defence=defence, defence_arg=defence_arg, data=data, data_path=data_path,
+            seed=seed, steps=steps, precision=precision, n_calib=n_calib, n_train=n_train, n_eval=n_eval,
+            doc_len=doc_len, no_baseline=no_baseline,
+        )
+        if config is not None:
+            changed = [k for k, v in options.items() if v != _TRAIN_DEFAULTS[k]]
+            if changed:
+                raise ConfigError(
+                    f"--config {config} and the option(s) {', '.join('--' + k.replace('_', '-') for k in changed)} "
+                    "were both given; put the whole configuration in the YAML file, or use options only"
+                )
+            cfg = load_train_yaml(config)
+            with _progress(quiet) as prog:
+                res = run_training(cfg, out, force=force, device=device, threads=threads, progress=prog)
+            _print_summary(res)
+            return
         if depth is None and offload_start is None and offload_length is None:
             raise ConfigError("give --depth L (plain split) or --offload-start b --offload-length s")
         cfg = _train_config(
@@ -140,6 +160,28 @@ def train_cmd(
         with _progress(quiet) as prog:
             res = run_training(cfg, out, force=force, device=device, threads=threads, progress=prog)
         _print_summary(res)
+
+
+_TRAIN_DEFAULTS = dict(
+    model="tiny-gpt2", model_path=None, depth=None, offload_start=None, offload_length=None, defence=["none"],
+    defence_arg=[], data="synthetic-pii", data_path=None, seed=0, steps=None, precision="float32", n_calib=32,
+    n_train=128, n_eval=256, doc_len=32, no_baseline=False,
+)
+
+
+def load_train_yaml(path: Path):
+    """A TrainConfig from a YAML mapping of its fields; unknown keys are refused by name."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of configuration fields (model: ..., depth: ..., ...)")
+    return _train_config(**data)
 
 
 def _print_summary(res) -> None:

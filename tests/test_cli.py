@@ -88,3 +88,23 @@ def test_audit_on_tiny_model(tmp_path):
     assert "| activation k=32 |" in md and report["verdict"] in md
     assert (out / "attacks" / "joint.parquet").is_file()
     assert runner.invoke(app, ["verify", str(out / "run")]).exit_code == 0
+
+
+def test_train_from_yaml_with_composed_defences(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        "model: tiny-gpt2\ndepth: 2\nseed: 2\nn_calib: 4\nn_train: 6\nn_eval: 10\n"
+        "defences:\n  - name: quant8\n  - name: clip-noise\n    args: {clip: 2.0, sigma: 0.05, where: backward}\n"
+    )
+    out = tmp_path / "run"
+    r = runner.invoke(app, ["train", "--config", str(cfg), "--out", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["defences"] == [{"name": "quant8", "args": {}},
+                             {"name": "clip-noise", "args": {"clip": 2.0, "sigma": 0.05, "where": "backward"}}]
+    r = runner.invoke(app, ["train", "--config", str(cfg), "--depth", "3", "--out", str(tmp_path / "x"), "--quiet"])
+    assert r.exit_code == 2 and "--depth" in r.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: tiny-gpt2\ndepth: 2\ndefense: [quant8]\n")
+    r = runner.invoke(app, ["train", "--config", str(bad), "--out", str(tmp_path / "y"), "--quiet"])
+    assert r.exit_code == 2 and "defense" in r.output and not (tmp_path / "y").exists()
