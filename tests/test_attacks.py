@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from splitleak.attacks import (
-    ATTACKS, ClientCopy, Knowledge, Traffic, beam_search, beam_search_naive, choose_property_tokens,
-    load_knowledge, load_traffic, make_attack, make_attack_config, merge_candidates, perturb_gradients, run_attack,
+    ATTACKS, ClientCopy, Knowledge, beam_search, beam_search_naive, choose_property_tokens,
+    load_knowledge, load_traffic, make_attack_config, merge_candidates, perturb_gradients, run_attack,
 )
 from splitleak.attacks.core import derangement, random_fill
 from splitleak.attacks.ridge import RidgeMap, cosine_topk
-from splitleak.errors import ConfigError, SplitleakError
+from splitleak.errors import ConfigError
 from splitleak.models import load_model
 from splitleak.training import make_train_config, run_training
 from splitleak.wire import quantize_symmetric

@@ -6,7 +6,7 @@ from splitleak.models import SplitModel, load_model
 from splitleak.training import make_train_config, run_training
 from splitleak.training.roles import ClientRole
 from splitleak.wire import DefenceChain, Frame, InProcessChannel, build_defence, load_capture
-from splitleak.wire.defences import SecretMixup, draw_decoy_indices
+from splitleak.wire.defences import draw_decoy_indices
 
 
 @pytest.mark.parametrize("seed,chunk", [(0, 0), (0, 7), (5, 7)])
@@ -112,7 +112,6 @@ def test_mixup_refuses_partial_offloading(tmp_path):
 
 def test_one_lying_replica_is_flagged_and_does_not_move_the_median():
     from splitleak.training.replicas import ReplicaMedianServer, make_replicas
-    from splitleak.training.roles import ServerRole
 
     lm = load_model("tiny-gpt2", seed=3)
     split = SplitModel(lm, depth=2)

@@ -8,7 +8,6 @@ from splitleak.errors import ConfigError, NonFiniteError
 from splitleak.data import load_documents
 from splitleak.models import SplitModel, load_model, next_token_loss
 from splitleak.training import make_train_config, run_training, train_split, training_order
-from splitleak.training.loop import ids_tensor
 from splitleak.wire import DefenceChain, load_capture, quantize_symmetric, verify_run
 
 SMALL = dict(n_calib=4, n_train=12, n_eval=20)

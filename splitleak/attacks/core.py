@@ -26,7 +26,7 @@ from splitleak.attacks.knowledge import Knowledge, Traffic
 from splitleak.attacks.ridge import RidgeMap, cosine_scores, cosine_topk
 from splitleak.attacks.search import GradientGuidedOrder, beam_search, sipit
 from splitleak.errors import ConfigError
-from splitleak.progress import Progress, Silent
+from splitleak.progress import Progress
 
 
 @dataclass

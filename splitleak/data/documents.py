@@ -26,6 +26,7 @@ import numpy as np
 from splitleak.errors import DataError
 
 __all__ = [
+    "read_utf8",
     "LABELS",
     "FORMAT",
     "Span",
@@ -403,3 +404,11 @@ def draw_sets(
         seed=int(seed),
         doc_len=int(doc_len),
     )
+
+
+def read_utf8(path, fix: str) -> str:
+    """The text of ``path``, or a DataError naming the file, the cause and ``fix``."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read {path} as UTF-8 text ({type(exc).__name__}: {exc}); {fix}") from exc

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splitleak.data.documents import Passage
+from splitleak.data.documents import Passage, read_utf8
 from splitleak.errors import DataError
 
 __all__ = ["paragraphs", "read_text_files"]
@@ -61,13 +61,7 @@ def read_text_files(data_path: str | Path | None) -> tuple[list[Passage], str]:
         where = str(path)
     passages: list[Passage] = []
     for f in files:
-        try:
-            text = f.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise DataError(
-                f"cannot read {f} as UTF-8 text ({type(exc).__name__}: {exc}); convert it to "
-                "UTF-8 or remove it from the folder"
-            ) from exc
+        text = read_utf8(f, "convert it to UTF-8 or remove it from the folder")
         if not text.strip():
             raise DataError(
                 f"text file {f} is empty; add text to it or remove it from data_path"

@@ -17,7 +17,7 @@ import importlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from splitleak.data.documents import Passage
+from splitleak.data.documents import Passage, read_utf8
 from splitleak.errors import DataError
 
 __all__ = ["HF_DATASET", "HF_CONFIG", "is_heading", "passages_from_lines", "read_wikitext"]
@@ -67,13 +67,7 @@ def read_wikitext(data_path: str | Path | None) -> tuple[list[Passage], str]:
     passages: list[Passage] = []
     for path in files:
         split = path.name[len("wiki.") : -len(".raw")]
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise DataError(
-                f"cannot read {path} as UTF-8 text ({type(exc).__name__}: {exc}); replace it "
-                "with the original wikitext-2-raw-v1 file"
-            ) from exc
+        text = read_utf8(path, "replace it with the original wikitext-2-raw-v1 file")
         passages.extend(passages_from_lines(text.split("\n"), split))
     return passages, f"{', '.join(p.name for p in files)} in {folder}"
 
