@@ -1,0 +1,54 @@
+"""Statistics for reporting leakage: crossed (models x documents) and hierarchical
+(seeds x frames) bootstrap intervals, Wilson score bounds and the gate statistic G
+(paper 002 Eq. 1), Bonferroni splits, DerSimonian-Laird random effects, and the partial
+R^2 permutation test of paper 000 §5.
+
+Every random function takes ``seed`` (an int or a ``numpy.random.Generator``) and never
+touches global random state; bad input raises ``ConfigError`` or ``DataError``."""
+
+from __future__ import annotations
+
+from splitleak.metrics import roc_auc
+from splitleak.stats.binomial import (
+    GateResult,
+    bonferroni_alpha,
+    effect_verdict,
+    gate_statistic,
+    gate_verdict,
+    passes_lower_bound,
+    wilson_interval,
+    wilson_upper,
+)
+from splitleak.stats.bootstrap import (
+    Interval,
+    crossed_bootstrap_ci,
+    crossed_replicates,
+    hierarchical_bootstrap_ci,
+    hierarchical_replicates,
+    paired_difference_ci,
+)
+from splitleak.stats.meta import RandomEffects, random_effects
+from splitleak.stats.regression import PartialR2, partial_r2_test, permute_within_groups
+
+__all__ = [
+    "Interval",
+    "GateResult",
+    "RandomEffects",
+    "PartialR2",
+    "crossed_bootstrap_ci",
+    "crossed_replicates",
+    "paired_difference_ci",
+    "hierarchical_bootstrap_ci",
+    "hierarchical_replicates",
+    "bonferroni_alpha",
+    "passes_lower_bound",
+    "wilson_interval",
+    "wilson_upper",
+    "gate_statistic",
+    "effect_verdict",
+    "gate_verdict",
+    "random_effects",
+    "partial_r2_test",
+    "permute_within_groups",
+    "roc_auc",
+]

@@ -1,0 +1,142 @@
+"""Crossed (models x documents) and hierarchical (seeds x frames) bootstrap intervals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from splitleak.errors import DataError
+from splitleak.stats._checks import (
+    check_alpha,
+    check_count,
+    finite_array,
+    make_rng,
+    percentile_bounds,
+)
+
+# Floats held at once per chunk of replicates (about 32 MB of float64).
+_CHUNK_ELEMENTS = 4_000_000
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with a two-sided interval [low, high] at level 1 - alpha.
+
+    ``n_boot`` is the number of bootstrap replicates (0 for closed-form intervals)."""
+
+    estimate: float
+    low: float
+    high: float
+    n_boot: int
+    alpha: float
+
+
+def crossed_replicates(scores: Any, n_boot: int, seed: Any = 0) -> np.ndarray:
+    """The ``n_boot`` crossed-bootstrap replicate means of a (models x documents) matrix.
+
+    Models and documents are resampled with replacement as two independent axes; every
+    drawn document stays paired with every drawn model. A replicate is
+    ``w^T S v / (sum(w) * sum(v))`` with ``w``, ``v`` multinomial counts over models and
+    documents. Computed by batched matrix products, in chunks to bound memory."""
+    s = finite_array(scores, "scores", ndim=2)
+    n_boot = check_count(n_boot, "n_boot")
+    rng = make_rng(seed)
+    m, d = s.shape
+    pm = np.full(m, 1.0 / m)
+    pd = np.full(d, 1.0 / d)
+    chunk = max(1, _CHUNK_ELEMENTS // max(m, d))
+    out = np.empty(n_boot, dtype=np.float64)
+    for start in range(0, n_boot, chunk):
+        b = min(chunk, n_boot - start)
+        w = rng.multinomial(m, pm, size=b).astype(np.float64)  # (b, m)
+        v = rng.multinomial(d, pd, size=b).astype(np.float64)  # (b, d)
+        ws = w @ s  # (b, d)
+        out[start : start + b] = np.einsum("bd,bd->b", ws, v) / (m * d)
+    return out
+
+
+def crossed_bootstrap_ci(
+    scores: Any, n_boot: int = 100_000, alpha: float = 0.05, seed: Any = 0
+) -> Interval:
+    """Percentile crossed-bootstrap interval for the mean of a (models x documents) matrix.
+
+    ``scores[i, j]`` is model i's score on document j (already averaged over attack seeds).
+    The estimate is the plain mean; the interval is the alpha/2 and 1 - alpha/2 quantiles
+    of ``n_boot`` crossed-bootstrap replicates (see :func:`crossed_replicates`)."""
+    alpha = check_alpha(alpha)
+    s = finite_array(scores, "scores", ndim=2)
+    reps = crossed_replicates(s, n_boot, seed)
+    low, high = percentile_bounds(reps, alpha)
+    return Interval(float(s.mean()), low, high, int(n_boot), alpha)
+
+
+def paired_difference_ci(
+    a: Any, b: Any, n_boot: int = 100_000, alpha: float = 0.05, seed: Any = 0
+) -> Interval:
+    """Crossed-bootstrap interval for mean(a) - mean(b), two (models x documents) matrices
+    of equal shape scored on the same models and documents (the pairing is kept)."""
+    x = finite_array(a, "a", ndim=2)
+    y = finite_array(b, "b", ndim=2)
+    if x.shape != y.shape:
+        raise DataError(
+            f"a has shape {x.shape} and b {y.shape}; pass two matrices of the same "
+            "(models x documents) shape, paired cell by cell"
+        )
+    return crossed_bootstrap_ci(x - y, n_boot=n_boot, alpha=alpha, seed=seed)
+
+
+def hierarchical_replicates(
+    values_by_seed: Sequence[Any], n_boot: int, seed: Any = 0
+) -> np.ndarray:
+    """Replicates of the mean over seeds of per-seed frame means, seeds resampled (outer)
+    and then frames resampled within each drawn seed (inner, independently per copy).
+
+    A seed drawn c times contributes the sum of c independent frame-resample means; the
+    sum of c independent multinomial(n, uniform) count vectors is multinomial(c*n,
+    uniform), so each seed needs one multinomial draw per replicate."""
+    n_boot = check_count(n_boot, "n_boot")
+    rng = make_rng(seed)
+    groups = _seed_groups(values_by_seed)
+    k = len(groups)
+    out = np.empty(n_boot, dtype=np.float64)
+    largest = max(g.size for g in groups)
+    chunk = max(1, _CHUNK_ELEMENTS // largest)
+    for start in range(0, n_boot, chunk):
+        b = min(chunk, n_boot - start)
+        copies = rng.multinomial(k, np.full(k, 1.0 / k), size=b)  # (b, k)
+        total = np.zeros(b)
+        for j, x in enumerate(groups):
+            n = x.size
+            counts = rng.multinomial(copies[:, j] * n, np.full(n, 1.0 / n))  # (b, n)
+            total += counts @ x / n
+        out[start : start + b] = total / k
+    return out
+
+
+def hierarchical_bootstrap_ci(
+    values_by_seed: Sequence[Any], n_boot: int = 10_000, alpha: float = 0.05, seed: Any = 0
+) -> Interval:
+    """Two-level percentile bootstrap: seeds outer, frames inner.
+
+    ``values_by_seed`` is one 1-D array of per-frame values per seed. The estimate is the
+    mean over seeds of the per-seed mean."""
+    alpha = check_alpha(alpha)
+    groups = _seed_groups(values_by_seed)
+    reps = hierarchical_replicates(groups, n_boot, seed)
+    low, high = percentile_bounds(reps, alpha)
+    estimate = float(np.mean([g.mean() for g in groups]))
+    return Interval(estimate, low, high, int(n_boot), alpha)
+
+
+def _seed_groups(values_by_seed: Sequence[Any]) -> list[np.ndarray]:
+    if isinstance(values_by_seed, np.ndarray) and values_by_seed.ndim == 1:
+        raise DataError(
+            "values_by_seed is a single 1-D array; pass a list with one 1-D array of frame "
+            "values per seed"
+        )
+    groups = [finite_array(v, f"values_by_seed[{i}]", ndim=1) for i, v in enumerate(values_by_seed)]
+    if not groups:
+        raise DataError("values_by_seed is empty; pass one array of frame values per seed")
+    return groups
