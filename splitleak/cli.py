@@ -76,6 +76,32 @@ def _progress(quiet: bool):
     return rich_progress()
 
 
+protocol_app = typer.Typer(help="Protocols fixed before the runs: freeze, show.", no_args_is_help=True)
+app.add_typer(protocol_app, name="protocol")
+
+
+@protocol_app.command("freeze")
+def protocol_freeze_cmd(file: Path = typer.Argument(..., help="protocol YAML file")) -> None:
+    """Validate FILE and record its SHA-256 in FILE.frozen.json; results written under it carry the hash."""
+    from splitleak.audit.protocol import freeze_protocol
+
+    with _user_errors():
+        digest = freeze_protocol(file)
+        console.print(f"frozen {file}: sha256 {digest}")
+
+
+@protocol_app.command("show")
+def protocol_show_cmd(file: Path = typer.Argument(..., help="protocol YAML file")) -> None:
+    """Check that FILE is frozen and unchanged, and print its hypotheses and hash."""
+    from splitleak.audit.protocol import load_protocol
+
+    with _user_errors():
+        proto, digest = load_protocol(file)
+        console.print(f"{proto.name} ({proto.source}) sha256 {digest}")
+        for h in proto.hypotheses:
+            console.print(f"- {h}")
+
+
 # ------------------------------------------------------------------ commands
 @app.command("models")
 def models_cmd() -> None:
@@ -230,6 +256,7 @@ def attack_cmd(
     gradient_noise: Optional[float] = typer.Option(None, "--gradient-noise", help="observer-side noise, sigma x gradient RMS"),
     gradient_bits: Optional[int] = typer.Option(None, "--gradient-bits", help="observer-side rounding of the gradient to b bits"),
     inference: bool = typer.Option(False, "--inference", help="use the activations only (inference traffic)"),
+    protocol: Optional[Path] = typer.Option(None, "--protocol", help="a frozen protocol file; the result carries its hash"),
     force: bool = typer.Option(False, "--force", help="replace an existing RESULT.json"),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -250,8 +277,14 @@ def attack_cmd(
                 raise ConfigError(f"--budget {budget!r} is neither an integer nor 'exhaustive'") from None
         cfg = make_attack_config(attack=attack, k=k, client_copy=copy, budget=b, attack_seed=attack_seed,
                                  gradient_noise=gradient_noise, gradient_bits=gradient_bits, inference=inference)
+        protocol_hash = None
+        if protocol is not None:
+            from splitleak.audit.protocol import load_protocol
+
+            _, protocol_hash = load_protocol(protocol)
         with _progress(quiet) as prog:
-            res = run_attack(run_dir, cfg, out=out, force=force, progress=prog, device=str(dev))
+            res = run_attack(run_dir, cfg, out=out, force=force, progress=prog, device=str(dev),
+                             protocol_hash=protocol_hash)
         t = Table(title=f"{attack} on {run_dir}")
         t.add_column("measure")
         t.add_column("value", justify="right")

@@ -109,6 +109,7 @@ def run_attack(
     traffic: Traffic | None = None,
     progress: Progress | None = None,
     device: str | None = None,
+    protocol_hash: str | None = None,
 ) -> dict[str, Any]:
     """Fit and run the attack, score it, and (with ``out``) write RESULT.json and the per-document
     predictions as Parquet beside it. Returns the result dictionary."""
@@ -146,6 +147,7 @@ def run_attack(
         "attack_params": attack.params(),
         "run": {"dir": str(run_dir), "config_hash": manifest["config_hash"], "config": manifest["config"],
                 "cut": manifest["split"]["cut"]},
+        "protocol_hash": protocol_hash,
         "n_docs": len(traffic),
         "n_tokens": int(traffic.activations.shape[0] * traffic.activations.shape[1]),
         "seconds": seconds,

@@ -1,0 +1,140 @@
+"""Protocols fixed before the runs: hypotheses, the main test and its pass mark, the comparison
+family, thresholds, seeds and document counts, in a YAML file.
+
+``freeze_protocol(FILE)`` records the SHA-256 of the file's bytes in ``FILE.frozen.json``. From
+then on ``load_protocol(FILE)`` refuses the file if its bytes no longer match (the message names
+both hashes), every result written under it carries ``protocol_hash``, and ``check_results``
+refuses results whose hash differs, naming them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from splitleak.errors import ConfigError, IntegrityError
+
+SHIPPED = Path(__file__).parent / "protocols"
+
+
+class MainTest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    description: str
+    metric: str = "token_recovery"
+    treatment: dict[str, Any]  # attack configuration whose score is the minuend
+    control: dict[str, Any]  # attack configuration subtracted
+    pass_mark: float  # the lower end of the interval must exceed this (a share: 0.02 = 2 points)
+    alpha: float = Field(0.05, gt=0, lt=1)
+    interval: str = "crossed bootstrap over victim models and documents"
+    n_boot: int = Field(100_000, ge=1)
+    bootstrap_seed: int = 0
+
+
+class Family(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    description: str
+    size: int = Field(ge=1)
+    alpha: float = Field(0.05, gt=0, lt=1)
+    correction: str = "bonferroni"
+    pass_rule: str = "lower end of the corrected interval above zero"
+
+
+class Protocol(BaseModel):
+    """The typed content of a protocol file; unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    source: str  # the paper section it implements
+    hypotheses: list[str]
+    main_test: MainTest | None = None
+    family: Family | None = None
+    tests: list[dict[str, Any]] = Field(default_factory=list)  # further pre-registered tests
+    thresholds: dict[str, float] = Field(default_factory=dict)
+    victim_seeds: list[int]
+    attack_seeds: list[int] = Field(default_factory=lambda: [0])
+    documents: dict[str, int]
+    models: list[str] = Field(default_factory=list)
+    notes: str = ""
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _record_path(path: Path) -> Path:
+    return path.with_name(path.name + ".frozen.json")
+
+
+def parse_protocol(path: str | Path) -> Protocol:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"protocol file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    try:
+        return Protocol(**(data or {}))
+    except (ValidationError, TypeError) as exc:
+        raise ConfigError(f"{path} is not a valid protocol: {exc}") from None
+
+
+def freeze_protocol(path: str | Path) -> str:
+    """Validate the protocol and record its SHA-256 beside it; refreezing an edited file is refused."""
+    path = Path(path)
+    parse_protocol(path)
+    digest = file_sha256(path)
+    rec = _record_path(path)
+    if rec.is_file():
+        old = json.loads(rec.read_text())["sha256"]
+        if old != digest:
+            raise IntegrityError(
+                f"{path} was frozen with sha256 {old} and now hashes to {digest}: it was edited after freezing. "
+                "A frozen protocol cannot be changed; write a new protocol file under a new name"
+            )
+        return digest
+    rec.write_text(json.dumps({"file": path.name, "sha256": digest,
+                               "frozen_at": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+                              indent=2) + "\n")
+    return digest
+
+
+def load_protocol(path: str | Path) -> tuple[Protocol, str]:
+    """The protocol and its hash, only if it was frozen and is unchanged since."""
+    path = Path(path)
+    rec = _record_path(path)
+    if not rec.is_file():
+        raise IntegrityError(f"{path} has not been frozen; run `splitleak protocol freeze {path}` before the runs")
+    frozen = json.loads(rec.read_text())["sha256"]
+    now = file_sha256(path)
+    if now != frozen:
+        raise IntegrityError(
+            f"{path} was frozen with sha256 {frozen} but now hashes to {now}: the protocol was edited after "
+            "freezing, so results cannot be analysed under it"
+        )
+    return parse_protocol(path), now
+
+
+def check_results(results: Iterable[dict[str, Any]], protocol_hash: str) -> None:
+    """Refuse results not written under ``protocol_hash``, naming them and both hashes."""
+    bad = []
+    for r in results:
+        h = r.get("protocol_hash")
+        if h != protocol_hash:
+            bad.append(f"{r.get('attack', '?')} ({r.get('config_hash', '?')[:12]}): protocol_hash {h}")
+    if bad:
+        raise IntegrityError(
+            f"{len(bad)} result(s) were not written under the protocol with sha256 {protocol_hash}: "
+            + "; ".join(bad[:5]) + ("" if len(bad) <= 5 else f"; and {len(bad) - 5} more")
+        )
+
+
+def shipped_protocols() -> list[Path]:
+    return sorted(SHIPPED.glob("*.yaml"))
