@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config, run_attack
+from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
 from splitleak.metrics import fmt_pct
 from splitleak.models import PRESETS, load_model, preset_available
@@ -34,7 +35,6 @@ AUDIT_ATTACKS = (
     ("joint", {"k": 32}),
     ("sipit", {"budget": 32}),
 )
-LABELS = ("name", "number", "identifier")
 
 
 def choose_default_model() -> tuple[str, str]:

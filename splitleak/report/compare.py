@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from splitleak.audit.run import attack_label as _label
+from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
 
-LABELS = ("name", "number", "identifier")
 
 
 @dataclass
@@ -76,12 +77,6 @@ def compare_runs(paths: list[str | Path]) -> list[RunSummary]:
         if b is not None and b.metrics.get("perplexity"):
             r.rel_ppl_change = r.metrics["perplexity"] / b.metrics["perplexity"] - 1.0
     return runs
-
-
-def _label(a: dict[str, Any]) -> str:
-    p = a.get("attack_params", {})
-    extra = f" k={p['k']}" if "k" in p else (f" budget={p['budget']}" if "budget" in p else "")
-    return f"{a['attack']}{extra}"
 
 
 def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
