@@ -34,6 +34,7 @@ def _user_errors():
 
 
 # ------------------------------------------------------------------ shared options
+_CAL_COVERAGES = (0.02, 0.04, 0.06, 0.10, 0.30, 1.0)  # splitleak.audit.calibrate.DEFAULT_COVERAGES
 DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present), cpu or cuda")
 ThreadsOpt = typer.Option(None, "--threads", help="torch intra-op threads (default: torch's choice)")
 
@@ -76,7 +77,7 @@ def _progress(quiet: bool):
     return rich_progress()
 
 
-protocol_app = typer.Typer(help="Protocols fixed before the runs: freeze, show.", no_args_is_help=True)
+protocol_app = typer.Typer(help="Protocols fixed before the runs: freeze, show, analyse.", no_args_is_help=True)
 app.add_typer(protocol_app, name="protocol")
 
 
@@ -88,6 +89,34 @@ def protocol_freeze_cmd(file: Path = typer.Argument(..., help="protocol YAML fil
     with _user_errors():
         digest = freeze_protocol(file)
         console.print(f"frozen {file}: sha256 {digest}")
+
+
+@protocol_app.command("analyse")
+def protocol_analyse_cmd(
+    file: Path = typer.Argument(..., help="the frozen protocol file"),
+    results: list[Path] = typer.Argument(..., help="attack RESULT.json files, or folders holding them (searched recursively)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="write the analysis as OUT.json and OUT.md"),
+) -> None:
+    """Apply a frozen protocol to results: the main test against its pass mark, the Bonferroni family,
+    and the partial-offloading tests. Results not written under the protocol's hash are refused."""
+    import json as _json
+
+    from splitleak.audit.analysis import analyse, analysis_markdown, find_results, rows_from_results, run_rows_from_results
+    from splitleak.audit.protocol import load_protocol
+
+    with _user_errors():
+        proto, digest = load_protocol(file)
+        found = find_results(results)
+        a = analyse(proto, digest, rows_from_results(found), run_rows_from_results(found))
+        md = analysis_markdown(a)
+        console.print(md, markup=False, highlight=False)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.with_suffix(".json").write_text(_json.dumps(a.as_dict(), indent=2) + "\n")
+            out.with_suffix(".md").write_text(md)
+            console.print(f"analysis: {out.with_suffix('.json')}")
+        if a.main is not None and not a.main.passes:
+            raise typer.Exit(1)
 
 
 @protocol_app.command("show")
@@ -303,6 +332,48 @@ def attack_cmd(
             t.add_row("leakage index I", f"{res['leakage_index']:.4f}")
         t.add_row("seconds", f"{res['seconds']:.1f}")
         console.print(t)
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    run_dir: Path = typer.Argument(..., help="a run directory written by `splitleak train`"),
+    attack: str = typer.Option(..., "--attack", help="the token attack to calibrate (vmi, activation, joint, sipit, ...)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output folder (default: RUN_DIR's parent / calibration-ATTACK)"),
+    coverage: list[float] = typer.Option(list(_CAL_COVERAGES), "--coverage", help="share of rows dosed; repeat for a ladder"),
+    amplitude: list[float] = typer.Option([1.0], "--amplitude", help="strength of the planted signal in (0, 1]; repeat"),
+    copy: str = typer.Option("public", "--copy", help="the attacker's copy of the client layers: public or trained"),
+    k: Optional[int] = typer.Option(None, "--k"),
+    budget: Optional[int] = typer.Option(None, "--budget"),
+    n_docs: Optional[int] = typer.Option(None, "--n-docs", help="calibrate on the first N captured documents"),
+    seed: int = typer.Option(0, "--seed"),
+    n_boot: int = typer.Option(2000, "--n-boot"),
+    force: bool = typer.Option(False, "--force"),
+    threads: Optional[int] = ThreadsOpt,
+    quiet: bool = typer.Option(False, "--quiet"),
+) -> None:
+    """Inject a known token leak into the capture at rising dose and record where each metric (token
+    top-1, rare-token top-1, cross-entropy, membership AUC) first detects it (002 §4)."""
+    from splitleak.audit.calibrate import calibration_table, onset_text
+    from splitleak.training.run import apply_threads
+
+    with _user_errors():
+        apply_threads(threads)
+        from splitleak.audit.calibrate import METRICS, calibrate
+
+        target = out if out is not None else run_dir.parent / f"calibration-{attack}"
+        with _progress(quiet) as prog:
+            res = calibrate(run_dir, attack, out=target, coverages=coverage, amplitudes=amplitude, client_copy=copy,
+                            k=k, budget=budget, n_docs=n_docs, seed=seed, n_boot=n_boot, force=force, progress=prog)
+        header, rows = calibration_table(res.record)
+        t = Table(title=f"dose-response of {attack} on {run_dir} (✓ detected)")
+        for i, col in enumerate(header):
+            t.add_column(col, justify="left" if i == 0 else "right")
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+        for m in METRICS:
+            console.print(f"{m}: {onset_text(res.record, m)}")
+        console.print(f"calibration: {target / 'calibration.json'} (table .md, figure .png/.svg)")
 
 
 @app.command("compare")

@@ -86,6 +86,12 @@ def test_audit_on_tiny_model(tmp_path):
     assert by_name["activation"]["token_recovery"] > by_name["majority"]["token_recovery"] + 0.5
     md = (out / "report.md").read_text()
     assert "| activation k=32 |" in md and report["verdict"] in md
+    # verdict words: the activation arms are detected, no shuffled-label control is, the gate breaks
+    arms = {a["attack"]: a["arm"] for a in report["attacks"]}
+    assert arms["activation"]["verdict"] == "detected" and arms["activation"]["effect"]["low"] > 0.3
+    assert all(a["control_verdict"] != "detected" for a in arms.values())
+    assert report["verdicts"]["gate"]["breaks"] and report["verdict"].startswith("LEAKS")
+    assert (out / "calibration" / "calibration.json").is_file()
     assert (out / "attacks" / "joint.parquet").is_file()
     assert runner.invoke(app, ["verify", str(out / "run")]).exit_code == 0
 

@@ -83,6 +83,7 @@ def test_bonferroni_and_verdicts():
     assert effect_verdict(iv) == "detected"
     assert effect_verdict(Interval(0.1, 0.0, 0.2, 10, 0.05)) == "at floor"
     assert effect_verdict(Interval(0.1, -0.01, 0.2, 10, 0.05)) == "at floor"
+    assert effect_verdict(Interval(-0.1, -0.2, -0.01, 10, 0.05)) == "below floor"
 
 
 # ---------------------------------------------------------------- AUC

@@ -13,7 +13,7 @@ import hashlib
 import json
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -35,13 +35,54 @@ class MainTest(BaseModel):
     bootstrap_seed: int = 0
 
 
+class Comparison(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    treatment: dict[str, Any]
+    control: dict[str, Any]
+
+
 class Family(BaseModel):
+    """A family of comparisons tested at alpha / size each (Bonferroni).
+
+    The comparisons are listed in ``comparisons``, or generated as ``treatment`` against each of
+    ``controls`` at every combination of the values in ``over`` (keys such as depth, client_copy,
+    k); with ``exclude_main_test`` the combination equal to the main test is left out. Either way
+    the number of comparisons must equal ``size``."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
     description: str
     size: int = Field(ge=1)
     alpha: float = Field(0.05, gt=0, lt=1)
-    correction: str = "bonferroni"
+    correction: Literal["bonferroni"] = "bonferroni"
     pass_rule: str = "lower end of the corrected interval above zero"
+    metric: str = "token_recovery"
+    n_boot: int = Field(100_000, ge=1)
+    bootstrap_seed: int = 0
+    comparisons: list[Comparison] = Field(default_factory=list)
+    treatment: dict[str, Any] = Field(default_factory=dict)
+    controls: list[dict[str, Any]] = Field(default_factory=list)
+    over: dict[str, list[Any]] = Field(default_factory=dict)
+    exclude_main_test: bool = True
+
+    def expand(self, main: "MainTest | None" = None) -> list[Comparison]:
+        """The family's comparisons, listed or generated (see the class docstring)."""
+        if self.comparisons:
+            return list(self.comparisons)
+        if not self.controls:
+            return []
+        import itertools
+
+        keys = list(self.over)
+        out = []
+        for values in itertools.product(*(self.over[k] for k in keys)):
+            cond = dict(zip(keys, values))
+            for ctl in self.controls:
+                c = Comparison(treatment={**self.treatment, **cond}, control={**ctl, **cond})
+                if self.exclude_main_test and main is not None and c.treatment == main.treatment \
+                        and c.control == main.control:
+                    continue
+                out.append(c)
+        return out
 
 
 class Protocol(BaseModel):
@@ -81,9 +122,16 @@ def parse_protocol(path: str | Path) -> Protocol:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
     try:
-        return Protocol(**(data or {}))
+        proto = Protocol(**(data or {}))
     except (ValidationError, TypeError) as exc:
         raise ConfigError(f"{path} is not a valid protocol: {exc}") from None
+    fam = proto.family
+    if fam is not None and (fam.comparisons or fam.controls):
+        n = len(fam.expand(proto.main_test))
+        if n != fam.size:
+            raise ConfigError(f"{path}: the family lists or generates {n} comparisons but declares size {fam.size}; "
+                              "make them agree (the Bonferroni split uses size)")
+    return proto
 
 
 def freeze_protocol(path: str | Path) -> str:

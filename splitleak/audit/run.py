@@ -1,8 +1,15 @@
 """`splitleak audit`: train and capture on embedded defaults, attack the captured traffic, report.
 
 Layout of the output folder: ``run/`` is the verifiable run directory (see ``splitleak.wire.store``),
-``attacks/`` one RESULT.json + Parquet per attack, ``report.md`` and ``report.json`` the summary.
-The verdict line is descriptive: calibrated, pre-registered verdicts come with the protocol stage.
+``attacks/`` one RESULT.json + Parquet per attack, ``calibration/`` the injected-leak dose ladder
+(``splitleak.audit.calibrate``), ``report.md`` and ``report.json`` the summary.
+
+The verdict uses the words of 002 §3 (``splitleak.audit.verdicts``): each attack arm's token top-1
+accuracy is read as a paired effect over the constant baseline with a document-bootstrap interval
+(**detected** / **at floor**), beside its shuffled-label negative control; the gate G over the
+arms **breaks** above +1.0 pp. Token top-1 may stand behind the verdict only because the audit
+measures its dose-response curve on the same capture first; if that curve never detects the
+injected leak, the verdict says the instrument is uncalibrated instead of "at floor".
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from typing import Any, Callable
 import torch
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config, run_attack
+from splitleak.attacks.knowledge import eval_token_ids
+from splitleak.audit.calibrate import calibrate
+from splitleak.audit.verdicts import arm_effects, arm_gate
 from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
 from splitleak.metrics import fmt_pct
@@ -35,6 +45,12 @@ AUDIT_ATTACKS = (
     ("joint", {"k": 32}),
     ("sipit", {"budget": 32}),
 )
+#: the calibration the audit runs before it may give a verdict on token top-1
+CALIBRATION_ATTACK = "vmi"
+CALIBRATION_COVERAGES = (0.02, 0.06, 0.10, 0.30, 1.0)
+CALIBRATION_DOCS = 64
+#: bootstrap replicates of the per-arm intervals
+ARM_BOOT = 10_000
 
 
 def choose_default_model() -> tuple[str, str]:
@@ -115,14 +131,31 @@ def run_audit(
     knowledge = load_knowledge(out / "run", "public")
     traffic = load_traffic(out / "run")
     results = []
+    predictions = {}
     for name, params in AUDIT_ATTACKS:
         acfg = make_attack_config(attack=name, client_copy="public", attack_seed=seed, **params)
         res = run_attack(out / "run", acfg, out=out / "attacks" / f"{name}.json", knowledge=knowledge,
                          traffic=traffic, progress=progress, force=force)
-        res.pop("per_doc", None)
+        predictions[attack_label(res)] = [row["predicted"] for row in res.pop("per_doc")]
         results.append(res)
+    truth = eval_token_ids(out / "run", traffic.doc_ids)
+    base, arms = arm_effects(predictions, truth, n_boot=ARM_BOOT, seed=seed)
+    probe_arms = [a for a in arms if not a.name.startswith("majority")]
+    gate = arm_gate(probe_arms, base)
+    cal = calibrate(out / "run", CALIBRATION_ATTACK, out=out / "calibration", coverages=CALIBRATION_COVERAGES,
+                    n_docs=min(CALIBRATION_DOCS, len(traffic)), seed=seed, force=force, progress=progress,
+                    knowledge=knowledge, traffic=traffic)
+    for res in results:
+        arm = next(a for a in arms if a.name == attack_label(res))
+        res["arm"] = arm.as_dict()
     m = run.metrics
-    verdict = verdict_line(results)
+    verdicts = {"constant_baseline": {"token_id": base.token_id, "rate": base.rate},
+                "gate": {"G": gate.G, "breaks": gate.breaks, "alpha_bonf": gate.alpha_bonf, "gate": gate.gate,
+                         "arms": [a.name for a in probe_arms]},
+                "calibration": {"attack": CALIBRATION_ATTACK, "onsets": cal.onsets,
+                                "documents": cal.record["documents"],
+                                "zero_dose": {k: cal.record["doses"][0][k] for k in cal.onsets}}}
+    verdict = verdict_line(results, arms, probe_arms, gate, cal.record)
     summary = (
         f"{model}{' (preset)' if preset else ''}, depth {depth}, defence "
         f"{'+'.join(d['name'] for d in cfg.as_dict()['defences'])}, {data}: held-out CE {m['heldout_ce']:.4f} "
@@ -130,7 +163,8 @@ def run_audit(
         f"{cap['tokens_per_document']} tokens × width {cap['width']}; run verified ({ver.message})."
     )
     report = {"config": cfg.as_dict(), "config_hash": cfg.hash(), "metrics": m, "capture": cap,
-              "verify": ver.message, "attacks": results, "verdict": verdict, "summary": summary,
+              "verify": ver.message, "attacks": results, "verdict": verdict, "verdicts": verdicts,
+              "summary": summary,
               "torch_threads": torch.get_num_threads()}
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
     (out / "report.md").write_text(report_markdown(report))
@@ -143,20 +177,40 @@ def attack_label(res: dict[str, Any]) -> str:
     return f"{res['attack']}{extra}"
 
 
-def verdict_line(results: list[dict[str, Any]]) -> str:
-    """One descriptive line: the best attack against the majority control."""
-    control = next((r for r in results if r["attack"] == "majority"), None)
-    scored = [r for r in results if r["attack"] != "majority" and r.get("token_recovery") is not None]
-    if not scored:
-        return "no token-recovering attack was run"
-    best = max(scored, key=lambda r: (r["token_recovery"], r["doc_recovery"]))
+def verdict_line(results: list[dict[str, Any]], arms, probe_arms, gate, calibration: dict[str, Any]) -> str:
+    """The audit's verdict in the words of 002 §3.
+
+    A detection stands on its own (its shuffled-label control guards against false positives); an
+    "at floor" verdict needs the calibration to have detected an injected leak, or it is no
+    evidence of absence and the verdict says UNCALIBRATED."""
+    faults = [a.name for a in arms if a.control_verdict == "detected"]
+    if faults:
+        return (f"INSTRUMENT FAULT: the shuffled-label negative control of {', '.join(faults)} reads above the "
+                "constant baseline, so the scoring pairs predictions with labels it should not; no verdict.")
+    onset = calibration["onsets"].get("token_top1")
+    zero = calibration["doses"][0]["token_top1"]
+    cal = (f"calibration: injected into {calibration['documents']} captured documents, a leak is detected from "
+           f"coverage {onset['coverage']:g} × amplitude {onset['amplitude']:g}" if onset else
+           f"calibration: no injected dose raised token top-1 above its zero-dose reading of {fmt_pct(zero)} %")
+    detected = [a for a in probe_arms if a.verdict == "detected"]
+    if not detected and onset is None:
+        return ("UNCALIBRATED: no attack arm reads above the constant baseline, but the token top-1 metric did not "
+                "detect even the largest injected leak on this capture, so its silence is no evidence of absence; "
+                f"no verdict ({cal}).")
+    best = max(probe_arms, key=lambda a: a.effect.estimate)
+    scored = [r for r in results if r["attack"] != "majority" and r.get("doc_recovery") is not None]
     best_doc = max(scored, key=lambda r: (r["doc_recovery"], r["token_recovery"]))
-    ctl = f"; the majority control reads {fmt_pct(control['token_recovery'])} %" if control else ""
-    return (
-        f"LEAKS (descriptive, not a calibrated verdict): an observer at the split recovers "
-        f"{fmt_pct(best['token_recovery'])} % of tokens ({attack_label(best)}) and "
-        f"{fmt_pct(best_doc['doc_recovery'])} % of whole documents ({attack_label(best_doc)}){ctl}."
-    )
+    gate_words = f"gate G = {100 * gate.G:+.2f} pp {'breaks the gate' if gate.breaks else 'holds the gate'} (+1.00 pp)"
+    if detected:
+        return (f"LEAKS: {len(detected)} of {len(probe_arms)} attack arms detected above the constant baseline; "
+                f"best {best.name} recovers {fmt_pct(best.accuracy)} % of tokens (+{100 * best.effect.estimate:.2f} pp, "
+                f"95 % interval [{100 * best.effect.low:+.2f}, {100 * best.effect.high:+.2f}]) and "
+                f"{fmt_pct(best_doc['doc_recovery'])} % of whole documents ({attack_label(best_doc)}); {gate_words}; "
+                f"no shuffled-label control detected; {cal}.")
+    return (f"AT FLOOR: no attack arm reads above the constant baseline (best {best.name}, "
+            f"{100 * best.effect.estimate:+.2f} pp, interval [{100 * best.effect.low:+.2f}, "
+            f"{100 * best.effect.high:+.2f}]); {gate_words}; no shuffled-label control detected; {cal}, so a "
+            "leak of that size would have been seen.")
 
 
 def attack_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
@@ -170,6 +224,23 @@ def attack_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
 
 
 ATTACK_HEADER = ["attack", "token %", "document %", "name spans %", "number spans %", "identifier spans %", "seconds"]
+ARM_HEADER = ["attack", "token top-1 %", "A over constant (pp)", "verdict", "shuffled-label N (pp)", "control"]
+
+
+def arm_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in results:
+        a = r["arm"]
+        e, n = a["effect"], a["control"]
+        rows.append([attack_label(r), fmt_pct(a["accuracy"]),
+                     f"{100 * e['estimate']:+.2f} [{100 * e['low']:+.2f}, {100 * e['high']:+.2f}]", a["verdict"],
+                     f"{100 * n['estimate']:+.2f} [{100 * n['low']:+.2f}, {100 * n['high']:+.2f}]",
+                     a["control_verdict"]])
+    return rows
+
+
+def _onset(o: dict[str, float] | None) -> str:
+    return "not detected at any dose" if o is None else f"first detects at coverage {o['coverage']:g} × amplitude {o['amplitude']:g}"
 
 
 def report_markdown(report: dict[str, Any]) -> str:
@@ -195,6 +266,32 @@ def report_markdown(report: dict[str, Any]) -> str:
         "Percentages are rounded half-up to two decimals. Span recovery counts a span only when all its",
         "tokens are right. `majority` is the control that guesses the calibration documents' most",
         "frequent token at every position.",
+        "",
+        "## Verdict words (002 §3)",
+        "",
+        "| " + " | ".join(ARM_HEADER) + " |",
+        "|" + "---|" * len(ARM_HEADER),
+        *["| " + " | ".join(row) + " |" for row in arm_table_rows(report["attacks"])],
+        "",
+        f"Constant baseline: always guess token {report['verdicts']['constant_baseline']['token_id']}, the most "
+        f"frequent evaluation token ({fmt_pct(report['verdicts']['constant_baseline']['rate'])} %). A is the mean "
+        "over documents of the arm's accuracy minus the baseline's, with a 95 % document-bootstrap interval; "
+        "**detected** when its lower end is above 0, **at floor** when it includes 0, *below floor* when it lies "
+        "below 0. N is the same statistic against labels permuted across all positions (the shuffled-label "
+        "negative control); it must not be detected (chance agreement of varied predictions reads below floor). "
+        f"Gate (002 Eq. 1) over {', '.join(report['verdicts']['gate']['arms'])}: G = max Bonferroni–Wilson "
+        f"upper-95 − baseline = {100 * report['verdicts']['gate']['G']:+.2f} pp, "
+        f"{'breaks the gate' if report['verdicts']['gate']['breaks'] else 'holds the gate'} (+1.00 pp).",
+        "",
+        "## Instrument calibration (002 §4)",
+        "",
+        f"`{report['verdicts']['calibration']['attack']}` on the first {report['verdicts']['calibration']['documents']} "
+        "captured documents with a known leak injected at rising coverage (see `calibration/calibration.md` and "
+        "`calibration/calibration.png`):",
+        "",
+        *[f"- {m.replace('_', ' ')} (zero-dose reading {report['verdicts']['calibration']['zero_dose'][m]:.4g}): "
+          f"{_onset(report['verdicts']['calibration']['onsets'].get(m))}"
+          for m in ("token_top1", "rare_token_top1", "token_cross_entropy", "membership_auc")],
         "",
         "## Utility",
         "",

@@ -106,10 +106,9 @@ def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
 def leakage_cost_figure(runs: list[RunSummary], out_stem: str | Path) -> list[Path]:
     """Token and whole-document recovery (pooled over attacks) against the perplexity change,
     one labelled point per run; writes OUT.png and OUT.svg."""
-    import matplotlib
+    from splitleak.figures import pyplot, save_png_svg
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     pts = [r for r in runs if r.rel_ppl_change is not None and r.pooled("token_recovery") is not None]
     if not pts:
@@ -135,12 +134,4 @@ def leakage_cost_figure(runs: list[RunSummary], out_stem: str | Path) -> list[Pa
         ax.set_title(f"{title} against cost")
         ax.set_ylim(-2, 102)
         ax.grid(alpha=0.3)
-    out_stem = Path(out_stem)
-    out_stem.parent.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for ext in ("png", "svg"):
-        p = out_stem.with_suffix(f".{ext}")
-        fig.savefig(p, dpi=150)
-        paths.append(p)
-    plt.close(fig)
-    return paths
+    return save_png_svg(fig, out_stem, dpi=150)

@@ -23,12 +23,14 @@ from splitleak.stats.bootstrap import (
     Interval,
     crossed_bootstrap_ci,
     crossed_replicates,
+    frame_weights,
     hierarchical_bootstrap_ci,
     hierarchical_replicates,
     paired_difference_ci,
+    ratio_bootstrap_ci,
 )
 from splitleak.stats.meta import RandomEffects, random_effects
-from splitleak.stats.regression import PartialR2, partial_r2_test, permute_within_groups
+from splitleak.stats.regression import HeldoutRMSE, PartialR2, heldout_rmse, partial_r2_test, permute_within_groups
 
 __all__ = [
     "Interval",
@@ -38,6 +40,8 @@ __all__ = [
     "crossed_bootstrap_ci",
     "crossed_replicates",
     "paired_difference_ci",
+    "ratio_bootstrap_ci",
+    "frame_weights",
     "hierarchical_bootstrap_ci",
     "hierarchical_replicates",
     "bonferroni_alpha",
@@ -49,6 +53,8 @@ __all__ = [
     "gate_verdict",
     "random_effects",
     "partial_r2_test",
+    "heldout_rmse",
+    "HeldoutRMSE",
     "permute_within_groups",
     "roc_auc",
 ]

@@ -114,8 +114,12 @@ def gate_statistic(
 
 
 def effect_verdict(interval: Interval) -> str:
-    """Paper 002 §3: "detected" when the interval's lower end is above 0, else "at floor"."""
-    return "detected" if interval.low > 0 else "at floor"
+    """Paper 002 §3: "detected" when the interval's lower end is above 0, "at floor" when the
+    interval includes 0. An interval wholly below 0 reads "below floor" (an arm that does worse
+    than its baseline; 002 has no word for it, and it is not a detection)."""
+    if interval.low > 0:
+        return "detected"
+    return "below floor" if interval.high < 0 else "at floor"
 
 
 def gate_verdict(result: GateResult) -> str:

@@ -140,3 +140,53 @@ def _seed_groups(values_by_seed: Sequence[Any]) -> list[np.ndarray]:
     if not groups:
         raise DataError("values_by_seed is empty; pass one array of frame values per seed")
     return groups
+
+
+def frame_weights(n_frames: int, n_boot: int, seed: Any = 0) -> np.ndarray:
+    """``(n_boot, n_frames)`` multinomial resampling counts: row b says how often each frame is
+    drawn in replicate b. Sharing one weight matrix between statistics keeps them paired."""
+    n = check_count(n_frames, "n_frames")
+    b = check_count(n_boot, "n_boot")
+    rng = make_rng(seed)
+    return rng.multinomial(n, np.full(n, 1.0 / n), size=b).astype(np.float64)
+
+
+def ratio_bootstrap_ci(
+    numerators: Any,
+    denominators: Any,
+    n_boot: int = 10_000,
+    alpha: float = 0.05,
+    seed: Any = 0,
+    weights: np.ndarray | None = None,
+) -> Interval:
+    """Frame-clustered percentile interval for a ratio of sums, sum(num) / sum(den).
+
+    Frames (e.g. documents) are resampled with replacement; a frame's numerator and
+    denominator move together. The rate of correct tokens over counted tokens is the usual use.
+    ``numerators`` may be 2-D (statistics x frames): the result is then the interval of the
+    first row minus the second (a paired difference on the same resampled frames)."""
+    alpha = check_alpha(alpha)
+    num = finite_array(numerators, "numerators")
+    den = finite_array(denominators, "denominators")
+    if num.shape != den.shape or num.ndim not in (1, 2) or (num.ndim == 2 and num.shape[0] != 2):
+        raise DataError(
+            f"numerators {num.shape} and denominators {den.shape}: pass two equal 1-D arrays (one value "
+            "per frame), or two (2 x frames) arrays for a paired difference"
+        )
+    if (den.sum(axis=-1) <= 0).any():
+        raise DataError("the denominators sum to zero; there is nothing to take a rate of")
+    w = frame_weights(num.shape[-1], n_boot, seed) if weights is None else weights
+    if w.shape[1] != num.shape[-1]:
+        raise DataError(f"weights cover {w.shape[1]} frames but the data has {num.shape[-1]}")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if num.ndim == 1:
+            est = num.sum() / den.sum()
+            reps = (w @ num) / (w @ den)
+        else:
+            est = num[0].sum() / den[0].sum() - num[1].sum() / den[1].sum()
+            reps = (w @ num[0]) / (w @ den[0]) - (w @ num[1]) / (w @ den[1])
+    reps = reps[np.isfinite(reps)]  # a replicate that drew only zero-denominator frames
+    if reps.size == 0:
+        raise DataError("no bootstrap replicate had a non-zero denominator; pass more frames")
+    low, high = percentile_bounds(reps, alpha)
+    return Interval(float(est), low, high, int(w.shape[0]), alpha)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from splitleak.errors import DataError
+from splitleak.errors import ConfigError, DataError
 from splitleak.stats._checks import check_alpha, check_count, finite_array, make_rng
 
 _CHUNK_ELEMENTS = 4_000_000
@@ -146,3 +146,79 @@ def partial_r2_test(
         raise DataError("every seed-bootstrap replicate had no variation within length; pass more seeds")
     low, high = np.nanquantile(reps, [alpha_boot / 2, 1 - alpha_boot / 2])
     return PartialR2(float(observed), float(p_value), float(low), float(high))
+
+
+@dataclass(frozen=True)
+class HeldoutRMSE:
+    """Held-out-seed check of 000 §5: RMSE on held-out seeds of a length-only linear fit and of
+    the fit with the start and its interaction added; ``passes`` when the second is lower by at
+    least ``required`` (a share: 0.10 = 10 %)."""
+
+    rmse_length: float
+    rmse_with_start: float
+    reduction: float
+    required: float
+    passes: bool
+    n_train: int
+    n_test: int
+
+
+def _design(length: np.ndarray, start: np.ndarray | None, mean: np.ndarray | None = None,
+            scale: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    cols = [length] if start is None else [length, start, length * start]
+    x = np.stack(cols, axis=1).astype(np.float64)
+    if mean is None:
+        mean, scale = x.mean(0), x.std(0)
+        scale = np.where(scale > 0, scale, 1.0)
+    return (x - mean) / scale, mean, scale
+
+
+def _ridge_predict(x_tr: np.ndarray, y_tr: np.ndarray, x_te: np.ndarray, lam: float) -> np.ndarray:
+    """Ridge with an unpenalised intercept on standardised columns (closed form)."""
+    ym = y_tr.mean()
+    coef = np.linalg.solve(x_tr.T @ x_tr + lam * np.eye(x_tr.shape[1]), x_tr.T @ (y_tr - ym))
+    return x_te @ coef + ym
+
+
+def heldout_rmse(
+    outcome: Any,
+    length: Any,
+    start: Any,
+    seed_ids: Any,
+    test_seeds: Any,
+    required: float = 0.10,
+    ridge: float = 1e-3,
+) -> HeldoutRMSE:
+    """Fit ridge models on the rows whose seed is not in ``test_seeds`` and report their RMSE on
+    the rows whose seed is (000 §5: seeds 11-66 train, 77 and 88 test).
+
+    The length-only predictor is linear in the length s; the full one adds the start b and the
+    product s*b. Columns are standardised on the training rows; ``ridge`` is the penalty on the
+    standardised coefficients (the intercept is not penalised), small by default so the fit is
+    essentially least squares but stays defined when a column is constant."""
+    y = finite_array(outcome, "outcome", ndim=1)
+    s = finite_array(length, "length", ndim=1)
+    b = finite_array(start, "start", ndim=1)
+    seeds = np.asarray(seed_ids)
+    if not (y.size == s.size == b.size == seeds.size):
+        raise DataError(
+            f"outcome, length, start and seed_ids have {y.size}, {s.size}, {b.size} and {seeds.size} rows; "
+            "pass one value per row in each"
+        )
+    test = np.isin(seeds, np.asarray(list(test_seeds)))
+    if test.sum() == 0 or (~test).sum() < 4:
+        raise DataError(
+            f"{int(test.sum())} held-out and {int((~test).sum())} training rows; name held-out seeds that occur "
+            "in seed_ids and keep at least 4 training rows"
+        )
+    if not 0 <= float(required) < 1:
+        raise ConfigError(f"required is {required!r}; pass a share in [0, 1), e.g. 0.10")
+    rm = []
+    for with_start in (False, True):
+        x_tr, mu, sd = _design(s[~test], b[~test] if with_start else None)
+        x_te, _, _ = _design(s[test], b[test] if with_start else None, mu, sd)
+        pred = _ridge_predict(x_tr, y[~test], x_te, float(ridge))
+        rm.append(float(np.sqrt(np.mean((y[test] - pred) ** 2))))
+    reduction = (rm[0] - rm[1]) / rm[0] if rm[0] > 0 else 0.0
+    return HeldoutRMSE(rm[0], rm[1], float(reduction), float(required), bool(reduction >= required),
+                       int((~test).sum()), int(test.sum()))

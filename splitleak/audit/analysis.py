@@ -1,0 +1,318 @@
+"""Apply a frozen protocol to results: the main test, the Bonferroni family, and the
+partial-offloading tests (000 §3 "Statistics", §5 "Analysis").
+
+The input is a long table of per-document scores, one record per (attack evaluation, document),
+carrying the fields a protocol's selectors name:
+
+- of the attack: ``attack``, ``k``, ``budget``, ``client_copy``, ``attack_seed``,
+  ``gradient_noise``, ``gradient_bits``, ``inference``;
+- of the run: ``model``, ``depth``, ``offload_start``, ``offload_length``, ``defence`` (defence
+  names joined by ``+``), ``data``, ``victim_seed``;
+- the scores: ``doc_id``, ``token_correct``, ``token_counted``, ``exact``;
+- ``protocol_hash``: every record must carry the protocol's hash, or the analysis refuses it.
+
+A selector (``{attack: joint, k: 32, client_copy: public, depth: 6}``) picks the records whose
+fields equal every value it names. For each victim seed (a trained model) the per-document score is
+averaged over attack seeds; the crossed bootstrap then resamples models and documents.
+``rows_from_results`` builds the table from ``splitleak attack`` / ``splitleak audit`` output, and
+the experiment store yields the same records.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from splitleak.audit.protocol import Protocol, check_results
+from splitleak.errors import ConfigError, DataError, SplitleakError
+from splitleak.stats import bonferroni_alpha, heldout_rmse, paired_difference_ci, partial_r2_test
+
+ATTACK_FIELDS = ("attack", "k", "budget", "client_copy", "attack_seed", "gradient_noise", "gradient_bits", "inference")
+RUN_FIELDS = ("model", "depth", "offload_start", "offload_length", "defence", "data", "victim_seed")
+METRICS = {
+    "token_recovery": lambda r: r["token_correct"] / r["token_counted"] if r["token_counted"] else np.nan,
+    "doc_recovery": lambda r: float(bool(r["exact"])),
+}
+
+
+@dataclass(frozen=True)
+class ComparisonResult:
+    treatment: dict[str, Any]
+    control: dict[str, Any]
+    metric: str
+    estimate: float | None
+    low: float | None
+    high: float | None
+    alpha: float
+    mark: float
+    passes: bool
+    n_models: int
+    n_docs: int
+    missing: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Analysis:
+    protocol: str
+    protocol_hash: str
+    main: ComparisonResult | None
+    family: list[ComparisonResult]
+    family_alpha: float | None
+    family_passes: bool | None
+    partial_offloading: list[dict[str, Any]]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "protocol": self.protocol,
+            "protocol_hash": self.protocol_hash,
+            "main": None if self.main is None else self.main.as_dict(),
+            "family": [c.as_dict() for c in self.family],
+            "family_alpha": self.family_alpha,
+            "family_passes": self.family_passes,
+            "partial_offloading": self.partial_offloading,
+        }
+
+
+def defence_label(run_config: dict[str, Any]) -> str:
+    return "+".join(d["name"] for d in run_config.get("defences", [{"name": "none"}]))
+
+
+def run_fields(run_config: dict[str, Any]) -> dict[str, Any]:
+    """The run-level selector fields of a training configuration."""
+    return {
+        "model": run_config.get("model"),
+        "depth": run_config.get("depth"),
+        "offload_start": run_config.get("offload_start"),
+        "offload_length": run_config.get("offload_length"),
+        "defence": defence_label(run_config),
+        "data": run_config.get("data"),
+        "victim_seed": run_config.get("seed"),
+    }
+
+
+def _read_result(path: Path) -> dict[str, Any] | None:
+    try:
+        res = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(res, dict) or not {"attack", "config_hash", "run", "config"} <= res.keys():
+        return None
+    return res
+
+
+def find_results(paths: Iterable[str | Path]) -> list[tuple[Path, dict[str, Any]]]:
+    """Attack results among ``paths``: JSON files written by ``splitleak attack --out`` or the audit,
+    given directly or found under directories."""
+    found = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise SplitleakError(f"{p} does not exist; pass attack result files or folders holding them")
+        files = sorted(p.rglob("*.json")) if p.is_dir() else [p]
+        for f in files:
+            res = _read_result(f)
+            if res is not None:
+                found.append((f, res))
+    if not found:
+        raise SplitleakError("no attack results found; pass RESULT.json files written by `splitleak attack --out`")
+    return found
+
+
+def rows_from_results(found: Sequence[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One record per (result, document) from results and their Parquet predictions."""
+    import pyarrow.parquet as pq
+
+    rows = []
+    for path, res in found:
+        if res.get("token_recovery") is None:
+            continue  # property inference: no per-token scores
+        pq_path = path.with_name(res.get("predictions", path.with_suffix(".parquet").name))
+        if not pq_path.is_file():
+            raise SplitleakError(f"{path} names predictions {pq_path.name}, which are missing beside it")
+        base = {f: res["config"].get(f) for f in ATTACK_FIELDS}
+        base.update(run_fields(res["run"]["config"]))
+        base.update({"protocol_hash": res.get("protocol_hash"), "config_hash": res["config_hash"]})
+        for d in pq.read_table(pq_path, columns=["doc_id", "token_correct", "token_counted", "exact"]).to_pylist():
+            rows.append({**base, **d})
+    return rows
+
+
+def run_rows_from_results(found: Sequence[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One record per property-inference result, with its run's ΔU (for the partial-offloading tests).
+
+    The run directory named in the result must still exist (its metrics.json holds ΔU)."""
+    rows = []
+    for _, res in found:
+        if res.get("leakage_index") is None:
+            continue
+        metrics_path = Path(res["run"]["dir"]) / "metrics.json"
+        if not metrics_path.is_file():
+            raise SplitleakError(f"result {res['config_hash'][:12]} names run {res['run']['dir']}, which has no "
+                                 "metrics.json; keep the run directories beside their results")
+        m = json.loads(metrics_path.read_text())
+        rows.append({**run_fields(res["run"]["config"]), "attack": res["attack"], "config_hash": res["config_hash"],
+                     "protocol_hash": res.get("protocol_hash"), "leakage_index": res["leakage_index"],
+                     "delta_u": m.get("delta_u")})
+    return rows
+
+
+def select(rows: Sequence[dict[str, Any]], selector: dict[str, Any]) -> list[dict[str, Any]]:
+    unknown = set(selector) - set(ATTACK_FIELDS) - set(RUN_FIELDS)
+    if unknown:
+        raise ConfigError(f"selector names unknown field(s) {sorted(unknown)}; use {ATTACK_FIELDS + RUN_FIELDS}")
+    return [r for r in rows if all(r.get(k) == v for k, v in selector.items())]
+
+
+def score_matrix(rows: Sequence[dict[str, Any]], metric: str) -> tuple[np.ndarray, list[Any], list[int]]:
+    """(victim seeds × documents) matrix of a metric, averaged over attack seeds."""
+    if metric not in METRICS:
+        raise ConfigError(f"unknown metric {metric!r}; use one of {sorted(METRICS)}")
+    configs = {(r["attack"], r.get("k"), r.get("budget"), r.get("client_copy"), r.get("gradient_noise"),
+                r.get("gradient_bits"), r.get("inference"), r.get("depth"), r.get("defence"), r.get("model"),
+                r.get("offload_start"), r.get("offload_length"), r.get("data")) for r in rows}
+    if len(configs) > 1:
+        raise ConfigError(f"the selector matches {len(configs)} different configurations; name more fields "
+                          f"(e.g. k, client_copy, depth, defence) so that it picks one")
+    cells: dict[tuple[Any, int], list[float]] = {}
+    for r in rows:
+        cells.setdefault((r["victim_seed"], int(r["doc_id"])), []).append(METRICS[metric](r))
+    seeds = sorted({s for s, _ in cells})
+    docs = sorted({d for _, d in cells})
+    m = np.full((len(seeds), len(docs)), np.nan)
+    for (s, d), v in cells.items():
+        m[seeds.index(s), docs.index(d)] = float(np.mean(v))
+    return m, seeds, docs
+
+
+def compare(rows: Sequence[dict[str, Any]], treatment: dict[str, Any], control: dict[str, Any], *,
+            metric: str, alpha: float, mark: float, n_boot: int, seed: int) -> ComparisonResult:
+    """Paired crossed-bootstrap interval of treatment minus control on the models and documents both
+    have; passes when its lower end is above ``mark``."""
+    t_rows, c_rows = select(rows, treatment), select(rows, control)
+    missing = None if t_rows and c_rows else (
+        "no results for the " + " and ".join(n for n, r in (("treatment", t_rows), ("control", c_rows)) if not r))
+    if missing:
+        return ComparisonResult(treatment, control, metric, None, None, None, alpha, mark, False, 0, 0, missing)
+    mt, st, dt = score_matrix(t_rows, metric)
+    mc, sc, dc = score_matrix(c_rows, metric)
+    seeds = [s for s in st if s in sc]
+    docs = [d for d in dt if d in dc]
+    if not seeds or not docs:
+        return ComparisonResult(treatment, control, metric, None, None, None, alpha, mark, False, 0, 0,
+                                "treatment and control share no victim seed or document")
+    a = mt[np.ix_([st.index(s) for s in seeds], [dt.index(d) for d in docs])]
+    b = mc[np.ix_([sc.index(s) for s in seeds], [dc.index(d) for d in docs])]
+    if np.isnan(a).any() or np.isnan(b).any():
+        raise DataError("some (victim seed, document) cells lack a score; every model must be scored on every document")
+    iv = paired_difference_ci(a, b, n_boot=n_boot, alpha=alpha, seed=seed)
+    return ComparisonResult(treatment, control, metric, iv.estimate, iv.low, iv.high, alpha, mark,
+                            bool(iv.low > mark), len(seeds), len(docs))
+
+
+def analyse(protocol: Protocol, protocol_hash: str, rows: Sequence[dict[str, Any]],
+            run_rows: Sequence[dict[str, Any]] = ()) -> Analysis:
+    """Evaluate the protocol's main test, its family and its partial-offloading tests.
+
+    Refuses (IntegrityError) any record not written under ``protocol_hash``."""
+    check_results([{"attack": r.get("attack"), "config_hash": r.get("config_hash", "?"),
+                    "protocol_hash": r.get("protocol_hash")} for r in list(rows) + list(run_rows)], protocol_hash)
+    main = None
+    if protocol.main_test is not None:
+        t = protocol.main_test
+        main = compare(rows, t.treatment, t.control, metric=t.metric, alpha=t.alpha, mark=t.pass_mark,
+                       n_boot=t.n_boot, seed=t.bootstrap_seed)
+    fam_results: list[ComparisonResult] = []
+    fam_alpha = fam_pass = None
+    if protocol.family is not None and (protocol.family.comparisons or protocol.family.controls):
+        f = protocol.family
+        fam_alpha = bonferroni_alpha(f.alpha, f.size)
+        for i, c in enumerate(f.expand(protocol.main_test)):
+            fam_results.append(compare(rows, c.treatment, c.control, metric=f.metric, alpha=fam_alpha, mark=0.0,
+                                       n_boot=f.n_boot, seed=f.bootstrap_seed + i))
+        fam_pass = all(c.passes for c in fam_results)
+    po = analyse_partial_offloading(protocol, run_rows) if run_rows else []
+    return Analysis(protocol.name, protocol_hash, main, fam_results, fam_alpha, fam_pass, po)
+
+
+def analyse_partial_offloading(protocol: Protocol, run_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """000 §5: for each test {outcome, defence}, partial R² of the start beyond length with its
+    permutation p-value and seed-bootstrap interval, and the held-out-seed RMSE check.
+
+    ``run_rows``: one record per run with ``defence``, ``victim_seed``, ``offload_start``,
+    ``offload_length`` and the outcomes (``delta_u``, ``leakage_index``). The held-out seeds are the
+    protocol's last two victim seeds."""
+    th = protocol.thresholds
+    test_seeds = protocol.victim_seeds[-2:]  # 000 §5: fit on seeds 11-66, evaluate on 77 and 88
+    out = []
+    for i, test in enumerate(protocol.tests):
+        if "outcome" not in test or "defence" not in test:
+            continue
+        rows = [r for r in run_rows if r.get("defence") == test["defence"] and r.get(test["outcome"]) is not None
+                and r.get("offload_length") is not None]
+        rec: dict[str, Any] = {"outcome": test["outcome"], "defence": test["defence"], "runs": len(rows)}
+        if len({r["victim_seed"] for r in rows}) < 2:
+            rec["missing"] = "fewer than two victim seeds with this defence and outcome"
+            out.append(rec)
+            continue
+        y = [float(r[test["outcome"]]) for r in rows]
+        s = [int(r["offload_length"]) for r in rows]
+        b = [int(r["offload_start"]) for r in rows]
+        seeds = [r["victim_seed"] for r in rows]
+        level = float(th.get("bootstrap_level", 0.9875))
+        pr = partial_r2_test(y, s, b, seeds, n_perm=int(th.get("permutations", 10_000)), seed=i,
+                             alpha_boot=1 - level, n_boot=int(th.get("bootstrap_draws", 10_000)))
+        rec.update({"partial_r2": pr.partial_r2, "p_value": pr.p_value, "low": pr.low, "high": pr.high,
+                    "passes": bool(pr.partial_r2 >= th.get("partial_r2_min", 0.10)
+                                   and pr.p_value < th.get("permutation_p_max", 0.0125))})
+        if set(test_seeds) & set(seeds) and set(seeds) - set(test_seeds):
+            try:
+                h = heldout_rmse(y, s, b, seeds, test_seeds, required=th.get("heldout_rmse_reduction", 0.10))
+                rec["heldout"] = asdict(h) | {"test_seeds": test_seeds}
+            except DataError as exc:
+                rec["heldout"] = {"missing": str(exc)}
+        out.append(rec)
+    return out
+
+
+def analysis_markdown(a: Analysis) -> str:
+    def fmt(c: ComparisonResult) -> str:
+        if c.missing:
+            return f"missing ({c.missing})"
+        return (f"{100 * c.estimate:+.2f} pp, interval [{100 * c.low:+.2f}, {100 * c.high:+.2f}] at α = {c.alpha:.4g}; "
+                f"{'passes' if c.passes else 'fails'} (mark {100 * c.mark:+.2f} pp; {c.n_models} models × {c.n_docs} documents)")
+
+    lines = [f"# Analysis under protocol `{a.protocol}`", "", f"Protocol SHA-256 `{a.protocol_hash}`.", ""]
+    if a.main is not None:
+        lines += ["## Main test", "", f"{_sel(a.main.treatment)} − {_sel(a.main.control)}: {fmt(a.main)}", ""]
+    if a.family:
+        n_pass = sum(c.passes for c in a.family)
+        lines += ["## Family", "", f"{n_pass} of {len(a.family)} comparisons pass at α = {a.family_alpha:.4g} each "
+                  "(Bonferroni).", "", "| treatment | control | difference |", "|---|---|---|"]
+        lines += [f"| {_sel(c.treatment)} | {_sel(c.control)} | {fmt(c)} |" for c in a.family]
+        lines.append("")
+    if a.partial_offloading:
+        lines += ["## Partial offloading", "", "| defence | outcome | runs | partial R² | interval | p | passes | "
+                  "held-out RMSE (length → with start) |", "|---|---|---|---|---|---|---|---|"]
+        for r in a.partial_offloading:
+            if "missing" in r:
+                lines.append(f"| {r['defence']} | {r['outcome']} | {r['runs']} | missing: {r['missing']} | | | | |")
+                continue
+            h = r.get("heldout") or {}
+            ht = ("n/a" if not h or "missing" in h else
+                  f"{h['rmse_length']:.4f} → {h['rmse_with_start']:.4f} ({100 * h['reduction']:+.1f} %; "
+                  f"{'≥' if h['passes'] else '<'} {100 * h['required']:.0f} %)")
+            lines.append(f"| {r['defence']} | {r['outcome']} | {r['runs']} | {r['partial_r2']:.4f} | "
+                         f"[{r['low']:.4f}, {r['high']:.4f}] | {r['p_value']:.4g} | {'yes' if r['passes'] else 'no'} | "
+                         f"{ht} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _sel(s: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in s.items())

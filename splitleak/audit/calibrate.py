@@ -1,0 +1,482 @@
+"""Injected-leak calibration of the instrument (paper 002 §4).
+
+A metric can certify that a channel does not leak only if it is shown to detect a leak planted on
+purpose. ``calibrate`` plants a known token signal into a chosen share of the captured activation
+rows (*coverage*) at a chosen strength (*amplitude*), runs one attack on the dosed frame, and
+records for each metric where it first detects the leak.
+
+The planted signal is representation-matched to the attacker (002 §5: "a positive control must be
+representation-matched to the cell under test"): a dosed row becomes
+``(1 − a)·row + a·ref`` where ``ref`` is the activation the attacker's own copy of the client layers
+computes for the true document at that position. Rows are dosed in one seeded random order, so the
+rows dosed at a coverage are a subset of those dosed at every larger coverage.
+
+Metrics (each read as an effect against the zero-dose frame, with a document-clustered bootstrap
+interval; *detected* when the interval's lower end is above zero):
+
+- ``token_top1``: the attack's top-1 token accuracy;
+- ``rare_token_top1``: the same on rare tokens only, those seen at most once in the attacker's
+  calibration documents (a set fixed from the attacker's knowledge, not from the labels);
+- ``token_cross_entropy``: mean −log p(true token) under a ridge read-out probe (activation →
+  embedding ridge fit on the calibration documents, softmax of cosine similarities with a
+  temperature chosen on held-out calibration documents, mixed with 1 % uniform); the effect is
+  the drop in CE;
+- ``membership_auc``: ROC AUC separating the run's training documents (members) from evaluation
+  documents (non-members) by the probe's mean log-likelihood of each document. Both sets are
+  recomputed through the run's trained client layers and dosed the same way, so the metric asks
+  whether the frame reveals training membership; a token-identity leak should leave it flat
+  (002 §4.1 found the same).
+
+The gate column is 002 Eq. (1) for the single token-top-1 arm: Wilson upper-95 minus the constant
+baseline (the evaluation set's most frequent token); it breaks above +1.0 pp.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
+from splitleak.attacks.core import make_attack
+from splitleak.attacks.knowledge import Knowledge, Traffic, eval_token_ids, read_documents, read_manifest
+from splitleak.attacks.ridge import RidgeMap
+from splitleak.audit.verdicts import GATE, constant_baseline
+from splitleak.errors import ConfigError, SplitleakError
+from splitleak.metrics import roc_auc
+from splitleak.progress import Progress, Silent
+from splitleak.stats import Interval, frame_weights, ratio_bootstrap_ci, wilson_upper
+from splitleak.stats._checks import percentile_bounds
+
+#: the coverage ladder of 002 Table 4 (zero dose is always added as the reference)
+DEFAULT_COVERAGES = (0.02, 0.04, 0.06, 0.10, 0.30, 1.0)
+DEFAULT_AMPLITUDES = (1.0,)
+METRICS = ("token_top1", "rare_token_top1", "token_cross_entropy", "membership_auc")
+METRIC_TITLES = {
+    "token_top1": "token top-1 (pp over zero dose)",
+    "rare_token_top1": "rare-token top-1 (pp over zero dose)",
+    "token_cross_entropy": "token cross-entropy drop (nats)",
+    "membership_auc": "membership AUC change",
+}
+_TAUS = torch.logspace(-3, 0.5, 29, dtype=torch.float64)
+_EPS = 0.01
+
+
+# ------------------------------------------------------------------ the probe
+
+
+class TokenProbe:
+    """Ridge read-out: activation → distribution over the vocabulary, from the attacker's knowledge.
+
+    ``p(v | h) = (1 − ε)·softmax_v(cos(W h, e_v) / τ) + ε / V`` with ε = 0.01, so that one confident
+    miss costs at most log(V / ε) nats instead of growing without bound as τ shrinks. The ridge map is fitted on the first half of the
+    calibration documents and τ chosen to minimise cross-entropy on the second half; the map is then
+    refitted on all of them (τ kept)."""
+
+    def fit(self, knowledge: Knowledge) -> "TokenProbe":
+        client = knowledge.client
+        ids = knowledge.calibration_ids()
+        if ids.shape[0] < 2:
+            raise ConfigError("the probe needs at least 2 calibration documents (pass --n-calib >= 2 when training)")
+        x = client.activations(ids)
+        emb = client.embedding
+        half = ids.shape[0] // 2
+        d = x.shape[-1]
+        first = RidgeMap.fit(x[:half].reshape(-1, d), emb[ids[:half].reshape(-1).to(client.device)])
+        self.embedding_ = emb
+        cos = self._cosine(first(x[half:].reshape(-1, d)))
+        truth = ids[half:].reshape(-1).to(cos.device)
+        best = None
+        for tau in _TAUS:
+            ce = float(-self._mix(torch.log_softmax(cos.double() / tau, dim=-1).gather(1, truth[:, None])).mean())
+            if best is None or ce < best[0]:
+                best = (ce, float(tau))
+        self.tau_ = best[1]
+        self.ridge_ = RidgeMap.fit(x.reshape(-1, d), emb[ids.reshape(-1).to(client.device)])
+        return self
+
+    def _mix(self, logp: torch.Tensor) -> torch.Tensor:
+        v = self.embedding_.shape[0]
+        floor = torch.full_like(logp, math.log(_EPS / v))
+        return torch.logaddexp(logp + math.log1p(-_EPS), floor)
+
+    def _cosine(self, est: torch.Tensor) -> torch.Tensor:
+        e = torch.nn.functional.normalize(self.embedding_, dim=-1)
+        return torch.nn.functional.normalize(est.to(e.dtype), dim=-1) @ e.T
+
+    @torch.no_grad()
+    def log_likelihood(self, activations: torch.Tensor, tokens: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+        """log p(true token) per position: activations [n, T, d], tokens [n, T] -> [n, T] (float64)."""
+        n, T, d = activations.shape
+        flat = activations.reshape(-1, d).to(self.embedding_.device, self.embedding_.dtype)
+        tok = tokens.reshape(-1).to(self.embedding_.device)
+        out = []
+        for s in range(0, flat.shape[0], chunk):
+            logits = self._cosine(self.ridge_(flat[s : s + chunk])).double() / self.tau_
+            lp = logits.gather(1, tok[s : s + chunk, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+            out.append(self._mix(lp))
+        return torch.cat(out).reshape(n, T).cpu()
+
+
+# ------------------------------------------------------------------ injection
+
+
+def dose_order(n_rows: int, seed: int) -> np.ndarray:
+    """The seeded order in which rows are dosed; coverage c doses its first round(c · n_rows)."""
+    return np.random.default_rng([int(seed), 0xD05E]).permutation(n_rows)
+
+
+def inject_leak(activations: torch.Tensor, reference: torch.Tensor, coverage: float, amplitude: float,
+                order: np.ndarray) -> torch.Tensor:
+    """Dose a frame: the first round(coverage · rows) rows of ``order`` (rows = documents × positions)
+    become ``(1 − amplitude)·row + amplitude·reference``. Returns a new tensor."""
+    if activations.shape != reference.shape:
+        raise ConfigError(f"activations {tuple(activations.shape)} and reference {tuple(reference.shape)} differ")
+    if not 0.0 <= coverage <= 1.0 or not 0.0 <= amplitude <= 1.0:
+        raise ConfigError(f"coverage {coverage} and amplitude {amplitude} must lie in [0, 1]")
+    n, T, d = activations.shape
+    out = activations.reshape(n * T, d).clone()
+    m = int(round(coverage * n * T))
+    if m and amplitude:
+        rows = torch.as_tensor(order[:m], dtype=torch.long)
+        ref = reference.reshape(n * T, d).to(out.dtype)
+        out[rows] = (1.0 - amplitude) * out[rows] + amplitude * ref[rows]
+    return out.reshape(n, T, d)
+
+
+# ------------------------------------------------------------------ results
+
+
+@dataclass
+class Dose:
+    coverage: float
+    amplitude: float
+
+    @property
+    def dose(self) -> float:
+        return self.coverage * self.amplitude
+
+    def label(self) -> str:
+        return f"{self.coverage:g} × {self.amplitude:g}"
+
+
+@dataclass
+class CalibrationResult:
+    out: Path | None
+    record: dict[str, Any]
+
+    @property
+    def onsets(self) -> dict[str, dict[str, float] | None]:
+        return self.record["onsets"]
+
+
+def _auc_weighted(scores_m: np.ndarray, scores_n: np.ndarray, wm: np.ndarray, wn: np.ndarray) -> np.ndarray:
+    """Bootstrap replicates of the Mann–Whitney AUC with members/non-members reweighted by counts."""
+    cmp = (scores_m[:, None] > scores_n[None, :]).astype(np.float64) + 0.5 * (scores_m[:, None] == scores_n[None, :])
+    return np.einsum("bm,mn,bn->b", wm, cmp, wn) / (wm.sum(1) * wn.sum(1))
+
+
+def _interval(reps: np.ndarray, estimate: float, alpha: float) -> Interval:
+    low, high = percentile_bounds(reps, alpha)
+    return Interval(float(estimate), low, high, int(reps.size), alpha)
+
+
+def _iv(iv: Interval) -> dict[str, float]:
+    return {"effect": iv.estimate, "low": iv.low, "high": iv.high}
+
+
+def calibrate(
+    run_dir: str | Path,
+    attack: str,
+    *,
+    out: str | Path | None = None,
+    coverages: Sequence[float] = DEFAULT_COVERAGES,
+    amplitudes: Sequence[float] = DEFAULT_AMPLITUDES,
+    client_copy: str = "public",
+    k: int | None = None,
+    budget: int | str | None = None,
+    n_docs: int | None = None,
+    seed: int = 0,
+    n_boot: int = 2000,
+    alpha: float = 0.05,
+    force: bool = False,
+    progress: Progress | None = None,
+    knowledge: Knowledge | None = None,
+    traffic: Traffic | None = None,
+) -> CalibrationResult:
+    """Sweep the dose ladder (every coverage × every amplitude, plus zero dose) with one attack and
+    write ``calibration.json``, ``calibration.md`` and ``calibration.png`` / ``.svg`` to ``out``."""
+    progress = progress or Silent()
+    run_dir = Path(run_dir)
+    out_path = Path(out) if out is not None else None
+    if out_path is not None and out_path.exists() and any(out_path.iterdir()) and not force:
+        raise SplitleakError(f"{out_path} already exists and is not empty; choose another --out or pass --force")
+    params: dict[str, Any] = {}
+    if k is not None:
+        params["k"] = k
+    if budget is not None:
+        params["budget"] = budget
+    acfg = make_attack_config(attack=attack, client_copy=client_copy, attack_seed=seed, **params)
+    att = make_attack(acfg.attack, **acfg.attack_params())
+    if attack == "property":
+        raise ConfigError("calibration measures token metrics; the property attack outputs no tokens. "
+                          "Calibrate a token attack (vmi, activation, joint, sipit, ...)")
+    doses = [Dose(0.0, 1.0)] + [Dose(float(c), float(a)) for a in amplitudes for c in coverages]
+    for d in doses:
+        if not (0.0 <= d.coverage <= 1.0 and 0.0 < d.amplitude <= 1.0):
+            raise ConfigError(f"dose {d.label()}: coverages must lie in [0, 1] and amplitudes in (0, 1]")
+    manifest = read_manifest(run_dir)
+
+    knowledge = knowledge or load_knowledge(run_dir, client_copy)
+    traffic = traffic or load_traffic(run_dir, with_gradients=att.uses_gradients)
+    if n_docs is not None:
+        if n_docs < 2:
+            raise ConfigError("--n-docs must be at least 2")
+        traffic = traffic.subset(range(min(n_docs, len(traffic))))
+    truth = eval_token_ids(run_dir, traffic.doc_ids)
+    truth_t = torch.as_tensor(truth)
+    reference = knowledge.client.activations(truth_t).to(traffic.activations.dtype).cpu()
+    att.fit(knowledge)
+    probe = TokenProbe().fit(knowledge)
+
+    # rare tokens: seen at most once in the attacker's calibration documents
+    cal_counts = np.bincount(knowledge.calibration_ids().numpy().reshape(-1), minlength=knowledge.client.vocab_size)
+    rare = cal_counts[truth] <= 1
+
+    # membership frames: training documents (members) and evaluation documents (non-members), both
+    # through the run's trained client layers
+    docs = read_documents(run_dir)
+    trained = load_knowledge(run_dir, "trained") if client_copy != "trained" else knowledge
+    n_mem = min(len(docs.train), len(traffic))
+    mem_ids = torch.tensor([list(d.token_ids) for d in docs.train[:n_mem]], dtype=torch.long)
+    mem_frames = trained.client.activations(mem_ids).cpu()
+    non_frames = trained.client.activations(truth_t).cpu()
+    mem_ref = knowledge.client.activations(mem_ids).cpu().to(mem_frames.dtype)
+    non_ref = reference.to(non_frames.dtype)
+    del trained
+
+    n, T = truth.shape
+    order = dose_order(n * T, seed)
+    order_mem = dose_order(n_mem * T, seed + 1)
+    base = constant_baseline(truth)
+    rows: list[dict[str, Any]] = []
+    per_dose: list[dict[str, np.ndarray]] = []
+    task = progress.start(f"calibration doses ({acfg.attack})", len(doses))
+    for d in doses:
+        frame = inject_leak(traffic.activations, reference, d.coverage, d.amplitude, order)
+        dosed = Traffic(traffic.doc_ids, frame, traffic.gradients)
+        pred = att.reconstruct(dosed).tokens.numpy()
+        right = pred == truth
+        ll = probe.log_likelihood(frame, truth_t).numpy()
+        ll_mem = probe.log_likelihood(
+            inject_leak(mem_frames, mem_ref, d.coverage, d.amplitude, order_mem), mem_ids).numpy()
+        ll_non = probe.log_likelihood(
+            inject_leak(non_frames, non_ref, d.coverage, d.amplitude, order), truth_t).numpy()
+        per_dose.append({
+            "correct": right.sum(1).astype(float), "rare_correct": (right & rare).sum(1).astype(float),
+            "ce": -ll.mean(1), "mem": ll_mem.mean(1), "non": ll_non.mean(1),
+        })
+        labels = np.r_[np.ones(n_mem), np.zeros(n)]
+        auc = roc_auc(np.r_[per_dose[-1]["mem"], per_dose[-1]["non"]], labels)
+        rows.append({
+            "coverage": d.coverage, "amplitude": d.amplitude, "dose": d.dose,
+            "dosed_rows": int(round(d.coverage * n * T)) if d.amplitude else 0,
+            "token_top1": float(right.mean()),
+            "rare_token_top1": float((right & rare).sum() / max(1, rare.sum())),
+            "token_cross_entropy": float(-ll.mean()),
+            "membership_auc": float(auc),
+            "gate_G": wilson_upper(int(right.sum()), int(right.size), alpha) - base.rate,
+        })
+        progress.advance(task)
+
+    progress.finish(task)
+    # effects against zero dose, documents resampled (one weight matrix for every dose and metric)
+    w = frame_weights(n, n_boot, seed)
+    wm = frame_weights(n_mem, n_boot, seed + 1)
+    counted = np.full(n, float(T))
+    rare_counted = rare.sum(1).astype(float)
+    z = per_dose[0]
+    for row, pd in zip(rows, per_dose):
+        effects = {
+            "token_top1": ratio_bootstrap_ci(np.stack([pd["correct"], z["correct"]]),
+                                             np.stack([counted, counted]), alpha=alpha, weights=w),
+            "rare_token_top1": (ratio_bootstrap_ci(np.stack([pd["rare_correct"], z["rare_correct"]]),
+                                                   np.stack([rare_counted, rare_counted]), alpha=alpha, weights=w)
+                                if rare_counted.sum() > 0 else None),
+            "token_cross_entropy": _interval(w @ (z["ce"] - pd["ce"]) / n, float(np.mean(z["ce"] - pd["ce"])), alpha),
+        }
+        a_d = _auc_weighted(pd["mem"], pd["non"], wm, w)
+        a_0 = _auc_weighted(z["mem"], z["non"], wm, w)
+        effects["membership_auc"] = _interval(a_d - a_0, row["membership_auc"] - rows[0]["membership_auc"], alpha)
+        row["effects"] = {}
+        for m in METRICS:
+            iv = effects[m]
+            row["effects"][m] = None if iv is None else {**_iv(iv), "detected": bool(iv.low > 0)}
+        row["gate_breaks"] = bool(row["gate_G"] > GATE)
+
+    onsets: dict[str, dict[str, float] | None] = {}
+    for m in METRICS:
+        hit = [r for r in rows[1:] if r["effects"][m] is not None and r["effects"][m]["detected"]]
+        hit.sort(key=lambda r: (r["dose"], r["coverage"]))
+        onsets[m] = None if not hit else {"coverage": hit[0]["coverage"], "amplitude": hit[0]["amplitude"],
+                                          "dose": hit[0]["dose"]}
+    gate_hits = sorted((r for r in rows if r["gate_breaks"]), key=lambda r: r["dose"])
+    record = {
+        "run": {"dir": str(run_dir), "config_hash": manifest["config_hash"], "cut": manifest["split"]["cut"]},
+        "attack": acfg.model_dump(mode="json"),
+        "attack_params": att.params(),
+        "documents": n,
+        "tokens": n * T,
+        "rare_tokens": int(rare.sum()),
+        "members": n_mem,
+        "constant_baseline": {"token_id": base.token_id, "rate": base.rate},
+        "probe_temperature": probe.tau_,
+        "n_boot": n_boot,
+        "alpha": alpha,
+        "seed": seed,
+        "doses": rows,
+        "onsets": onsets,
+        "gate_onset": None if not gate_hits else {"coverage": gate_hits[0]["coverage"],
+                                                   "amplitude": gate_hits[0]["amplitude"]},
+        "zero_dose_detects": [m for m in METRICS if rows[0]["effects"][m] and rows[0]["effects"][m]["detected"]],
+    }
+    result = CalibrationResult(out_path, record)
+    if out_path is not None:
+        write_calibration(out_path, record, force=force)
+    return result
+
+
+# ------------------------------------------------------------------ output
+
+
+def calibration_table(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    header = ["coverage × amplitude", "token top-1 %", "rare top-1 %", "CE (nats)", "membership AUC", "gate G (pp)"]
+    rows = []
+    for r in record["doses"]:
+        e = r["effects"]
+
+        def cell(m: str, value: str) -> str:
+            if e[m] is None:
+                return f"{value} (n/a)"
+            mark = " ✓" if e[m]["detected"] else ""
+            return f"{value}{mark}"
+
+        rows.append([
+            f"{r['coverage']:g} × {r['amplitude']:g}",
+            cell("token_top1", f"{100 * r['token_top1']:.2f}"),
+            cell("rare_token_top1", f"{100 * r['rare_token_top1']:.2f}"),
+            cell("token_cross_entropy", f"{r['token_cross_entropy']:.3f}"),
+            cell("membership_auc", f"{r['membership_auc']:.3f}"),
+            f"{100 * r['gate_G']:+.2f}" + (" breaks" if r["gate_breaks"] else ""),
+        ])
+    return header, rows
+
+
+def onset_text(record: dict[str, Any], metric: str) -> str:
+    o = record["onsets"].get(metric)
+    if o is None:
+        return "not detected at any dose"
+    return f"first detects at coverage {o['coverage']:g} × amplitude {o['amplitude']:g}"
+
+
+def calibration_markdown(record: dict[str, Any]) -> str:
+    header, rows = calibration_table(record)
+    a = record["attack"]
+    lines = [
+        f"# Injected-leak calibration: {a['attack']} ({a['client_copy']} copy)",
+        "",
+        f"Run `{record['run']['dir']}` (configuration `{record['run']['config_hash'][:16]}`, cut after "
+        f"{record['run']['cut']} blocks); {record['documents']} documents, {record['tokens']} tokens "
+        f"({record['rare_tokens']} rare), {record['members']} member documents; constant baseline "
+        f"{100 * record['constant_baseline']['rate']:.2f} %.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *["| " + " | ".join(r) + " |" for r in rows],
+        "",
+        "✓: detected (the lower end of the 95 % document-bootstrap interval of the effect against zero dose is",
+        "above 0). Gate G: Wilson upper-95 of token top-1 minus the constant baseline; breaks above +1.00 pp.",
+        "",
+        "## Onsets",
+        "",
+        *[f"- {METRIC_TITLES[m].split(' (')[0]}: {onset_text(record, m)}" for m in METRICS],
+        "",
+        "A metric that detects no dose cannot stand behind a verdict of absence.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def calibration_figure(record: dict[str, Any], out_stem: str | Path) -> list[Path]:
+    from splitleak.figures import pyplot, save_png_svg
+
+    plt = pyplot()
+
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4.2 * len(METRICS), 3.8), constrained_layout=True)
+    scale = {"token_top1": 100, "rare_token_top1": 100, "token_cross_entropy": 1, "membership_auc": 1}
+    amps = sorted({r["amplitude"] for r in record["doses"][1:]})
+    for ax, m in zip(axes, METRICS):
+        for j, amp in enumerate(amps):
+            pts = [r for r in record["doses"][1:] if r["amplitude"] == amp and r["coverage"] > 0
+                   and r["effects"][m] is not None]
+            if not pts:
+                continue
+            x = [r["coverage"] for r in pts]
+            y = [scale[m] * r["effects"][m]["effect"] for r in pts]
+            lo = [scale[m] * r["effects"][m]["low"] for r in pts]
+            hi = [scale[m] * r["effects"][m]["high"] for r in pts]
+            ax.plot(x, y, "-", color=f"C{j}", label=f"amplitude {amp:g}")
+            ax.fill_between(x, lo, hi, color=f"C{j}", alpha=0.2)
+            det = [r["effects"][m]["detected"] for r in pts]
+            ax.scatter([xi for xi, d in zip(x, det) if d], [yi for yi, d in zip(y, det) if d], color=f"C{j}",
+                       marker="o", zorder=3, label="detected" if j == 0 else None)
+            ax.scatter([xi for xi, d in zip(x, det) if not d], [yi for yi, d in zip(y, det) if not d],
+                       facecolors="white", edgecolors=f"C{j}", marker="o", zorder=3,
+                       label="not detected" if j == 0 else None)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xscale("log")
+        if m == "token_top1":
+            ax.axhline(100 * GATE, color="grey", ls="--", lw=0.8)
+            ax.annotate("gate +1.0 pp", (0.98, 100 * GATE), xycoords=("axes fraction", "data"), fontsize=8,
+                        color="grey", va="bottom", ha="right")
+        ax.set_xlabel("injected coverage (share of rows)")
+        ax.set_title(f"{METRIC_TITLES[m]}\n{onset_text(record, m)}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"dose-response per metric: {record['attack']['attack']} on {Path(record['run']['dir']).name} "
+                 f"({record['documents']} documents; shaded: 95 % interval of the effect against zero dose)",
+                 fontsize=10)
+    return save_png_svg(fig, out_stem, dpi=130)
+
+
+def write_calibration(out: Path, record: dict[str, Any], force: bool = False) -> None:
+    if out.exists() and force:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".calibration.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True, default=_num) + "\n")
+    tmp.replace(out / "calibration.json")
+    (out / "calibration.md").write_text(calibration_markdown(record))
+    calibration_figure(record, out / "calibration")
+
+
+def _num(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o) if math.isfinite(float(o)) else None
+    raise TypeError(type(o).__name__)
+
+
+def read_calibration(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    p = p / "calibration.json" if p.is_dir() else p
+    if not p.is_file():
+        raise SplitleakError(f"{p} does not exist; run `splitleak calibrate RUN_DIR --attack NAME` first")
+    return json.loads(p.read_text())
