@@ -210,6 +210,14 @@ def test_main_test_passes_a_large_difference_and_fails_a_small_one():
     assert m.shape == (4, 60) and seeds == [1, 2, 3, 4]
     with pytest.raises(ConfigError, match="2 different configurations"):
         score_matrix(_rows(0.0), "token_recovery")
+    # a perturbed joint attack beside the plain one is not picked unless the selector names it
+    rows = _rows(0.06)
+    rows += [{**r, "gradient_noise": 1.0, "token_correct": 0} for r in rows if r["attack"] == "joint"]
+    again = compare(rows, t, c, metric="token_recovery", alpha=0.05, mark=0.02, n_boot=4000, seed=0)
+    assert again.estimate == big.estimate
+    noisy = compare(rows, {**t, "gradient_noise": 1.0}, c, metric="token_recovery", alpha=0.05, mark=0.02,
+                    n_boot=500, seed=0)
+    assert noisy.estimate < -0.5
     missing = compare(_rows(0.06), {**t, "depth": 3}, c, metric="token_recovery", alpha=0.05, mark=0.02,
                       n_boot=100, seed=0)
     assert not missing.passes and "treatment" in missing.missing

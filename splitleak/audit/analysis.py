@@ -12,7 +12,9 @@ carrying the fields a protocol's selectors name:
 - ``protocol_hash``: every record must carry the protocol's hash, or the analysis refuses it.
 
 A selector (``{attack: joint, k: 32, client_copy: public, depth: 6}``) picks the records whose
-fields equal every value it names. For each victim seed (a trained model) the per-document score is
+fields equal every value it names; fields it does not name default to the plain training
+setting (``SELECTOR_DEFAULTS``: no defence, no observer-side gradient perturbation, not the
+inference setting), so that ``joint`` does not also pick the perturbed joint attacks. For each victim seed (a trained model) the per-document score is
 averaged over attack seeds; the crossed bootstrap then resamples models and documents.
 ``rows_from_results`` builds the table from ``splitleak attack`` / ``splitleak audit`` output, and
 the experiment store yields the same records.
@@ -33,6 +35,7 @@ from splitleak.stats import bonferroni_alpha, heldout_rmse, paired_difference_ci
 
 ATTACK_FIELDS = ("attack", "k", "budget", "client_copy", "attack_seed", "gradient_noise", "gradient_bits", "inference")
 RUN_FIELDS = ("model", "depth", "offload_start", "offload_length", "defence", "data", "victim_seed")
+SELECTOR_DEFAULTS = {"defence": "none", "gradient_noise": None, "gradient_bits": None, "inference": False}
 METRICS = {
     "token_recovery": lambda r: r["token_correct"] / r["token_counted"] if r["token_counted"] else np.nan,
     "doc_recovery": lambda r: float(bool(r["exact"])),
@@ -166,7 +169,14 @@ def select(rows: Sequence[dict[str, Any]], selector: dict[str, Any]) -> list[dic
     unknown = set(selector) - set(ATTACK_FIELDS) - set(RUN_FIELDS)
     if unknown:
         raise ConfigError(f"selector names unknown field(s) {sorted(unknown)}; use {ATTACK_FIELDS + RUN_FIELDS}")
-    return [r for r in rows if all(r.get(k) == v for k, v in selector.items())]
+    full = {**SELECTOR_DEFAULTS, **selector}
+    return [r for r in rows if all(_same(r.get(k), v) for k, v in full.items())]
+
+
+def _same(value: Any, wanted: Any) -> bool:
+    if wanted is False:
+        return not value  # inference: absent or False
+    return value == wanted
 
 
 def score_matrix(rows: Sequence[dict[str, Any]], metric: str) -> tuple[np.ndarray, list[Any], list[int]]:

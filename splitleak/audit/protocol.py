@@ -46,7 +46,8 @@ class Family(BaseModel):
 
     The comparisons are listed in ``comparisons``, or generated as ``treatment`` against each of
     ``controls`` at every combination of the values in ``over`` (keys such as depth, client_copy,
-    k); with ``exclude_main_test`` the combination equal to the main test is left out. Either way
+    k); a key that the treatment or a control names itself is kept as written (``k: null`` for an
+    attack without a candidate budget); with ``exclude_main_test`` the combination equal to the main test is left out. Either way
     the number of comparisons must equal ``size``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -77,7 +78,7 @@ class Family(BaseModel):
         for values in itertools.product(*(self.over[k] for k in keys)):
             cond = dict(zip(keys, values))
             for ctl in self.controls:
-                c = Comparison(treatment={**self.treatment, **cond}, control={**ctl, **cond})
+                c = Comparison(treatment={**cond, **self.treatment}, control={**cond, **ctl})
                 if self.exclude_main_test and main is not None and c.treatment == main.treatment \
                         and c.control == main.control:
                     continue
