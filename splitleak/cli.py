@@ -418,6 +418,7 @@ def audit_cmd(
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
     quiet: bool = typer.Option(False, "--quiet"),
+    no_twin: bool = typer.Option(False, "--no-twin", help="with a defence, skip the undefended twin run (and the relative perplexity cost)"),
 ) -> None:
     """The main job: train and capture on embedded defaults, attack the traffic, write a report."""
     from splitleak.audit.run import choose_default_model, run_audit
@@ -434,7 +435,7 @@ def audit_cmd(
                 defences=parse_defences(defence, defence_arg), data=data,
                 data_path=str(data_path) if data_path else None, seed=seed, steps=steps,
                 n_calib=n_calib, n_train=n_train, n_eval=n_eval, force=force, device=device,
-                threads=threads, progress=prog, say=console.print,
+                threads=threads, progress=prog, say=console.print, twin=not no_twin,
             )
         _print_summary(res.run)
         from splitleak.audit.run import ATTACK_HEADER, attack_table_rows

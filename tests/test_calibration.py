@@ -141,7 +141,15 @@ def test_audit_under_heavy_noise_reads_at_floor_with_a_calibrated_metric(tmp_pat
     assert all(a["arm"]["verdict"] != "detected" and a["arm"]["control_verdict"] != "detected"
                for a in rep["attacks"])
     assert (out / "calibration" / "calibration.json").is_file()
-    assert "## Instrument calibration" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert "## Instrument calibration" in md and "relative perplexity change against the twin" in md
+    # the cost of the defence: an undefended twin with the same model, split, data and seed
+    twin = json.loads((out / "twin" / "manifest.json").read_text())
+    assert twin["defences"] == [{"name": "none", "args": {}}] and twin["config"]["seed"] == 1
+    ppl = json.loads((out / "run" / "metrics.json").read_text())["perplexity"]
+    ppl_twin = json.loads((out / "twin" / "metrics.json").read_text())["perplexity"]
+    assert rep["cost"]["rel_ppl_change"] == pytest.approx(ppl / ppl_twin - 1, rel=1e-12) and ppl != ppl_twin
+    assert runner.invoke(app, ["verify", str(out / "twin")]).exit_code == 0
 
 
 # ------------------------------------------------------------------ statistics added for the analysis

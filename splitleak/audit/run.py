@@ -103,7 +103,12 @@ def run_audit(
     threads: int | None = None,
     progress: Progress | None = None,
     say: Callable[[str], None] = print,
+    twin: bool = True,
 ) -> AuditResult:
+    """Train and capture, verify, attack with ``AUDIT_ATTACKS``, calibrate, and write the report.
+
+    With a defence and ``twin``, the same run without the defence is trained too (``out/twin``, no
+    all-local baseline) so that the cost reads as the relative perplexity change against it (000 §4.5)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise SplitleakError(f"{out} already exists and is not empty; choose another --out or pass --force")
@@ -149,6 +154,15 @@ def run_audit(
         arm = next(a for a in arms if a.name == attack_label(res))
         res["arm"] = arm.as_dict()
     m = run.metrics
+    cost = None
+    if twin and any(d["name"] != "none" for d in cfg.as_dict()["defences"]):
+        say("training the undefended twin (same model, split, data and seed) for the cost of the defence")
+        twin_cfg = make_train_config(**{**cfg.as_dict(), "defences": [{"name": "none"}], "all_local_baseline": False})
+        t = run_training(twin_cfg, out / "twin", device=device, threads=threads, progress=progress)
+        cost = {"twin_dir": "twin", "twin_config_hash": twin_cfg.hash(), "twin_heldout_ce": t.metrics["heldout_ce"],
+                "twin_perplexity": t.metrics["perplexity"],
+                "rel_ppl_change": m["perplexity"] / t.metrics["perplexity"] - 1.0,
+                "ce_change": m["heldout_ce"] - t.metrics["heldout_ce"]}
     verdicts = {"constant_baseline": {"token_id": base.token_id, "rate": base.rate},
                 "gate": {"G": gate.G, "breaks": gate.breaks, "alpha_bonf": gate.alpha_bonf, "gate": gate.gate,
                          "arms": [a.name for a in probe_arms]},
@@ -162,9 +176,12 @@ def run_audit(
         f"(all-local {m['all_local_ce']:.4f}, ΔU {m['delta_u']:+.4f}); captured {cap['documents']} documents × "
         f"{cap['tokens_per_document']} tokens × width {cap['width']}; run verified ({ver.message})."
     )
+    if cost is not None:
+        summary += (f" Cost of the defence: perplexity {m['perplexity']:.2f} against {cost['twin_perplexity']:.2f} "
+                    f"undefended ({100 * cost['rel_ppl_change']:+.2f} %).")
     report = {"config": cfg.as_dict(), "config_hash": cfg.hash(), "metrics": m, "capture": cap,
               "verify": ver.message, "attacks": results, "verdict": verdict, "verdicts": verdicts,
-              "summary": summary,
+              "summary": summary, "cost": cost,
               "torch_threads": torch.get_num_threads()}
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
     (out / "report.md").write_text(report_markdown(report))
@@ -302,6 +319,11 @@ def report_markdown(report: dict[str, Any]) -> str:
         f"| all-local cross-entropy | {m['all_local_ce']:.4f} |",
         f"| ΔU = L_split − L_all-local | {m['delta_u']:+.4f} |",
         f"| pretrained cross-entropy | {m['pretrained_ce']:.4f} |",
+        *([] if not report.get("cost") else [
+            f"| undefended twin: held-out cross-entropy | {report['cost']['twin_heldout_ce']:.4f} |",
+            f"| undefended twin: perplexity | {report['cost']['twin_perplexity']:.2f} |",
+            f"| relative perplexity change against the twin | {100 * report['cost']['rel_ppl_change']:+.2f} % |",
+        ]),
         "",
         f"Run directory verified: {report['verify']}.",
         "",
