@@ -167,7 +167,9 @@ def train_cmd(
     defence_arg: list[str] = typer.Option([], "--defence-arg", help="KEY=VALUE (or NAME.KEY=VALUE) for a defence"),
     data: str = typer.Option("synthetic-pii", "--data", help="wikitext2, synthetic-pii or text"),
     data_path: Optional[Path] = typer.Option(None, "--data-path", help="folder of wiki.*.raw files, or your text files"),
-    seed: int = typer.Option(0, "--seed", help="victim seed: documents, order, defence noise, tiny-model init"),
+    seed: int = typer.Option(0, "--seed", help="victim seed: training order, defence noise, tiny-model init"),
+    data_seed: int = typer.Option(0, "--data-seed", help="draws the documents; keep it fixed across victim seeds "
+                                  "so that every trained model is scored on the same evaluation documents"),
     steps: Optional[int] = typer.Option(None, "--steps", help="training steps (default: one pass over the training documents)"),
     precision: str = typer.Option("float32", "--precision", help="float32 or float64"),
     n_calib: int = typer.Option(32, "--n-calib"),
@@ -187,8 +189,8 @@ def train_cmd(
         options = dict(
             model=model, model_path=model_path, depth=depth, offload_start=offload_start,
             offload_length=offload_length, defence=defence, defence_arg=defence_arg, data=data, data_path=data_path,
-            seed=seed, steps=steps, precision=precision, n_calib=n_calib, n_train=n_train, n_eval=n_eval,
-            doc_len=doc_len, no_baseline=no_baseline,
+            seed=seed, data_seed=data_seed, steps=steps, precision=precision, n_calib=n_calib, n_train=n_train,
+            n_eval=n_eval, doc_len=doc_len, no_baseline=no_baseline,
         )
         if config is not None:
             changed = [k for k, v in options.items() if v != _TRAIN_DEFAULTS[k]]
@@ -208,7 +210,7 @@ def train_cmd(
             model=model, model_path=str(model_path) if model_path else None, precision=precision,
             depth=depth, offload_start=offload_start, offload_length=offload_length,
             defences=parse_defences(defence, defence_arg), data=data,
-            data_path=str(data_path) if data_path else None, seed=seed, steps=steps,
+            data_path=str(data_path) if data_path else None, seed=seed, data_seed=data_seed, steps=steps,
             n_calib=n_calib, n_train=n_train, n_eval=n_eval, doc_len=doc_len,
             all_local_baseline=not no_baseline,
         )
@@ -219,7 +221,7 @@ def train_cmd(
 
 _TRAIN_DEFAULTS = dict(
     model="tiny-gpt2", model_path=None, depth=None, offload_start=None, offload_length=None, defence=["none"],
-    defence_arg=[], data="synthetic-pii", data_path=None, seed=0, steps=None, precision="float32", n_calib=32,
+    defence_arg=[], data="synthetic-pii", data_path=None, seed=0, data_seed=0, steps=None, precision="float32", n_calib=32,
     n_train=128, n_eval=256, doc_len=32, no_baseline=False,
 )
 

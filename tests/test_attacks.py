@@ -17,8 +17,9 @@ from splitleak.wire import quantize_symmetric
 
 
 def _run(path, seed, depth=3, n_calib=2, defence="none", n_eval=64):
+    # each seed draws its own documents too: three independent set-ups (the measured claims below)
     cfg = make_train_config(model="tiny-gpt2", depth=depth, n_calib=n_calib, n_train=16, n_eval=n_eval, seed=seed,
-                            all_local_baseline=False, defences=[{"name": defence}])
+                            data_seed=seed, all_local_baseline=False, defences=[{"name": defence}])
     run_training(cfg, path, device="cpu")
     return path
 

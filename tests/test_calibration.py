@@ -223,6 +223,9 @@ def test_main_test_passes_a_large_difference_and_fails_a_small_one():
     rows += [{**r, "gradient_noise": 1.0, "token_correct": 0} for r in rows if r["attack"] == "joint"]
     again = compare(rows, t, c, metric="token_recovery", alpha=0.05, mark=0.02, n_boot=4000, seed=0)
     assert again.estimate == big.estimate
+    mixed = [{**r, "data_seed": r["victim_seed"]} for r in _rows(0.06)]  # each run drew its own documents
+    with pytest.raises(SplitleakError, match="different data seeds"):
+        compare(mixed, t, c, metric="token_recovery", alpha=0.05, mark=0.02, n_boot=100, seed=0)
     noisy = compare(rows, {**t, "gradient_noise": 1.0}, c, metric="token_recovery", alpha=0.05, mark=0.02,
                     n_boot=500, seed=0)
     assert noisy.estimate < -0.5

@@ -32,6 +32,19 @@ def test_undefended_split_training_equals_all_local_training(tmp_path, seed):
         "heldout_ce", "perplexity", "all_local_ce", "delta_u"}
 
 
+def test_victim_seeds_share_documents_and_the_data_seed_draws_them(tmp_path):
+    """Every trained model is scored on the same evaluation documents (000 §3), so the crossed
+    bootstrap can pair them; the victim seed changes the training, the data seed the documents."""
+    docs = {}
+    for name, kw in (("a", dict(seed=0)), ("b", dict(seed=1)), ("c", dict(seed=0, data_seed=1))):
+        run_training(_cfg(all_local_baseline=False, **kw), tmp_path / name, device="cpu")
+        docs[name] = json.loads((tmp_path / name / "documents.json").read_text())
+    assert docs["a"] == docs["b"]
+    assert docs["a"] != docs["c"]
+    ma, mb = (json.loads((tmp_path / n / "metrics.json").read_text())["heldout_ce"] for n in "ab")
+    assert ma != mb  # the victim seed still changes the trained model
+
+
 def test_quantised_training_differs_from_all_local(tmp_path):
     m = run_training(_cfg(defences=[{"name": "quant4-noisy"}]), tmp_path / "run", device="cpu").metrics
     assert abs(m["delta_u"]) > 1e-4
@@ -100,7 +113,7 @@ def test_capture_holds_what_crossed_the_wire(tmp_path):
 def test_captured_gradient_is_each_documents_own_loss_gradient(tmp_path):
     """Batched capture returns, per document, d(mean next-token loss of that document)/d(activation)."""
     run = tmp_path / "run"
-    run_training(_cfg(seed=5, capture_batch=8, all_local_baseline=False), run, device="cpu")
+    run_training(_cfg(seed=5, data_seed=5, capture_batch=8, all_local_baseline=False), run, device="cpu")
     cap = load_capture(run)
     docs = json.loads((run / "documents.json").read_text())
     lm = load_model("tiny-gpt2", seed=5)

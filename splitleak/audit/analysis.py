@@ -34,7 +34,7 @@ from splitleak.errors import ConfigError, DataError, SplitleakError
 from splitleak.stats import bonferroni_alpha, heldout_rmse, paired_difference_ci, partial_r2_test
 
 ATTACK_FIELDS = ("attack", "k", "budget", "client_copy", "attack_seed", "gradient_noise", "gradient_bits", "inference")
-RUN_FIELDS = ("model", "depth", "offload_start", "offload_length", "defence", "data", "victim_seed")
+RUN_FIELDS = ("model", "depth", "offload_start", "offload_length", "defence", "data", "victim_seed", "data_seed")
 SELECTOR_DEFAULTS = {"defence": "none", "gradient_noise": None, "gradient_bits": None, "inference": False}
 METRICS = {
     "token_recovery": lambda r: r["token_correct"] / r["token_counted"] if r["token_counted"] else np.nan,
@@ -97,6 +97,7 @@ def run_fields(run_config: dict[str, Any]) -> dict[str, Any]:
         "defence": defence_label(run_config),
         "data": run_config.get("data"),
         "victim_seed": run_config.get("seed"),
+        "data_seed": run_config.get("data_seed"),
     }
 
 
@@ -189,6 +190,11 @@ def score_matrix(rows: Sequence[dict[str, Any]], metric: str) -> tuple[np.ndarra
     if len(configs) > 1:
         raise ConfigError(f"the selector matches {len(configs)} different configurations; name more fields "
                           f"(e.g. k, client_copy, depth, defence) so that it picks one")
+    data_seeds = {r.get("data_seed") for r in rows}
+    if len(data_seeds) > 1:
+        raise DataError(
+            f"the runs drew their documents with different data seeds {sorted(map(str, data_seeds))}, so document j "
+            "is a different text in different runs and cannot be paired; train every victim seed with one --data-seed")
     cells: dict[tuple[Any, int], list[float]] = {}
     for r in rows:
         cells.setdefault((r["victim_seed"], int(r["doc_id"])), []).append(METRICS[metric](r))
@@ -251,7 +257,7 @@ def analyse(protocol: Protocol, protocol_hash: str, rows: Sequence[dict[str, Any
 
 
 def analyse_partial_offloading(protocol: Protocol, run_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """000 §5: for each test {outcome, defence}, partial R² of the start beyond length with its
+    """000 §5: for each model and test {outcome, defence}, partial R² of the start beyond length with its
     permutation p-value and seed-bootstrap interval, and the held-out-seed RMSE check.
 
     ``run_rows``: one record per run with ``defence``, ``victim_seed``, ``offload_start``,
@@ -260,12 +266,13 @@ def analyse_partial_offloading(protocol: Protocol, run_rows: Sequence[dict[str, 
     th = protocol.thresholds
     test_seeds = protocol.victim_seeds[-2:]  # 000 §5: fit on seeds 11-66, evaluate on 77 and 88
     out = []
-    for i, test in enumerate(protocol.tests):
+    models = sorted({str(r.get("model")) for r in run_rows})
+    for i, (model, test) in enumerate((m, t) for m in models for t in protocol.tests):
         if "outcome" not in test or "defence" not in test:
             continue
         rows = [r for r in run_rows if r.get("defence") == test["defence"] and r.get(test["outcome"]) is not None
-                and r.get("offload_length") is not None]
-        rec: dict[str, Any] = {"outcome": test["outcome"], "defence": test["defence"], "runs": len(rows)}
+                and r.get("offload_length") is not None and str(r.get("model")) == model]
+        rec: dict[str, Any] = {"model": model, "outcome": test["outcome"], "defence": test["defence"], "runs": len(rows)}
         if len({r["victim_seed"] for r in rows}) < 2:
             rec["missing"] = "fewer than two victim seeds with this defence and outcome"
             out.append(rec)
@@ -307,17 +314,18 @@ def analysis_markdown(a: Analysis) -> str:
         lines += [f"| {_sel(c.treatment)} | {_sel(c.control)} | {fmt(c)} |" for c in a.family]
         lines.append("")
     if a.partial_offloading:
-        lines += ["## Partial offloading", "", "| defence | outcome | runs | partial R² | interval | p | passes | "
-                  "held-out RMSE (length → with start) |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["## Partial offloading", "", "| model | defence | outcome | runs | partial R² | interval | p | passes | "
+                  "held-out RMSE (length → with start) |", "|---|---|---|---|---|---|---|---|---|"]
         for r in a.partial_offloading:
             if "missing" in r:
-                lines.append(f"| {r['defence']} | {r['outcome']} | {r['runs']} | missing: {r['missing']} | | | | |")
+                lines.append(f"| {r['model']} | {r['defence']} | {r['outcome']} | {r['runs']} | missing: {r['missing']} "
+                             "| | | | |")
                 continue
             h = r.get("heldout") or {}
             ht = ("n/a" if not h or "missing" in h else
                   f"{h['rmse_length']:.4f} → {h['rmse_with_start']:.4f} ({100 * h['reduction']:+.1f} %; "
                   f"{'≥' if h['passes'] else '<'} {100 * h['required']:.0f} %)")
-            lines.append(f"| {r['defence']} | {r['outcome']} | {r['runs']} | {r['partial_r2']:.4f} | "
+            lines.append(f"| {r['model']} | {r['defence']} | {r['outcome']} | {r['runs']} | {r['partial_r2']:.4f} | "
                          f"[{r['low']:.4f}, {r['high']:.4f}] | {r['p_value']:.4g} | {'yes' if r['passes'] else 'no'} | "
                          f"{ht} |")
         lines.append("")

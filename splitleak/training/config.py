@@ -32,7 +32,8 @@ class TrainConfig(BaseModel):
     defences: tuple[DefenceConfig, ...] = (DefenceConfig(name="none"),)
     data: str = "synthetic-pii"
     data_path: str | None = None
-    seed: int = 0
+    seed: int = 0  # the victim seed: training order, defence randomness, a random model's init
+    data_seed: int = 0  # draws the calibration / train / evaluation documents, shared across victim seeds
     steps: int | None = None  # None: one pass over the training documents
     lr: float = 5e-5
     n_calib: int = Field(32, ge=1)

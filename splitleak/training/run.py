@@ -69,7 +69,7 @@ def _documents(config: TrainConfig, tokenizer) -> DocumentSets:
     return load_documents(
         config.data,
         tokenizer,
-        seed=config.seed,
+        seed=config.data_seed,
         n_calib=config.n_calib,
         n_train=config.n_train,
         n_eval=config.n_eval,
