@@ -453,6 +453,10 @@ def audit_cmd(
         console.print(f"report: {res.out / 'report.md'}")
 
 
+from splitleak.experiments.cli import app as experiment_app  # noqa: E402
+app.add_typer(experiment_app, name="experiment")
+
+
 def main() -> None:  # console-script entry point
     app()
 

@@ -1,0 +1,166 @@
+"""``splitleak experiment run|status|plan``: parses, then calls ``splitleak.experiments``."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from splitleak.errors import SplitleakError
+
+app = typer.Typer(
+    help="Experiment grids: expand a spec into jobs, run them locally or on Ray, resume, show status.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console() if sys.stdout.isatty() else Console(width=160)
+err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=160)
+
+SpecArg = typer.Argument(..., help="a spec YAML file, or a shipped name (paper_main, partial_offloading)")
+ProfileOpt = typer.Option(None, "--profile", help="a profile of the spec (quick, full, ...); default full when defined")
+OverrideOpt = typer.Option([], "--override", help="KEY=VALUE applied last; dotted keys, YAML values "
+                           "(model=tiny-gpt2, documents.n_eval=8, depths=[3,6])")
+StoreOpt = typer.Option(None, "--store", help="results store folder (default: <spec stem>-results/ beside the spec)")
+
+
+@contextmanager
+def _user_errors():
+    try:
+        yield
+    except SplitleakError as exc:
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+@app.command("run")
+def run_cmd(
+    spec: str = SpecArg,
+    profile: Optional[str] = ProfileOpt,
+    override: list[str] = OverrideOpt,
+    executor: str = typer.Option("local", "--executor", help="local (process pool here) or ray"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="jobs at once (local default: half the cores; "
+                                          "ray default: what the cluster holds)"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per job (local default: cores // workers; ray: 1)"),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster to join (default: start a local instance)"),
+    store: Optional[Path] = StoreOpt,
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda (ray: auto = cuda when the task got a GPU)"),
+    gpus_per_job: Optional[float] = typer.Option(None, "--gpus-per-job", help="ray: GPUs declared per job "
+                                                 "(default 1 when the cluster has GPUs, else 0)"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress output"),
+) -> None:
+    """Run every job of SPEC that the store does not hold yet (resumes after a kill); exit 1 when a job failed."""
+    from splitleak.experiments import run_grid
+    from splitleak.experiments.display import PlainReporter, RichReporter, SilentReporter
+
+    with _user_errors():
+        if quiet:
+            reporter = SilentReporter()
+        elif console.is_terminal:
+            reporter = RichReporter(console)
+        else:
+            reporter = PlainReporter(lambda s: console.print(s, highlight=False, markup=False, soft_wrap=True))
+        res = run_grid(spec, profile=profile, overrides=override, executor=executor, workers=workers,
+                       threads=threads, address=address, store=store, device=device, gpus_per_job=gpus_per_job,
+                       reporter=reporter)
+    n = len(res.grid.jobs)
+    console.print(
+        f"{res.ran} job(s) ran, {res.reused} reused, {res.done_before} were already done, "
+        f"{len(res.failures)} failed or skipped, of {n}; {res.seconds:.1f} s; store {res.store}",
+        highlight=False,
+    )
+    if res.failures:
+        err.print(f"[bold red]{len(res.failures)} job(s) did not finish:[/]", highlight=False)
+        for f in res.failures:
+            err.print(f"  {f.key[:12]}  {f.kind:<6} {f.summary}: {f.error_type}: {_first_line(f.error)}",
+                      highlight=False, markup=False, soft_wrap=True)
+        err.print(f"details: `splitleak experiment status {spec}` (tracebacks in {res.store}/failed/)", highlight=False,
+                  markup=False)
+        raise typer.Exit(1)
+
+
+@app.command("status")
+def status_cmd(
+    spec: str = SpecArg,
+    profile: Optional[str] = ProfileOpt,
+    override: list[str] = OverrideOpt,
+    store: Optional[Path] = StoreOpt,
+) -> None:
+    """Count done / running / failed / pending jobs of SPEC in its store and list the failed ones."""
+    from splitleak.experiments import grid_status
+
+    with _user_errors():
+        st = grid_status(spec, profile=profile, overrides=override, store=store)
+    counts = st.counts()
+    t = Table(title=f"{st.grid.loaded.name} (profile {st.grid.loaded.profile or 'base'}) in {st.store}")
+    t.add_column("jobs")
+    for s in ("done", "running", "failed", "pending", "total"):
+        t.add_column(s, justify="right")
+    for kind, row in counts.items():
+        t.add_row(kind, *(str(row[s]) for s in ("done", "running", "failed", "pending")), str(sum(row.values())))
+    tot = st.totals()
+    t.add_row("all", *(str(tot[s]) for s in ("done", "running", "failed", "pending")), str(len(st.states)))
+    console.print(t)
+    for key, state in st.states.items():
+        if state == "running":
+            c = st.claims[key]
+            console.print(f"running  {key[:12]}  {st.grid.by_key[key].summary} (pid {c.get('pid')} on {c.get('host')}, "
+                          f"since {c.get('started')})", highlight=False, markup=False)
+    for key, f in st.failures.items():
+        console.print(f"failed   {key[:12]}  {f['summary']}: {f['error_type']}: {_first_line(f['error'])}",
+                      highlight=False, markup=False, soft_wrap=True)
+
+
+@app.command("plan")
+def plan_cmd(
+    spec: str = SpecArg,
+    profile: Optional[str] = ProfileOpt,
+    override: list[str] = OverrideOpt,
+    jobs: bool = typer.Option(False, "--jobs", help="list every job with its key"),
+) -> None:
+    """Expand SPEC into its jobs and print how many of each kind; writes nothing."""
+    from splitleak.experiments import plan_grid
+
+    with _user_errors():
+        grid = plan_grid(spec, profile=profile, overrides=override)
+    c = grid.counts()
+    console.print(
+        f"{grid.loaded.name} (profile {grid.loaded.profile or 'base'}): {len(grid.jobs)} jobs: {c['train']} train, "
+        f"{c['attack']} attack, {c['reuse']} reused for the inference setting; protocol "
+        f"{grid.loaded.protocol_path} (sha256 {grid.protocol_hash[:12]})", highlight=False)
+    if jobs:
+        for j in grid.jobs:
+            console.print(f"{j.key[:12]}  {j.kind:<6} {j.summary}", highlight=False, markup=False, soft_wrap=True)
+
+
+@app.command("report")
+def report_cmd(
+    spec: str = SpecArg,
+    profile: Optional[str] = ProfileOpt,
+    override: list[str] = OverrideOpt,
+    store: Optional[Path] = StoreOpt,
+    out: Path = typer.Option(..., "--out", help="folder for report.md, report.html and the figures (PNG + SVG)"),
+    n_boot: Optional[int] = typer.Option(None, "--n-boot", help="bootstrap replicates for the protocol's tests, "
+                                         "for a quick look (the report says so; the protocol's count is what counts)"),
+) -> None:
+    """Write the report of SPEC's grid from its store: main test, family, recovery tables, figures."""
+    from splitleak.report.grid import grid_report
+
+    with _user_errors():
+        rep = grid_report(spec, profile=profile, overrides=override, store=store, out=out, n_boot=n_boot)
+    for p in rep.paths:
+        console.print(str(p), highlight=False, markup=False, soft_wrap=True)
+    if rep.analysis_error:
+        err.print(f"note: the protocol's tests could not be evaluated: {rep.analysis_error}", highlight=False,
+                  markup=False, soft_wrap=True)

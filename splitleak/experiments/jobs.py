@@ -1,0 +1,253 @@
+"""A spec expanded into jobs, each keyed by the SHA-256 of its full configuration.
+
+- **train** jobs, one per model x split (depth or placement) x defence chain x victim seed. The key
+  hashes ``{"schema", "kind": "train", "train": TrainConfig}`` (with ``data_path`` as the spec
+  writes it, so moving a checkout does not change keys; the job runs with the resolved path).
+- **attack** jobs, one per train job x attack configuration (attack, k, budget) x perturbation x
+  client copy x attack seed. The key hashes ``{"schema", "kind": "attack", "train_key", "attack":
+  AttackConfig, "protocol_hash"}``: it includes its train job's key, and it changes when the
+  protocol does (results carry the protocol's hash). An attack job reads its train job's run
+  directory (captures, client layers) and never retrains.
+- **reuse** jobs: the inference-setting twin of an activation-only configuration flagged
+  ``inference: true``. Its key is the key an inference attack job would have (``AttackConfig.inference
+  = True``); it is not computed: the store copies the training-setting measurement (``reuse_of``
+  names the source key), since an activation-only attack reads the same activations in both
+  settings (000 §3, "These 480 evaluations reuse the training measurements").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitleak.errors import ConfigError
+from splitleak.experiments.spec import AttackEntry, ExperimentSpec, LoadedSpec, defence_label, defence_names
+from splitleak.wire.store import config_hash
+
+SCHEMA = 1
+KINDS = ("train", "attack", "reuse")
+PLAIN_SPLIT_ONLY = ("mixup", "replica-median")  # run_training refuses them with partial offloading
+
+
+@dataclass(frozen=True)
+class Job:
+    """One unit of work. ``config`` is exactly what ``key`` hashes; ``fields`` are the flat columns
+    the results store writes beside the scores; ``run_config`` is the TrainConfig a train job runs."""
+
+    key: str
+    kind: str
+    config: dict[str, Any]
+    fields: dict[str, Any]
+    summary: str
+    train_key: str | None = None
+    reuse_of: str | None = None
+    run_config: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "kind": self.kind, "config": self.config, "fields": self.fields,
+                "summary": self.summary, "train_key": self.train_key, "reuse_of": self.reuse_of,
+                "run_config": self.run_config}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Job":
+        return cls(**d)
+
+
+@dataclass
+class Grid:
+    """All jobs of one spec (profile and overrides applied), in a stable order."""
+
+    loaded: LoadedSpec
+    protocol_hash: str
+    jobs: list[Job]
+    by_key: dict[str, Job] = field(default_factory=dict)
+    dependents: dict[str, list[str]] = field(default_factory=dict)  # key -> keys that wait for it
+
+    def __post_init__(self):
+        self.by_key = {j.key: j for j in self.jobs}
+        self.dependents = {}
+        for j in self.jobs:
+            dep = j.reuse_of if j.kind == "reuse" else j.train_key
+            if dep is not None:
+                self.dependents.setdefault(dep, []).append(j.key)
+
+    def of_kind(self, kind: str) -> list[Job]:
+        return [j for j in self.jobs if j.kind == kind]
+
+    def counts(self) -> dict[str, int]:
+        return {k: sum(1 for j in self.jobs if j.kind == k) for k in KINDS}
+
+
+def _train_fields(cfg: dict[str, Any], label: str, names: str) -> dict[str, Any]:
+    return {
+        "model": cfg["model"], "precision": cfg["precision"], "depth": cfg["depth"],
+        "offload_start": cfg["offload_start"], "offload_length": cfg["offload_length"],
+        "defence": label, "defence_name": names, "victim_seed": cfg["seed"], "data": cfg["data"], "steps": cfg["steps"],
+        "n_calib": cfg["n_calib"], "n_train": cfg["n_train"], "n_eval": cfg["n_eval"], "doc_len": cfg["doc_len"],
+        "data_seed": cfg["data_seed"],
+    }
+
+
+def _train_summary(f: dict[str, Any]) -> str:
+    split = f"d{f['depth']}" if f["depth"] is not None else f"s{f['offload_length']} b{f['offload_start']}"
+    return f"{f['model']} {split} {f['defence']} seed {f['victim_seed']}"
+
+
+def _attack_fields(acfg: dict[str, Any], perturbation: str) -> dict[str, Any]:
+    budget = acfg["budget"]
+    return {
+        "attack": acfg["attack"], "k": acfg["k"], "budget": None if budget is None else str(budget),
+        "client_copy": acfg["client_copy"], "attack_seed": acfg["attack_seed"], "perturbation": perturbation,
+        "gradient_noise": acfg["gradient_noise"], "gradient_bits": acfg["gradient_bits"],
+        "inference": acfg["inference"],
+    }
+
+
+def _attack_summary(f: dict[str, Any]) -> str:
+    parts = [f["attack"]]
+    if f["k"] is not None:
+        parts.append(f"k{f['k']}")
+    if f["budget"] is not None:
+        parts.append(f"budget {f['budget']}")
+    parts.append(f["client_copy"])
+    parts.append(f"a{f['attack_seed']}")
+    if f["perturbation"] != "none":
+        parts.append(f["perturbation"])
+    if f["inference"]:
+        parts.append("inference")
+    return " ".join(parts)
+
+
+def _splits(spec: ExperimentSpec) -> list[dict[str, int | None]]:
+    out: list[dict[str, int | None]] = [{"depth": d, "offload_start": None, "offload_length": None} for d in spec.depths]
+    if spec.placements is not None:
+        for s in spec.placements.lengths:
+            for b in spec.placements.starts:
+                out.append({"depth": None, "offload_start": b, "offload_length": s})
+    return out
+
+
+def _attack_configs(entry: AttackEntry, spec: ExperimentSpec, index: int) -> list[tuple[dict[str, Any], str, bool]]:
+    """(AttackConfig dict, perturbation label, counted also in inference) for every combination."""
+    from splitleak.attacks.core import ATTACKS
+    from splitleak.attacks.run import make_attack_config
+
+    where = f"attacks[{index}] ({entry.attack})"
+    if entry.attack not in ATTACKS:
+        raise ConfigError(f"{where}: unknown attack {entry.attack!r}; known attacks: {', '.join(ATTACKS)}")
+    uses_grad = ATTACKS[entry.attack].uses_gradients
+    perturbed = [p for p in entry.perturbations if p.label != "none"]
+    if entry.inference and uses_grad:
+        raise ConfigError(
+            f"{where}: attack {entry.attack!r} reads the returned gradients, which inference traffic does not "
+            "carry; drop inference for it"
+        )
+    if entry.inference and perturbed:
+        raise ConfigError(f"{where}: gradient perturbations mean nothing in the inference setting; drop one of them")
+    if perturbed and not uses_grad:
+        raise ConfigError(
+            f"{where}: attack {entry.attack!r} does not read gradients, so the perturbations "
+            f"{[p.label for p in perturbed]} would not change it; drop them"
+        )
+    out = []
+    for k in entry.k or [None]:
+        for budget in entry.budget or [None]:
+            for pert in entry.perturbations:
+                for copy_ in entry.client_copy or spec.client_copies:
+                    for seed in entry.attack_seeds or spec.attack_seeds:
+                        try:
+                            cfg = make_attack_config(
+                                attack=entry.attack, k=k, budget=budget, client_copy=copy_, attack_seed=seed,
+                                gradient_noise=pert.gradient_noise, gradient_bits=pert.gradient_bits,
+                                inference=entry.inference == "only",
+                            )
+                        except ConfigError as exc:
+                            raise ConfigError(f"{where}: {exc}") from None
+                        out.append((cfg.model_dump(mode="json"), pert.label, entry.inference is True))
+    return out
+
+
+def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
+    """Every job of the spec, keys included; raises ConfigError (naming the entry) for unknown
+    attacks, defences or arguments, and for a job listed twice."""
+    from splitleak.training import make_train_config
+
+    spec = loaded.spec
+    chains = [(defence_label(chain), chain) for chain in spec.defences]
+    labels = [lab for lab, _ in chains]
+    names = {defence_names(chain) for chain in spec.defences}
+    dup = sorted({lab for lab in labels if labels.count(lab) > 1})
+    if dup:
+        raise ConfigError(f"{loaded.path}: the defence chain {dup[0]!r} is listed twice")
+    from splitleak.wire.defences import DEFENCES
+
+    for i, entry in enumerate(spec.attacks):
+        for lab in entry.defences or []:
+            if lab in labels or lab in names:
+                continue
+            unknown = [n for n in (part.split("(")[0] for part in lab.split("+")) if n not in DEFENCES]
+            if unknown:  # a typo; a known defence that this grid (profile, overrides) does not train is fine
+                raise ConfigError(
+                    f"{loaded.path}: attacks[{i}] ({entry.attack}) names defence {lab!r}, which is neither a "
+                    f"defence of the spec ({', '.join(labels)}) nor a known defence ({', '.join(sorted(DEFENCES))})"
+                )
+    attack_cfgs = [(entry, _attack_configs(entry, spec, i)) for i, entry in enumerate(spec.attacks)]
+
+    jobs: list[Job] = []
+    seen: dict[str, str] = {}
+
+    def add(job: Job) -> None:
+        if job.key in seen:
+            raise ConfigError(f"{loaded.path}: the job {job.summary!r} is listed twice (e.g. two attack entries overlap)")
+        seen[job.key] = job.summary
+        jobs.append(job)
+
+    plain_only = [lab for lab, chain in chains if any(d.name in PLAIN_SPLIT_ONLY for d in chain)]
+    if plain_only and spec.placements is not None:
+        raise ConfigError(
+            f"{loaded.path}: the defence {plain_only[0]!r} is implemented for the plain split only, not for "
+            "partial offloading (placements); put the placements and that defence in separate specs"
+        )
+
+    for model in spec.models:
+        for split in _splits(spec):
+            for label, chain in chains:
+                for seed in spec.victim_seeds:
+                    common = dict(
+                        model=model, precision=spec.precision_of(model), **split,
+                        defences=[d.model_dump() for d in chain], data=spec.data.source, seed=seed,
+                        steps=spec.steps, lr=spec.lr, capture_batch=spec.capture_batch,
+                        all_local_baseline=spec.all_local_baseline, **spec.documents.train_config_fields(),
+                    )
+                    try:
+                        key_cfg = make_train_config(**common, data_path=spec.data.path, model_path=spec.model_path)
+                        run_cfg = make_train_config(
+                            **common, data_path=str(loaded.data_path) if loaded.data_path else None,
+                            model_path=str(loaded.model_path) if loaded.model_path else None,
+                        )
+                    except ConfigError as exc:
+                        raise ConfigError(f"{loaded.path}: {exc}") from None
+                    tcfg = key_cfg.as_dict()
+                    config = {"schema": SCHEMA, "kind": "train", "train": tcfg}
+                    tkey = config_hash(config)
+                    tf = _train_fields(tcfg, label, defence_names(chain))
+                    tsum = _train_summary(tf)
+                    add(Job(tkey, "train", config, tf, tsum, run_config=run_cfg.as_dict()))
+                    for entry, cfgs in attack_cfgs:
+                        if entry.defences is not None and label not in entry.defences \
+                                and defence_names(chain) not in entry.defences:
+                            continue
+                        for acfg, pert, also_inference in cfgs:
+                            aconf = {"schema": SCHEMA, "kind": "attack", "train_key": tkey, "attack": acfg,
+                                     "protocol_hash": protocol_hash}
+                            akey = config_hash(aconf)
+                            af = {**tf, **_attack_fields(acfg, pert)}
+                            add(Job(akey, "attack", aconf, af, f"{tsum} | {_attack_summary(af)}", train_key=tkey))
+                            if also_inference:
+                                icfg = {**acfg, "inference": True}
+                                iconf = {**aconf, "attack": icfg}
+                                ikey = config_hash(iconf)
+                                fi = {**tf, **_attack_fields(icfg, pert)}
+                                add(Job(ikey, "reuse", iconf, fi, f"{tsum} | {_attack_summary(fi)} (reuses {akey[:12]})",
+                                        train_key=tkey, reuse_of=akey))
+    return Grid(loaded, protocol_hash, jobs)

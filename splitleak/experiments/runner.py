@@ -1,0 +1,319 @@
+"""Running a grid, resuming it, and saying where it stands.
+
+``run_grid`` validates the spec and expands it (nothing is written if that fails), freezes the
+protocol when it is not frozen yet, takes the store's lock, and then runs every job that has no
+result in the store: train jobs first become ready, each attack job becomes ready when its train
+job is done (attack jobs go before further train jobs, so results land early), and a reuse job is
+written as soon as the measurement it reuses is. A job that fails is recorded with its error and
+the jobs that depend on it are recorded as skipped, naming it; the others go on. Killing the
+process at any moment loses at most the jobs in flight: the next ``run_grid`` skips what is in the
+store and redoes the rest (a train job from scratch, since its run directory may be partial).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from splitleak.errors import ConfigError
+from splitleak.experiments.display import SilentReporter
+from splitleak.experiments.executors import LocalExecutor, RayExecutor, WorkerDied, import_ray, plan_workers
+from splitleak.experiments.jobs import Grid, Job, expand
+from splitleak.experiments.spec import LoadedSpec, load_spec
+from splitleak.experiments.store import ResultsStore, reuse_rows
+
+EXECUTORS = ("local", "ray")
+STATES = ("done", "running", "failed", "pending")
+
+
+@dataclass
+class JobFailure:
+    key: str
+    kind: str
+    summary: str
+    error_type: str
+    error: str
+
+
+@dataclass
+class GridRun:
+    """What one ``run_grid`` call did."""
+
+    grid: Grid
+    store: Path
+    executor: str
+    done_before: int
+    ran: int = 0
+    reused: int = 0
+    failures: list[JobFailure] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+@dataclass
+class GridStatus:
+    """Per job: done, running (a live claim), failed (its last attempt) or pending."""
+
+    grid: Grid
+    store: Path
+    states: dict[str, str]
+    failures: dict[str, dict[str, Any]]
+    claims: dict[str, dict[str, Any]]
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        out = {kind: {s: 0 for s in STATES} for kind in ("train", "attack", "reuse")}
+        for j in self.grid.jobs:
+            out[j.kind][self.states[j.key]] += 1
+        return out
+
+    def totals(self) -> dict[str, int]:
+        t = {s: 0 for s in STATES}
+        for s in self.states.values():
+            t[s] += 1
+        return t
+
+
+def _load(spec: str | Path | LoadedSpec, profile: str | None, overrides) -> LoadedSpec:
+    if isinstance(spec, LoadedSpec):
+        return spec
+    return load_spec(spec, profile, tuple(overrides or ()))
+
+
+def _protocol_hash(loaded: LoadedSpec) -> str:
+    """The protocol's hash as it would be frozen; an edit after freezing is refused here."""
+    from splitleak.audit.protocol import _record_path, file_sha256, load_protocol, parse_protocol
+
+    parse_protocol(loaded.protocol_path)  # a clear error for an invalid protocol
+    if _record_path(loaded.protocol_path).is_file():
+        return load_protocol(loaded.protocol_path)[1]
+    return file_sha256(loaded.protocol_path)
+
+
+def plan_grid(spec: str | Path | LoadedSpec, *, profile: str | None = None, overrides=()) -> Grid:
+    """Expand a spec into its jobs without writing anything (the protocol is not frozen)."""
+    loaded = _load(spec, profile, overrides)
+    return expand(loaded, _protocol_hash(loaded))
+
+
+def store_of(loaded: LoadedSpec, store: str | Path | None) -> Path:
+    return (Path(store) if store is not None else loaded.default_store()).resolve()
+
+
+def grid_status(spec: str | Path | LoadedSpec, *, profile: str | None = None, overrides=(),
+                store: str | Path | None = None) -> GridStatus:
+    """Where a grid stands in its store: done / running / failed / pending per job. A claim left by
+    a killed process (its PID is gone) counts as pending."""
+    loaded = _load(spec, profile, overrides)
+    grid = expand(loaded, _protocol_hash(loaded))
+    rs = ResultsStore(store_of(loaded, store))
+    done = rs.done_keys()
+    failures = rs.failures()
+    claims = rs.live_claims()
+    states = {}
+    for j in grid.jobs:
+        if j.key in done:
+            states[j.key] = "done"
+        elif j.key in claims:
+            states[j.key] = "running"
+        elif j.key in failures:
+            states[j.key] = "failed"
+        else:
+            states[j.key] = "pending"
+    return GridStatus(grid, rs.root, states, {k: v for k, v in failures.items() if states.get(k) == "failed"}, claims)
+
+
+def _resolve_local_device(device: str) -> str:
+    from splitleak.training.run import resolve_device
+
+    return str(resolve_device(device))
+
+
+def run_grid(
+    spec: str | Path | LoadedSpec,
+    *,
+    profile: str | None = None,
+    overrides=(),
+    executor: str = "local",
+    workers: int | None = None,
+    threads: int | None = None,
+    address: str | None = None,
+    store: str | Path | None = None,
+    device: str = "auto",
+    gpus_per_job: float | None = None,
+    reporter=None,
+) -> GridRun:
+    """Run every job of the spec that the store does not hold yet; see the module docstring.
+
+    ``executor``: ``local`` (a process pool of ``workers`` processes with ``threads`` torch threads
+    each; default half the cores as workers, workers x threads ~ cores) or ``ray`` (``address``: a
+    cluster to join; default a local instance). ``store``: default ``<spec stem>-results/`` beside
+    the spec. Returns a ``GridRun``; its ``failures`` list the jobs that failed or were skipped.
+    """
+    from splitleak.audit.protocol import freeze_protocol, load_protocol
+
+    t0 = time.perf_counter()
+    reporter = reporter or SilentReporter()
+    if executor not in EXECUTORS:
+        raise ConfigError(f"unknown executor {executor!r}; use local or ray")
+    loaded = _load(spec, profile, overrides)
+    grid = expand(loaded, _protocol_hash(loaded))  # every configuration checked before anything is written
+    if executor == "local":
+        workers, threads = plan_workers(workers, threads)
+    else:  # Ray: one CPU per task unless told; at most `workers` tasks at once (default: what the cluster holds)
+        plan_workers(workers or 1, threads or 1)
+        threads = threads or 1
+    if executor == "ray":
+        import_ray()
+        dev = device
+        if dev not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"unknown device {device!r}; use auto, cpu or cuda")
+    else:
+        dev = _resolve_local_device(device)
+    freeze_protocol(loaded.protocol_path)  # what users expect: a grid runs under a frozen protocol
+    protocol_hash = load_protocol(loaded.protocol_path)[1]
+    if protocol_hash != grid.protocol_hash:  # cannot differ (freezing records the file's hash); be explicit
+        grid = expand(loaded, protocol_hash)
+
+    rs = ResultsStore(store_of(loaded, store))
+    with rs.lock():
+        rs.clear_stale()
+        rs.write_json("grid.json", {
+            "spec": str(loaded.path), "name": loaded.name, "profile": loaded.profile,
+            "overrides": list(loaded.overrides), "protocol": str(loaded.protocol_path),
+            "protocol_hash": protocol_hash, "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "counts": grid.counts(),
+            "jobs": [{"key": j.key, "kind": j.kind, "summary": j.summary, "train_key": j.train_key,
+                      "reuse_of": j.reuse_of} for j in grid.jobs],
+        })
+        done = rs.done_keys()
+        _recheck_train_runs(grid, rs, done, reporter)
+        result = GridRun(grid, rs.root, executor, done_before=sum(1 for j in grid.jobs if j.key in done))
+        driver = {"driver_pid": os.getpid(), "driver_host": socket.gethostname()}
+        if executor == "local":
+            ex: Any = LocalExecutor(workers, threads, dev, driver)
+        else:
+            ex = RayExecutor(workers, threads, dev, driver, address=address, gpus_per_job=gpus_per_job)
+        counts = grid.counts()
+        reporter.begin(
+            f"grid {loaded.name} (profile {loaded.profile or 'base'}): {len(grid.jobs)} jobs "
+            f"({counts['train']} train, {counts['attack']} attack, {counts['reuse']} reused for inference); "
+            f"{result.done_before} already in {rs.root}; protocol {loaded.protocol_path.name} "
+            f"sha256 {protocol_hash[:12]}; {ex.describe()}",
+            len(grid.jobs), result.done_before,
+        )
+        try:
+            _schedule(grid, rs, ex, done, result, reporter)
+        finally:
+            ex.close()
+            reporter.end()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _recheck_train_runs(grid: Grid, rs: ResultsStore, done: set[str], reporter) -> None:
+    """A done train job whose attack jobs are still to run must have an intact run directory;
+    otherwise it is redone."""
+    from splitleak.wire import verify_run
+
+    for job in grid.of_kind("train"):
+        if job.key not in done:
+            continue
+        if all(d in done for d in grid.dependents.get(job.key, [])):
+            continue
+        v = verify_run(rs.run_dir(job.key))
+        if not v.ok or v.status != "complete":
+            reporter.note(f"train job {job.key[:12]} ({job.summary}): its run directory does not verify "
+                          f"({v.message}); redoing it")
+            rs.remove("train", job.key)
+            done.discard(job.key)
+
+
+def _schedule(grid: Grid, rs: ResultsStore, ex, done: set[str], result: GridRun, reporter) -> None:
+    pending_train: deque[Job] = deque(j for j in grid.of_kind("train") if j.key not in done)
+    ready: deque[Job] = deque(j for j in grid.of_kind("attack") if j.key not in done and j.train_key in done)
+    inflight: dict[Any, Job] = {}
+
+    def finished(job: Job, status: str, seconds: float | None, error: str | None = None) -> None:
+        reporter.job_finished(job.key, job.summary, status, seconds, error)
+
+    def skip(key: str, reason: str) -> None:
+        job = grid.by_key[key]
+        if key in done:
+            return
+        rs.record_failure(job.to_dict(), reason, "skipped")
+        result.failures.append(JobFailure(key, job.kind, job.summary, "skipped", reason))
+        finished(job, "skipped", None, reason)
+        for dep in grid.dependents.get(key, []):
+            skip(dep, f"the job it depends on ({key[:12]}) was skipped")
+
+    def fail(job: Job, etype: str, msg: str, trace: str = "", seconds: float | None = None) -> None:
+        rs.record_failure(job.to_dict(), msg, etype, trace)
+        result.failures.append(JobFailure(job.key, job.kind, job.summary, etype, msg))
+        finished(job, "failed", seconds, f"{etype}: {msg}")
+        for dep in grid.dependents.get(job.key, []):
+            skip(dep, f"its {job.kind} job {job.key[:12]} failed ({etype})")
+
+    def reuse(job: Job) -> None:
+        try:
+            rows = reuse_rows(job.to_dict(), rs.read_job("attack", job.reuse_of))
+            rs.write_rows("attack", job.key, rows)
+        except Exception as exc:  # noqa: BLE001 - recorded like any failure
+            fail(job, type(exc).__name__, str(exc))
+            return
+        rs.remove("failed", job.key)
+        done.add(job.key)
+        result.reused += 1
+        finished(job, "reused", None)
+
+    def succeeded(job: Job, seconds: float) -> None:
+        rs.remove("failed", job.key)
+        done.add(job.key)
+        result.ran += 1
+        finished(job, "done", seconds)
+        for dep in grid.dependents.get(job.key, []):
+            dj = grid.by_key[dep]
+            if dep in done:
+                continue
+            if dj.kind == "attack":
+                ready.append(dj)
+            elif dj.kind == "reuse":
+                reuse(dj)
+
+    for j in grid.of_kind("reuse"):  # measurements already in the store
+        if j.key not in done and j.reuse_of in done:
+            reuse(j)
+
+    store_root = str(rs.root)
+    while pending_train or ready or inflight:
+        while len(inflight) < ex.capacity and (ready or pending_train):
+            job = ready.popleft() if ready else pending_train.popleft()
+            inflight[ex.submit(job.to_dict(), store_root)] = job
+        finished_handles = ex.wait(list(inflight), timeout=0.2)
+        for ev in ex.events():
+            j = grid.by_key.get(ev[1]) if len(ev) > 1 else None
+            if j is not None:
+                reporter.job_event(ev, j.summary)
+        broken = False
+        for h in finished_handles:
+            job = inflight.pop(h)
+            try:
+                res = ex.result(h)
+            except WorkerDied as exc:
+                broken = True
+                fail(job, "WorkerDied", str(exc))
+                continue
+            if res["status"] == "done":
+                succeeded(job, res["seconds"])
+            else:
+                fail(job, res["error_type"], res["error"], res.get("traceback", ""), res.get("seconds"))
+        if broken:
+            ex.recover()

@@ -1,0 +1,533 @@
+"""Experiment specs: a YAML file that names the models, splits, defences, seeds, attacks and
+document counts of a grid, the protocol it runs under, and named profiles.
+
+Layers, applied in this order (later wins): the file's base keys, then the chosen profile's keys
+(``profiles: {quick: {...}, full: {...}}``; mappings merge key by key, lists and scalars replace),
+then ``--override KEY=VALUE`` items (dotted keys reach into mappings and, with an integer, into
+lists; values are parsed as YAML, so ``depths=[3,6]`` is a list and ``steps=8`` an integer). In every
+layer ``model: NAME`` (or a list) is accepted as the single-model form of ``models``.
+
+Unknown keys are refused with the key and the file (and the profile or ``--override`` that brought
+it) named. Paths inside a spec (``protocol``, ``data.path``) are relative to the spec file;
+``protocol: shipped:NAME`` names a protocol shipped in ``splitleak/audit/protocols/``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from splitleak.errors import ConfigError
+
+SPEC_SUFFIXES = (".yaml", ".yml")
+DEFAULT_PROFILE = "full"
+PRECISIONS = ("float32", "float64")
+COPIES = ("public", "trained")
+
+
+def _as_list(v: Any) -> Any:
+    """A scalar where a list is expected becomes a one-item list (``k: 32`` means ``k: [32]``)."""
+    if v is None or isinstance(v, (list, tuple)):
+        return v
+    return [v]
+
+
+class DefenceItem(BaseModel):
+    """One defence of a chain, as in ``TrainConfig.defences``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+def defence_label(chain: list[DefenceItem] | tuple[DefenceItem, ...]) -> str:
+    """``none``, ``mixup``, ``quant8+clip-noise(clip=2.0,sigma=0.05)``: names joined by ``+``,
+    each with its explicit arguments (sorted) in parentheses."""
+    parts = []
+    for d in chain:
+        if d.args:
+            parts.append(d.name + "(" + ",".join(f"{k}={d.args[k]}" for k in sorted(d.args)) + ")")
+        else:
+            parts.append(d.name)
+    return "+".join(parts) or "none"
+
+
+def defence_names(chain: list[DefenceItem] | tuple[DefenceItem, ...]) -> str:
+    """The chain's names joined by ``+``, without arguments (``mixup``, ``quant8+clip-noise``)."""
+    return "+".join(d.name for d in chain) or "none"
+
+
+class Placements(BaseModel):
+    """Partial offloading (000 §5): the server trains blocks [b, b + s) for every length s and start b."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    lengths: list[int] = Field(min_length=1)
+    starts: list[int] = Field(min_length=1)
+
+    @field_validator("lengths", "starts", mode="before")
+    @classmethod
+    def _listify(cls, v):
+        return _as_list(v)
+
+    @field_validator("lengths")
+    @classmethod
+    def _lengths(cls, v):
+        if any(s < 1 for s in v):
+            raise ValueError(f"every length must be >= 1, got {v}")
+        return v
+
+    @field_validator("starts")
+    @classmethod
+    def _starts(cls, v):
+        if any(b < 0 for b in v):
+            raise ValueError(f"every start must be >= 0, got {v}")
+        return v
+
+
+class Perturbation(BaseModel):
+    """An observer-side perturbation of the captured gradients (000 §4.4): none, Gaussian noise
+    ``gradient_noise`` x RMS, or rounding to ``gradient_bits`` bits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    gradient_noise: float | None = Field(None, ge=0)
+    gradient_bits: int | None = Field(None, ge=2, le=16)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _none_string(cls, v):
+        if v is None or v == "none":
+            return {}
+        return v
+
+    @model_validator(mode="after")
+    def _one(self):
+        if self.gradient_noise is not None and self.gradient_bits is not None:
+            raise ValueError("a perturbation is either gradient_noise or gradient_bits, not both")
+        return self
+
+    @property
+    def label(self) -> str:
+        if self.gradient_noise is not None:
+            return f"noise={self.gradient_noise:g}"
+        if self.gradient_bits is not None:
+            return f"bits={self.gradient_bits}"
+        return "none"
+
+
+class AttackEntry(BaseModel):
+    """One line of the attack list; lists (``k``, ``budget``, ``client_copy``, ``perturbations``,
+    ``attack_seeds``) expand into one attack configuration per combination.
+
+    ``inference``: ``false`` counts the configuration in the training setting only; ``true`` also
+    counts it in the inference setting, reusing the training measurement (activation-only attacks
+    only; 000 §3); ``only`` runs it on the activations alone, in the inference setting only.
+    ``defences`` restricts the entry to train jobs whose defence chain is listed, by label
+    (``mixup(lambda=0.75)``) or by names alone (``mixup``, matching any arguments); default: all.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    attack: str
+    k: list[int] | None = None
+    budget: list[Union[int, Literal["exhaustive"]]] | None = None
+    client_copy: list[Literal["public", "trained"]] | None = None  # default: the spec's client_copies
+    perturbations: list[Perturbation] = Field(default_factory=lambda: [Perturbation()])
+    inference: bool | Literal["only"] = False
+    defences: list[str] | None = None
+    attack_seeds: list[int] | None = None  # default: the spec's attack_seeds
+
+    @field_validator("k", "budget", "client_copy", "perturbations", "defences", "attack_seeds", mode="before")
+    @classmethod
+    def _listify(cls, v):
+        return _as_list(v)
+
+
+class Documents(BaseModel):
+    """Document counts and the seed that draws the documents (``TrainConfig.data_seed``): one seed
+    for the whole grid, so every victim seed trains and is evaluated on the same documents (000)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    n_calib: int = Field(32, ge=1)
+    n_train: int = Field(128, ge=1)
+    n_eval: int = Field(256, ge=1)
+    doc_len: int = Field(32, ge=2)
+    seed: int = 0
+
+    def train_config_fields(self) -> dict[str, int]:
+        return {"n_calib": self.n_calib, "n_train": self.n_train, "n_eval": self.n_eval, "doc_len": self.doc_len,
+                "data_seed": self.seed}
+
+
+class DataSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    source: str = "synthetic-pii"
+    path: str | None = None  # relative to the spec file
+
+
+class ExperimentSpec(BaseModel):
+    """The typed content of a spec after its profile and overrides are applied."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = None
+    description: str = ""
+    protocol: str
+    models: list[str] = Field(min_length=1)
+    model_path: str | None = None  # a local model directory (one model only); relative to the spec file
+    precision: str | dict[str, str] = "float32"  # one precision, or per model (default float32)
+    depths: list[int] = Field(default_factory=list)
+    placements: Placements | None = None
+    defences: list[list[DefenceItem]] = Field(default_factory=lambda: [[DefenceItem(name="none")]])
+    victim_seeds: list[int] = Field(min_length=1)
+    attack_seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    client_copies: list[Literal["public", "trained"]] = Field(default_factory=lambda: ["public"], min_length=1)
+    attacks: list[AttackEntry] = Field(default_factory=list)
+    documents: Documents = Field(default_factory=Documents)
+    steps: int | None = Field(None, ge=1)  # None: one pass over the training documents
+    lr: float = Field(5e-5, gt=0)
+    data: DataSpec = Field(default_factory=DataSpec)
+    capture_batch: int = Field(16, ge=1)
+    all_local_baseline: bool = True
+    profiles: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @field_validator("models", "depths", "victim_seeds", "attack_seeds", "client_copies", mode="before")
+    @classmethod
+    def _listify(cls, v):
+        return _as_list(v)
+
+    @field_validator("defences", mode="before")
+    @classmethod
+    def _defence_forms(cls, v):
+        # each entry: a name, one {name, args} mapping, or a list of those (a chain)
+        if v is None:
+            return v
+        out = []
+        for entry in _as_list(v):
+            chain = entry if isinstance(entry, (list, tuple)) else [entry]
+            out.append([{"name": d} if isinstance(d, str) else d for d in chain])
+        return out
+
+    @field_validator("depths")
+    @classmethod
+    def _depths(cls, v):
+        if any(d < 1 for d in v):
+            raise ValueError(f"every depth must be >= 1, got {v}")
+        return v
+
+    @field_validator("precision")
+    @classmethod
+    def _precision(cls, v):
+        values = v.values() if isinstance(v, dict) else [v]
+        bad = [p for p in values if p not in PRECISIONS]
+        if bad:
+            raise ValueError(f"precision must be float32 or float64, got {bad[0]!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _splits(self):
+        if not self.depths and self.placements is None:
+            raise ValueError("give depths (plain split) and/or placements (partial offloading: lengths, starts)")
+        if self.model_path is not None and len(self.models) != 1:
+            raise ValueError("model_path names one local model directory; list exactly one model with it")
+        return self
+
+    def precision_of(self, model: str) -> str:
+        if isinstance(self.precision, dict):
+            return self.precision.get(model, "float32")
+        return self.precision
+
+
+@dataclass
+class LoadedSpec:
+    """A validated spec with where it came from: the file, the profile and the overrides applied,
+    and the resolved protocol and data paths."""
+
+    spec: ExperimentSpec
+    path: Path
+    profile: str | None
+    overrides: tuple[str, ...]
+    protocol_path: Path
+    data_path: Path | None
+    model_path: Path | None = None
+    merged: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name or self.path.stem
+
+    def default_store(self) -> Path:
+        """``<spec stem>-results/`` beside the spec file."""
+        return self.path.with_name(f"{self.path.stem}-results")
+
+
+# ------------------------------------------------------------------ finding files
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def shipped_specs() -> list[Path]:
+    """The spec files shipped with the checkout (``experiments/*.yaml`` at the repository root)."""
+    d = repo_root() / "experiments"
+    return sorted(p for p in d.glob("*.yaml")) if d.is_dir() else []
+
+
+def resolve_spec_path(name: str | Path) -> Path:
+    """A spec file from a path, or from a short name (``paper_main``) looked up in ``./experiments/``
+    and in the checkout's ``experiments/`` folder."""
+    p = Path(name)
+    if p.is_file():
+        return p.resolve()
+    tried = [p]
+    if p.suffix not in SPEC_SUFFIXES and len(p.parts) == 1:
+        for folder in (Path.cwd() / "experiments", repo_root() / "experiments"):
+            for suffix in SPEC_SUFFIXES:
+                cand = folder / f"{p.name}{suffix}"
+                tried.append(cand)
+                if cand.is_file():
+                    return cand.resolve()
+    shipped = ", ".join(s.stem for s in shipped_specs()) or "none found"
+    raise ConfigError(
+        f"experiment spec {str(name)!r} not found (looked at {', '.join(str(t) for t in dict.fromkeys(tried))}); "
+        f"pass the path of a YAML spec, or a shipped name ({shipped})"
+    )
+
+
+def resolve_protocol_path(protocol: str, spec_path: Path) -> Path:
+    """``shipped:NAME`` (a protocol in ``splitleak/audit/protocols``) or a path relative to the spec."""
+    from splitleak.audit.protocol import SHIPPED
+
+    if protocol.startswith("shipped:"):
+        name = protocol.split(":", 1)[1]
+        p = SHIPPED / (name if name.endswith(SPEC_SUFFIXES) else f"{name}.yaml")
+        if not p.is_file():
+            have = ", ".join(x.stem for x in sorted(SHIPPED.glob("*.yaml")))
+            raise ConfigError(f"{spec_path}: protocol {protocol!r} is not a shipped protocol; shipped: {have}")
+        return p
+    p = Path(protocol)
+    if not p.is_absolute():
+        p = spec_path.parent / p
+    if not p.is_file():
+        raise ConfigError(
+            f"{spec_path}: protocol file {protocol!r} does not exist (resolved to {p}); paths are relative to "
+            "the spec file, or write protocol: shipped:NAME for one in splitleak/audit/protocols"
+        )
+    return p.resolve()
+
+
+# ------------------------------------------------------------------ layers
+
+
+def _normalise_layer(layer: dict[str, Any]) -> dict[str, Any]:
+    """``model`` (scalar or list) is the single-model spelling of ``models``; it replaces them."""
+    layer = dict(layer)
+    if "model" in layer:
+        if "models" in layer:
+            raise ConfigError("give either model or models in one layer, not both")
+        layer["models"] = _as_list(layer.pop("model"))
+    return layer
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> list[tuple[list[str], Any]]:
+    """``KEY=VALUE`` items into (dotted key parts, YAML-parsed value)."""
+    import yaml
+
+    out = []
+    for item in items:
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ConfigError(f"--override {item!r} is not KEY=VALUE (e.g. --override model=tiny-gpt2)")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--override {item!r}: the value is not valid YAML ({exc})") from None
+        out.append((key.split("."), value))
+    return out
+
+
+def _apply_override(data: dict[str, Any], parts: list[str], value: Any, item: str) -> None:
+    if parts == ["model"]:
+        data.pop("models", None)
+        data["models"] = _as_list(value)
+        return
+    cur: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(cur, list):
+            try:
+                idx = int(part)
+                cur[idx]  # noqa: B018 - bounds check
+            except (ValueError, IndexError):
+                raise ConfigError(
+                    f"--override {item}: {'.'.join(parts[:i]) or 'the spec'} is a list of {len(cur)}; "
+                    f"{part!r} is not an index into it"
+                ) from None
+            if last:
+                cur[idx] = value
+            else:
+                cur = cur[idx]
+        elif isinstance(cur, dict):
+            if last:
+                cur[part] = value
+            else:
+                if cur.get(part) is None:
+                    cur[part] = {}
+                cur = cur[part]
+        else:
+            raise ConfigError(f"--override {item}: {'.'.join(parts[:i])} is a value, not a mapping or list")
+
+
+def _has_path(d: Any, loc: tuple) -> bool:
+    cur = d
+    for part in loc:
+        if isinstance(cur, dict) and part in cur:
+            cur = cur[part]
+        elif isinstance(cur, list) and isinstance(part, int) and part < len(cur):
+            cur = cur[part]
+        else:
+            return False
+    return True
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    """The field names allowed at the mapping that holds ``loc[-1]``."""
+    model: Any = ExperimentSpec
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return []
+        model = _inner_model(model.model_fields[part].annotation)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return list(model.model_fields)
+    return []
+
+
+def _inner_model(ann: Any) -> Any:
+    stack = [ann]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+        if get_origin(a) is not None:
+            stack.extend(get_args(a))
+    return None
+
+
+_TYPE_TAGS = {"int", "str", "float", "bool", "dict", "list", "none"}
+
+
+def _user_loc(loc: tuple) -> tuple:
+    """The error location without pydantic's union-member tags (``int``, ``literal['exhaustive']``)."""
+    return tuple(x for x in loc if not (isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or "-" in x and "function" in x)))
+
+
+def _explain(exc: ValidationError, path: Path, layers: list[tuple[str, dict[str, Any]]]) -> str:
+    msgs: list[str] = []
+    seen: dict[tuple, int] = {}
+    for e in exc.errors():
+        loc = _user_loc(tuple(e["loc"]))
+        if loc in seen and e["type"] != "extra_forbidden":  # one line per place; union members joined by "or"
+            msgs[seen[loc]] += f", or {str(e.get('ctx', {}).get('error', e['msg']))[0].lower()}" \
+                               f"{str(e.get('ctx', {}).get('error', e['msg']))[1:]}"
+            continue
+        seen[loc] = len(msgs)
+        dotted = ".".join(str(x) for x in loc) or "spec"
+        source = next((where for where, layer in reversed(layers) if _has_path(layer, loc)), None)
+        src = f" (from {source})" if source and source != "the file" else ""
+        if e["type"] == "extra_forbidden":
+            known = _known_keys(loc)
+            hint = f"; known keys here: {', '.join(known)}" if known else ""
+            msgs.append(f"unknown key {dotted!r}{src}{hint}")
+        else:
+            msg = str(e.get("ctx", {}).get("error", e["msg"]))
+            msgs.append(f"{dotted}{src}: {msg}")
+    return f"{path}: invalid experiment spec: " + "; ".join(msgs)
+
+
+def read_spec_file(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping (models: ..., depths: ..., attacks: ..., protocol: ...)")
+    return data
+
+
+def load_spec(spec: str | Path, profile: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> LoadedSpec:
+    """Read, layer and validate a spec; ``profile=None`` picks ``full`` when the spec defines it,
+    ``profile="base"`` the file's keys without any profile.
+
+    Raises ConfigError naming the file, the key and where it came from; nothing is written.
+    """
+    path = resolve_spec_path(spec)
+    raw = read_spec_file(path)
+    profiles = raw.get("profiles") or {}
+    if not isinstance(profiles, dict) or not all(isinstance(v, dict) for v in profiles.values()):
+        raise ConfigError(f"{path}: profiles must map each profile name to a mapping of spec keys")
+    if profile is None and DEFAULT_PROFILE in profiles:
+        profile = DEFAULT_PROFILE
+    if profile == "base" and "base" not in profiles:  # the file's keys alone
+        profile = None
+    if profile is not None and profile not in profiles:
+        have = ", ".join(profiles) or "none"
+        raise ConfigError(f"{path}: no profile {profile!r}; the spec defines: {have}")
+    base = _normalise_layer({k: v for k, v in raw.items() if k != "profiles"})
+    layers: list[tuple[str, dict[str, Any]]] = [("the file", base)]
+    merged = base
+    if profile is not None:
+        prof = profiles[profile]
+        if "profiles" in prof:
+            raise ConfigError(f"{path}: profile {profile!r} may not define profiles itself")
+        try:
+            prof = _normalise_layer(prof)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: profile {profile!r}: {exc}") from None
+        layers.append((f"profile {profile!r}", prof))
+        merged = _deep_merge(merged, prof)
+    ov_layer: dict[str, Any] = {}
+    for (parts, value), item in zip(parse_overrides(overrides), overrides):
+        _apply_override(merged, parts, value, item)
+        if not any(p.isdigit() for p in parts):  # kept only to say where a bad key came from
+            _apply_override(ov_layer, parts, value, item)
+    if overrides:
+        layers.append(("--override", ov_layer))
+    try:
+        parsed = ExperimentSpec(**merged)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, path, layers)) from None
+    except TypeError as exc:
+        raise ConfigError(f"{path}: invalid experiment spec: {exc}") from None
+    protocol_path = resolve_protocol_path(parsed.protocol, path)
+    data_path = None
+    if parsed.data.path is not None:
+        dp = Path(parsed.data.path)
+        data_path = (dp if dp.is_absolute() else path.parent / dp).resolve()
+        if not data_path.exists():
+            raise ConfigError(
+                f"{path}: data.path {parsed.data.path!r} does not exist (resolved to {data_path}); "
+                "paths are relative to the spec file; change it with --override data.path=DIR"
+            )
+    model_path = None
+    if parsed.model_path is not None:
+        mp = Path(parsed.model_path)
+        model_path = (mp if mp.is_absolute() else path.parent / mp).resolve()
+    return LoadedSpec(parsed, path, profile, tuple(overrides), protocol_path, data_path, model_path, merged)

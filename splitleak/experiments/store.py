@@ -1,0 +1,362 @@
+"""The results store of a grid: a folder of Parquet files, one file per finished job, named by
+the job's key, so a job is in the store at most once and a rerun finds what is done.
+
+Layout::
+
+    STORE/
+      attacks/<key>.parquet   one row per (attack or reuse job, evaluation document)
+      train/<key>.parquet     one row per train job: utility metrics, wire bytes, run directory
+      failed/<key>.parquet    one row per job whose last attempt failed (error text, traceback)
+      runs/<key[:16]>/        the run directory of each train job (verifiable, see `splitleak verify`)
+      claims/<key>.json       a job being worked on (worker PID and host); removed when it ends
+      run.lock                the driver of a `run` in progress (PID and host)
+      grid.json               the jobs of the last grid run on this store (for people; never read back)
+
+Every file is written to a hidden temporary name in its own folder, flushed and renamed
+(``os.replace``), so a killed process leaves either the whole file or none. No pickle: Parquet and
+JSON only. ``read_results`` reads a kind of rows back as one ``pyarrow.Table``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback as tb
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from splitleak.data.documents import LABELS
+from splitleak.errors import SplitleakError
+
+KIND_DIRS = {"attack": "attacks", "train": "train", "failed": "failed"}
+
+_JOB = [
+    ("key", pa.string()), ("kind", pa.string()),
+    ("model", pa.string()), ("precision", pa.string()), ("depth", pa.int64()),
+    ("offload_start", pa.int64()), ("offload_length", pa.int64()), ("cut", pa.int64()),
+    ("defence", pa.string()), ("defence_name", pa.string()), ("victim_seed", pa.int64()), ("data", pa.string()), ("steps", pa.int64()),
+    ("n_calib", pa.int64()), ("n_train", pa.int64()), ("n_eval", pa.int64()), ("doc_len", pa.int64()),
+    ("data_seed", pa.int64()),
+]
+
+ATTACK_SCHEMA = pa.schema(
+    _JOB[:2] + [("train_key", pa.string()), ("reuse_of", pa.string()), ("protocol_hash", pa.string())] + _JOB[2:] + [
+        ("attack", pa.string()), ("k", pa.int64()), ("budget", pa.string()), ("client_copy", pa.string()),
+        ("attack_seed", pa.int64()), ("perturbation", pa.string()), ("gradient_noise", pa.float64()),
+        ("gradient_bits", pa.int64()), ("inference", pa.bool_()),
+        ("doc_id", pa.int64()), ("token_correct", pa.int64()), ("token_counted", pa.int64()), ("exact", pa.bool_()),
+    ]
+    + [(f"span_hits_{lab}", pa.int64()) for lab in LABELS]
+    + [(f"span_counts_{lab}", pa.int64()) for lab in LABELS]
+    + [
+        ("predicted", pa.list_(pa.int64())),
+        ("property_score", pa.float64()), ("leakage_index", pa.float64()),
+        ("vmi_token_recovery", pa.float64()), ("majority_token_recovery", pa.float64()),
+        ("n_docs", pa.int64()), ("seconds", pa.float64()),
+        ("train_config", pa.string()), ("attack_config", pa.string()), ("job_config", pa.string()),
+        ("result_json", pa.string()),
+    ]
+)
+
+TRAIN_SCHEMA = pa.schema(
+    _JOB + [
+        ("u_shape", pa.bool_()),
+        ("heldout_ce", pa.float64()), ("perplexity", pa.float64()),
+        ("all_local_ce", pa.float64()), ("all_local_perplexity", pa.float64()), ("delta_u", pa.float64()),
+        ("pretrained_ce", pa.float64()), ("pretrained_perplexity", pa.float64()),
+        ("wire_bytes_client_to_server", pa.float64()), ("wire_bytes_server_to_client", pa.float64()),
+        ("train_tokens_per_second", pa.float64()), ("seconds", pa.float64()),
+        ("run_dir", pa.string()), ("train_config", pa.string()), ("job_config", pa.string()),
+        ("metrics_json", pa.string()),
+    ]
+)
+
+FAILED_SCHEMA = pa.schema([
+    ("key", pa.string()), ("kind", pa.string()), ("train_key", pa.string()), ("summary", pa.string()),
+    ("error_type", pa.string()), ("error", pa.string()), ("traceback", pa.string()), ("time", pa.string()),
+    ("job_config", pa.string()),
+])
+
+SCHEMAS = {"attack": ATTACK_SCHEMA, "train": TRAIN_SCHEMA, "failed": FAILED_SCHEMA}
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_default)
+
+
+def _default(o):
+    import numpy as np
+
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(type(o).__name__)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def table_bytes(rows: list[dict[str, Any]], schema: pa.Schema) -> bytes:
+    table = pa.Table.from_pylist([{n: r.get(n) for n in schema.names} for r in rows], schema=schema)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+# ------------------------------------------------------------------ rows
+
+
+def train_row(job: dict[str, Any], metrics: dict[str, Any], manifest: dict[str, Any], run_dir_rel: str,
+              seconds: float) -> dict[str, Any]:
+    """The one utility row of a finished train job."""
+    wire = metrics.get("wire_bytes_per_step") or {}
+    return {
+        "key": job["key"], "kind": "train", **job["fields"],
+        "cut": manifest["split"]["cut"], "u_shape": bool(manifest["split"].get("u_shape", False)),
+        **{k: metrics.get(k) for k in ("heldout_ce", "perplexity", "all_local_ce", "all_local_perplexity", "delta_u",
+                                       "pretrained_ce", "pretrained_perplexity", "train_tokens_per_second")},
+        "wire_bytes_client_to_server": wire.get("client_to_server"),
+        "wire_bytes_server_to_client": wire.get("server_to_client"),
+        "seconds": seconds, "run_dir": run_dir_rel,
+        "train_config": _json(job["config"]["train"]), "job_config": _json(job["config"]),
+        "metrics_json": _json(metrics),
+    }
+
+
+def attack_rows(job: dict[str, Any], result: dict[str, Any], cut: int) -> list[dict[str, Any]]:
+    """One row per evaluation document of a finished attack job (``result`` from ``run_attack``)."""
+    summary = {k: v for k, v in result.items() if k not in ("per_doc", "run")}
+    base = {
+        "key": job["key"], "kind": job["kind"], "train_key": job["train_key"], "reuse_of": job["reuse_of"],
+        "protocol_hash": result.get("protocol_hash"), **job["fields"], "cut": cut,
+        "n_docs": result.get("n_docs"), "seconds": result.get("seconds"),
+        "leakage_index": result.get("leakage_index"),
+        "vmi_token_recovery": result.get("vmi_token_recovery"),
+        "majority_token_recovery": result.get("majority_token_recovery"),
+        "train_config": _json(result["run"]["config"]), "attack_config": _json(job["config"]["attack"]),
+        "job_config": _json(job["config"]), "result_json": _json(summary),
+    }
+    rows = []
+    for d in result["per_doc"]:
+        row = dict(base)
+        row["doc_id"] = d["doc_id"]
+        if "token_correct" in d:
+            row.update(token_correct=d["token_correct"], token_counted=d["token_counted"], exact=d["exact"],
+                       predicted=d.get("predicted"))
+            for lab in LABELS:
+                row[f"span_hits_{lab}"] = d["span_hits"][lab]
+                row[f"span_counts_{lab}"] = d["span_counts"][lab]
+        if "score" in d:
+            row["property_score"] = d["score"]
+        rows.append(row)
+    return rows
+
+
+def reuse_rows(job: dict[str, Any], source: pa.Table) -> list[dict[str, Any]]:
+    """The inference-setting rows of a reuse job: the source measurement, relabelled."""
+    rows = source.to_pylist()
+    for r in rows:
+        r.update(key=job["key"], kind="reuse", reuse_of=job["reuse_of"], **job["fields"],
+                 attack_config=_json(job["config"]["attack"]), job_config=_json(job["config"]))
+    return rows
+
+
+# ------------------------------------------------------------------ the store
+
+
+class ResultsStore:
+    """Reads and writes one grid's store folder (see the module docstring for the layout)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+
+    # paths
+    def path(self, kind: str, key: str) -> Path:
+        return self.root / KIND_DIRS[kind] / f"{key}.parquet"
+
+    def run_dir(self, train_key: str) -> Path:
+        return self.root / "runs" / train_key[:16]
+
+    def claim_path(self, key: str) -> Path:
+        return self.root / "claims" / f"{key}.json"
+
+    # state
+    def keys(self, kind: str) -> set[str]:
+        d = self.root / KIND_DIRS[kind]
+        if not d.is_dir():
+            return set()
+        return {p.name[: -len(".parquet")] for p in d.iterdir() if p.suffix == ".parquet" and not p.name.startswith(".")}
+
+    def done_keys(self) -> set[str]:
+        return self.keys("attack") | self.keys("train")
+
+    def is_done(self, job: dict[str, Any] | Any) -> bool:
+        kind = job["kind"] if isinstance(job, dict) else job.kind
+        key = job["key"] if isinstance(job, dict) else job.key
+        return self.path("train" if kind == "train" else "attack", key).is_file()
+
+    # writes
+    def write_rows(self, kind: str, key: str, rows: list[dict[str, Any]]) -> Path:
+        p = self.path(kind, key)
+        _write_atomic(p, table_bytes(rows, SCHEMAS[kind]))
+        return p
+
+    def read_job(self, kind: str, key: str) -> pa.Table:
+        return pq.read_table(self.path(kind, key), schema=SCHEMAS[kind])
+
+    def remove(self, kind: str, key: str) -> None:
+        try:
+            self.path(kind, key).unlink()
+        except FileNotFoundError:
+            pass
+
+    def record_failure(self, job: dict[str, Any], error: str, error_type: str, traceback: str = "") -> None:
+        row = {"key": job["key"], "kind": job["kind"], "train_key": job.get("train_key"), "summary": job["summary"],
+               "error_type": error_type, "error": error, "traceback": traceback, "time": _now(),
+               "job_config": _json(job["config"])}
+        self.write_rows("failed", job["key"], [row])
+
+    def failures(self) -> dict[str, dict[str, Any]]:
+        keys = self.keys("failed")
+        return {k: self.read_job("failed", k).to_pylist()[0] for k in sorted(keys)}
+
+    # claims: a job being worked on
+    def claim(self, key: str, driver: dict[str, Any] | None = None) -> None:
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now(), **(driver or {})}
+        _write_atomic(self.claim_path(key), json.dumps(info).encode())
+
+    def release(self, key: str) -> None:
+        try:
+            self.claim_path(key).unlink()
+        except FileNotFoundError:
+            pass
+
+    def live_claims(self) -> dict[str, dict[str, Any]]:
+        """Claims whose process is alive. A claim from another host counts as live while that run's
+        driver, when it runs here, is alive (a PID on another host cannot be checked from here)."""
+        d = self.root / "claims"
+        out: dict[str, dict[str, Any]] = {}
+        if not d.is_dir():
+            return out
+        here = socket.gethostname()
+        for p in d.glob("*.json"):
+            try:
+                info = json.loads(p.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if info.get("host") == here:
+                live = pid_alive(info.get("pid", -1))
+            elif info.get("driver_host") == here:
+                live = pid_alive(info.get("driver_pid", -1))
+            else:
+                live = True
+            if live:
+                out[p.stem] = info
+        return out
+
+    def clear_stale(self) -> None:
+        """Remove claims of dead processes and half-written temporary files (call under the run lock)."""
+        live = self.live_claims()
+        for p in (self.root / "claims").glob("*.json") if (self.root / "claims").is_dir() else []:
+            if p.stem not in live:
+                p.unlink(missing_ok=True)
+        for sub in KIND_DIRS.values():
+            d = self.root / sub
+            if d.is_dir():
+                for p in d.glob(".*.tmp"):
+                    p.unlink(missing_ok=True)
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """One driver per store at a time; a lock left by a killed driver is taken over."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / "run.lock"
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now()}
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    old = json.loads(path.read_text())
+                except (OSError, json.JSONDecodeError):
+                    old = {}
+                if old.get("host") == info["host"] and old.get("pid") and pid_alive(old["pid"]) and old["pid"] != os.getpid():
+                    raise SplitleakError(
+                        f"another `splitleak experiment run` (pid {old['pid']}, started {old.get('started')}) is using "
+                        f"the store {self.root}; wait for it, or stop it first"
+                    ) from None
+                if old.get("host") not in (None, info["host"]):
+                    raise SplitleakError(
+                        f"the store {self.root} is locked by a run on host {old['host']} (pid {old.get('pid')}); "
+                        f"if that run is gone, delete {path}"
+                    ) from None
+                path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(info))
+            break
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        _write_atomic(self.root / name, (json.dumps(obj, indent=1, sort_keys=True, default=_default) + "\n").encode())
+
+
+def read_results(store: str | Path, kind: str = "attack", *, as_rows: bool = False) -> pa.Table | list[dict[str, Any]]:
+    """The rows of one kind from a results store, as a ``pyarrow.Table`` (or a list of dicts with
+    ``as_rows=True``), sorted by key (and document).
+
+    ``kind``: ``attack`` (one row per attack or reuse job and evaluation document; reuse rows have
+    ``kind == "reuse"``, ``inference == True`` and ``reuse_of`` set to the measured job's key),
+    ``train`` (one row per train job) or ``failed`` (one row per job whose last attempt failed).
+    """
+    if kind not in SCHEMAS:
+        raise SplitleakError(f"unknown kind {kind!r}; use attack, train or failed")
+    rs = ResultsStore(store)
+    if not rs.root.is_dir():
+        raise SplitleakError(f"{rs.root} is not a results store (no such folder)")
+    schema = SCHEMAS[kind]
+    keys = sorted(rs.keys(kind))
+    tables = [rs.read_job(kind, k) for k in keys]
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    if table.num_rows:
+        order = [("key", "ascending")] + ([("doc_id", "ascending")] if kind == "attack" else [])
+        table = table.sort_by(order)
+    return table.to_pylist() if as_rows else table
+
+
+def format_error(exc: BaseException) -> tuple[str, str, str]:
+    """(type name, one-line message, traceback) of an exception."""
+    return type(exc).__name__, str(exc) or type(exc).__name__, "".join(tb.format_exception(exc))

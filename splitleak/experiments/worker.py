@@ -1,0 +1,200 @@
+"""What runs inside a worker process (a local pool process or a Ray task): one job, start to end.
+
+A train job calls ``run_training`` into ``STORE/runs/<key[:16]>`` (``force=True``: a partial
+directory left by a killed run is removed and redone), checks it with ``verify_run`` and writes its
+utility row. An attack job loads the attacker's knowledge from that run directory, calls
+``run_attack`` and writes one row per document. Both write their Parquet file atomically and
+return a small status dict; exceptions become ``{"status": "failed", ...}``, so one bad job never
+stops the others.
+
+Each worker process keeps the pristine weights of the last few models it loaded and hands every
+job a deep copy, so a grid loads each model once per worker, not once per job.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+_QUEUE: Any = None  # progress queue, set by init_worker (local pool) or per Ray task
+_MODELS: "OrderedDict[tuple, Any]" = OrderedDict()
+_MODEL_CACHE_SIZE = 3
+_LOCK = threading.Lock()
+PROGRESS_INTERVAL_S = 0.3
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the driver dies, so a killed `run` leaves no worker behind that could
+    write into a run directory the next `run` is redoing."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent already died before prctl
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass
+
+
+def init_worker(queue: Any, threads: int | None) -> None:
+    """Initializer of a local pool process: progress queue, torch threads, die with the driver."""
+    global _QUEUE
+    _die_with_parent()
+    _QUEUE = queue
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+class QueueProgress:
+    """The ``splitleak.progress.Progress`` protocol, forwarded to the driver through a queue
+    (advances batched to one message per PROGRESS_INTERVAL_S per task)."""
+
+    def __init__(self, queue: Any, key: str):
+        self.queue, self.key = queue, key
+        self._n = 0
+        self._pending: dict[int, int] = {}
+        self._last: dict[int, float] = {}
+
+    def _put(self, msg: tuple) -> None:
+        if self.queue is None:
+            return
+        try:
+            self.queue.put_nowait(msg)
+        except Exception:  # noqa: BLE001 - progress must never fail a job
+            pass
+
+    def start(self, name: str, total: int) -> object:
+        self._n += 1
+        self._pending[self._n] = 0
+        self._last[self._n] = time.monotonic()
+        self._put(("start", self.key, self._n, name, int(total)))
+        return self._n
+
+    def advance(self, task: object, n: int = 1) -> None:
+        t = int(task)  # type: ignore[arg-type]
+        self._pending[t] = self._pending.get(t, 0) + n
+        now = time.monotonic()
+        if now - self._last.get(t, 0.0) >= PROGRESS_INTERVAL_S:
+            self._put(("advance", self.key, t, self._pending[t]))
+            self._pending[t] = 0
+            self._last[t] = now
+
+    def finish(self, task: object) -> None:
+        t = int(task)  # type: ignore[arg-type]
+        self._put(("finish", self.key, t))
+        self._pending.pop(t, None)
+
+
+def cached_model(name: str, precision: str, seed: int, model_path: str | None):
+    """A fresh copy of a model's pristine weights (loaded at most once per process and key)."""
+    from splitleak.models import LoadedModel, load_model
+    from splitleak.models.presets import PRESETS
+
+    preset = PRESETS.get(name)
+    seeded = preset is not None and preset.kind == "tiny"  # only the random tiny model depends on the seed
+    key = (name, precision, seed if seeded else None, model_path)
+    with _LOCK:
+        lm = _MODELS.get(key)
+        if lm is None:
+            lm = load_model(name, precision=precision, seed=seed, model_path=model_path)
+            _MODELS[key] = lm
+            while len(_MODELS) > _MODEL_CACHE_SIZE:
+                _MODELS.popitem(last=False)
+        else:
+            _MODELS.move_to_end(key)
+        return LoadedModel(lm.name, copy.deepcopy(lm.model), lm.tokenizer, lm.precision, lm.source,
+                           copy.deepcopy(lm.info))
+
+
+def _train(job: dict[str, Any], store, device: str, threads: int | None, progress) -> None:
+    from splitleak.errors import IntegrityError
+    from splitleak.experiments.store import train_row
+    from splitleak.training import make_train_config, run_training
+    from splitleak.attacks.knowledge import read_manifest
+    from splitleak.wire import verify_run
+
+    cfg = make_train_config(**job["run_config"])
+    run_dir = store.run_dir(job["key"])
+    lm = cached_model(cfg.model, cfg.precision, cfg.seed, cfg.model_path)
+    t0 = time.perf_counter()
+    res = run_training(cfg, run_dir, force=True, device=device, threads=threads, progress=progress, lm=lm)
+    seconds = time.perf_counter() - t0
+    v = verify_run(run_dir)
+    if not v.ok or v.status != "complete":
+        raise IntegrityError(f"the run directory {run_dir} did not verify after training: {v.message}")
+    row = train_row(job, res.metrics, read_manifest(run_dir), str(run_dir.relative_to(store.root)), seconds)
+    store.write_rows("train", job["key"], [row])
+
+
+def _attack(job: dict[str, Any], store, device: str, progress) -> None:
+    from splitleak.attacks.knowledge import load_knowledge, read_manifest
+    from splitleak.attacks.run import make_attack_config, run_attack
+    from splitleak.errors import IntegrityError
+    from splitleak.experiments.store import attack_rows
+
+    run_dir = store.run_dir(job["train_key"])
+    if not store.is_done({"kind": "train", "key": job["train_key"]}):
+        raise IntegrityError(f"its train job {job['train_key'][:12]} has no result in the store")
+    manifest = read_manifest(run_dir)
+    if manifest.get("config_hash") is None:
+        raise IntegrityError(f"{run_dir} has no configuration hash in its manifest")
+    m = manifest["config"]
+    cfg = make_attack_config(**job["config"]["attack"])
+    lm = cached_model(m["model"], m["precision"], m["seed"], m.get("model_path"))
+    knowledge = load_knowledge(run_dir, cfg.client_copy, lm=lm)
+    result = run_attack(run_dir, cfg, knowledge=knowledge, progress=progress, device=device,
+                        protocol_hash=job["config"]["protocol_hash"])
+    store.write_rows("attack", job["key"], attack_rows(job, result, manifest["split"]["cut"]))
+
+
+def execute_job(job: dict[str, Any], store_root: str, device: str = "cpu", threads: int | None = None,
+                driver: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run one train or attack job and write its result into the store. Never raises: the
+    returned dict has ``status`` ``done`` or ``failed`` (with ``error``, ``error_type``, ``traceback``)."""
+    from splitleak.experiments.store import ResultsStore, format_error
+
+    store = ResultsStore(store_root)
+    key = job["key"]
+    progress = QueueProgress(_QUEUE, key)
+    progress._put(("job", key, os.getpid(), socket.gethostname()))
+    t0 = time.perf_counter()
+    try:
+        store.claim(key, driver)
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        if job["kind"] == "train":
+            _train(job, store, device, threads, progress)
+        elif job["kind"] == "attack":
+            _attack(job, store, device, progress)
+        else:
+            raise ValueError(f"a worker runs train and attack jobs, not {job['kind']!r}")
+        return {"key": key, "status": "done", "seconds": time.perf_counter() - t0, "device": device}
+    except Exception as exc:  # noqa: BLE001 - every failure is recorded, none stops the grid
+        etype, msg, trace = format_error(exc)
+        return {"key": key, "status": "failed", "error_type": etype, "error": msg, "traceback": trace,
+                "seconds": time.perf_counter() - t0, "device": device}
+    finally:
+        store.release(key)
+
+
+def ray_execute_job(job: dict[str, Any], store_root: str, threads: int | None, queue: Any,
+                    driver: dict[str, Any] | None, device: str = "auto") -> dict[str, Any]:
+    """A Ray task: ``cuda`` when Ray gave this task a GPU, else ``cpu`` (unless ``device`` is set)."""
+    global _QUEUE
+    import ray
+
+    _QUEUE = queue
+    if device == "auto":
+        device = "cuda" if ray.get_gpu_ids() else "cpu"
+    return execute_job(job, store_root, device=device, threads=threads, driver=driver)

@@ -1,0 +1,255 @@
+"""`splitleak experiment report SPEC --out DIR`: the report of an experiment grid, recomputed from
+its results store.
+
+    from splitleak.report.grid import grid_report
+    rep = grid_report("paper_main", profile="quick", overrides=["model=tiny-gpt2"], out="report/")
+    rep.markdown, rep.html, rep.figures
+
+It writes ``DIR/report.md``, a self-contained ``DIR/report.html`` (CSS inline, figures embedded as
+base64 PNG, no scripts or external assets) and each figure as PNG and SVG beside them. Sections,
+as the store's data allows (a section without data says why in one line):
+
+1. header: spec and its SHA-256 (profile, overrides), protocol and its SHA-256, splitleak version,
+   jobs done / running / failed / pending, date;
+2. the protocol's main test and its Bonferroni family (``splitleak.audit.analysis.analyse``);
+3. token, whole-document and span recovery per attack configuration x split x copy, with 95 %
+   bootstrap intervals (000 Tables 2, 3, 4, 7);
+4. the joint attacker under observer-side gradient perturbations (000 Figure 5);
+5. leakage against the utility cost of each defence (000 Figure 6);
+6. the attack x condition heatmap of token recovery (000 Figure 7);
+7. partial offloading: means per placement, the variance tests and the held-out-seed RMSE
+   (000 Tables 10 and 5).
+
+Results written under another protocol hash are refused before anything is written, naming them.
+``store_report`` does the same from a store and a protocol file without a spec (no pending count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from splitleak.audit.analysis import Analysis, analyse
+from splitleak.audit.protocol import Protocol, check_results, file_sha256, load_protocol
+from splitleak.errors import ConfigError, DataError, IntegrityError
+from splitleak.report import grid_sections as sec
+from splitleak.report.document import Document, render_html, render_markdown
+from splitleak.report.grid_stats import Config, recovery_cells, split_text
+
+#: bootstrap replicates of the descriptive intervals (sections 3-6); the protocol's tests use its own count
+DESCRIPTIVE_BOOT = 2000
+FIGURES = ("gradient-perturbations", "leakage-cost", "heatmap")
+
+
+@dataclass
+class GridReport:
+    """What ``grid_report`` / ``store_report`` wrote, and the analysis behind it."""
+
+    out: Path
+    markdown: Path
+    html: Path
+    figures: list[Path] = field(default_factory=list)
+    analysis: Analysis | None = None
+    analysis_error: str | None = None
+
+    @property
+    def paths(self) -> list[Path]:
+        return [self.markdown, self.html, *self.figures]
+
+
+# ------------------------------------------------------------------ adapters from the store
+
+
+def _budget(b: Any) -> Any:
+    if b is None or b == "exhaustive":
+        return b
+    try:
+        return int(b)
+    except (TypeError, ValueError):
+        return b
+
+
+def analysis_rows(attack_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-document records ``splitleak.audit.analysis.analyse`` reads, from store attack rows.
+
+    Rows without per-token scores (property inference) are left out; ``defence`` is the chain's
+    names joined by ``+`` (the store's ``defence_name``), ``budget`` an int or ``"exhaustive"``,
+    ``config_hash`` the job's key. Inference-setting reuse rows are kept (``inference`` True), so
+    a selector that names ``inference: true`` finds them."""
+    out = []
+    for r in attack_rows:
+        if r.get("token_counted") is None:
+            continue
+        out.append({
+            "attack": r["attack"], "k": r.get("k"), "budget": _budget(r.get("budget")),
+            "client_copy": r.get("client_copy"), "attack_seed": r.get("attack_seed"),
+            "gradient_noise": r.get("gradient_noise"), "gradient_bits": r.get("gradient_bits"),
+            "inference": bool(r.get("inference")), "model": r.get("model"), "depth": r.get("depth"),
+            "offload_start": r.get("offload_start"), "offload_length": r.get("offload_length"),
+            "defence": r.get("defence_name") or "none", "data": r.get("data"), "victim_seed": r.get("victim_seed"),
+            "doc_id": r["doc_id"], "token_correct": r["token_correct"], "token_counted": r["token_counted"],
+            "exact": bool(r["exact"]), "protocol_hash": r.get("protocol_hash"), "config_hash": r["key"],
+        })
+    return out
+
+
+def offload_run_rows(attack_rows: Sequence[dict[str, Any]], train_rows: Sequence[dict[str, Any]],
+                     protocol_hash: str) -> list[dict[str, Any]]:
+    """One record per partial-offloading train job for ``analyse``'s partial-offloading tests:
+    defence (names), victim seed, start, length, ``delta_u`` and perplexity from the train table, and
+    ``leakage_index`` and ``vmi_excess`` (VMI minus majority-control token recovery) from the
+    ``property`` attack rows of that train job (averaged when several property jobs ran on it).
+
+    A train job without a property result keeps ``leakage_index`` None and carries the protocol's
+    hash (train rows are not stamped with one; their attack jobs are)."""
+    prop: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in attack_rows:
+        if r["attack"] == "property" and r.get("leakage_index") is not None:
+            prop.setdefault(r["train_key"], {})[r["key"]] = r  # one record per job (rows repeat per document)
+    out = []
+    for t in train_rows:
+        if t.get("offload_length") is None:
+            continue
+        jobs = list(prop.get(t["key"], {}).values())
+        li = [j["leakage_index"] for j in jobs]
+        vmi = [j["vmi_token_recovery"] - j["majority_token_recovery"] for j in jobs
+               if j.get("vmi_token_recovery") is not None and j.get("majority_token_recovery") is not None]
+        out.append({
+            "model": t.get("model"), "defence": t.get("defence_name") or "none", "victim_seed": t["victim_seed"],
+            "offload_start": t["offload_start"], "offload_length": t["offload_length"],
+            "delta_u": t.get("delta_u"), "perplexity": t.get("perplexity"),
+            "leakage_index": sum(li) / len(li) if li else None, "vmi_excess": sum(vmi) / len(vmi) if vmi else None,
+            "attack": "property", "config_hash": jobs[0]["key"] if jobs else t["key"],
+            "protocol_hash": jobs[0]["protocol_hash"] if jobs else protocol_hash,
+        })
+    return out
+
+
+def check_protocol(attack_rows: Sequence[dict[str, Any]], protocol_hash: str, store: Path | None = None) -> None:
+    """Refuse (IntegrityError) attack results written under another protocol hash, one line per job
+    naming its configuration, key and hash."""
+    jobs = {}
+    for r in attack_rows:
+        if r["key"] not in jobs:
+            split = split_text(r.get("depth"), r.get("offload_start"), r.get("offload_length"))
+            what = (f"{r.get('model')} {split} {r.get('defence')} seed {r.get('victim_seed')} | "
+                    f"{Config.of(r).attack_text()} {r.get('client_copy')} a{r.get('attack_seed')}")
+            jobs[r["key"]] = {"attack": what, "config_hash": r["key"], "protocol_hash": r.get("protocol_hash")}
+    try:
+        check_results(jobs.values(), protocol_hash)
+    except IntegrityError as exc:
+        where = f" (files attacks/<key>.parquet in {store})" if store is not None else ""
+        raise IntegrityError(
+            f"refusing to report: {exc}{where}. Report them under the protocol they were written with, or move them "
+            "out of the store"
+        ) from None
+
+
+# ------------------------------------------------------------------ entry points
+
+
+def grid_report(spec: str | Path, *, out: str | Path, profile: str | None = None, overrides: Sequence[str] = (),
+                store: str | Path | None = None, n_boot: int | None = None,
+                descriptive_boot: int = DESCRIPTIVE_BOOT, date: str | None = None) -> GridReport:
+    """Write the report of a grid (spec, profile, overrides) from its results store into ``out``.
+
+    Only the grid's own jobs are reported; attack results on the grid's trained models written under
+    another protocol hash are refused (IntegrityError), naming them. ``n_boot`` replaces the
+    protocol's bootstrap replicate counts for a quick look (the report says so); ``descriptive_boot``
+    is the replicate count of the descriptive intervals. Returns the paths written."""
+    from splitleak.experiments import grid_status, load_spec, read_results
+
+    loaded = load_spec(spec, profile, tuple(overrides))
+    protocol, phash = load_protocol(loaded.protocol_path)
+    status = grid_status(loaded, store=store)
+    grid = status.grid
+    train_keys = {j.key for j in grid.of_kind("train")}
+    keys = {j.key for j in grid.jobs}
+    attack_all = read_results(status.store, "attack", as_rows=True)
+    mine = [r for r in attack_all if r.get("train_key") in train_keys]
+    check_protocol(mine, phash, status.store)
+    attack_rows = [r for r in mine if r["key"] in keys]
+    train_rows = [r for r in read_results(status.store, "train", as_rows=True) if r["key"] in train_keys]
+    counts = status.counts()
+    header = {
+        "title": f"Experiment report: {loaded.name}" + (f" (profile {loaded.profile})" if loaded.profile else ""),
+        "spec": str(loaded.path), "spec_sha256": file_sha256(loaded.path), "profile": loaded.profile,
+        "overrides": list(loaded.overrides), "store": str(status.store), "jobs": counts,
+        "other_rows": len({r["key"] for r in attack_all}) - len({r["key"] for r in attack_rows}),
+        "failures": [{"key": k, **f} for k, f in status.failures.items()],
+    }
+    return build_report(protocol, phash, loaded.protocol_path, attack_rows, train_rows, out, header=header,
+                        n_boot=n_boot, descriptive_boot=descriptive_boot, date=date)
+
+
+def store_report(store: str | Path, protocol_path: str | Path, *, out: str | Path, n_boot: int | None = None,
+                 descriptive_boot: int = DESCRIPTIVE_BOOT, date: str | None = None, title: str | None = None) -> GridReport:
+    """Write the report of everything in a results store under a frozen protocol (no spec: the
+    header counts jobs done and failed, not pending). Refuses results under another protocol hash."""
+    from splitleak.experiments import read_results
+    from splitleak.experiments.store import ResultsStore
+
+    protocol, phash = load_protocol(protocol_path)
+    rs = ResultsStore(store)
+    attack_rows = read_results(rs.root, "attack", as_rows=True)
+    check_protocol(attack_rows, phash, rs.root)
+    train_rows = read_results(rs.root, "train", as_rows=True)
+    counts = {"train": {"done": len(train_rows)}, "attack": {"done": 0}, "reuse": {"done": 0}}
+    for key, kind in {r["key"]: r["kind"] for r in attack_rows}.items():
+        counts["reuse" if kind == "reuse" else "attack"]["done"] += 1
+    for f in rs.failures().values():
+        k = f["kind"] if f["kind"] in counts else "attack"
+        counts[k]["failed"] = counts[k].get("failed", 0) + 1
+    header = {"title": title or f"Results store report: {rs.root.name}", "store": str(rs.root), "jobs": counts,
+              "failures": [{"key": k, **f} for k, f in rs.failures().items()]}
+    return build_report(protocol, phash, Path(protocol_path), attack_rows, train_rows, out, header=header,
+                        n_boot=n_boot, descriptive_boot=descriptive_boot, date=date)
+
+
+def _with_n_boot(protocol: Protocol, n: int) -> Protocol:
+    upd: dict[str, Any] = {}
+    if protocol.main_test is not None:
+        upd["main_test"] = protocol.main_test.model_copy(update={"n_boot": n})
+    if protocol.family is not None:
+        upd["family"] = protocol.family.model_copy(update={"n_boot": n})
+    if protocol.tests:
+        upd["thresholds"] = {**protocol.thresholds, "bootstrap_draws": n}
+    return protocol.model_copy(update=upd)
+
+
+def build_report(protocol: Protocol, protocol_hash: str, protocol_path: Path, attack_rows: Sequence[dict[str, Any]],
+                 train_rows: Sequence[dict[str, Any]], out: str | Path, *, header: dict[str, Any],
+                 n_boot: int | None = None, descriptive_boot: int = DESCRIPTIVE_BOOT,
+                 date: str | None = None) -> GridReport:
+    """Analyse store rows under a protocol and write the report (Markdown, HTML, figures) into ``out``."""
+    check_protocol(attack_rows, protocol_hash)
+    if n_boot is not None and (isinstance(n_boot, bool) or int(n_boot) < 1):
+        raise ConfigError(f"--n-boot is {n_boot!r}; pass an integer >= 1")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stem in FIGURES:  # a figure of an earlier report that this one omits must not linger
+        for ext in ("png", "svg"):
+            (out / f"{stem}.{ext}").unlink(missing_ok=True)
+    used = _with_n_boot(protocol, int(n_boot)) if n_boot is not None else protocol
+    rows = analysis_rows(attack_rows)
+    run_rows = offload_run_rows(attack_rows, train_rows, protocol_hash)
+    analysis, error = None, None
+    try:
+        analysis = analyse(used, protocol_hash, rows, run_rows)
+    except (DataError, ConfigError) as exc:
+        error = str(exc)
+    cells = recovery_cells(attack_rows, n_boot=descriptive_boot, seed=0)
+    rep = GridReport(out, out / "report.md", out / "report.html", analysis=analysis, analysis_error=error)
+    doc = Document(header["title"])
+    ctx = sec.Ctx(protocol, used, protocol_hash, protocol_path, n_boot, descriptive_boot, out, rep)
+    sec.header(doc, ctx, header, date, attack_rows)
+    sec.main_section(doc, ctx, rows, analysis, error)
+    sec.recovery_section(doc, ctx, cells, attack_rows)
+    sec.perturbation_section(doc, ctx, cells)
+    sec.cost_section(doc, ctx, attack_rows, train_rows)
+    sec.heatmap_section(doc, ctx, cells)
+    sec.offload_section(doc, ctx, run_rows, analysis, error)
+    rep.markdown.write_text(render_markdown(doc), encoding="utf-8")
+    rep.html.write_text(render_html(doc), encoding="utf-8")
+    return rep

@@ -1,0 +1,478 @@
+"""Experiment grids: specs, expansion into keyed jobs, the local and Ray executors, the results
+store, resume after SIGKILL, failure isolation and status. Runs on tiny-gpt2 with a few documents."""
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from splitleak.audit.protocol import SHIPPED
+from splitleak.cli import app
+from splitleak.errors import ConfigError
+
+runner = CliRunner()
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = """\
+name: tiny
+protocol: proto.yaml
+model: tiny-gpt2
+depths: [1, 2]
+defences: [none]
+victim_seeds: [1]
+attack_seeds: [0]
+client_copies: [public, trained]
+documents: {n_calib: 4, n_train: 4, n_eval: 4, doc_len: 8}
+steps: 2
+attacks:
+  - {attack: activation, k: 4, inference: true}
+  - {attack: joint, k: 4, client_copy: public, perturbations: [none, {gradient_bits: 8}]}
+  - {attack: property, client_copy: public}
+  - {attack: sipit, budget: 8, client_copy: trained}
+"""
+# per train job: activation x 2 copies (+ 2 reused for inference), joint x 2 perturbations,
+# property, sipit = 6 attack jobs and 2 reuse jobs; 2 depths -> 2 train, 12 attack, 4 reuse.
+TINY_COUNTS = {"train": 2, "attack": 12, "reuse": 4}
+
+# columns that must agree between two runs of the same grid (timings and paths excluded)
+ATTACK_SCORES = ["key", "kind", "train_key", "reuse_of", "protocol_hash", "doc_id", "token_correct", "token_counted",
+                 "exact", "span_hits_name", "span_counts_name", "span_hits_number", "span_counts_number",
+                 "predicted", "property_score", "leakage_index", "vmi_token_recovery", "majority_token_recovery",
+                 "attack_config", "job_config", "train_config", "cut"]
+TRAIN_SCORES = ["key", "heldout_ce", "perplexity", "all_local_ce", "delta_u", "pretrained_ce",
+                "wire_bytes_client_to_server", "wire_bytes_server_to_client", "train_config", "job_config", "cut"]
+
+
+def write_spec(folder: Path, text: str = TINY, name: str = "tiny.yaml") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    proto = folder / "proto.yaml"
+    if not proto.exists():
+        shutil.copy(SHIPPED / "paper_main.yaml", proto)  # a copy: freezing it must not touch the package
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def scores(store, kind="attack"):
+    from splitleak.experiments import read_results
+
+    cols = ATTACK_SCORES if kind == "attack" else TRAIN_SCORES
+    return read_results(store, kind).select(cols).to_pylist()
+
+
+# ------------------------------------------------------------------ specs
+
+
+def test_unknown_keys_are_refused_naming_key_file_and_layer(tmp_path):
+    from splitleak.experiments import load_spec
+
+    spec = write_spec(tmp_path, TINY + "depthz: [3]\n")
+    with pytest.raises(ConfigError) as e:
+        load_spec(spec)
+    assert "'depthz'" in str(e.value) and str(spec) in str(e.value) and "known keys here" in str(e.value)
+
+    spec = write_spec(tmp_path, TINY.replace("{attack: property, client_copy: public}",
+                                             "{attack: property, client_copy: public, kk: 3}"))
+    with pytest.raises(ConfigError, match=r"unknown key 'attacks\.2\.kk'"):
+        load_spec(spec)
+
+    spec = write_spec(tmp_path, TINY + "profiles:\n  quick: {documents: {n_evall: 2}}\n")
+    with pytest.raises(ConfigError, match=r"'documents\.n_evall' \(from profile 'quick'\)"):
+        load_spec(spec, profile="quick")
+    load_spec(spec)  # the base alone is valid
+
+    with pytest.raises(ConfigError, match=r"'stepz' \(from --override\)"):
+        load_spec(write_spec(tmp_path, name="plain.yaml"), overrides=["stepz=3"])
+    with pytest.raises(ConfigError, match="no profile 'fast'; the spec defines: quick"):
+        load_spec(spec, profile="fast")
+    with pytest.raises(ConfigError, match="not KEY=VALUE"):
+        load_spec(spec, overrides=["steps"])
+
+
+def test_profile_and_override_precedence(tmp_path):
+    from splitleak.experiments import load_spec
+
+    text = TINY.replace("model: tiny-gpt2", "models: [tiny-gpt2, smollm2-135m]") + (
+        "profiles:\n"
+        "  quick: {documents: {n_eval: 6}, victim_seeds: [5, 6]}\n"
+        "  full: {steps: 3}\n"
+    )
+    spec = write_spec(tmp_path, text)
+    s = load_spec(spec).spec  # default profile: full
+    assert (s.steps, s.documents.n_eval, s.victim_seeds) == (3, 4, [1])
+    s = load_spec(spec, profile="quick").spec  # a profile merges into mappings: n_calib stays
+    assert (s.steps, s.documents.n_eval, s.documents.n_calib, s.victim_seeds) == (2, 6, 4, [5, 6])
+    s = load_spec(spec, profile="quick", overrides=["documents.n_eval=8", "victim_seeds=[7]", "steps=5"]).spec
+    assert (s.steps, s.documents.n_eval, s.victim_seeds) == (5, 8, [7])
+    assert load_spec(spec, profile="base").spec.steps == 2  # the file's keys alone
+    assert load_spec(spec).spec.models == ["tiny-gpt2", "smollm2-135m"]
+    assert load_spec(spec, overrides=["model=smollm2-135m"]).spec.models == ["smollm2-135m"]
+    assert load_spec(spec, overrides=["attacks.0.k=[2, 3]"]).spec.attacks[0].k == [2, 3]
+    assert load_spec(spec, overrides=["data.source=text"]).spec.data.source == "text"
+
+
+def test_shipped_specs_expand_to_the_papers_sizes():
+    from splitleak.experiments import plan_grid
+
+    g = plan_grid("paper_main", profile="full")
+    assert g.counts() == {"train": 60, "attack": 3200, "reuse": 480}
+    assert g.loaded.protocol_path == (SHIPPED / "paper_main.yaml").resolve()
+    attack = g.of_kind("attack")
+    configs = {(j.fields["attack"], j.fields["k"], j.fields["budget"], j.fields["perturbation"], j.fields["defence_name"])
+               for j in attack}
+    assert len(configs) == 28 + 12  # 28 undefended + 6 x 2 defended attack configurations
+    assert sum(1 for c in configs if c[4] == "none") == 28
+    assert {(j.fields["depth"], j.fields["client_copy"]) for j in attack} == {(3, "public"), (3, "trained"),
+                                                                              (6, "public"), (6, "trained")}
+    reused = {(j.fields["attack"], j.fields["k"], j.fields["budget"]) for j in g.of_kind("reuse")}
+    assert reused == {("activation", 8, None), ("activation", 16, None), ("activation", 32, None),
+                      ("sipit", None, "32"), ("sipit", None, "64"), ("sipit", None, "128")}
+    assert {j.fields["defence_name"] for j in g.of_kind("reuse")} == {"none"}
+    assert plan_grid("paper_main", profile="quick").counts() == {"train": 6, "attack": 160, "reuse": 24}
+    tiny = plan_grid("paper_main", profile="quick", overrides=["model=tiny-gpt2"])
+    assert {j.fields["model"] for j in tiny.jobs} == {"tiny-gpt2"}
+
+    p = plan_grid("partial_offloading", profile="full")
+    assert p.counts() == {"train": 384, "attack": 384, "reuse": 0}
+    one = plan_grid("partial_offloading", overrides=["model=gpt2"])
+    assert one.counts()["train"] == 3 * 4 * 2 * 8  # lengths x starts x defences x victim seeds
+    assert {(j.fields["offload_length"], j.fields["offload_start"]) for j in one.of_kind("train")} == {
+        (s, b) for s in (2, 4, 6) for b in range(4)}
+    assert {j.fields["attack"] for j in one.of_kind("attack")} == {"property"}
+    qwen = plan_grid("partial_offloading", overrides=["model=qwen3-0.6b"])
+    assert {j.config["train"]["precision"] for j in qwen.jobs if j.kind == "train"} == {"float64"}
+    assert plan_grid("partial_offloading", profile="quick").counts() == {"train": 24, "attack": 24, "reuse": 0}
+
+
+GRID = """\
+name: grid
+protocol: proto.yaml
+model: tiny-gpt2
+depths: [1, 2]
+placements: {lengths: [1], starts: [0, 1]}
+defences: [none, [{name: quant8}]]
+victim_seeds: [1, 2]
+attack_seeds: [0, 1]
+client_copies: [public, trained]
+documents: {n_calib: 4, n_train: 4, n_eval: 4, doc_len: 8}
+attacks:
+  - {attack: activation, k: [4, 8], inference: true}
+  - {attack: joint, k: 4, client_copy: public, perturbations: [none, {gradient_bits: 8}]}
+  - {attack: property, attack_seeds: [3], defences: [quant8]}
+"""
+
+
+def test_expansion_counts_keys_and_dependencies(tmp_path):
+    from splitleak.experiments import plan_grid
+
+    spec = write_spec(tmp_path, GRID)
+    g = plan_grid(spec)
+    # train: 4 splits (2 depths + 1 length x 2 starts) x 2 defences x 2 seeds = 16
+    # attack per train job: activation 2 k x 2 copies x 2 seeds = 8; joint 2 perturbations x 1 copy x 2 seeds = 4;
+    #   property (quant8 only) 2 copies x 1 seed = 2  ->  8 x 12 + 8 x 14 = 208
+    # reuse: the 8 activation jobs of every train job = 128
+    assert g.counts() == {"train": 16, "attack": 208, "reuse": 128}
+    assert len({j.key for j in g.jobs}) == len(g.jobs)
+    trains = {j.key: j for j in g.of_kind("train")}
+    for j in g.of_kind("attack"):
+        t = trains[j.train_key]
+        assert j.config["train_key"] == t.key
+        assert all(j.fields[f] == t.fields[f] for f in ("depth", "offload_start", "offload_length", "defence",
+                                                        "victim_seed"))
+    by_key = g.by_key
+    for r in g.of_kind("reuse"):
+        src = by_key[r.reuse_of]
+        assert src.kind == "attack" and src.fields["attack"] == "activation" and r.fields["inference"] is True
+        assert {**src.config["attack"], "inference": True} == r.config["attack"]
+        assert r.train_key == src.train_key
+    # stable across expansions, and every field moves the keys it should
+    assert [j.key for j in plan_grid(spec).jobs] == [j.key for j in g.jobs]
+    g2 = plan_grid(spec, overrides=["documents.n_eval=5"])
+    assert not {j.key for j in g2.jobs} & {j.key for j in g.jobs}
+    g3 = plan_grid(spec, overrides=["attacks.1.k=5"])
+    assert set(trains) == {j.key for j in g3.of_kind("train")}
+    changed = {j.key for j in g.of_kind("attack")} - {j.key for j in g3.of_kind("attack")}
+    assert len(changed) == 16 * 4  # only the joint jobs
+    # one document draw for every victim seed (000: the same evaluation documents for all models)
+    assert {j.config["train"]["data_seed"] for j in g.of_kind("train")} == {0}
+    assert not {j.key for j in plan_grid(spec, overrides=["documents.seed=3"]).jobs} & {j.key for j in g.jobs}
+    g4 = plan_grid(spec, overrides=["lr=1e-4"])
+    assert not {j.key for j in g4.jobs} & {j.key for j in g.jobs}  # attack keys include the train key
+    (tmp_path / "proto.yaml").write_text((tmp_path / "proto.yaml").read_text() + "\n# edited\n")
+    g5 = plan_grid(spec)
+    assert {j.key for j in g5.of_kind("train")} == set(trains)  # the protocol does not change training
+    assert not {j.key for j in g5.of_kind("attack")} & {j.key for j in g.of_kind("attack")}
+
+
+@pytest.mark.parametrize("change,words", [
+    (("{attack: property, client_copy: public}", "{attack: propertyy}"), "unknown attack 'propertyy'"),
+    (("defences: [none]", "defences: [mixupp]"), "unknown defence 'mixupp'"),
+    (("protocol: proto.yaml", "protocol: nowhere.yaml"), "protocol file 'nowhere.yaml' does not exist"),
+    (("{attack: property, client_copy: public}", "{attack: joint, k: 4, inference: true}"), "inference traffic"),
+    (("{attack: property, client_copy: public}", "{attack: sipit, k: 4}"), "does not take ['k']"),
+    (("{attack: property, client_copy: public}", "{attack: activation, k: 4, defences: [mixp]}"), "'mixp'"),
+    (("{attack: property, client_copy: public}", "{attack: activation, k: 4}"), "listed twice"),
+    (("defences: [none]", "defences: [mixup]\nplacements: {lengths: [1], starts: [0]}"), "plain split only"),
+    (("depths: [1, 2]", "depths: [0]"), "every depth must be >= 1"),
+])
+def test_bad_spec_fails_before_anything_is_written(tmp_path, change, words):
+    spec = write_spec(tmp_path, TINY.replace(*change))
+    store = tmp_path / "store"
+    r = runner.invoke(app, ["experiment", "run", str(spec), "--store", str(store), "--quiet"])
+    assert r.exit_code == 2, r.output
+    assert words in r.output.replace("\n", " ")
+    assert not store.exists() and not (tmp_path / "proto.yaml.frozen.json").exists()
+
+
+def test_missing_ray_names_the_extra_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    spec = write_spec(tmp_path)
+    r = runner.invoke(app, ["experiment", "run", str(spec), "--store", str(tmp_path / "s"), "--executor", "ray"])
+    assert r.exit_code == 2 and "pip install 'splitleak[ray]'" in r.output.replace("\n", " ")
+    assert not (tmp_path / "s").exists()
+
+
+def test_missing_spec_names_the_shipped_ones(tmp_path):
+    r = runner.invoke(app, ["experiment", "run", "paper_mian", "--store", str(tmp_path / "s")])
+    assert r.exit_code == 2 and "paper_main" in r.output and "partial_offloading" in r.output
+    assert not (tmp_path / "s").exists()
+
+
+# ------------------------------------------------------------------ a real grid
+
+
+@pytest.fixture(scope="module")
+def tiny_grid(tmp_path_factory):
+    """The tiny grid run once through the CLI with the local executor (2 workers x 1 thread)."""
+    folder = tmp_path_factory.mktemp("grid")
+    spec = write_spec(folder)
+    store = folder / "store"
+    r = runner.invoke(app, ["experiment", "run", str(spec), "--store", str(store), "--workers", "2",
+                            "--threads", "1", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    return spec, store, r.output
+
+
+def test_grid_store_has_one_row_per_job_and_document(tiny_grid):
+    from splitleak.experiments import plan_grid, read_results
+
+    spec, store, out = tiny_grid
+    assert "14 job(s) ran, 4 reused" in out and "[18/18]" in out  # plain log: one line per job
+    assert (spec.parent / "proto.yaml.frozen.json").is_file()  # frozen at run start
+    g = plan_grid(spec)
+    assert g.counts() == TINY_COUNTS
+    rows = read_results(store).to_pylist()
+    by_key: dict[str, list] = {}
+    for r in rows:
+        by_key.setdefault(r["key"], []).append(r["doc_id"])
+    expected = {j.key for j in g.jobs if j.kind != "train"}
+    assert set(by_key) == expected
+    eval_ids = {d["doc_id"] for d in json.loads(
+        (store / "runs" / g.of_kind("train")[0].key[:16] / "documents.json").read_text())["evaluation"]}
+    assert len(eval_ids) == 4
+    for key, docs in by_key.items():
+        assert sorted(docs) == sorted(eval_ids), key  # each document exactly once per job
+    train = read_results(store, "train").to_pylist()
+    assert sorted(r["key"] for r in train) == sorted(j.key for j in g.of_kind("train"))
+    assert read_results(store, "failed").num_rows == 0
+    assert all(r["protocol_hash"] == g.protocol_hash for r in rows)
+    for t in train:  # no defence: the split run reproduces its all-local twin (000 §5 all-local runs)
+        assert t["delta_u"] == 0.0 and t["all_local_ce"] == t["heldout_ce"]
+        assert t["wire_bytes_client_to_server"] > 0
+    assert not list((store / "claims").glob("*.json"))
+    from splitleak.wire import verify_run
+
+    for j in g.of_kind("train"):
+        assert verify_run(store / "runs" / j.key[:16]).ok
+
+
+def test_grid_scores_equal_run_attack_on_the_same_run(tiny_grid):
+    from splitleak.attacks import make_attack_config, run_attack
+    from splitleak.experiments import plan_grid, read_results
+
+    spec, store, _ = tiny_grid
+    g = plan_grid(spec)
+    rows = read_results(store).to_pylist()
+    for job in g.of_kind("attack") + g.of_kind("reuse"):
+        run_dir = store / "runs" / job.train_key[:16]
+        res = run_attack(run_dir, make_attack_config(**job.config["attack"]), device="cpu",
+                         protocol_hash=g.protocol_hash)
+        mine = {r["doc_id"]: r for r in rows if r["key"] == job.key}
+        assert len(mine) == len(res["per_doc"]) == 4
+        for d in res["per_doc"]:
+            r = mine[d["doc_id"]]
+            if job.fields["attack"] == "property":
+                assert r["property_score"] == d["score"] and r["leakage_index"] == res["leakage_index"]
+            else:
+                assert (r["token_correct"], r["token_counted"], r["exact"], r["predicted"]) == (
+                    d["token_correct"], d["token_counted"], d["exact"], d["predicted"])
+                assert r["span_hits_name"] == d["span_hits"]["name"]
+        if job.kind == "reuse":  # the reused measurement equals running the inference attack itself
+            src = {r["doc_id"]: r["predicted"] for r in rows if r["key"] == job.reuse_of}
+            assert {k: v["predicted"] for k, v in mine.items()} == src
+            assert all(r["inference"] and r["reuse_of"] == job.reuse_of for r in mine.values())
+
+
+def test_status_counts_done_running_failed_pending(tiny_grid, tmp_path):
+    from splitleak.experiments import plan_grid
+    from splitleak.experiments.store import ResultsStore
+
+    spec, store, _ = tiny_grid
+    r = runner.invoke(app, ["experiment", "status", str(spec), "--store", str(store)])
+    assert r.exit_code == 0, r.output
+    assert "│ all    │   18 │       0 │      0 │       0 │    18 │" in r.output
+
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    g = plan_grid(spec)
+    a = [j.key for j in g.of_kind("attack")]
+    rs = ResultsStore(copy)
+    for k in a[:4]:
+        rs.remove("attack", k)
+    rs.claim(a[0])  # this process: alive -> running
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (copy / "claims" / f"{a[1]}.json").write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
+    rs.record_failure(g.by_key[a[2]].to_dict(), "boom: injected", "RuntimeError")
+    r = runner.invoke(app, ["experiment", "status", str(spec), "--store", str(copy)])
+    assert r.exit_code == 0, r.output
+    assert "│ attack │    8 │       1 │      1 │       2 │    12 │" in r.output
+    assert f"failed   {a[2][:12]}" in r.output and "RuntimeError: boom: injected" in r.output
+    assert f"running  {a[0][:12]}" in r.output
+
+
+def test_sigkill_then_resume_gives_each_job_once_and_the_clean_results(tiny_grid, tmp_path):
+    from splitleak.experiments import grid_status, plan_grid, read_results
+
+    clean_spec, clean_store, _ = tiny_grid
+    spec = write_spec(tmp_path)
+    store = tmp_path / "store"
+    cmd = [sys.executable, "-m", "splitleak.cli", "experiment", "run", str(spec), "--store", str(store),
+           "--workers", "1", "--threads", "1", "--device", "cpu", "--quiet"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+    def start():
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+
+    def kill_when(proc, ready, timeout=120):
+        t0 = time.monotonic()
+        try:
+            while not ready():
+                assert proc.poll() is None, "the run ended before it could be killed"
+                assert time.monotonic() - t0 < timeout
+                time.sleep(0.02)
+            claims = [json.loads(p.read_text()) for p in (store / "claims").glob("*.json")] \
+                if (store / "claims").is_dir() else []
+            proc.send_signal(signal.SIGKILL)  # the driver only: its workers must not outlive it
+            proc.wait()
+            for c in claims:  # PR_SET_PDEATHSIG takes the workers down with the driver
+                for _ in range(200):
+                    try:
+                        os.kill(c["pid"], 0)
+                    except ProcessLookupError:
+                        break
+                    time.sleep(0.05)
+                else:
+                    pytest.fail(f"worker {c['pid']} outlived the killed driver")
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def n_done(sub):
+        d = store / sub
+        return len(list(d.glob("*.parquet"))) if d.is_dir() else 0
+
+    # 1: killed while the first train job is writing its run directory
+    kill_when(start(), lambda: any((store / "runs").glob("*/manifest.json")) if (store / "runs").is_dir() else False)
+    assert n_done("train") == 0 and n_done("attacks") == 0
+    # 2: killed after some attack results landed
+    kill_when(start(), lambda: n_done("attacks") >= 3)
+    assert n_done("attacks") < sum(TINY_COUNTS[k] for k in ("attack", "reuse"))
+    # the claims and the lock left by the killed driver are stale: pending, not running
+    assert grid_status(spec, store=store).totals()["running"] == 0
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+    g = plan_grid(spec)
+    assert g.protocol_hash == plan_grid(clean_spec).protocol_hash
+    rows = read_results(store).to_pylist()
+    counts: dict[str, int] = {}
+    for row in rows:
+        counts[row["key"]] = counts.get(row["key"], 0) + 1
+    assert counts == {j.key: 4 for j in g.jobs if j.kind != "train"}
+    assert sorted(r["key"] for r in read_results(store, "train").to_pylist()) == sorted(
+        j.key for j in g.of_kind("train"))
+    assert scores(store) == scores(clean_store)
+    assert scores(store, "train") == scores(clean_store, "train")
+    assert read_results(store, "failed").num_rows == 0
+    assert not list(store.rglob(".*.tmp")) and not list((store / "claims").glob("*.json"))
+
+
+FAILING = """\
+name: failing
+protocol: proto.yaml
+model: tiny-gpt2
+depths: [2, 9]
+defences: [none, [{name: clip-noise, args: {sigma: 1.0e+39}}]]
+victim_seeds: [1]
+documents: {n_calib: 4, n_train: 4, n_eval: 4, doc_len: 8}
+steps: 2
+attacks:
+  - {attack: activation, k: 4, inference: true}
+"""
+
+
+def test_failed_jobs_are_recorded_and_do_not_stop_the_others(tmp_path):
+    from splitleak.experiments import plan_grid, read_results
+
+    # genuinely failing configurations: depth 9 does not fit tiny-gpt2's 4 blocks, and clip-noise
+    # with sigma 1e39 turns the activations into inf, which the server refuses as non-finite
+    spec = write_spec(tmp_path, FAILING)
+    store = tmp_path / "store"
+    r = runner.invoke(app, ["experiment", "run", str(spec), "--store", str(store), "--workers", "2",
+                            "--threads", "1", "--quiet"])
+    assert r.exit_code == 1, r.output
+    g = plan_grid(spec)
+    good = next(j for j in g.of_kind("train") if j.fields["depth"] == 2 and j.fields["defence"] == "none")
+    nan = next(j for j in g.of_kind("train") if j.fields["depth"] == 2 and j.fields["defence"] != "none")
+    failed = {row["key"]: row for row in read_results(store, "failed").to_pylist()}
+    assert failed[nan.key]["error_type"] == "NonFiniteError" and "non-finite" in failed[nan.key]["error"]
+    for j in g.of_kind("train"):
+        if j.fields["depth"] == 9:
+            assert failed[j.key]["error_type"] == "ConfigError" and "out of range" in failed[j.key]["error"]
+    assert len(failed) == 9  # 3 train jobs, their 3 attack jobs and 3 reuse jobs
+    for j in g.jobs:
+        if j.kind != "train" and j.train_key != good.key:
+            assert failed[j.key]["error_type"] == "skipped"
+            assert j.train_key[:12] in failed[j.key]["error"] or j.reuse_of[:12] in failed[j.key]["error"]
+    assert {row["key"] for row in read_results(store).to_pylist()} == {
+        j.key for j in g.jobs if j.kind != "train" and j.train_key == good.key}
+    assert [row["key"] for row in read_results(store, "train").to_pylist()] == [good.key]
+    assert nan.key[:12] in r.output and "NonFiniteError" in r.output and nan.summary in r.output
+    st = runner.invoke(app, ["experiment", "status", str(spec), "--store", str(store)])
+    assert "│ all    │    3 │       0 │      9 │       0 │    12 │" in st.output
+    assert "NonFiniteError" in st.output
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                    reason="ray is not installed (pip install 'splitleak[ray]'); the Ray executor is not tested")
+def test_ray_executor_gives_the_local_results(tiny_grid, tmp_path):
+    from splitleak.experiments import run_grid
+
+    spec, clean_store, _ = tiny_grid
+    store = tmp_path / "store"
+    res = run_grid(spec, executor="ray", workers=2, threads=1, store=store, device="cpu")
+    assert res.ok and res.ran == 14 and res.reused == 4
+    assert scores(store) == scores(clean_store)
+    assert scores(store, "train") == scores(clean_store, "train")
