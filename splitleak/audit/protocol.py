@@ -108,7 +108,8 @@ def file_sha256(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _record_path(path: Path) -> Path:
+def frozen_record_path(path: Path) -> Path:
+    """Where ``freeze_protocol`` records a protocol's hash: FILE.frozen.json beside it."""
     return path.with_name(path.name + ".frozen.json")
 
 
@@ -140,7 +141,7 @@ def freeze_protocol(path: str | Path) -> str:
     path = Path(path)
     parse_protocol(path)
     digest = file_sha256(path)
-    rec = _record_path(path)
+    rec = frozen_record_path(path)
     if rec.is_file():
         old = json.loads(rec.read_text())["sha256"]
         if old != digest:
@@ -158,7 +159,7 @@ def freeze_protocol(path: str | Path) -> str:
 def load_protocol(path: str | Path) -> tuple[Protocol, str]:
     """The protocol and its hash, only if it was frozen and is unchanged since."""
     path = Path(path)
-    rec = _record_path(path)
+    rec = frozen_record_path(path)
     if not rec.is_file():
         raise IntegrityError(f"{path} has not been frozen; run `splitleak protocol freeze {path}` before the runs")
     frozen = json.loads(rec.read_text())["sha256"]
