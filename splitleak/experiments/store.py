@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from splitleak.data.documents import LABELS
 from splitleak.errors import SplitleakError
+from splitleak.wire.store import write_atomic
 
 KIND_DIRS = {"attack": "attacks", "train": "train", "failed": "failed"}
 
@@ -114,16 +115,6 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def table_bytes(rows: list[dict[str, Any]], schema: pa.Schema) -> bytes:
@@ -228,7 +219,7 @@ class ResultsStore:
     # writes
     def write_rows(self, kind: str, key: str, rows: list[dict[str, Any]]) -> Path:
         p = self.path(kind, key)
-        _write_atomic(p, table_bytes(rows, SCHEMAS[kind]))
+        write_atomic(p, table_bytes(rows, SCHEMAS[kind]))
         return p
 
     def read_job(self, kind: str, key: str) -> pa.Table:
@@ -253,7 +244,7 @@ class ResultsStore:
     # claims: a job being worked on
     def claim(self, key: str, driver: dict[str, Any] | None = None) -> None:
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now(), **(driver or {})}
-        _write_atomic(self.claim_path(key), json.dumps(info).encode())
+        write_atomic(self.claim_path(key), json.dumps(info).encode())
 
     def release(self, key: str) -> None:
         try:
@@ -331,7 +322,7 @@ class ResultsStore:
             path.unlink(missing_ok=True)
 
     def write_json(self, name: str, obj: Any) -> None:
-        _write_atomic(self.root / name, (json.dumps(obj, indent=1, sort_keys=True, default=_default) + "\n").encode())
+        write_atomic(self.root / name, (json.dumps(obj, indent=1, sort_keys=True, default=_default) + "\n").encode())
 
 
 def read_results(store: str | Path, kind: str = "attack", *, as_rows: bool = False) -> pa.Table | list[dict[str, Any]]:

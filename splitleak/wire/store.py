@@ -52,6 +52,18 @@ def config_hash(config: dict[str, Any]) -> str:
     return sha256_bytes(canonical_json(config))
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a hidden temporary file beside ``path`` (named by this process), flush it to
+    disk and rename it over ``path``: a reader or a crash sees the whole file or none of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 class RunStore:
     """Append-only writer of a run directory."""
 
@@ -82,14 +94,7 @@ class RunStore:
     def _write_atomic(self, rel: str, data: bytes) -> str:
         if rel in self._files or rel == JOURNAL:
             raise IntegrityError(f"{rel} is already recorded in this run; files are never overwritten")
-        path = self.root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(self.root / rel, data)
         self._files.add(rel)
         return sha256_bytes(data)
 
