@@ -1,7 +1,8 @@
 """Wall time, throughput and memory of an experiment grid, and what the full grid would cost
 (run by hand; not part of the test suite).
 
-    .venv/bin/python benchmarks/grid.py [--spec paper_main] [--profile quick] [--workers 2 --threads 1] [--record]
+    .venv/bin/python benchmarks/grid.py [--spec paper_main] [--profile quick] [--workers 2 --threads 1]
+                                        [--device cpu|cuda] [--flops] [--record]
 
 Runs `splitleak experiment run SPEC --profile PROFILE --executor local` in a subprocess on a fresh
 store (the spec's protocol is copied to the temporary folder first, so the shipped protocol file
@@ -14,6 +15,12 @@ spec's `full` profile on the same model from the measured per-job seconds:
   documents (linear; an upper bound, since a larger batch of documents costs less per document);
 - train job: split-training and all-local seconds (training.json, all_local.json) scaled by the
   step ratio, the rest (utility evaluations, capture, writing) by the evaluation-document ratio.
+
+With --flops every worker counts its job's floating-point operations (``SPLITLEAK_COUNT_FLOPS``,
+see ``splitleak/experiments/worker.py``): the row then gives the measured FLOP rate of the jobs
+(their counted FLOPs over their summed seconds) and the full grid's FLOPs, projected job by job with
+the same scaling as its seconds (each job's counted FLOPs times the ratio of its projected to its
+measured seconds). With --device cuda the jobs run on the GPU and the projection is in GPU-hours.
 
 With --record it appends a row to benchmarks/RESULTS.md.
 """
@@ -79,8 +86,26 @@ def signature(f: dict) -> tuple:
             f.get("budget"), f.get("client_copy"), f.get("perturbation"), f.get("inference"))
 
 
-def project(spec: str, quick_profile: str, overrides: list[str], store: Path) -> dict:
-    """Projected seconds of the full profile from the quick run's per-job seconds."""
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return f"cuda: {torch.cuda.get_device_name(0)}"
+    return f"cpu: {cpu_name()}"
+
+
+def read_flops(folder: Path | None) -> dict[str, tuple[int, float]]:
+    """job key -> (counted FLOPs, job seconds) from the workers' SPLITLEAK_COUNT_FLOPS records."""
+    out: dict[str, tuple[int, float]] = {}
+    for f in sorted(folder.glob("*.json")) if folder else ():
+        d = json.loads(f.read_text())
+        out[d["key"]] = (int(d["flops"]), float(d["seconds"]))
+    return out
+
+
+def project(spec: str, quick_profile: str, overrides: list[str], store: Path,
+            flops: dict[str, tuple[int, float]] | None = None) -> dict:
+    """Projected seconds (and, with ``flops``, FLOPs) of the full profile from the quick run's jobs."""
     quick = plan_grid(spec, profile=quick_profile, overrides=overrides)
     models = quick.loaded.spec.models  # the full grid, on the model that was measured
     full = plan_grid(spec, profile="full", overrides=[*overrides, f"model=[{', '.join(models)}]"])
@@ -88,36 +113,55 @@ def project(spec: str, quick_profile: str, overrides: list[str], store: Path) ->
     doc_ratio = fd.n_eval / qd.n_eval
     step_ratio = (full.loaded.spec.steps or fd.n_train) / (quick.loaded.spec.steps or qd.n_train)
 
-    attack_s: dict[tuple, float] = {}
+    flops = flops or {}
+    # signature -> (measured seconds, counted FLOPs of the job or None)
+    attack_s: dict[tuple, tuple[float, int | None]] = {}
     for r in read_results(store).to_pylist():
         if r["kind"] == "attack":
-            attack_s[signature({**r})] = r["seconds"]
-    train_s: dict[tuple, tuple[float, float]] = {}
+            attack_s[signature({**r})] = (r["seconds"], _count(flops.get(r["key"])))
+    train_s: dict[tuple, tuple[float, float, int | None]] = {}
     for r in read_results(store, "train").to_pylist():
         run = store / r["run_dir"]
         train = json.loads((run / "training.json").read_text())["seconds"]
         local_path = run / "all_local.json"
         local = json.loads(local_path.read_text())["seconds"] if local_path.is_file() else 0.0
-        train_s[signature(r)] = (train + local, r["seconds"] - train - local)
+        train_s[signature(r)] = (train + local, r["seconds"] - train - local, _count(flops.get(r["key"])))
 
     total_attack = total_train = 0.0
-    missing = 0
+    total_flops, flops_missing = 0.0, 0
+    missing = attack_measured = 0
     for j in full.jobs:
         if j.kind == "attack":
-            s = attack_s.get(signature(j.fields))
-            if s is None:
+            a = attack_s.get(signature(j.fields))
+            if a is None:
                 missing += 1
                 continue
-            total_attack += s * doc_ratio
+            secs, scale, n = a[0] * doc_ratio, doc_ratio, a[1]
+            total_attack += secs
+            attack_measured += 1
         elif j.kind == "train":
-            s2 = train_s.get(signature(j.fields))
-            if s2 is None:
+            t = train_s.get(signature(j.fields))
+            if t is None:
                 missing += 1
                 continue
-            total_train += s2[0] * step_ratio + s2[1] * doc_ratio
+            secs = t[0] * step_ratio + t[1] * doc_ratio
+            scale, n = secs / max(t[0] + t[1], 1e-9), t[2]
+            total_train += secs
+        else:
+            continue
+        if n is None:
+            flops_missing += 1
+        else:  # the job's FLOPs grow with its projected seconds (the same FLOP rate)
+            total_flops += n * scale
     c = full.counts()
     return {"attack_s": total_attack, "train_s": total_train, "missing": missing, "counts": c,
-            "doc_ratio": doc_ratio, "step_ratio": step_ratio}
+            "attack_measured": attack_measured,
+            "doc_ratio": doc_ratio, "step_ratio": step_ratio,
+            "flops": total_flops if flops and not flops_missing else None, "flops_missing": flops_missing}
+
+
+def _count(rec: tuple[int, float] | None) -> int | None:
+    return None if rec is None else rec[0]
 
 
 def main() -> None:
@@ -128,6 +172,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--override", action="append", default=[], help="extra KEY=VALUE for the spec")
     ap.add_argument("--keep", default=None, help="store folder to keep (default: a temporary one)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the GPU of this machine)")
+    ap.add_argument("--flops", action="store_true", help="count each job's FLOPs (torch.utils.flop_counter)")
     ap.add_argument("--record", action="store_true", help="append the result to benchmarks/RESULTS.md")
     a = ap.parse_args()
 
@@ -139,12 +185,16 @@ def main() -> None:
     store = Path(a.keep) if a.keep else tmp / "store"
     cmd = [sys.executable, "-m", "splitleak.cli", "experiment", "run", a.spec, "--profile", a.profile,
            "--store", str(store), "--executor", "local", "--workers", str(a.workers), "--threads", str(a.threads),
-           "--device", "cpu"]
+           "--device", a.device]
     for o in overrides:
         cmd += ["--override", o]
+    env = dict(os.environ)
+    flops_dir = tmp / "flops" if a.flops else None
+    if flops_dir:
+        env["SPLITLEAK_COUNT_FLOPS"] = str(flops_dir)
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
     peak = [0]
     done = threading.Event()
 
@@ -167,10 +217,16 @@ def main() -> None:
     c = grid.counts()
     failed = read_results(store, "failed").num_rows
     executed = c["train"] + c["attack"]
-    proj = project(a.spec, a.profile, overrides, store)
+    measured = read_flops(flops_dir)
+    proj = project(a.spec, a.profile, overrides, store, measured)
+    job_flops = sum(f for f, _ in measured.values())
+    job_secs = sum(s for _, s in measured.values())
+    rate = job_flops / job_secs if job_secs else None
     cores = a.workers * a.threads
     core_h = (proj["attack_s"] + proj["train_s"]) * a.threads / 3600
-    per_eval = proj["attack_s"] / max(1, proj["counts"]["attack"])
+    gpu = a.device.startswith("cuda")
+    gpu_h = (proj["attack_s"] + proj["train_s"]) / a.workers / 3600  # jobs share the one GPU
+    per_eval = proj["attack_s"] / max(1, proj["attack_measured"])  # over the configurations measured
     model = ",".join(grid.loaded.spec.models)
     paper = PAPER.get(Path(a.spec).stem, ("n/a", "(no published figure for this spec)"))
     print(f"\nexit {rc}; {failed} failed; wall {wall:.0f} s; {executed / (wall / 3600):.0f} executed jobs/h; "
@@ -180,11 +236,23 @@ def main() -> None:
           f"CPU core-hours ({core_h / cores:.0f} h wall on {cores} cores); {per_eval:.0f} s per attack evaluation "
           f"(documents x{proj['doc_ratio']:g}, steps x{proj['step_ratio']:g}; {proj['missing']} jobs without a "
           f"measurement). 000 reports {paper[0]} {paper[1]}.")
+    full_pf = "—"
+    if a.flops:
+        full_pf = f"{proj['flops'] / 1e15:.1f}" if proj["flops"] is not None else "n/a"
+        print(f"FLOPs: {len(measured)} jobs counted, {job_flops / 1e12:.2f} TFLOP in {job_secs:.0f} job-seconds = "
+              f"{(rate or 0) / 1e9:.1f} GFLOP/s per job at {a.threads} thread(s); full profile "
+              f"{full_pf} PFLOP ({proj['flops_missing']} jobs without a count)")
+    if gpu:
+        print(f"on this GPU: {gpu_h:.2f} GPU-hours for the full profile ({a.workers} job(s) at a time on one GPU)")
+    full_h = f"{gpu_h:.2f} GPU-h" if gpu else f"{core_h:.1f} core-h"
+    if proj["missing"]:  # a profile that ran only some configurations cannot project the full grid
+        full_h = f"n/a ({proj['missing']} of {sum(proj['counts'].values()) - proj['counts']['reuse']} jobs unmeasured)"
+        full_pf = full_h if a.flops else full_pf
     row = (
         f"| {date.today().isoformat()} | {Path(a.spec).stem} ({a.profile}) | {model} | {c['train']}/{c['attack']}/{c['reuse']} "
-        f"| {failed} | cpu: {cpu_name()} | {a.workers} x {a.threads} | {wall:.0f} | {executed / (wall / 3600):.0f} | "
-        f"{peak[0] / 2**30:.2f} | {load_before[0]:.1f} / {load_after[0]:.1f} | {core_h:.1f} | {per_eval:.1f} | "
-        f"{paper[0]} |"
+        f"| {failed} | {device_name(a.device)} | {a.workers} x {a.threads} | {wall:.0f} | {executed / (wall / 3600):.0f} | "
+        f"{peak[0] / 2**30:.2f} | {load_before[0]:.1f} / {load_after[0]:.1f} | "
+        f"{full_h} | {per_eval:.1f} | {f'{rate / 1e9:.1f}' if rate else '—'} | {full_pf} | {paper[0]} |"
     )
     print(row)
     if a.record:

@@ -152,6 +152,7 @@ def test_shipped_specs_expand_to_the_papers_sizes():
     assert plan_grid("partial_offloading", profile="quick").counts() == {"train": 24, "attack": 24, "reuse": 0}
 
 
+
 GRID = """\
 name: grid
 protocol: proto.yaml
@@ -230,6 +231,60 @@ def test_bad_spec_fails_before_anything_is_written(tmp_path, change, words):
     assert r.exit_code == 2, r.output
     assert words in r.output.replace("\n", " ")
     assert not store.exists() and not (tmp_path / "proto.yaml.frozen.json").exists()
+
+
+def test_flop_counter_counts_a_tiny_forward_pass_exactly():
+    """2 FLOPs per multiply-add of every matrix product (GPT-2's Conv1D addmm, the tied LM head)
+    and torch's attention formula for the CPU attention kernel (4 b h s^2 d_head per layer)."""
+    import torch
+
+    from splitleak.experiments.worker import _flop_counter
+    from splitleak.models import load_model
+
+    for seed, (b, t) in [(0, (3, 16)), (1, (2, 8))]:
+        model = load_model("tiny-gpt2", seed=seed).model.eval()
+        c = model.config
+        d, n_layer, vocab = c.n_embd, c.n_layer, c.vocab_size
+        inner = c.n_inner or 4 * d
+        ids = torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad(), _flop_counter() as counter:
+            model(ids)
+        matmul = 2 * b * t * (n_layer * (3 * d * d + d * d + 2 * d * inner) + d * vocab)
+        attention = n_layer * 4 * b * t * t * d
+        assert counter.get_total_flops() == matmul + attention
+        assert counter.get_flop_counts()["Global"][torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] == attention
+
+
+def test_worker_counts_job_flops_only_when_asked_and_without_changing_results(tmp_path, monkeypatch):
+    from splitleak.experiments import plan_grid, read_results
+    from splitleak.experiments.worker import FLOPS_ENV, execute_job
+
+    spec = write_spec(tmp_path / "spec")
+    g = plan_grid(spec)
+    train = g.of_kind("train")[0]
+    joint = next(j for j in g.of_kind("attack") if j.train_key == train.key and j.fields["attack"] == "joint")
+    flops = tmp_path / "flops"
+    results = {}
+    for counted in (False, True):
+        store = tmp_path / f"store-{counted}"
+        if counted:
+            monkeypatch.setenv(FLOPS_ENV, str(flops))
+        else:
+            monkeypatch.delenv(FLOPS_ENV, raising=False)
+        for job in (train, joint):  # the train job's server returns gradients through autograd.grad
+            r = execute_job(job.to_dict(), str(store), device="cpu", threads=1)
+            assert r["status"] == "done", r
+        results[counted] = scores(store)
+        assert counted or not flops.exists()
+    assert results[True] == results[False]  # counting observes, it does not change the computation
+    recs = {p.stem: json.loads(p.read_text()) for p in flops.glob("*.json")}
+    assert set(recs) == {train.key, joint.key}
+    for key, rec in recs.items():
+        assert rec["flops"] == sum(rec["by_op"].values()) > 0 and rec["seconds"] > 0
+        assert "aten._scaled_dot_product_flash_attention_for_cpu" in rec["by_op"]
+    # training runs the model forward and backward over its documents; the attack only forward
+    assert "aten._scaled_dot_product_flash_attention_for_cpu_backward" in recs[train.key]["by_op"]
+    assert read_results(tmp_path / "store-True", "failed").num_rows == 0
 
 
 def test_missing_ray_names_the_extra_to_install(tmp_path, monkeypatch):
@@ -476,3 +531,4 @@ def test_ray_executor_gives_the_local_results(tiny_grid, tmp_path):
     assert res.ok and res.ran == 14 and res.reused == 4
     assert scores(store) == scores(clean_store)
     assert scores(store, "train") == scores(clean_store, "train")
+

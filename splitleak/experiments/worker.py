@@ -7,18 +7,28 @@ utility row. An attack job loads the attacker's knowledge from that run director
 return a small status dict; exceptions become ``{"status": "failed", ...}``, so one bad job never
 stops the others.
 
+With ``SPLITLEAK_COUNT_FLOPS=DIR`` in its environment (``benchmarks/grid.py --flops`` sets it), a
+worker also counts each job's floating-point operations with ``torch.utils.flop_counter`` and
+writes ``DIR/<key>.json`` (``flops``, ``seconds``, the count per operator). The counter sees the
+operators it has formulas for (matrix products, attention, convolutions; torch's own formulas,
+which count a causal attention as a full one), which carry almost all of a transformer's work,
+and only on the job's own thread.
+
 Each worker process keeps the pristine weights of the last few models it loaded and hands every
 job a deep copy, so a grid loads each model once per worker, not once per job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import os
 import socket
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 _QUEUE: Any = None  # progress queue, set by init_worker (local pool) or per Ray task
@@ -26,6 +36,7 @@ _MODELS: "OrderedDict[tuple, Any]" = OrderedDict()
 _MODEL_CACHE_SIZE = 3
 _LOCK = threading.Lock()
 PROGRESS_INTERVAL_S = 0.3
+FLOPS_ENV = "SPLITLEAK_COUNT_FLOPS"
 
 
 def _die_with_parent() -> None:
@@ -156,6 +167,53 @@ def _attack(job: dict[str, Any], store, device: str, progress) -> None:
     store.write_rows("attack", job["key"], attack_rows(job, result, manifest["split"]["cut"]))
 
 
+class _GlobalOnly:
+    """Stands in for FlopCounterMode's module tracker: counts go to "Global" only."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _as_is(formula):
+    """A formula torch already wrapped (tensors to shapes), marked so it is not wrapped twice."""
+
+    def f(*args, **kwargs):
+        return formula(*args, **kwargs)
+
+    f._get_raw = True  # type: ignore[attr-defined]
+    return f
+
+
+def _flop_counter():
+    import torch
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    # the CPU kernels of scaled-dot-product attention are missing from torch's formula table (the
+    # CUDA ones are there); count them with its own attention formulas so CPU and GPU counts agree
+    cpu_sdpa = {aten._scaled_dot_product_flash_attention_for_cpu: _as_is(fc.sdpa_flop),
+                aten._scaled_dot_product_flash_attention_for_cpu_backward: _as_is(fc.sdpa_backward_flop)}
+    counter = fc.FlopCounterMode(display=False, custom_mapping=cpu_sdpa)
+    # torch's module tracker hooks backward passes in a way that autograd.grad on a leaf tensor (the
+    # server returning the gradient of its input) rejects; a job's total needs no per-module split
+    counter.mod_tracker = _GlobalOnly()
+    return counter
+
+
+def _write_flops(folder: Path, job: dict[str, Any], counter, seconds: float, device: str) -> None:
+    from splitleak.wire.store import write_atomic
+
+    by_op = {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}
+    record = {"key": job["key"], "kind": job["kind"], "flops": int(counter.get_total_flops()),
+              "seconds": seconds, "device": device, "by_op": by_op}
+    write_atomic(folder / f"{job['key']}.json", json.dumps(record, indent=1).encode())
+
+
 def execute_job(job: dict[str, Any], store_root: str, device: str = "cpu", threads: int | None = None,
                 driver: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run one train or attack job and write its result into the store. Never raises: the
@@ -173,13 +231,19 @@ def execute_job(job: dict[str, Any], store_root: str, device: str = "cpu", threa
             import torch
 
             torch.set_num_threads(threads)
-        if job["kind"] == "train":
-            _train(job, store, device, threads, progress)
-        elif job["kind"] == "attack":
-            _attack(job, store, device, progress)
-        else:
+        if job["kind"] not in ("train", "attack"):
             raise ValueError(f"a worker runs train and attack jobs, not {job['kind']!r}")
-        return {"key": key, "status": "done", "seconds": time.perf_counter() - t0, "device": device}
+        flops_dir = os.environ.get(FLOPS_ENV)
+        counter = _flop_counter() if flops_dir else contextlib.nullcontext()
+        with counter:
+            if job["kind"] == "train":
+                _train(job, store, device, threads, progress)
+            else:
+                _attack(job, store, device, progress)
+        seconds = time.perf_counter() - t0
+        if flops_dir:
+            _write_flops(Path(flops_dir), job, counter, seconds, device)
+        return {"key": key, "status": "done", "seconds": seconds, "device": device}
     except Exception as exc:  # noqa: BLE001 - every failure is recorded, none stops the grid
         etype, msg, trace = format_error(exc)
         return {"key": key, "status": "failed", "error_type": etype, "error": msg, "traceback": trace,
