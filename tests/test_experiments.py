@@ -532,3 +532,34 @@ def test_ray_executor_gives_the_local_results(tiny_grid, tmp_path):
     assert scores(store) == scores(clean_store)
     assert scores(store, "train") == scores(clean_store, "train")
 
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                    reason="ray is not installed (pip install 'splitleak[ray]'); the Ray executor is not tested")
+def test_ray_executor_joins_a_running_cluster_and_spreads_jobs_over_its_nodes(tiny_grid, tmp_path):
+    """`--address`: a cluster of a head without CPUs and two worker nodes (ray.cluster_utils runs
+    them as separate raylets on this machine); every job must run on a worker node, both are used,
+    and the results equal the local executor's."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from splitleak.experiments import run_grid
+
+    spec, clean_store, _ = tiny_grid
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        workers = [cluster.add_node(num_cpus=1) for _ in range(2)]
+        cluster.wait_for_nodes()
+        store = tmp_path / "store"
+        res = run_grid(spec, executor="ray", threads=1, address=cluster.address, store=store, device="cpu")
+        assert not ray.is_initialized()  # the driver left the cluster it joined ...
+        ray.init(address=cluster.address)
+        assert sum(n["Alive"] for n in ray.nodes()) == 3  # ... and the cluster is still up
+        ray.shutdown()
+        assert res.ok and res.ran == 14 and res.reused == 4
+        ids = {w.node_id[:12] for w in workers}
+        seen = {n.split("Ray node ")[1].rstrip(")") for n in res.nodes}
+        assert seen == ids and sum(res.nodes.values()) == 14, res.nodes
+        assert scores(store) == scores(clean_store)
+        assert scores(store, "train") == scores(clean_store, "train")
+    finally:
+        cluster.shutdown()

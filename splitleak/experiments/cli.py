@@ -80,6 +80,9 @@ def run_cmd(
         f"{len(res.failures)} failed or skipped, of {n}; {res.seconds:.1f} s; store {res.store}",
         highlight=False,
     )
+    if len(res.nodes) > 1:
+        console.print("jobs per node: " + ", ".join(f"{n}: {c}" for n, c in sorted(res.nodes.items())),
+                      highlight=False)
     if res.failures:
         err.print(f"[bold red]{len(res.failures)} job(s) did not finish:[/]", highlight=False)
         for f in res.failures:

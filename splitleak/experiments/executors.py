@@ -115,8 +115,8 @@ def import_ray():
 class RayExecutor:
     """Ray tasks declaring ``num_cpus`` (= threads) and ``num_gpus`` per job. Without ``address``,
     ``ray.init`` starts a local instance (``workers x threads`` CPUs, no dashboard) and stops it at
-    the end; with ``address`` it joins that cluster. A task uses ``cuda`` when Ray gave it a GPU.
-    On a cluster of several machines the store must be on a filesystem that every node sees at the
+    the end; with ``address`` it joins that cluster and leaves it at the end (the cluster stays up).
+    A task uses ``cuda`` when Ray gave it a GPU. On a cluster of several machines the store must be on a filesystem that every node sees at the
     same path, and splitleak (with the models) must be installed on every node."""
 
     name = "ray"
@@ -132,6 +132,7 @@ class RayExecutor:
             try:
                 if address:
                     ray.init(address=address, log_to_driver=False)
+                    self._started = True  # this driver's connection: disconnected again in close()
                 else:
                     ray.init(num_cpus=(workers or max(1, cpu_count() // threads)) * threads, include_dashboard=False,
                              log_to_driver=False)

@@ -53,6 +53,7 @@ class GridRun:
     reused: int = 0
     failures: list[JobFailure] = field(default_factory=list)
     seconds: float = 0.0
+    nodes: dict[str, int] = field(default_factory=dict)  # where the executed jobs ran: node -> jobs
 
     @property
     def ok(self) -> bool:
@@ -311,6 +312,9 @@ def _schedule(grid: Grid, rs: ResultsStore, ex, done: set[str], result: GridRun,
                 broken = True
                 fail(job, "WorkerDied", str(exc))
                 continue
+            node = res.get("node")
+            if node:
+                result.nodes[node] = result.nodes.get(node, 0) + 1
             if res["status"] == "done":
                 succeeded(job, res["seconds"])
             else:

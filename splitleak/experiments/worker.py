@@ -215,10 +215,13 @@ def _write_flops(folder: Path, job: dict[str, Any], counter, seconds: float, dev
 
 
 def execute_job(job: dict[str, Any], store_root: str, device: str = "cpu", threads: int | None = None,
-                driver: dict[str, Any] | None = None) -> dict[str, Any]:
+                driver: dict[str, Any] | None = None, node: str | None = None) -> dict[str, Any]:
     """Run one train or attack job and write its result into the store. Never raises: the
-    returned dict has ``status`` ``done`` or ``failed`` (with ``error``, ``error_type``, ``traceback``)."""
+    returned dict has ``status`` ``done`` or ``failed`` (with ``error``, ``error_type``, ``traceback``)
+    and ``node``, where it ran (the host name, or what the caller passed)."""
     from splitleak.experiments.store import ResultsStore, format_error
+
+    node = node or socket.gethostname()
 
     store = ResultsStore(store_root)
     key = job["key"]
@@ -243,11 +246,11 @@ def execute_job(job: dict[str, Any], store_root: str, device: str = "cpu", threa
         seconds = time.perf_counter() - t0
         if flops_dir:
             _write_flops(Path(flops_dir), job, counter, seconds, device)
-        return {"key": key, "status": "done", "seconds": seconds, "device": device}
+        return {"key": key, "status": "done", "seconds": seconds, "device": device, "node": node}
     except Exception as exc:  # noqa: BLE001 - every failure is recorded, none stops the grid
         etype, msg, trace = format_error(exc)
         return {"key": key, "status": "failed", "error_type": etype, "error": msg, "traceback": trace,
-                "seconds": time.perf_counter() - t0, "device": device}
+                "seconds": time.perf_counter() - t0, "device": device, "node": node}
     finally:
         store.release(key)
 
@@ -261,4 +264,5 @@ def ray_execute_job(job: dict[str, Any], store_root: str, threads: int | None, q
     _QUEUE = queue
     if device == "auto":
         device = "cuda" if ray.get_gpu_ids() else "cpu"
-    return execute_job(job, store_root, device=device, threads=threads, driver=driver)
+    node = f"{socket.gethostname()} (Ray node {ray.get_runtime_context().get_node_id()[:12]})"
+    return execute_job(job, store_root, device=device, threads=threads, driver=driver, node=node)
