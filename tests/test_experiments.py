@@ -153,6 +153,33 @@ def test_shipped_specs_expand_to_the_papers_sizes():
 
 
 
+def test_pilot_profiles_hold_exactly_the_cells_the_protocols_tests_compare():
+    """`family` runs every cell that the main test and its 47 comparisons read and nothing else;
+    `main-test` runs the main test's two cells."""
+    from splitleak.audit.protocol import parse_protocol
+    from splitleak.experiments import plan_grid
+
+    proto = parse_protocol(SHIPPED / "paper_main.yaml")
+    comps = proto.family.expand(proto.main_test)
+    assert len(comps) == 47
+
+    def cell(d):
+        return (d["attack"], d.get("k"), d["depth"], d["client_copy"])
+
+    def cells(profile):
+        g = plan_grid("paper_main", profile=profile)
+        return g, {cell(j.fields) for j in g.of_kind("attack")}
+
+    wanted = {cell(c.treatment) for c in comps} | {cell(c.control) for c in comps}
+    main = {cell(proto.main_test.treatment), cell(proto.main_test.control)}
+    g, have = cells("family")
+    assert have == wanted | main and len(have) == 13 * 2 * 2
+    assert g.counts() == {"train": 8, "attack": 416, "reuse": 0}
+    assert {j.fields["victim_seed"] for j in g.jobs} == {11, 22, 33, 44}
+    g, have = cells("main-test")
+    assert have == main and g.counts() == {"train": 4, "attack": 16, "reuse": 0}
+
+
 GRID = """\
 name: grid
 protocol: proto.yaml
