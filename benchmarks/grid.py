@@ -170,7 +170,9 @@ def main() -> None:
     ap.add_argument("--profile", default="quick")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--override", action="append", default=[], help="extra KEY=VALUE for the spec")
+    ap.add_argument("--override", action="append", default=[],
+                    help="extra KEY=VALUE for the spec; applied to the projected full grid too (fit for "
+                         "model, model_path, data.path; not for documents or seeds)")
     ap.add_argument("--keep", default=None, help="store folder to keep (default: a temporary one)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the GPU of this machine)")
     ap.add_argument("--flops", action="store_true", help="count each job's FLOPs (torch.utils.flop_counter)")
