@@ -273,7 +273,9 @@ class RandomCandidate(JointBeam):
 
 class BackwardOnly(JointBeam):
     """Heuristic: the gradient at t−1 alone names token t (top-1 of the gradient map); position 0
-    takes the calibration majority token. The map is fitted as for the joint attacker."""
+    takes the calibration majority token. The map is fitted as for the joint attacker, on
+    activation pseudo-labels: with few documents its top-1 largely repeats them, so the heuristic
+    then reports the activations' answers too (experiments/PILOTS.md)."""
 
     name = "backward-only"
 
