@@ -241,15 +241,16 @@ def main() -> None:
     full_pf = "—"
     if a.flops:
         full_pf = f"{proj['flops'] / 1e15:.1f}" if proj["flops"] is not None else "n/a"
-        print(f"FLOPs: {len(measured)} jobs counted, {job_flops / 1e12:.2f} TFLOP in {job_secs:.0f} job-seconds = "
-              f"{(rate or 0) / 1e9:.1f} GFLOP/s per job at {a.threads} thread(s); full profile "
-              f"{full_pf} PFLOP ({proj['flops_missing']} jobs without a count)")
-    if gpu:
-        print(f"on this GPU: {gpu_h:.2f} GPU-hours for the full profile ({a.workers} job(s) at a time on one GPU)")
     full_h = f"{gpu_h:.2f} GPU-h" if gpu else f"{core_h:.1f} core-h"
     if proj["missing"]:  # a profile that ran only some configurations cannot project the full grid
         full_h = f"n/a ({proj['missing']} of {sum(proj['counts'].values()) - proj['counts']['reuse']} jobs unmeasured)"
         full_pf = full_h if a.flops else full_pf
+    if a.flops:
+        print(f"FLOPs: {len(measured)} jobs counted, {job_flops / 1e12:.2f} TFLOP in {job_secs:.0f} job-seconds = "
+              f"{(rate or 0) / 1e9:.1f} GFLOP/s per job at {a.threads} thread(s); full profile: "
+              f"{full_pf} PFLOP ({proj['flops_missing']} jobs without a count)")
+    if gpu and not proj["missing"]:
+        print(f"on this GPU: {gpu_h:.2f} GPU-hours for the full profile ({a.workers} job(s) at a time on one GPU)")
     row = (
         f"| {date.today().isoformat()} | {Path(a.spec).stem} ({a.profile}) | {model} | {c['train']}/{c['attack']}/{c['reuse']} "
         f"| {failed} | {device_name(a.device)} | {a.workers} x {a.threads} | {wall:.0f} | {executed / (wall / 3600):.0f} | "
