@@ -283,6 +283,8 @@ def test_flop_counter_counts_a_tiny_forward_pass_exactly():
 
 
 def test_worker_counts_job_flops_only_when_asked_and_without_changing_results(tmp_path, monkeypatch):
+    import torch
+
     from splitleak.experiments import plan_grid, read_results
     from splitleak.experiments.worker import FLOPS_ENV, execute_job
 
@@ -292,17 +294,21 @@ def test_worker_counts_job_flops_only_when_asked_and_without_changing_results(tm
     joint = next(j for j in g.of_kind("attack") if j.train_key == train.key and j.fields["attack"] == "joint")
     flops = tmp_path / "flops"
     results = {}
-    for counted in (False, True):
-        store = tmp_path / f"store-{counted}"
-        if counted:
-            monkeypatch.setenv(FLOPS_ENV, str(flops))
-        else:
-            monkeypatch.delenv(FLOPS_ENV, raising=False)
-        for job in (train, joint):  # the train job's server returns gradients through autograd.grad
-            r = execute_job(job.to_dict(), str(store), device="cpu", threads=1)
-            assert r["status"] == "done", r
-        results[counted] = scores(store)
-        assert counted or not flops.exists()
+    threads = torch.get_num_threads()  # execute_job sets this process's torch threads
+    try:
+        for counted in (False, True):
+            store = tmp_path / f"store-{counted}"
+            if counted:
+                monkeypatch.setenv(FLOPS_ENV, str(flops))
+            else:
+                monkeypatch.delenv(FLOPS_ENV, raising=False)
+            for job in (train, joint):  # the train job's server returns gradients through autograd.grad
+                r = execute_job(job.to_dict(), str(store), device="cpu", threads=1)
+                assert r["status"] == "done", r
+            results[counted] = scores(store)
+            assert counted or not flops.exists()
+    finally:
+        torch.set_num_threads(threads)
     assert results[True] == results[False]  # counting observes, it does not change the computation
     recs = {p.stem: json.loads(p.read_text()) for p in flops.glob("*.json")}
     assert set(recs) == {train.key, joint.key}
