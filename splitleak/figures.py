@@ -26,3 +26,36 @@ def save_png_svg(fig, out_stem: str | Path, dpi: int = 150) -> list[Path]:
         paths.append(p)
     pyplot().close(fig)
     return paths
+
+
+CostPoint = tuple[float, float, str, bool]  # (cost %, recovery %, label, undefended)
+
+
+def recovery_cost_figure(panels: dict[str, list[CostPoint]], out_stem: str | Path, *, xlabel: str,
+                         ylabel: str = "{title} (%), pooled over attacks", dpi: int = 150) -> list[Path]:
+    """One panel per title: recovery (%) against utility cost (%), one labelled point per run or
+    condition, undefended ones in blue. Points closer than the plot can show share one label, and
+    labels point inwards so that none runs off the panel. Writes OUT.png and OUT.svg."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6), constrained_layout=True,
+                             squeeze=False)
+    for ax, (title, points) in zip(axes[0], panels.items()):
+        groups: dict[tuple[float, float], tuple[float, float, list[str], bool]] = {}
+        for x, y, name, undefended in points:
+            key = (round(x, 2), round(y, 1))
+            gx, gy, names, und = groups.get(key, (x, y, [], False))
+            groups[key] = (gx, gy, names + [name], und or undefended)
+        xs = [g[0] for g in groups.values()] or [0.0]
+        mid = (min(xs) + max(xs)) / 2
+        for x, y, names, undefended in groups.values():
+            ax.scatter([x], [y], s=42, color="C0" if undefended else "C3", zorder=3)
+            right = x > mid
+            ax.annotate("\n".join(names), (x, y), textcoords="offset points", xytext=(-7 if right else 7, -4),
+                        fontsize=9, va="top", ha="right" if right else "left")
+        ax.margins(x=0.35)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel.format(title=title))
+        ax.set_title(f"{title} against cost")
+        ax.set_ylim(-3, 103)
+        ax.grid(alpha=0.3)
+    return save_png_svg(fig, out_stem, dpi=dpi)

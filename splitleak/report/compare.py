@@ -106,9 +106,7 @@ def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
 def leakage_cost_figure(runs: list[RunSummary], out_stem: str | Path) -> list[Path]:
     """Token and whole-document recovery (pooled over attacks) against the perplexity change,
     one labelled point per run; writes OUT.png and OUT.svg."""
-    from splitleak.figures import pyplot, save_png_svg
-
-    plt = pyplot()
+    from splitleak.figures import recovery_cost_figure
 
     pts = [r for r in runs if r.rel_ppl_change is not None and r.pooled("token_recovery") is not None]
     if not pts:
@@ -116,22 +114,12 @@ def leakage_cost_figure(runs: list[RunSummary], out_stem: str | Path) -> list[Pa
             "nothing to plot: the figure needs, for each defended run, the undefended run of the same model, "
             "data, split and seed among the arguments, and attack results beside the runs (audit folders)"
         )
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), constrained_layout=True)
-    for ax, what, title in ((axes[0], "token_recovery", "token recovery"),
-                            (axes[1], "doc_recovery", "whole-document recovery")):
-        groups: dict[tuple[float, float], tuple[float, float, list[str]]] = {}
-        for r in pts:
-            x, y = 100 * r.rel_ppl_change, 100 * r.pooled(what)
-            # points closer than the plot can show share one label
-            groups.setdefault((round(x, 2), round(y, 1)), (x, y, []))[2].append(f"{r.defence}, depth {r.depth}")
-        for x, y, names in groups.values():
-            ax.scatter([x], [y], s=40, color="C0" if any(n.startswith("none") for n in names) else "C3")
-            ax.annotate("\n".join(names), (x, y), textcoords="offset points", xytext=(6, -4), fontsize=9,
-                        va="top")
-        ax.margins(x=0.35)
-        ax.set_xlabel("cost: held-out perplexity change vs. undefended run (%)")
-        ax.set_ylabel(f"{title} (%), mean over attacks")
-        ax.set_title(f"{title} against cost")
-        ax.set_ylim(-2, 102)
-        ax.grid(alpha=0.3)
-    return save_png_svg(fig, out_stem, dpi=150)
+
+    def panel(what: str):
+        return [(100 * r.rel_ppl_change, 100 * r.pooled(what), f"{r.defence}, depth {r.depth}", r.defence == "none")
+                for r in pts]
+
+    return recovery_cost_figure({"token recovery": panel("token_recovery"),
+                                 "whole-document recovery": panel("doc_recovery")},
+                                out_stem, xlabel="cost: held-out perplexity change vs. undefended run (%)",
+                                ylabel="{title} (%), mean over attacks")

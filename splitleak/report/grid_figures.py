@@ -86,35 +86,19 @@ def perturbation_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Pat
 
 def cost_figure(points: Sequence[CostPoint], out_stem: str | Path) -> list[Path]:
     """Token and whole-document recovery against the relative perplexity change, one labelled point
-    per (model, split, defence) (as ``splitleak.report.compare.leakage_cost_figure``)."""
-    from splitleak.figures import pyplot, save_png_svg
+    per (model, split, defence) (the same figure as ``splitleak compare`` draws)."""
+    from splitleak.figures import recovery_cost_figure
 
-    plt = pyplot()
     pts = [p for p in points if p.rel_ppl_change is not None and p.token is not None]
     models = len({p.model for p in pts})
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), constrained_layout=True)
-    for ax, what, title in ((axes[0], "token", "token recovery"), (axes[1], "doc", "whole-document recovery")):
-        groups: dict[tuple[float, float], tuple[float, float, list[str], bool]] = {}
-        for p in pts:
-            x, y = 100 * p.rel_ppl_change, 100 * getattr(p, what)
-            name = f"{p.defence}, {p.split}" + (f" ({p.model})" if models > 1 else "")
-            g = groups.setdefault((round(x, 2), round(y, 1)), (x, y, [], False))
-            g[2].append(name)
-            groups[(round(x, 2), round(y, 1))] = (g[0], g[1], g[2], g[3] or p.defence == "none")
-        xs = [g[0] for g in groups.values()]
-        mid = (min(xs) + max(xs)) / 2
-        for x, y, names, undefended in groups.values():
-            ax.scatter([x], [y], s=42, color="C0" if undefended else "C3", zorder=3)
-            right = x > mid  # labels point inwards, so that none runs off the panel
-            ax.annotate("\n".join(names), (x, y), textcoords="offset points", xytext=(-7 if right else 7, -4),
-                        fontsize=9, va="top", ha="right" if right else "left")
-        ax.margins(x=0.35)
-        ax.set_xlabel("cost: held-out perplexity change vs. undefended (%)")
-        ax.set_ylabel(f"{title} (%), pooled over attacks")
-        ax.set_title(f"{title} against cost")
-        ax.set_ylim(-3, 103)
-        ax.grid(alpha=0.3)
-    return save_png_svg(fig, out_stem, dpi=130)
+
+    def panel(what: str):
+        return [(100 * p.rel_ppl_change, 100 * getattr(p, what),
+                 f"{p.defence}, {p.split}" + (f" ({p.model})" if models > 1 else ""), p.defence == "none")
+                for p in pts]
+
+    return recovery_cost_figure({"token recovery": panel("token"), "whole-document recovery": panel("doc")},
+                                out_stem, xlabel="cost: held-out perplexity change vs. undefended (%)", dpi=130)
 
 
 def heatmap_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Path]:
