@@ -5,6 +5,8 @@ experiments/PILOTS.md).
 
 For each run directory it prints:
 - the activation pseudo-labels' accuracy (the ridge fit's top-1, which labels the gradient map's fit);
+- the default ``gradient`` read-out's next-token accuracy at top-1 and top-k/2 (cosine of −gradient
+  with the token embeddings; no fit);
 - the gradient map's next-token accuracy at top-1 and top-k/2, fitted as the attacks fit it (on the
   pseudo-labels, in-sample), and fitted on the true tokens of the other half of the documents
   (two-fold, held out: an oracle no attacker has; an in-sample fit on true labels overfits badly);
@@ -13,7 +15,7 @@ For each run directory it prints:
 - how often the map's top-1 equals the pseudo-label of the same position (what the backward-only
   heuristic inherits from the activations rather than reads from the gradient);
 - the share of positions whose candidate list holds the true token: activation-only at k, and the
-  joint attacker's merged list (pseudo-label map, then held-out oracle map).
+  joint attacker's merged list (gradient read-out, pseudo-label map, then held-out oracle map).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from splitleak.attacks import load_knowledge, load_traffic, merge_candidates  # noqa: E402
-from splitleak.attacks.core import GradientMap, make_attack  # noqa: E402
+from splitleak.attacks.core import GradientMap, gradient_readout, make_attack  # noqa: E402
 from splitleak.attacks.knowledge import read_documents, read_manifest  # noqa: E402
 
 
@@ -59,7 +61,7 @@ def check(run: Path, copy: str, k: int, public_docs: int = 0) -> dict[str, float
     traffic = load_traffic(run, with_gradients=True)
     docs = {d.doc_id: d for d in read_documents(run).evaluation}
     truth = torch.tensor([list(docs[i].token_ids) for i in traffic.doc_ids])
-    attack = make_attack("joint", k=k)
+    attack = make_attack("joint", k=k, readout="pseudo-map")
     attack.fit(knowledge)
     emb = knowledge.client.embedding
     grads = traffic.gradients
@@ -70,6 +72,7 @@ def check(run: Path, copy: str, k: int, public_docs: int = 0) -> dict[str, float
     def holds(cands: torch.Tensor, target: torch.Tensor) -> float:
         return (cands == target[..., None]).any(-1).float().mean().item()
 
+    g_direct = gradient_readout(grads, emb, k // 2)
     g_pseudo = GradientMap.fit(grads, pseudo, emb).candidates(grads, emb, k // 2)
     half = len(truth) // 2
     folds = [(slice(half, None), slice(0, half)), (slice(0, half), slice(half, None))]  # (fit, predict)
@@ -77,12 +80,15 @@ def check(run: Path, copy: str, k: int, public_docs: int = 0) -> dict[str, float
     out = {
         "documents": float(len(traffic)),
         "pseudo-label accuracy": (pseudo == truth).float().mean().item(),
+        "gradient read-out top-1": holds(g_direct[..., :1], nxt),
+        f"gradient read-out top-{k // 2}": holds(g_direct, nxt),
         "map top-1 (pseudo)": holds(g_pseudo[..., :1], nxt),
         f"map top-{k // 2} (pseudo)": holds(g_pseudo, nxt),
         "map top-1 (held-out oracle)": holds(g_true[..., :1], nxt),
         f"map top-{k // 2} (held-out oracle)": holds(g_true, nxt),
         "map top-1 = pseudo-label": (g_pseudo[..., 0] == pseudo[:, 1:]).float().mean().item(),
         f"activation list holds truth (k={k})": holds(act, truth),
+        "joint list holds truth (gradient)": holds(merge_candidates(act, g_direct, k), truth),
         "joint list holds truth (pseudo)": holds(merge_candidates(act, g_pseudo, k), truth),
         "joint list holds truth (oracle)": holds(merge_candidates(act, g_true, k), truth),
     }

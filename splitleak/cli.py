@@ -283,6 +283,9 @@ def attack_cmd(
     k: Optional[int] = typer.Option(None, "--k", help="candidate budget of the beam attackers (8, 16, 32)"),
     copy: str = typer.Option("public", "--copy", help="public (pretrained) or trained (the run's client layers)"),
     budget: Optional[str] = typer.Option(None, "--budget", help="SipIt checks per token (32, 64, 128) or 'exhaustive'"),
+    readout: Optional[str] = typer.Option(None, "--readout", help="how the joint attacker, its shuffled-gradient "
+                                          "control and the backward-only heuristic read the gradient: gradient "
+                                          "(cosine of −gradient with the token embeddings; default) or pseudo-map"),
     attack_seed: int = typer.Option(0, "--attack-seed"),
     gradient_noise: Optional[float] = typer.Option(None, "--gradient-noise", help="observer-side noise, sigma x gradient RMS"),
     gradient_bits: Optional[int] = typer.Option(None, "--gradient-bits", help="observer-side rounding of the gradient to b bits"),
@@ -306,7 +309,7 @@ def attack_cmd(
                 b = int(budget)
             except ValueError:
                 raise ConfigError(f"--budget {budget!r} is neither an integer nor 'exhaustive'") from None
-        cfg = make_attack_config(attack=attack, k=k, client_copy=copy, budget=b, attack_seed=attack_seed,
+        cfg = make_attack_config(attack=attack, k=k, client_copy=copy, budget=b, readout=readout, attack_seed=attack_seed,
                                  gradient_noise=gradient_noise, gradient_bits=gradient_bits, inference=inference)
         protocol_hash = None
         if protocol is not None:

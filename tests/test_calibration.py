@@ -203,7 +203,8 @@ def _rows(diff, seeds=(1, 2, 3, 4), n_docs=60, attack_seeds=(0, 1), rng_seed=0, 
                     rows.append({"attack": attack, "k": 32, "client_copy": "public", "depth": 6, "defence": "none",
                                  "victim_seed": vs, "attack_seed": a_seed, "doc_id": d, "token_counted": 32,
                                  "token_correct": int(rng.binomial(32, np.clip(p, 0, 1))), "exact": False,
-                                 "protocol_hash": phash, "config_hash": f"{attack}{vs}{a_seed}"})
+                                 "protocol_hash": phash, "config_hash": f"{attack}{vs}{a_seed}",
+                                 "readout": "gradient" if attack == "joint" else None})
     return rows
 
 
@@ -221,8 +222,16 @@ def test_main_test_passes_a_large_difference_and_fails_a_small_one():
     # a perturbed joint attack beside the plain one is not picked unless the selector names it
     rows = _rows(0.06)
     rows += [{**r, "gradient_noise": 1.0, "token_correct": 0} for r in rows if r["attack"] == "joint"]
-    again = compare(rows, t, c, metric="token_recovery", alpha=0.05, mark=0.02, n_boot=4000, seed=0)
+    # ... nor is the joint attacker with the pseudo-label map, or one recorded before read-outs
+    # existed (it used that map), unless the selector names the read-out
+    pm = [{**r, "readout": "pseudo-map", "token_correct": 32} for r in rows if r["attack"] == "joint"]
+    legacy = [{**r, "readout": None, "token_correct": 31} for r in rows if r["attack"] == "joint"]
+    again = compare(rows + pm, t, c, metric="token_recovery", alpha=0.05, mark=0.02, n_boot=4000, seed=0)
     assert again.estimate == big.estimate
+    for extra in (pm, legacy):
+        named = compare(rows + extra, {**t, "readout": "pseudo-map"}, c, metric="token_recovery", alpha=0.05,
+                        mark=0.02, n_boot=200, seed=0)
+        assert named.estimate > 0.1 and named.n_docs == 60
     mixed = [{**r, "data_seed": r["victim_seed"]} for r in _rows(0.06)]  # each run drew its own documents
     with pytest.raises(SplitleakError, match="different data seeds"):
         compare(mixed, t, c, metric="token_recovery", alpha=0.05, mark=0.02, n_boot=100, seed=0)

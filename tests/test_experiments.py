@@ -155,7 +155,7 @@ def test_shipped_specs_expand_to_the_papers_sizes():
 
 def test_pilot_profiles_hold_exactly_the_cells_the_protocols_tests_compare():
     """`family` runs every cell that the main test and its 47 comparisons read and nothing else;
-    `main-test` runs the main test's two cells."""
+    `main-test` runs the main test's two cells; `server-6` its attacks at depth 24."""
     from splitleak.audit.protocol import parse_protocol
     from splitleak.experiments import plan_grid
 
@@ -178,6 +178,13 @@ def test_pilot_profiles_hold_exactly_the_cells_the_protocols_tests_compare():
     assert {j.fields["victim_seed"] for j in g.jobs} == {11, 22, 33, 44}
     g, have = cells("main-test")
     assert have == main and g.counts() == {"train": 4, "attack": 16, "reuse": 0}
+    # server-6: the main test's attacks with 6 blocks on the server, with both read-outs
+    g = plan_grid("paper_main", profile="server-6")
+    assert g.counts() == {"train": 4, "attack": 20, "reuse": 0}
+    assert {(j.fields["attack"], j.fields["k"], j.fields["readout"]) for j in g.of_kind("attack")} == {
+        ("activation", 32, None), ("joint", 32, "gradient"), ("joint", 32, "pseudo-map"),
+        ("backward-only", None, "gradient"), ("backward-only", None, "pseudo-map")}
+    assert {j.fields["depth"] for j in g.jobs} == {24}
 
 
 GRID = """\
@@ -240,6 +247,25 @@ def test_expansion_counts_keys_and_dependencies(tmp_path):
     assert not {j.key for j in g5.of_kind("attack")} & {j.key for j in g.of_kind("attack")}
 
 
+def test_a_readout_list_expands_into_one_attack_job_each(tmp_path):
+    from splitleak.experiments import plan_grid
+
+    spec = write_spec(tmp_path, TINY)
+    g = plan_grid(spec)
+    both = plan_grid(spec, overrides=["attacks.1.readout=[gradient, pseudo-map]"])
+    joint = [j for j in g.of_kind("attack") if j.fields["attack"] == "joint"]
+    joint2 = [j for j in both.of_kind("attack") if j.fields["attack"] == "joint"]
+    assert len(joint2) == 2 * len(joint) == 8
+    assert {j.fields["readout"] for j in joint} == {"gradient"}
+    assert sorted(j.fields["readout"] for j in joint2) == ["gradient"] * 4 + ["pseudo-map"] * 4
+    # the default read-out is the same job whether the spec names it or not; the other is new
+    assert {j.key for j in joint} < {j.key for j in joint2}
+    assert all("readout pseudo-map" in j.summary for j in joint2 if j.fields["readout"] == "pseudo-map")
+    assert all("readout" not in j.summary for j in joint)
+    others = [j for j in g.of_kind("attack") if j.fields["attack"] != "joint"]
+    assert all(j.fields["readout"] is None and "readout" not in j.config["attack"] for j in others)
+
+
 @pytest.mark.parametrize("change,words", [
     (("{attack: property, client_copy: public}", "{attack: propertyy}"), "unknown attack 'propertyy'"),
     (("defences: [none]", "defences: [mixupp]"), "unknown defence 'mixupp'"),
@@ -250,6 +276,8 @@ def test_expansion_counts_keys_and_dependencies(tmp_path):
     (("{attack: property, client_copy: public}", "{attack: activation, k: 4}"), "listed twice"),
     (("defences: [none]", "defences: [mixup]\nplacements: {lengths: [1], starts: [0]}"), "plain split only"),
     (("depths: [1, 2]", "depths: [0]"), "every depth must be >= 1"),
+    (("{attack: property, client_copy: public}", "{attack: activation, k: 5, readout: gradient}"), "reads no gradient"),
+    (("{attack: property, client_copy: public}", "{attack: joint, k: 5, readout: [psychic]}"), "readout"),
 ])
 def test_bad_spec_fails_before_anything_is_written(tmp_path, change, words):
     spec = write_spec(tmp_path, TINY.replace(*change))

@@ -53,6 +53,7 @@ def _attack_rows(rng, key, train, phash, attack, seed_a, p_correct, p_exact, k=3
                "attack": attack, "k": k, "budget": None, "client_copy": copy, "attack_seed": seed_a,
                "perturbation": "none" if noise is None and bits is None else (f"noise={noise:g}" if noise else f"bits={bits}"),
                "gradient_noise": noise, "gradient_bits": bits, "inference": False,
+               "readout": "gradient" if attack in ("joint", "shuffled-gradient", "backward-only") else None,
                "doc_id": 100 + d, "token_correct": correct, "token_counted": 32, "exact": exact}
         for lab in LABELS:
             n = int(rng.integers(0, 3))
@@ -358,3 +359,15 @@ def test_cli_reports_a_real_tiny_grid(tmp_path):
     assert (out / "heatmap.png").is_file() and (out / "heatmap.svg").is_file()
     # the grid trained no defence and perturbed no gradient: those sections say so in one line
     assert "Omitted: the grid trained no defence" in md and "Omitted: the store holds no joint-attacker result" in md
+
+
+def test_tables_name_a_non_default_gradient_readout():
+    from splitleak.report.grid_stats import Config
+
+    base = {"model": "m", "data": "d", "defence": "none", "attack": "joint", "k": 32, "budget": None,
+            "gradient_noise": None, "gradient_bits": None, "inference": False}
+    assert Config.of({**base, "readout": "gradient"}).attack_text() == "joint k=32"
+    # the pseudo-label map, named or recorded before read-outs existed, is a row of its own
+    assert Config.of({**base, "readout": "pseudo-map"}).attack_text() == "joint k=32 readout=pseudo-map"
+    assert Config.of({**base, "readout": None}) == Config.of({**base, "readout": "pseudo-map"})
+    assert Config.of({**base, "attack": "activation", "readout": None}).attack_text() == "activation k=32"

@@ -5,13 +5,21 @@ the observer holds; ``reconstruct(traffic)`` returns token ids per document (or,
 inference, one score per document). Every random draw comes from ``numpy.random.default_rng`` /
 ``torch.Generator`` seeded with the attack seed.
 
-The joint attacker's gradient-to-token map. The returned gradient at position t−1 carries the
-next-token loss's pull towards token t, but turning it into token space needs the server's layers
-and the labels, which the observer lacks. So the map is fitted on the observed traffic itself:
-decode every activation with the ridge fit + cosine (as VMI does), take those tokens as pseudo-labels,
-and fit a ridge regression from the unit-normalised gradient at t−1 to the input embedding of the
-pseudo-label at t. Candidates are then the tokens whose embeddings are most cosine-similar to the
-map's output. No labels, no server layers, no evaluation text are used.
+The joint attacker's gradient read-out (000 §3.1 step 3: "adds the tokens whose embeddings best
+match this signal"). The returned gradient at position t−1 is the next-token loss's gradient, whose
+target is token t; through the residual stream and tied embeddings, −gradient points towards the
+embedding of token t, minus the model's expected embedding. Two read-outs turn it into candidates:
+
+- ``gradient`` (default): the tokens whose input embeddings are most cosine-similar to −gradient.
+  It needs nothing but the embedding matrix, and reads well when few blocks sit between the cut and
+  the loss (SmolLM2 cut 6 blocks before the loss: next token within the top 16 at 90 % of
+  positions), and poorly when many do (24 blocks: 4 %); experiments/PILOTS.md.
+- ``pseudo-map``: a ridge map fitted on the observed traffic itself, from the unit-normalised
+  gradient at t−1 to the input embedding of token t as the activations decode it (ridge fit +
+  cosine top-1, as VMI does); candidates are the tokens nearest the map's output by cosine. It
+  learns the activations' answers where the traffic is small, so it is not gradient-only.
+
+Neither uses labels, server layers or evaluation text.
 """
 
 from __future__ import annotations
@@ -143,6 +151,16 @@ class GradientMap:
         return cosine_topk(self.ridge(x), embedding, k).cpu()
 
 
+READOUTS = ("gradient", "pseudo-map")
+DEFAULT_READOUT = "gradient"
+
+
+def gradient_readout(gradients: torch.Tensor, embedding: torch.Tensor, k: int) -> torch.Tensor:
+    """Next-token candidates for positions 1..T-1: the k tokens whose input embeddings are most
+    cosine-similar to −gradient at 0..T-2, best first: [n, T-1, k]."""
+    return cosine_topk(-gradients[:, :-1].to(embedding.dtype), embedding, k).cpu()
+
+
 def merge_candidates(act: torch.Tensor, grad: torch.Tensor, k: int) -> torch.Tensor:
     """000 §3.1 step 3: the top k/2 activation candidates, then gradient candidates not among them,
     then further activation candidates where the halves overlapped; position 0 keeps all k from
@@ -227,23 +245,39 @@ class ActivationBeam(_RidgeAttack):
 
 
 class JointBeam(ActivationBeam):
-    """Joint attacker: half the candidates from the activations, half from the returned gradient."""
+    """Joint attacker: half the candidates from the activations, half from the returned gradient
+    through ``readout`` (``gradient`` or ``pseudo-map``; module docstring)."""
 
     name = "joint"
     uses_gradients = True
+
+    def __init__(self, k: int = 32, width: int = 2, seed: int = 0, chunk_docs: int = 64,
+                 readout: str = DEFAULT_READOUT):
+        super().__init__(k=k, width=width, seed=seed, chunk_docs=chunk_docs)
+        self.readout = readout
+
+    def params(self):
+        return {**super().params(), "readout": self.readout}
 
     def gradient_map(self, traffic: Traffic) -> GradientMap:
         client = self.knowledge_.client
         pseudo = self.activation_candidates(traffic, 1)[..., 0]
         return GradientMap.fit(traffic.gradients.to(client.device), pseudo, client.embedding)
 
-    def candidates(self, traffic: Traffic) -> torch.Tensor:
+    def gradient_candidates(self, traffic: Traffic, k: int) -> torch.Tensor:
+        """Next-token candidates for positions 1..T-1 from the gradients at 0..T-2: [n, T-1, k]."""
         client = self.knowledge_.client
+        grads = traffic.gradients.to(client.device)
+        if self.readout == "gradient":
+            return gradient_readout(grads, client.embedding, k)
+        if self.readout == "pseudo-map":
+            self.gradient_map_ = self.gradient_map(traffic)
+            return self.gradient_map_.candidates(grads, client.embedding, k)
+        raise ConfigError(f"{self.name}: unknown gradient read-out {self.readout!r}; known: {', '.join(READOUTS)}")
+
+    def candidates(self, traffic: Traffic) -> torch.Tensor:
         act = self.activation_candidates(traffic, self.k)
-        gmap = self.gradient_map(traffic)
-        self.gradient_map_ = gmap
-        grad = gmap.candidates(traffic.gradients.to(client.device), client.embedding, self.k // 2)
-        return merge_candidates(act, grad, self.k)
+        return merge_candidates(act, self.gradient_candidates(traffic, self.k // 2), self.k)
 
 
 class ShuffledGradient(JointBeam):
@@ -266,18 +300,30 @@ class RandomCandidate(JointBeam):
     name = "random-candidate"
     uses_gradients = False
 
+    def __init__(self, k: int = 32, width: int = 2, seed: int = 0, chunk_docs: int = 64):
+        ActivationBeam.__init__(self, k=k, width=width, seed=seed, chunk_docs=chunk_docs)
+
+    def params(self):
+        return ActivationBeam.params(self)
+
     def candidates(self, traffic):
         act = self.activation_candidates(traffic, self.k)
         return random_fill(act, self.k, self.knowledge_.client.vocab_size, self.seed)
 
 
 class BackwardOnly(JointBeam):
-    """Heuristic: the gradient at t−1 alone names token t (top-1 of the gradient map); position 0
-    takes the calibration majority token. The map is fitted as for the joint attacker, on
-    activation pseudo-labels: with few documents its top-1 largely repeats them, so the heuristic
-    then reports the activations' answers too (experiments/PILOTS.md)."""
+    """Heuristic: the gradient at t−1 alone names token t (top-1 of the read-out); position 0 takes
+    the calibration majority token. With the default ``gradient`` read-out it reads the gradient
+    and the embeddings only. With ``pseudo-map`` the map is fitted on activation pseudo-labels, and
+    with few documents its top-1 largely repeats them (experiments/PILOTS.md)."""
 
     name = "backward-only"
+
+    def __init__(self, seed: int = 0, readout: str = DEFAULT_READOUT):
+        super().__init__(seed=seed, readout=readout)
+
+    def params(self):
+        return {"seed": self.seed, "readout": self.readout}
 
     def fit(self, knowledge):
         super().fit(knowledge)
@@ -286,9 +332,7 @@ class BackwardOnly(JointBeam):
 
     def reconstruct(self, traffic, progress=None):
         self._check(traffic)
-        client = self.knowledge_.client
-        gmap = self.gradient_map(traffic)
-        top = gmap.candidates(traffic.gradients.to(client.device), client.embedding, 1)[..., 0]
+        top = self.gradient_candidates(traffic, 1)[..., 0]
         first = self.majority_.reconstruct(traffic).tokens[:, :1]
         return Reconstruction(torch.cat([first, top], dim=1))
 

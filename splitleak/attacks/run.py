@@ -11,6 +11,7 @@ max-abs scale per document.
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from pathlib import Path
@@ -18,9 +19,9 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from splitleak.attacks.core import ATTACKS, Majority, VMI, make_attack
+from splitleak.attacks.core import ATTACKS, DEFAULT_READOUT, Majority, VMI, make_attack
 from splitleak.attacks.knowledge import Knowledge, Traffic, load_knowledge, load_traffic, read_documents, read_manifest
 from splitleak.errors import ConfigError, SplitleakError
 from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
@@ -42,6 +43,17 @@ class AttackConfig(BaseModel):
     gradient_noise: float | None = Field(None, ge=0)
     gradient_bits: int | None = Field(None, ge=2, le=16)
     inference: bool = False  # traffic of inference: activations only
+    # how a gradient-reading attack turns the gradient into tokens (attacks.core.READOUTS); filled
+    # with the attack's default by make_attack_config, and absent (None, left out of the dump and
+    # the hash) for attacks that read no gradient, so their keys did not change when it came in
+    readout: Literal["gradient", "pseudo-map"] | None = None
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        d = handler(self)
+        if d.get("readout") is None:
+            d.pop("readout", None)
+        return d
 
     def attack_params(self) -> dict[str, Any]:
         p: dict[str, Any] = {"seed": self.attack_seed}
@@ -49,6 +61,8 @@ class AttackConfig(BaseModel):
             p["k"] = self.k
         if self.budget is not None:
             p["budget"] = self.budget
+        if self.readout is not None:
+            p["readout"] = self.readout
         return p
 
     def hash(self) -> str:
@@ -62,6 +76,11 @@ def make_attack_config(**kw) -> AttackConfig:
         raise ConfigError(f"unknown attack {kw.get('attack')!r}; known attacks: {', '.join(ATTACKS)}")
     if kw.get("gradient_noise") is not None and kw.get("gradient_bits") is not None:
         raise ConfigError("give either --gradient-noise or --gradient-bits, not both")
+    takes_readout = "readout" in inspect.signature(ATTACKS[kw["attack"]].__init__).parameters
+    if kw.get("readout") is not None and not takes_readout:
+        raise ConfigError(f"attack {kw['attack']!r} reads no gradient, so it takes no gradient read-out; drop readout")
+    if kw.get("readout") is None and takes_readout:
+        kw = {**kw, "readout": DEFAULT_READOUT}
     try:
         cfg = AttackConfig(**kw)
     except ValidationError as exc:

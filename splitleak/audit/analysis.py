@@ -5,7 +5,8 @@ The input is a long table of per-document scores, one record per (attack evaluat
 carrying the fields a protocol's selectors name:
 
 - of the attack: ``attack``, ``k``, ``budget``, ``client_copy``, ``attack_seed``,
-  ``gradient_noise``, ``gradient_bits``, ``inference``;
+  ``gradient_noise``, ``gradient_bits``, ``inference``, ``readout`` (how a gradient-reading attack
+  reads the gradient; ``effective_readout``);
 - of the run: ``model``, ``depth``, ``offload_start``, ``offload_length``, ``defence`` (defence
   names joined by ``+``), ``data``, ``victim_seed``;
 - the scores: ``doc_id``, ``token_correct``, ``token_counted``, ``exact``;
@@ -14,8 +15,10 @@ carrying the fields a protocol's selectors name:
 A selector (``{attack: joint, k: 32, client_copy: public, depth: 6}``) picks the records whose
 fields equal every value it names; fields it does not name default to the plain training
 setting (``SELECTOR_DEFAULTS``: no defence, no observer-side gradient perturbation, not the
-inference setting), so that ``joint`` does not also pick the perturbed joint attacks. For each victim seed (a trained model) the per-document score is
-averaged over attack seeds; the crossed bootstrap then resamples models and documents.
+inference setting, the default gradient read-out), so that ``joint`` does not also pick the
+perturbed joint attacks or the pseudo-label map. For each victim seed (a trained model) the
+per-document score is averaged over attack seeds; the crossed bootstrap then resamples models and
+documents.
 ``rows_from_results`` builds the table from ``splitleak attack`` / ``splitleak audit`` output, and
 the experiment store yields the same records.
 """
@@ -33,9 +36,25 @@ from splitleak.audit.protocol import Protocol, check_results
 from splitleak.errors import ConfigError, DataError, SplitleakError
 from splitleak.stats import bonferroni_alpha, heldout_rmse, paired_difference_ci, partial_r2_test
 
-ATTACK_FIELDS = ("attack", "k", "budget", "client_copy", "attack_seed", "gradient_noise", "gradient_bits", "inference")
+ATTACK_FIELDS = ("attack", "k", "budget", "client_copy", "attack_seed", "gradient_noise", "gradient_bits", "inference",
+                 "readout")
 RUN_FIELDS = ("model", "depth", "offload_start", "offload_length", "defence", "data", "victim_seed", "data_seed")
-SELECTOR_DEFAULTS = {"defence": "none", "gradient_noise": None, "gradient_bits": None, "inference": False}
+#: the attacks that take a gradient read-out (attacks.core.READOUTS), and its default; a test keeps
+#: these equal to the attack classes' (this module does not import torch)
+READOUT_ATTACKS = ("joint", "shuffled-gradient", "backward-only")
+DEFAULT_READOUT = "gradient"
+SELECTOR_DEFAULTS = {"defence": "none", "gradient_noise": None, "gradient_bits": None, "inference": False,
+                     "readout": DEFAULT_READOUT}
+
+
+def effective_readout(r: dict[str, Any]) -> str | None:
+    """The read-out a record's attack used: None for attacks that read no gradient; for a
+    gradient-reading attack recorded before read-outs existed, the pseudo-label map it then used."""
+    if r.get("attack") not in READOUT_ATTACKS:
+        return None
+    return r.get("readout") or "pseudo-map"
+
+
 METRICS = {
     "token_recovery": lambda r: r["token_correct"] / r["token_counted"] if r["token_counted"] else np.nan,
     "doc_recovery": lambda r: float(bool(r["exact"])),
@@ -171,7 +190,9 @@ def select(rows: Sequence[dict[str, Any]], selector: dict[str, Any]) -> list[dic
     if unknown:
         raise ConfigError(f"selector names unknown field(s) {sorted(unknown)}; use {ATTACK_FIELDS + RUN_FIELDS}")
     full = {**SELECTOR_DEFAULTS, **selector}
-    return [r for r in rows if all(_same(r.get(k), v) for k, v in full.items())]
+    readout = full.pop("readout")
+    return [r for r in rows if all(_same(r.get(k), v) for k, v in full.items())
+            and effective_readout(r) in (None, readout)]
 
 
 def _same(value: Any, wanted: Any) -> bool:

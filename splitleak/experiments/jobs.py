@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,16 +100,20 @@ def _attack_fields(acfg: dict[str, Any], perturbation: str) -> dict[str, Any]:
         "attack": acfg["attack"], "k": acfg["k"], "budget": None if budget is None else str(budget),
         "client_copy": acfg["client_copy"], "attack_seed": acfg["attack_seed"], "perturbation": perturbation,
         "gradient_noise": acfg["gradient_noise"], "gradient_bits": acfg["gradient_bits"],
-        "inference": acfg["inference"],
+        "inference": acfg["inference"], "readout": acfg.get("readout"),
     }
 
 
 def _attack_summary(f: dict[str, Any]) -> str:
+    from splitleak.attacks.core import DEFAULT_READOUT
+
     parts = [f["attack"]]
     if f["k"] is not None:
         parts.append(f"k{f['k']}")
     if f["budget"] is not None:
         parts.append(f"budget {f['budget']}")
+    if f["readout"] not in (None, DEFAULT_READOUT):
+        parts.append(f"readout {f['readout']}")
     parts.append(f["client_copy"])
     parts.append(f"a{f['attack_seed']}")
     if f["perturbation"] != "none":
@@ -151,13 +156,14 @@ def _attack_configs(entry: AttackEntry, spec: ExperimentSpec, index: int) -> lis
         )
     out = []
     for k in entry.k or [None]:
-        for budget in entry.budget or [None]:
+        for budget, readout in itertools.product(entry.budget or [None], entry.readout or [None]):
             for pert in entry.perturbations:
                 for copy_ in entry.client_copy or spec.client_copies:
                     for seed in entry.attack_seeds or spec.attack_seeds:
                         try:
                             cfg = make_attack_config(
-                                attack=entry.attack, k=k, budget=budget, client_copy=copy_, attack_seed=seed,
+                                attack=entry.attack, k=k, budget=budget, readout=readout, client_copy=copy_,
+                                attack_seed=seed,
                                 gradient_noise=pert.gradient_noise, gradient_bits=pert.gradient_bits,
                                 inference=entry.inference == "only",
                             )

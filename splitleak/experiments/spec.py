@@ -119,8 +119,8 @@ class Perturbation(BaseModel):
 
 
 class AttackEntry(BaseModel):
-    """One line of the attack list; lists (``k``, ``budget``, ``client_copy``, ``perturbations``,
-    ``attack_seeds``) expand into one attack configuration per combination.
+    """One line of the attack list; lists (``k``, ``budget``, ``readout``, ``client_copy``,
+    ``perturbations``, ``attack_seeds``) expand into one attack configuration per combination.
 
     ``inference``: ``false`` counts the configuration in the training setting only; ``true`` also
     counts it in the inference setting, reusing the training measurement (activation-only attacks
@@ -133,13 +133,14 @@ class AttackEntry(BaseModel):
     attack: str
     k: list[int] | None = None
     budget: list[Union[int, Literal["exhaustive"]]] | None = None
+    readout: list[Literal["gradient", "pseudo-map"]] | None = None  # gradient-reading attacks; default: gradient
     client_copy: list[Literal["public", "trained"]] | None = None  # default: the spec's client_copies
     perturbations: list[Perturbation] = Field(default_factory=lambda: [Perturbation()])
     inference: bool | Literal["only"] = False
     defences: list[str] | None = None
     attack_seeds: list[int] | None = None  # default: the spec's attack_seeds
 
-    @field_validator("k", "budget", "client_copy", "perturbations", "defences", "attack_seeds", mode="before")
+    @field_validator("k", "budget", "readout", "client_copy", "perturbations", "defences", "attack_seeds", mode="before")
     @classmethod
     def _listify(cls, v):
         return _as_list(v)

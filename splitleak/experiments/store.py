@@ -50,7 +50,7 @@ ATTACK_SCHEMA = pa.schema(
     _JOB[:2] + [("train_key", pa.string()), ("reuse_of", pa.string()), ("protocol_hash", pa.string())] + _JOB[2:] + [
         ("attack", pa.string()), ("k", pa.int64()), ("budget", pa.string()), ("client_copy", pa.string()),
         ("attack_seed", pa.int64()), ("perturbation", pa.string()), ("gradient_noise", pa.float64()),
-        ("gradient_bits", pa.int64()), ("inference", pa.bool_()),
+        ("gradient_bits", pa.int64()), ("inference", pa.bool_()), ("readout", pa.string()),
         ("doc_id", pa.int64()), ("token_correct", pa.int64()), ("token_counted", pa.int64()), ("exact", pa.bool_()),
     ]
     + [(f"span_hits_{lab}", pa.int64()) for lab in LABELS]

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from splitleak.audit.analysis import DEFAULT_READOUT, effective_readout
 from splitleak.data import LABELS
 from splitleak.stats import crossed_bootstrap_ci, crossed_replicates, hierarchical_bootstrap_ci, hierarchical_replicates
 
@@ -45,11 +46,13 @@ class Config:
     gradient_noise: float | None
     gradient_bits: int | None
     inference: bool
+    readout: str | None = None  # gradient read-out of the attacks that take one
 
     @classmethod
     def of(cls, r: dict[str, Any]) -> "Config":
         return cls(r.get("model"), r.get("data"), r.get("defence") or "none", r["attack"], r.get("k"),
-                   r.get("budget"), r.get("gradient_noise"), r.get("gradient_bits"), bool(r.get("inference")))
+                   r.get("budget"), r.get("gradient_noise"), r.get("gradient_bits"), bool(r.get("inference")),
+                   effective_readout(r))
 
     @property
     def perturbation(self) -> str:
@@ -62,6 +65,8 @@ class Config:
             s += f" k={self.k}"
         if self.budget is not None:
             s += f" budget={self.budget}"
+        if self.readout not in (None, DEFAULT_READOUT):
+            s += f" readout={self.readout}"
         if self.gradient_noise is not None or self.gradient_bits is not None:
             s += f", {self.perturbation}"
         if self.inference:
@@ -72,7 +77,8 @@ class Config:
         a = ATTACK_ORDER.index(self.attack) if self.attack in ATTACK_ORDER else len(ATTACK_ORDER)
         budget = -1 if self.budget is None else (10**9 if self.budget == "exhaustive" else int(self.budget))
         return (self.model or "", self.data or "", self.defence != "none", self.defence, a, self.attack,
-                self.k or 0, budget, perturbation_rank(self.gradient_noise, self.gradient_bits), self.inference)
+                self.k or 0, budget, self.readout or "", perturbation_rank(self.gradient_noise, self.gradient_bits),
+                self.inference)
 
 
 @dataclass(frozen=True)
