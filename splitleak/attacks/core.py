@@ -296,17 +296,11 @@ class ShuffledGradient(JointBeam):
         return rec
 
 
-class RandomCandidate(JointBeam):
-    """Control: the gradient half replaced by tokens drawn uniformly without replacement."""
+class RandomCandidate(ActivationBeam):
+    """Control: the joint attacker's gradient half replaced by tokens drawn uniformly without
+    replacement (it reads no gradient, so it takes no read-out)."""
 
     name = "random-candidate"
-    uses_gradients = False
-
-    def __init__(self, k: int = 32, width: int = 2, seed: int = 0, chunk_docs: int = 64):
-        ActivationBeam.__init__(self, k=k, width=width, seed=seed, chunk_docs=chunk_docs)
-
-    def params(self):
-        return ActivationBeam.params(self)
 
     def candidates(self, traffic):
         act = self.activation_candidates(traffic, self.k)

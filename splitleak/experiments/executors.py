@@ -116,8 +116,9 @@ class RayExecutor:
     """Ray tasks declaring ``num_cpus`` (= threads) and ``num_gpus`` per job. Without ``address``,
     ``ray.init`` starts a local instance (``workers x threads`` CPUs, no dashboard) and stops it at
     the end; with ``address`` it joins that cluster and leaves it at the end (the cluster stays up).
-    A task uses ``cuda`` when Ray gave it a GPU. On a cluster of several machines the store must be on a filesystem that every node sees at the
-    same path, and splitleak (with the models) must be installed on every node."""
+    A task uses ``cuda`` when Ray gave it a GPU. On a cluster of several machines the store must be
+    on a filesystem that every node sees at the same path, and splitleak (with the models) must be
+    installed on every node."""
 
     name = "ray"
 
