@@ -274,11 +274,40 @@ def verify_cmd(run_dir: Path = typer.Argument(..., help="a run directory")) -> N
     raise typer.Exit(1)
 
 
+@app.command("channels")
+def channels_cmd(
+    run_dir: Path = typer.Argument(..., help="a run directory written by `splitleak train`"),
+    as_json: bool = typer.Option(False, "--json", help="print the table as JSON"),
+) -> None:
+    """Every channel the run's split mode and defences declare (002 §3): direction, shape, whether the
+    tap captured it, which registered attacks read it, and its status."""
+    from splitleak.audit.channels import channel_table, channels_json, run_declaration, table_rows, HEADER
+
+    with _user_errors():
+        if as_json:
+            print(channels_json(run_dir))
+            return
+        from rich.text import Text
+
+        rows = channel_table(run_dir)
+        t = Table(title=f"channels of {run_dir}")
+        for i, col in enumerate(HEADER):
+            t.add_column(col, no_wrap=i == 0)
+        for row in table_rows(rows):
+            t.add_row(*(Text(cell) for cell in row))
+        console.print(t)
+        for r in rows:
+            if r["note"]:
+                console.print(f"- {r['channel']}: {r['note']}", highlight=False)
+        for note in run_declaration(run_dir).notes:
+            console.print(f"- {note}", highlight=False)
+
+
 @app.command("attack")
 def attack_cmd(
     run_dir: Path = typer.Argument(..., help="a run directory written by `splitleak train`"),
     attack: str = typer.Option(..., "--attack", help="vmi, majority, activation, joint, shuffled-gradient, "
-                               "random-candidate, backward-only, sipit, property"),
+                               "random-candidate, backward-only, sipit, property, mixup-unmix"),
     out: Path = typer.Option(..., "--out", help="RESULT.json to write (predictions go beside it as .parquet)"),
     k: Optional[int] = typer.Option(None, "--k", help="candidate budget of the beam attackers (8, 16, 32)"),
     copy: str = typer.Option("public", "--copy", help="public (pretrained) or trained (the run's client layers)"),
@@ -286,6 +315,13 @@ def attack_cmd(
     readout: Optional[str] = typer.Option(None, "--readout", help="how the joint attacker, its shuffled-gradient "
                                           "control and the backward-only heuristic read the gradient: gradient "
                                           "(cosine of −gradient with the token embeddings; default) or pseudo-map"),
+    gradient_source: Optional[str] = typer.Option(None, "--gradient-source", help="which gradient the gradient "
+                                                  "readers read: split (at the observation point; default) or output "
+                                                  "(the U-shape's output gradient)"),
+    lam: Optional[float] = typer.Option(None, "--lam", help="mixup-unmix: the mixing weight, if known "
+                                        "(default: estimated from the traffic)"),
+    phase: str = typer.Option("capture", "--phase", help="capture (the evaluation documents, frozen weights) or "
+                              "train (the training documents, from the frames of the training steps)"),
     attack_seed: int = typer.Option(0, "--attack-seed"),
     gradient_noise: Optional[float] = typer.Option(None, "--gradient-noise", help="observer-side noise, sigma x gradient RMS"),
     gradient_bits: Optional[int] = typer.Option(None, "--gradient-bits", help="observer-side rounding of the gradient to b bits"),
@@ -310,7 +346,8 @@ def attack_cmd(
             except ValueError:
                 raise ConfigError(f"--budget {budget!r} is neither an integer nor 'exhaustive'") from None
         cfg = make_attack_config(attack=attack, k=k, client_copy=copy, budget=b, readout=readout, attack_seed=attack_seed,
-                                 gradient_noise=gradient_noise, gradient_bits=gradient_bits, inference=inference)
+                                 gradient_noise=gradient_noise, gradient_bits=gradient_bits, inference=inference,
+                                 gradient_source=gradient_source, lam=lam, phase=phase)
         protocol_hash = None
         if protocol is not None:
             from splitleak.audit.protocol import load_protocol
@@ -329,6 +366,13 @@ def attack_cmd(
             t.add_row("whole-document recovery (%)", fmt_pct(res["doc_recovery"]))
             for cls, v in res["span_recovery"].items():
                 t.add_row(f"{cls} spans (%) [{res['span_counts'][cls]}]", "n/a" if v is None else fmt_pct(v))
+            if res.get("lambda") is not None:
+                t.add_row("mixing weight λ" + (" (estimated)" if res.get("lambda_estimated") else ""),
+                          f"{res['lambda']:.4f}")
+            probe = res.get("probe_rows") or {}
+            if probe.get("scored"):
+                t.add_row("probe rows: training tokens read (%)", fmt_pct(probe["token_recovery"]))
+                t.add_row("probe rows: share of training tokens exposed (%)", fmt_pct(probe["training_token_share"]))
             if res.get("leading_space_errors") is not None:
                 t.add_row("wrong tokens / of them leading-space only", f"{res['wrong_tokens']} / {res['leading_space_errors']}")
         else:

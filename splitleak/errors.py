@@ -25,3 +25,8 @@ class NonFiniteError(SplitleakError, FloatingPointError):
 
 class IntegrityError(SplitleakError):
     """A run directory whose files or journal do not match what was recorded."""
+
+
+class UndeclaredChannelError(SplitleakError):
+    """Something crossed the wire that no declaration of the split mode or its defences names: an
+    undeclared channel is where a privacy evaluation passes while the data leaks (002 §3)."""

@@ -272,7 +272,7 @@ def test_inference_traffic_refuses_gradient_attacks(weak_runs):
 
 def test_registry_names_match_cli_contract():
     assert set(ATTACKS) == {"vmi", "majority", "activation", "joint", "shuffled-gradient", "random-candidate",
-                            "backward-only", "sipit", "property"}
+                            "backward-only", "sipit", "property", "mixup-unmix"}
 
 
 @pytest.mark.slow

@@ -93,6 +93,14 @@ def test_audit_on_tiny_model(tmp_path):
     assert report["verdicts"]["gate"]["breaks"] and report["verdict"].startswith("LEAKS")
     assert (out / "calibration" / "calibration.json").is_file()
     assert (out / "attacks" / "joint.parquet").is_file()
+    # every declared channel with its status; the verdict names the ones no attack read
+    channels = {c["channel"]: c for c in report["channels"]}
+    assert channels["activations"]["status"] == "measured"  # attacked, and the calibration doses it
+    assert channels["gradient"]["status"] == "no positive control"
+    assert {"joint k=32"} <= set(channels["gradient"]["read_by"])
+    assert channels["labels"]["status"] == "no attack" and channels["timing"]["status"] == "not captured"
+    assert "Channels not attacked: row-ids, shapes, timing, labels." in report["verdict"]
+    assert "## Channels (002 §3)" in md and "| labels | main | client->server |" in md
     assert runner.invoke(app, ["verify", str(out / "run")]).exit_code == 0
 
 

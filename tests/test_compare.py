@@ -12,7 +12,7 @@ SMALL = ["--n-calib", "8", "--n-train", "8", "--n-eval", "12", "--quiet", "--dev
 @pytest.fixture(scope="module")
 def audits(tmp_path_factory):
     root = tmp_path_factory.mktemp("cmp")
-    for d in ("none", "quant4-noisy"):
+    for d in ("none", "quant4-noisy", "mixup"):
         r = runner.invoke(app, ["audit", "--defence", d, "--out", str(root / d), *SMALL])
         assert r.exit_code == 0, r.output
     return root
@@ -27,6 +27,23 @@ def test_compare_relates_each_defended_run_to_its_undefended_twin(audits):
     header, rows = table_rows(runs)
     assert len(rows) == 2 * 5  # five attacks per audit, one line each
     assert {r[8] for r in rows} == {"majority", "vmi", "activation k=32", "joint k=32", "sipit budget=32"}
+
+
+def test_a_mixup_audit_attacks_the_probe_rows(audits):
+    runs = compare_runs([audits / "none", audits / "mixup"])
+    header, rows = table_rows(runs)
+    mixup_rows = {r[8]: r for r in rows if r[1].startswith("mixup")}
+    assert "mixup-unmix k=32" in mixup_rows
+    import json
+
+    report = json.loads((audits / "mixup" / "report.json").read_text())
+    channels = {c["channel"]: c for c in report["channels"]}
+    assert channels["probe-activations"]["read_by"] == ["mixup-unmix k=32"]
+    assert channels["probe-activations"]["status"] == "no positive control"
+    unmix = next(a for a in report["attacks"] if a["attack"] == "mixup-unmix")
+    plain = next(a for a in json.loads((audits / "none" / "report.json").read_text())["attacks"]
+                 if a["attack"] == "activation")
+    assert unmix["token_recovery"] >= plain["token_recovery"] - 0.01
 
 
 def test_compare_cli_writes_png_and_svg(audits, tmp_path):

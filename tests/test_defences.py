@@ -21,9 +21,12 @@ def test_decoy_draws_are_reproducible_and_without_replacement(seed, chunk):
 
 
 @pytest.mark.parametrize("lam", [0.75, 0.4])
-def test_mixup_correction_is_exact_for_a_linear_server(lam):
-    """A server whose returned gradient is affine in what it receives, g(x) = x A + c: the client's
-    corrected gradient equals the gradient of its own activations, g(h), up to float64 rounding."""
+@pytest.mark.parametrize("correction", ["probe", "cached", "none"])
+def test_mixup_corrections_against_a_linear_server(lam, correction):
+    """A server whose returned gradient is affine in what it receives, g(x) = x A + c. ``probe`` and
+    ``cached`` (the decoy's gradient cached from a server that has not moved) give the gradient of
+    the client's own activations, g(h), up to float64 rounding; ``none`` gives the chain rule
+    through the mix, lambda g(x). Only ``probe`` sends the decoys, and its probe ids name no document."""
     lm = load_model("tiny-gpt2", seed=0, precision="float64")
     split = SplitModel(lm, depth=2)
     gen = torch.Generator().manual_seed(1)
@@ -33,33 +36,46 @@ def test_mixup_correction_is_exact_for_a_linear_server(lam):
     def linear_server(frame: Frame) -> Frame:
         return Frame("backward", frame.step, frame.doc_ids, frame.tensor @ A + c, frame.mask, frame.phase)
 
-    chain = DefenceChain([build_defence("mixup", {"lambda": lam})], seed=3)
+    chain = DefenceChain([build_defence("mixup", {"lambda": lam, "warmup": 1, "correction": correction})], seed=3)
     client = ClientRole(split, chain, InProcessChannel(linear_server), lr=0.0)
     ids = torch.randint(0, 500, (1, 32), generator=gen)
-    chain.mixup.remember(split.bottom(torch.randint(0, 500, (2, 32), generator=gen)).detach())
+    with torch.no_grad():
+        earlier = split.bottom(torch.randint(0, 500, (2, 32), generator=gen))
+    chain.mixup.remember(earlier, (5, 6), 0, earlier @ A + c)
     seen = []
     client.channel.taps.append(seen.append)
-    client.exchange(ids, (11,), 0, "capture")
+    client.exchange(ids, (11,), 1, "capture")
     with torch.no_grad():
         h = split.bottom(ids)
-    assert torch.allclose(client.last_gradient, h @ A + c, atol=1e-10, rtol=0)
-    sent = seen[0]
-    assert sent.tensor.shape[0] == 2 and sent.doc_ids == (11, -12) and sent.meta["probe_rows"] == 1
+    sent = seen[0].frame
+    if correction == "none":
+        assert torch.allclose(client.last_gradient, lam * (sent.tensor[:1] @ A + c), atol=1e-10, rtol=0)
+        assert not torch.allclose(client.last_gradient, h @ A + c, atol=1e-3)
+    else:
+        assert torch.allclose(client.last_gradient, h @ A + c, atol=1e-10, rtol=0)
+    decoy = earlier.reshape(-1, 64)[draw_decoy_indices(64, 32, 3, 0)]
     # what crossed the wire is the mix, not the activation
     assert not torch.allclose(sent.tensor[0], h[0])
-    assert torch.allclose(sent.tensor[0], lam * h[0] + (1 - lam) * sent.tensor[1], atol=1e-12)
+    assert torch.allclose(sent.tensor[0], lam * h[0] + (1 - lam) * decoy, atol=1e-12)
+    if correction == "probe":
+        assert sent.tensor.shape[0] == 2 and sent.doc_ids == (11, -1) and sent.meta["probe_rows"] == 1
+        assert torch.equal(sent.tensor[1], decoy)
+    else:
+        assert sent.tensor.shape[0] == 1 and sent.doc_ids == (11,) and sent.meta == {}
+    assert all(src[1] in (5, 6) for src in chain.mixup.draw_log[0]["sources"])
 
 
 def test_mixup_is_not_exact_for_a_nonlinear_server_but_close():
     lm = load_model("tiny-gpt2", seed=2)
     split = SplitModel(lm, depth=2)
-    chain = DefenceChain([build_defence("mixup", {"lambda": 0.75})], seed=0)
+    chain = DefenceChain([build_defence("mixup", {"lambda": 0.75, "warmup": 1})], seed=0)
     from splitleak.training.roles import ServerRole
 
     server = ServerRole(split, DefenceChain([], 0), lr=0.0)
     client = ClientRole(split, chain, InProcessChannel(server.handle), lr=0.0)
     gen = torch.Generator().manual_seed(0)
-    chain.mixup.remember(split.bottom(torch.randint(0, 500, (4, 32), generator=gen)).detach())
+    with torch.no_grad():
+        chain.mixup.remember(split.bottom(torch.randint(0, 500, (4, 32), generator=gen)), (0, 1, 2, 3), 0)
     ids = torch.randint(0, 500, (1, 32), generator=gen)
     client.exchange(ids, (0,), 0, "capture")
     plain = ClientRole(split, DefenceChain([], 0), InProcessChannel(server.handle), lr=0.0)
@@ -111,33 +127,36 @@ def test_mixup_refuses_partial_offloading(tmp_path):
 
 
 def test_one_lying_replica_is_flagged_and_does_not_move_the_median():
-    from splitleak.training.replicas import ReplicaMedianServer, make_replicas
+    from splitleak.training.replicas import ReplicaMedianLink, make_replicas
 
     lm = load_model("tiny-gpt2", seed=3)
     split = SplitModel(lm, depth=2)
     reps = make_replicas(split, 3, 1e-4, seed=3)
-    server = ReplicaMedianServer(reps, DefenceChain([], 3), lr=0.0, threshold=0.02)
-    honest = list(server.handlers)
+    link = ReplicaMedianLink(reps, DefenceChain([], 3), lr=0.0, threshold=0.02)
+    honest = [ch.handler for ch in link.channels]
 
     def liar(frame):
         out = honest[2](frame)
         out.tensor = -50 * out.tensor + 1.0  # a replica that lies about the gradient
         return out
 
-    server.handlers[2] = liar
+    link.channels[2].handler = liar
     ids = torch.randint(0, 500, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         h = split.bottom(ids)
     frame = Frame("forward", 0, (0, 1), h, torch.ones(2, 32, dtype=torch.long), "capture", labels=ids)
-    reply = server.handle(frame)
-    assert reply.meta["flagged"] == [2]
-    assert server.flag_log[-1]["deviation"][0] < 0.02 and server.flag_log[-1]["deviation"][1] < 0.02
+    reply = link.request(frame)
+    assert link.flag_log[-1]["flagged"] == [2]
+    assert link.flag_log[-1]["deviation"][0] < 0.02 and link.flag_log[-1]["deviation"][1] < 0.02
     g0, g1 = honest[0](frame).tensor, honest[1](frame).tensor
     lo, hi = torch.minimum(g0, g1), torch.maximum(g0, g1)
     assert ((reply.tensor >= lo) & (reply.tensor <= hi)).all()  # the median stays between the honest copies
+    # each copy's reply crossed on its own link; the median did not cross
+    assert [len(ch.ledger) for ch in link.channels] == [2, 2, 2]
     # without the liar nothing is flagged
-    server.handlers[2] = honest[2]
-    assert server.handle(frame).meta["flagged"] == []
+    link.channels[2].handler = honest[2]
+    link.request(frame)
+    assert link.flag_log[-1]["flagged"] == []
 
 
 def test_replica_median_run_costs_little(tmp_path):

@@ -123,7 +123,7 @@ def test_shipped_specs_expand_to_the_papers_sizes():
     from splitleak.experiments import plan_grid
 
     g = plan_grid("paper_main", profile="full")
-    assert g.counts() == {"train": 60, "attack": 3200, "reuse": 480}
+    assert g.counts() == {"train": 60, "attack": 3440, "reuse": 480}
     assert g.loaded.protocol_path == (SHIPPED / "paper_main.yaml").resolve()
     attack = g.of_kind("attack")
     configs = {(j.fields["attack"], j.fields["k"], j.fields["budget"], j.fields["perturbation"], j.fields["defence_name"])
@@ -136,7 +136,7 @@ def test_shipped_specs_expand_to_the_papers_sizes():
     assert reused == {("activation", 8, None), ("activation", 16, None), ("activation", 32, None),
                       ("sipit", None, "32"), ("sipit", None, "64"), ("sipit", None, "128")}
     assert {j.fields["defence_name"] for j in g.of_kind("reuse")} == {"none"}
-    assert plan_grid("paper_main", profile="quick").counts() == {"train": 6, "attack": 160, "reuse": 24}
+    assert plan_grid("paper_main", profile="quick").counts() == {"train": 6, "attack": 172, "reuse": 24}
     tiny = plan_grid("paper_main", profile="quick", overrides=["model=tiny-gpt2"])
     assert {j.fields["model"] for j in tiny.jobs} == {"tiny-gpt2"}
 

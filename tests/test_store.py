@@ -38,7 +38,8 @@ def test_fresh_run_verifies(fresh_run):
     assert v.ok and v.status == "complete", v.message
     files = {p.relative_to(fresh_run).as_posix() for p in fresh_run.rglob("*") if p.is_file()}
     assert {"manifest.json", "documents.json", "metrics.json", "training.json", "client_layers.safetensors",
-            "captures/shard-00000.safetensors", "captures/shard-00001.safetensors"} <= files
+            "wire/train-00000.safetensors", "wire/train-ledger.json", "wire/capture-00000.safetensors",
+            "wire/capture-ledger.json"} <= files
     assert v.files == len(files) - 1  # everything but the journal itself is recorded
     r = runner.invoke(app, ["verify", str(fresh_run)])
     assert r.exit_code == 0 and "intact" in r.output
@@ -53,7 +54,8 @@ def test_manifest_records_config_hash_versions_and_fingerprint(fresh_run):
     assert len(m["model"]["fingerprint"]) == 64 and m["split"]["cut"] == 2
 
 
-@pytest.mark.parametrize("target", ["captures/shard-00001.safetensors", "manifest.json", "client_layers.safetensors"])
+@pytest.mark.parametrize("target", ["wire/capture-00000.safetensors", "wire/train-ledger.json", "manifest.json",
+                                    "client_layers.safetensors"])
 def test_one_flipped_byte_is_found(run_copy, target):
     path = run_copy / target
     data = bytearray(path.read_bytes())
@@ -63,7 +65,7 @@ def test_one_flipped_byte_is_found(run_copy, target):
     assert not v.ok and v.message.startswith(target) and "changed" in v.message
     r = runner.invoke(app, ["verify", str(run_copy)])
     assert r.exit_code == 1 and target in r.output
-    if target.endswith(".safetensors") and target.startswith("captures"):
+    if target.endswith(".safetensors") and target.startswith("wire"):
         with pytest.raises(IntegrityError, match="does not match its recorded sha256"):
             load_capture(run_copy)
 
@@ -91,9 +93,9 @@ def test_edited_journal_entry_is_found(run_copy):
 
 
 def test_unrecorded_file_is_found(run_copy):
-    (run_copy / "captures" / "extra.safetensors").write_bytes(b"x")
+    (run_copy / "wire" / "extra.safetensors").write_bytes(b"x")
     v = verify_run(run_copy)
-    assert not v.ok and "captures/extra.safetensors" in v.message and "not recorded" in v.message
+    assert not v.ok and "wire/extra.safetensors" in v.message and "not recorded" in v.message
 
 
 def test_missing_file_and_not_a_run(run_copy, tmp_path):

@@ -48,6 +48,12 @@ class Reconstruction:
 class Attack:
     name: ClassVar[str] = ""
     uses_gradients: ClassVar[bool] = False
+    #: the channels (``splitleak.wire.declare``) this attack can read; ``channels_read()`` says which
+    #: ones a configured instance reads. A control that reads no traffic declares none.
+    reads: ClassVar[tuple[str, ...]] = ("activations",)
+
+    def channels_read(self) -> tuple[str, ...]:
+        return self.reads
 
     def __init__(self, seed: int = 0):
         self.seed = seed
@@ -112,6 +118,7 @@ class Majority(Attack):
     """Control: the calibration documents' most frequent token at each position (ties: lower id)."""
 
     name = "majority"
+    reads = ()
 
     def fit(self, knowledge):
         super().fit(knowledge)
@@ -246,30 +253,72 @@ class ActivationBeam(_RidgeAttack):
                                            "chosen_in_candidates": coverage})
 
 
-class JointBeam(ActivationBeam):
+GRADIENT_SOURCES = ("split", "output")
+DEFAULT_GRADIENT_SOURCE = "split"
+
+
+class _GradientReader:
+    """Which gradient a gradient-reading attack reads (``gradient_source``):
+
+    - ``split`` (default): the gradient returned at the observation point (channel ``gradient``);
+      in a plain split it comes from the server's blocks after the cut, in a U-shape from the
+      offloaded run and the client's top behind it.
+    - ``output``: in a U-shape, the gradient the client returns for the trunk's output (channel
+      ``output-gradient``), which sits next to the loss, as the server-side gradient of 000's
+      main split does (only the client's top blocks lie between it and the loss)."""
+
+    gradient_source: str = DEFAULT_GRADIENT_SOURCE
+
+    def observed_gradients(self, traffic: Traffic) -> torch.Tensor:
+        if self.gradient_source == "split":
+            if traffic.gradients is None:
+                raise ConfigError(f"{self.name} needs the returned gradients, but the traffic holds activations only")
+            return traffic.gradients
+        if self.gradient_source == "output":
+            if traffic.output_gradients is None:
+                raise ConfigError(f"{self.name} with gradient_source=output reads the U-shape's output gradient, which "
+                                  "this traffic does not carry (a plain split, or inference traffic); use split")
+            return traffic.output_gradients
+        raise ConfigError(f"{self.name}: unknown gradient_source {self.gradient_source!r}; known: "
+                          f"{', '.join(GRADIENT_SOURCES)}")
+
+    def gradient_channel(self) -> str:
+        return "output-gradient" if self.gradient_source == "output" else "gradient"
+
+
+class JointBeam(_GradientReader, ActivationBeam):
     """Joint attacker: half the candidates from the activations, half from the returned gradient
-    through ``readout`` (``gradient`` or ``pseudo-map``; module docstring)."""
+    through ``readout`` (``gradient`` or ``pseudo-map``; module docstring). It reads the gradient at
+    the observation point, or with ``gradient_source=output`` the U-shape's output gradient."""
 
     name = "joint"
     uses_gradients = True
+    reads = ("activations", "gradient", "output-gradient")
 
     def __init__(self, k: int = 32, width: int = 2, seed: int = 0, chunk_docs: int = 64,
-                 readout: str = DEFAULT_READOUT):
+                 readout: str = DEFAULT_READOUT, gradient_source: str = DEFAULT_GRADIENT_SOURCE):
         super().__init__(k=k, width=width, seed=seed, chunk_docs=chunk_docs)
         self.readout = readout
+        self.gradient_source = gradient_source
 
     def params(self):
-        return {**super().params(), "readout": self.readout}
+        p = {**super().params(), "readout": self.readout}
+        if self.gradient_source != DEFAULT_GRADIENT_SOURCE:
+            p["gradient_source"] = self.gradient_source
+        return p
+
+    def channels_read(self):
+        return ("activations", self.gradient_channel())
 
     def gradient_map(self, traffic: Traffic) -> GradientMap:
         client = self.knowledge_.client
         pseudo = self.activation_candidates(traffic, 1)[..., 0]
-        return GradientMap.fit(traffic.gradients.to(client.device), pseudo, client.embedding)
+        return GradientMap.fit(self.observed_gradients(traffic).to(client.device), pseudo, client.embedding)
 
     def gradient_candidates(self, traffic: Traffic, k: int) -> torch.Tensor:
         """Next-token candidates for positions 1..T-1 from the gradients at 0..T-2: [n, T-1, k]."""
         client = self.knowledge_.client
-        grads = traffic.gradients.to(client.device)
+        grads = self.observed_gradients(traffic).to(client.device)
         if self.readout == "gradient":
             return gradient_readout(grads, client.embedding, k)
         if self.readout == "pseudo-map":
@@ -290,7 +339,10 @@ class ShuffledGradient(JointBeam):
     def reconstruct(self, traffic, progress=None):
         self._check(traffic)
         p = derangement(len(traffic), self.seed)
-        shuffled = Traffic(traffic.doc_ids, traffic.activations, traffic.gradients[torch.from_numpy(p)])
+        perm = torch.from_numpy(p)
+        shuffled = traffic.replace(
+            gradients=traffic.gradients[perm],
+            output_gradients=None if traffic.output_gradients is None else traffic.output_gradients[perm])
         rec = super().reconstruct(shuffled, progress)
         rec.extra["gradient_from_row"] = p
         return rec
@@ -315,11 +367,19 @@ class BackwardOnly(JointBeam):
 
     name = "backward-only"
 
-    def __init__(self, seed: int = 0, readout: str = DEFAULT_READOUT):
-        super().__init__(seed=seed, readout=readout)
+    reads = ("gradient", "output-gradient")
+
+    def __init__(self, seed: int = 0, readout: str = DEFAULT_READOUT, gradient_source: str = DEFAULT_GRADIENT_SOURCE):
+        super().__init__(seed=seed, readout=readout, gradient_source=gradient_source)
 
     def params(self):
-        return {"seed": self.seed, "readout": self.readout}
+        p = {"seed": self.seed, "readout": self.readout}
+        if self.gradient_source != DEFAULT_GRADIENT_SOURCE:
+            p["gradient_source"] = self.gradient_source
+        return p
+
+    def channels_read(self):
+        return (self.gradient_channel(),) if self.readout == "gradient" else ("activations", self.gradient_channel())
 
     def fit(self, knowledge):
         super().fit(knowledge)
@@ -430,6 +490,7 @@ class PropertyInference(Attack):
 
     name = "property"
     uses_gradients = True
+    reads = ("gradient",)
 
     def __init__(self, n_properties: int = 3, seed: int = 0):
         self.n_properties = n_properties
@@ -449,10 +510,12 @@ class PropertyInference(Attack):
         return Reconstruction(None, {"scores": score.numpy(), "property_tokens": self.property_tokens_})
 
 
+from splitleak.attacks.mixup_unmix import MixupUnmix  # noqa: E402  (it builds on ActivationBeam above)
+
 ATTACKS: dict[str, type[Attack]] = {
     cls.name: cls
     for cls in (VMI, Majority, ActivationBeam, JointBeam, ShuffledGradient, RandomCandidate, BackwardOnly, SipIt,
-                PropertyInference)
+                PropertyInference, MixupUnmix)
 }
 
 

@@ -12,6 +12,7 @@ section of ``documents.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,25 +132,47 @@ class Knowledge:
 
 @dataclass
 class Traffic:
-    """What the observer recorded, per document (rows in capture order)."""
+    """What the observer recorded, per document (rows in capture order). Besides the activations
+    and returned gradients of the observation point, where the run's wire carries them: mixup's
+    probe rows paired with each document (``probe_activations``, ``probe_gradients``; documents whose
+    frame carried none, mixup's unmixed warm-up steps, have ``probe_present`` False), the U-shape's
+    trunk output and the output gradient the client returns for it, and each frame's step."""
 
     doc_ids: tuple[int, ...]
     activations: torch.Tensor  # [n, T, d]
     gradients: torch.Tensor | None  # [n, T, d] or None (inference traffic)
+    probe_activations: torch.Tensor | None = None
+    probe_gradients: torch.Tensor | None = None
+    probe_present: torch.Tensor | None = None  # [n] bool
+    trunk_output: torch.Tensor | None = None
+    output_gradients: torch.Tensor | None = None
+    steps: tuple[int, ...] | None = None
+    phase: str = "capture"
+
+    _ROWS = ("activations", "gradients", "probe_activations", "probe_gradients", "probe_present", "trunk_output",
+             "output_gradients")
 
     def __len__(self) -> int:
         return len(self.doc_ids)
 
     @classmethod
     def from_capture(cls, cap: Capture, with_gradients: bool = True) -> "Traffic":
-        return cls(tuple(int(i) for i in cap.doc_ids), cap.activations, cap.gradients if with_gradients else None)
+        """``with_gradients`` False: inference traffic, the forward channels only."""
+        return cls(
+            tuple(int(i) for i in cap.doc_ids), cap.activations, cap.gradients if with_gradients else None,
+            cap.probe_activations, cap.probe_gradients if with_gradients else None, cap.probe_present,
+            cap.trunk_output if with_gradients else None, cap.output_gradients if with_gradients else None,
+            None if cap.steps is None else tuple(int(s) for s in cap.steps), cap.phase,
+        )
+
+    def replace(self, **fields) -> "Traffic":
+        return dataclasses.replace(self, **fields)
 
     def subset(self, rows: Sequence[int]) -> "Traffic":
         rows = list(rows)
-        return Traffic(
-            tuple(self.doc_ids[i] for i in rows), self.activations[rows],
-            None if self.gradients is None else self.gradients[rows],
-        )
+        picked = {k: (None if getattr(self, k) is None else getattr(self, k)[rows]) for k in self._ROWS}
+        return Traffic(tuple(self.doc_ids[i] for i in rows), **picked,
+                       steps=None if self.steps is None else tuple(self.steps[i] for i in rows), phase=self.phase)
 
 
 def read_manifest(run_dir: str | Path) -> dict[str, Any]:
@@ -185,11 +208,25 @@ def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None) -> Knowle
     return Knowledge(client, docs.calibration, copy, cfg["model"])
 
 
-def load_traffic(run_dir: str | Path, with_gradients: bool = True) -> Traffic:
-    return Traffic.from_capture(load_capture(run_dir), with_gradients)
+def load_traffic(run_dir: str | Path, with_gradients: bool = True, phase: str = "capture",
+                 link: str | None = None) -> Traffic:
+    """The recorded traffic of one phase (``capture``: the evaluation documents; ``train``: one
+    frame per training step) on one link (default ``main``, or the first server copy)."""
+    return Traffic.from_capture(load_capture(run_dir, phase, link), with_gradients)
 
 
-def eval_token_ids(run_dir: str | Path, doc_ids: Sequence[int]) -> np.ndarray:
-    """The evaluation documents' true token ids, for scoring only (never given to an attack)."""
-    docs = {d.doc_id: d for d in read_documents(run_dir).evaluation}
+def phase_documents(run_dir: str | Path, phase: str = "capture") -> tuple[Document, ...]:
+    """The documents whose traffic a phase carries: the evaluation set for ``capture``, the training
+    set for ``train`` (for scoring only; never given to an attack)."""
+    sets = read_documents(run_dir)
+    if phase == "capture":
+        return tuple(sets.evaluation)
+    if phase == "train":
+        return tuple(sets.train)
+    raise ConfigError(f"unknown phase {phase!r}; use capture (evaluation documents) or train (the training steps)")
+
+
+def eval_token_ids(run_dir: str | Path, doc_ids: Sequence[int], phase: str = "capture") -> np.ndarray:
+    """The true token ids of a phase's documents, for scoring only (never given to an attack)."""
+    docs = {d.doc_id: d for d in phase_documents(run_dir, phase)}
     return np.array([docs[i].token_ids for i in doc_ids], dtype=np.int64)

@@ -22,7 +22,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from splitleak.attacks.core import ATTACKS, DEFAULT_READOUT, Majority, VMI, make_attack
-from splitleak.attacks.knowledge import Knowledge, Traffic, load_knowledge, load_traffic, read_documents, read_manifest
+from splitleak.attacks.knowledge import (
+    Knowledge, Traffic, load_knowledge, load_traffic, phase_documents, read_documents, read_manifest,
+)
 from splitleak.errors import ConfigError, SplitleakError
 from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
 from splitleak.progress import Progress, Silent
@@ -47,22 +49,30 @@ class AttackConfig(BaseModel):
     # with the attack's default by make_attack_config, and absent (None, left out of the dump and
     # the hash) for attacks that read no gradient, so their keys did not change when it came in
     readout: Literal["gradient", "pseudo-map"] | None = None
+    # which gradient a gradient-reading attack reads (attacks.core.GRADIENT_SOURCES): None is the
+    # default, the gradient at the observation point; "output" the U-shape's output gradient
+    gradient_source: Literal["output"] | None = None
+    # mixup-unmix: λ if the attacker knows it (None: estimated from the traffic)
+    lam: float | None = Field(None, gt=0, le=1)
+    # which recorded traffic: the capture pass over the evaluation documents, or the training steps
+    phase: Literal["capture", "train"] = "capture"
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
+        # fields at their default are left out, so that the keys of earlier results do not change
         d = handler(self)
-        if d.get("readout") is None:
-            d.pop("readout", None)
+        for key in ("readout", "gradient_source", "lam"):
+            if d.get(key) is None:
+                d.pop(key, None)
+        if d.get("phase") == "capture":
+            d.pop("phase")
         return d
 
     def attack_params(self) -> dict[str, Any]:
         p: dict[str, Any] = {"seed": self.attack_seed}
-        if self.k is not None:
-            p["k"] = self.k
-        if self.budget is not None:
-            p["budget"] = self.budget
-        if self.readout is not None:
-            p["readout"] = self.readout
+        for key in ("k", "budget", "readout", "gradient_source", "lam"):
+            if getattr(self, key) is not None:
+                p[key] = getattr(self, key)
         return p
 
     def hash(self) -> str:
@@ -76,11 +86,17 @@ def make_attack_config(**kw) -> AttackConfig:
         raise ConfigError(f"unknown attack {kw.get('attack')!r}; known attacks: {', '.join(ATTACKS)}")
     if kw.get("gradient_noise") is not None and kw.get("gradient_bits") is not None:
         raise ConfigError("give either --gradient-noise or --gradient-bits, not both")
-    takes_readout = "readout" in inspect.signature(ATTACKS[kw["attack"]].__init__).parameters
-    if kw.get("readout") is not None and not takes_readout:
+    takes = inspect.signature(ATTACKS[kw["attack"]].__init__).parameters
+    if kw.get("readout") is not None and "readout" not in takes:
         raise ConfigError(f"attack {kw['attack']!r} reads no gradient, so it takes no gradient read-out; drop readout")
-    if kw.get("readout") is None and takes_readout:
+    if kw.get("readout") is None and "readout" in takes:
         kw = {**kw, "readout": DEFAULT_READOUT}
+    if kw.get("gradient_source") == "split":
+        kw = {**kw, "gradient_source": None}  # the default
+    if kw.get("gradient_source") is not None and "gradient_source" not in takes:
+        raise ConfigError(f"attack {kw['attack']!r} reads no gradient, so it takes no gradient source; drop it")
+    if kw.get("lam") is not None and "lam" not in takes:
+        raise ConfigError(f"attack {kw['attack']!r} takes no lam (only mixup-unmix does)")
     try:
         cfg = AttackConfig(**kw)
     except ValidationError as exc:
@@ -101,6 +117,37 @@ def perturb_gradients(grad: torch.Tensor, noise: float | None, bits: int | None,
     if bits is not None:
         return quantize_symmetric(grad, bits)
     return grad
+
+
+def probe_scores(run_dir: Path, traffic: Traffic, probe_tokens: torch.Tensor, rows: list[int]) -> dict[str, Any]:
+    """What an attack read of mixup's probe rows, scored against the client's own record of where each
+    decoy came from (``client/mixup_decoys.json``; it never crossed): per row, the token of the
+    earlier training document at the decoy's position. Also how many distinct training tokens the
+    probe rows of this traffic exposed."""
+    from splitleak.wire.store import read_recorded, recorded_digest
+
+    rel = "client/mixup_decoys.json"
+    if recorded_digest(run_dir, rel) is None:
+        return {"scored": False, "why": f"the run has no {rel}"}
+    draws = json.loads(read_recorded(run_dir, rel))
+    phase = traffic.phase
+    train = {d.doc_id: d for d in read_documents(run_dir).train}
+    by_key = {(d["step"], d["doc_id"]): d["sources"] for d in draws if d["phase"] == phase}
+    steps = traffic.steps if traffic.steps is not None else (-1,) * len(traffic)
+    correct = total = 0
+    exposed: set[tuple[int, int]] = set()
+    for r in rows:
+        sources = by_key.get((steps[r], traffic.doc_ids[r]))
+        if sources is None:
+            return {"scored": False, "why": f"no decoy record for document {traffic.doc_ids[r]} at step {steps[r]}"}
+        for t, (_, src_doc, pos) in enumerate(sources):
+            correct += int(probe_tokens[r, t]) == train[src_doc].token_ids[pos]
+            total += 1
+            exposed.add((src_doc, pos))
+    n_train_tokens = sum(len(d.token_ids) for d in train.values())
+    return {"scored": True, "rows": total, "token_recovery": correct / max(1, total),
+            "distinct_training_tokens": len(exposed), "training_token_share": len(exposed) / max(1, n_train_tokens),
+            "how": "VMI (ridge map, nearest token) on each probe row; truth from the client's decoy record"}
 
 
 def _decoder(tokenizer):
@@ -144,14 +191,15 @@ def run_attack(
     if device is not None:
         knowledge.client.to(device)
     if traffic is None:
-        traffic = load_traffic(run_dir, with_gradients=not config.inference)
+        traffic = load_traffic(run_dir, with_gradients=not config.inference, phase=config.phase)
     if config.inference and attack.uses_gradients:
         raise ConfigError(f"attack {config.attack!r} needs gradients, which inference traffic does not carry")
     if traffic.gradients is not None and (config.gradient_noise is not None or config.gradient_bits is not None):
-        traffic = Traffic(traffic.doc_ids, traffic.activations,
-                          perturb_gradients(traffic.gradients, config.gradient_noise, config.gradient_bits,
-                                            config.attack_seed))
-    docs_by_id = {d.doc_id: d for d in read_documents(run_dir).evaluation}
+        perturb = lambda g: None if g is None else perturb_gradients(  # noqa: E731
+            g, config.gradient_noise, config.gradient_bits, config.attack_seed)
+        traffic = traffic.replace(gradients=perturb(traffic.gradients),
+                                  output_gradients=perturb(traffic.output_gradients))
+    docs_by_id = {d.doc_id: d for d in phase_documents(run_dir, config.phase)}
     docs = [docs_by_id[i] for i in traffic.doc_ids]
 
     t0 = time.perf_counter()
@@ -167,6 +215,8 @@ def run_attack(
         "run": {"dir": str(run_dir), "config_hash": manifest["config_hash"], "config": manifest["config"],
                 "cut": manifest["split"]["cut"]},
         "protocol_hash": protocol_hash,
+        "phase": config.phase,
+        "channels_read": list(attack.channels_read()),
         "n_docs": len(traffic),
         "n_tokens": int(traffic.activations.shape[0] * traffic.activations.shape[1]),
         "seconds": seconds,
@@ -181,10 +231,23 @@ def run_attack(
         if "matched" in rec.extra:
             result["certified_tokens"] = float(rec.extra["matched"].float().mean())
             result["mean_checks_per_token"] = float(rec.extra["checks"].float().mean())
-        for row, pred in zip(sc.per_doc(), rec.tokens.tolist()):
+        if "lambda" in rec.extra:
+            result["lambda"] = rec.extra["lambda"]
+            result["lambda_estimated"] = rec.extra["lambda_estimated"]
+        if "probe_tokens" in rec.extra:
+            result["probe_rows"] = probe_scores(run_dir, traffic, rec.extra["probe_tokens"], rec.extra["probed_rows"])
+        steps = traffic.steps if traffic.steps is not None else (None,) * len(traffic)
+        for row, pred, step in zip(sc.per_doc(), rec.tokens.tolist(), steps):
             row = dict(row)
             row["predicted"] = pred
+            if config.phase == "train":
+                row["step"] = step
             per_doc_rows.append(row)
+        if config.phase == "train":
+            result["weights"] = (
+                f"each frame was produced by the client weights after as many training steps as its step number "
+                f"(0 … {max(steps)}); the attacker's copy is the {config.client_copy} one "
+                f"({'pretrained' if config.client_copy == 'public' else 'after the last step'})")
     else:
         scores = rec.extra["scores"]
         props = property_scores(scores, rec.extra["property_tokens"], docs)

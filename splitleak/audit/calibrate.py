@@ -270,7 +270,7 @@ def calibrate(
     task = progress.start(f"calibration doses ({acfg.attack})", len(doses))
     for d in doses:
         frame = inject_leak(traffic.activations, reference, d.coverage, d.amplitude, order)
-        dosed = Traffic(traffic.doc_ids, frame, traffic.gradients)
+        dosed = traffic.replace(activations=frame)
         pred = att.reconstruct(dosed).tokens.numpy()
         right = pred == truth
         ll = probe.log_likelihood(frame, truth_t).numpy()

@@ -25,6 +25,7 @@ import torch
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config, run_attack
 from splitleak.attacks.knowledge import eval_token_ids
 from splitleak.audit.calibrate import calibrate
+from splitleak.audit.channels import channel_table, channels_markdown, not_attacked, run_declaration
 from splitleak.audit.verdicts import arm_effects, arm_gate
 from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
@@ -51,6 +52,20 @@ CALIBRATION_COVERAGES = (0.02, 0.06, 0.10, 0.30, 1.0)
 CALIBRATION_DOCS = 64
 #: bootstrap replicates of the per-arm intervals
 ARM_BOOT = 10_000
+
+
+#: defence-aware attacks the audit adds when the traffic carries the channel they read
+CONDITIONAL_ATTACKS = (
+    ("probe_activations", "mixup-unmix", {"k": 32}),
+)
+#: the channels the audit's injected-leak calibration doses (its positive control)
+CALIBRATED_CHANNELS = ("activations",)
+
+
+def audit_attacks(traffic) -> list[tuple[str, dict[str, Any]]]:
+    """``AUDIT_ATTACKS``, plus each defence-aware attack whose channel the traffic carries."""
+    extra = [(name, params) for field, name, params in CONDITIONAL_ATTACKS if getattr(traffic, field) is not None]
+    return list(AUDIT_ATTACKS) + extra
 
 
 def choose_default_model() -> tuple[str, str]:
@@ -80,7 +95,7 @@ def capture_summary(run_dir: Path) -> dict[str, Any]:
         "activation_rms": float(act.pow(2).mean().sqrt()),
         "gradient_rms": float(grad.pow(2).mean().sqrt()),
         "all_zero_gradient_rows": int((cap.gradients == 0).all(dim=-1).sum()),
-        "bytes_on_disk": sum(p.stat().st_size for p in (run_dir / "captures").glob("*.safetensors")),
+        "bytes_on_disk": sum(p.stat().st_size for p in (run_dir / "wire").glob("capture-*.safetensors")),
     }
 
 
@@ -137,7 +152,7 @@ def run_audit(
     traffic = load_traffic(out / "run")
     results = []
     predictions = {}
-    for name, params in AUDIT_ATTACKS:
+    for name, params in audit_attacks(traffic):
         acfg = make_attack_config(attack=name, client_copy="public", attack_seed=seed, **params)
         res = run_attack(out / "run", acfg, out=out / "attacks" / f"{name}.json", knowledge=knowledge,
                          traffic=traffic, progress=progress, force=force)
@@ -169,7 +184,8 @@ def run_audit(
                 "calibration": {"attack": CALIBRATION_ATTACK, "onsets": cal.onsets,
                                 "documents": cal.record["documents"],
                                 "zero_dose": {k: cal.record["doses"][0][k] for k in cal.onsets}}}
-    verdict = verdict_line(results, arms, probe_arms, gate, cal.record)
+    channels = channel_table(out / "run", results, calibrated=CALIBRATED_CHANNELS)
+    verdict = verdict_line(results, arms, probe_arms, gate, cal.record) + " " + channels_sentence(channels)
     summary = (
         f"{model}{' (preset)' if preset else ''}, depth {depth}, defence "
         f"{'+'.join(d['name'] for d in cfg.as_dict()['defences'])}, {data}: held-out CE {m['heldout_ce']:.4f} "
@@ -181,11 +197,23 @@ def run_audit(
                     f"undefended ({100 * cost['rel_ppl_change']:+.2f} %).")
     report = {"config": cfg.as_dict(), "config_hash": cfg.hash(), "metrics": m, "capture": cap,
               "verify": ver.message, "attacks": results, "verdict": verdict, "verdicts": verdicts,
-              "summary": summary, "cost": cost,
+              "summary": summary, "cost": cost, "channels": channels,
+              "channel_notes": list(run_declaration(out / "run").notes),
               "torch_threads": torch.get_num_threads()}
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
     (out / "report.md").write_text(report_markdown(report))
     return AuditResult(out, run, cap, summary, results, verdict)
+
+
+def channels_sentence(channels: list[dict[str, Any]]) -> str:
+    """What the verdict does not cover: the channels no attack of the audit read, and those read
+    without a positive control."""
+    missed = not_attacked(channels)
+    uncal = [c["channel"] for c in channels if c["status"] == "no positive control"]
+    out = (f"Channels not attacked: {', '.join(missed)}." if missed else "Every declared channel was attacked.")
+    if uncal:
+        out += f" Attacked without a positive control: {', '.join(uncal)}."
+    return out
 
 
 def attack_label(res: dict[str, Any]) -> str:
@@ -310,6 +338,14 @@ def report_markdown(report: dict[str, Any]) -> str:
           f"{_onset(report['verdicts']['calibration']['onsets'].get(m))}"
           for m in ("token_top1", "rare_token_top1", "token_cross_entropy", "membership_auc")],
         "",
+        "## Channels (002 §3)",
+        "",
+        "Every channel the split mode and its defences declare, whether the tap captured it, which attacks of this "
+        "audit read it, and its status: **measured** (attacked, and the injected-leak calibration doses it), "
+        "**no positive control** (attacked, not calibrated), **no attack** (no attack of this audit read it; "
+        "the verdict above says nothing about it).",
+        "",
+        channels_markdown(report.get("channels", []), report.get("channel_notes", [])),
         "## Utility",
         "",
         "| measure | value |",

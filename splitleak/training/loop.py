@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ class TrainLog:
     seconds: float = 0.0
     tokens: int = 0
     error: str | None = None
+    ledgers: list[list[dict]] = field(default_factory=list)  # what crossed, per channel (not in as_dict)
 
     def as_dict(self) -> dict:
         return {
@@ -67,6 +68,19 @@ class TrainLog:
             "tokens_per_second": self.tokens / self.seconds if self.seconds > 0 else None,
             "error": self.error,
         }
+
+
+def connect(split: SplitModel, chain_server: DefenceChain, lr: float, taps: list[Tap] | None, server=None):
+    """The client's channel to the server side, with ``taps`` on the wire: one ``ServerRole`` on the
+    ``main`` link, or, given ``server``, that server (a ``ServerRole``, or a ``ReplicaMedianLink``
+    whose copies each have their own link). Returns (channel, server)."""
+    from splitleak.training.replicas import ReplicaMedianLink
+
+    if isinstance(server, ReplicaMedianLink):
+        server.set_taps(taps)
+        return server, server
+    server = server if server is not None else ServerRole(split, chain_server, lr)
+    return InProcessChannel(server.handle, taps), server
 
 
 def train_split(
@@ -84,18 +98,15 @@ def train_split(
     server=None,
 ) -> TrainLog:
     """AdamW, batch 1, one seeded pass; client and server each step their own parameters.
-    Raises NonFiniteError naming the step; ``log`` holds what was done until then."""
+    Raises NonFiniteError naming the step; ``log`` holds what was done until then. The loss of each
+    step is logged where it is computed (server in a plain split, client in a U-shape); it does not
+    cross. Under mixup the first ``warmup`` steps cross unmixed and fill the decoy pool."""
     progress = progress or Silent()
     log = log if log is not None else TrainLog()
     set_trainable(split)
-    server = server if server is not None else ServerRole(split, chain_server, lr)
-    channel = InProcessChannel(server.handle, taps)
+    channel, server = connect(split, chain_server, lr, taps, server)
     client = ClientRole(split, chain_client, channel, lr)
     order = training_order(len(train_docs), steps, seed)
-    if chain_client.mixup is not None:  # decoys are recycled from earlier training data of this run
-        with torch.no_grad():
-            for i in order[: chain_client.mixup.warmup]:
-                chain_client.mixup.remember(split.bottom(ids_tensor([train_docs[i]], split.device)))
     task = progress.start("split training", steps)
     t0 = time.perf_counter()
     try:
@@ -103,6 +114,8 @@ def train_split(
             doc = train_docs[i]
             ids = ids_tensor([doc], split.device)
             losses = client.exchange(ids, (doc.doc_id,), step, "train")
+            if losses is None:
+                losses = server.last_losses
             log.losses.append(losses[0])
             log.doc_ids.append(doc.doc_id)
             log.tokens += ids.numel()
@@ -112,6 +125,7 @@ def train_split(
         _release_grads(split)
         n = max(1, len(log.losses))
         log.bytes_per_step = {k: v / n for k, v in channel.bytes_per_direction().items()}
+        log.ledgers = [channel.ledger]
         progress.finish(task)
     return log
 
@@ -184,25 +198,28 @@ def capture_traffic(
     chain_server: DefenceChain,
     *,
     batch: int,
-    on_batch: Callable[[dict[str, torch.Tensor]], None],
+    taps: list[Tap] | None = None,
     progress: Progress | None = None,
     server=None,
-) -> dict[str, float]:
-    """Frozen weights: send every document through the wire once and record, from the tap,
-    the forward activations and returned gradients after the defence. ``on_batch`` receives
-    one dict of tensors per batch. Returns throughput and the share of all-zero gradient rows."""
+) -> tuple[dict[str, Any], list[list[dict]]]:
+    """Frozen weights: send every document through the wire once, in batches, with ``taps`` (the
+    recorder) on the channel. Returns throughput and the share of all-zero returned-gradient rows of
+    the documents, and the channels' ledgers."""
+    from splitleak.training.replicas import ReplicaMedianLink
+
     progress = progress or Silent()
     set_trainable(split)
     seen: dict[str, Frame] = {}
 
-    def tap(frame: Frame) -> None:
-        if frame.kind in ("forward", "backward"):
-            seen[frame.kind] = frame
+    def last_backward(crossing) -> None:
+        if crossing.frame.kind == "backward" and crossing.link not in seen:
+            seen[crossing.link] = crossing.frame
 
     if server is None:
         server = ServerRole(split, chain_server, lr=0.0)
-        server.opt = None
-    channel = InProcessChannel(server.handle, [tap])
+    for role in server.roles if isinstance(server, ReplicaMedianLink) else [server]:
+        role.opt = None
+    channel, server = connect(split, chain_server, 0.0, list(taps or []) + [last_backward], server)
     client = ClientRole(split, chain_client, channel, lr=0.0)
     client.opt = None
     task = progress.start("capture", len(docs))
@@ -214,27 +231,18 @@ def capture_traffic(
         ids = ids_tensor(chunk, split.device)
         seen.clear()
         client.exchange(ids, tuple(d.doc_id for d in chunk), -1, "capture")
-        fwd, bwd = seen["forward"], seen["backward"]
-        n = len(chunk)  # rows after these are mixup's decoy probes
-        assert fwd.doc_ids[:n] == bwd.doc_ids[:n] == tuple(d.doc_id for d in chunk)
-        zero = (bwd.tensor == 0).all(dim=-1)  # [rows, tokens]: all-zero returned gradient rows
-        per_frame.append(float(zero[:n].float().mean()))
-        zero_rows += int(zero[:n].sum())
-        zero_rows_early += int(zero[:n, :-1].sum())
-        total_rows += zero[:n].numel()
-        on_batch(
-            {
-                "doc_ids": torch.tensor(fwd.doc_ids[:n], dtype=torch.long),
-                "activations": fwd.tensor[:n],
-                "gradients": bwd.tensor[:n],
-                "mask": fwd.mask[:n],
-            }
-        )
+        bwd = seen[min(seen)]
+        n = len(chunk)  # rows after these are mixup's probe rows
+        zero = (bwd.tensor[:n] == 0).all(dim=-1)  # [rows, tokens]: all-zero returned gradient rows
+        per_frame.append(float(zero.float().mean()))
+        zero_rows += int(zero.sum())
+        zero_rows_early += int(zero[:, :-1].sum())
+        total_rows += zero.numel()
         progress.advance(task, len(chunk))
     secs = time.perf_counter() - t0
     progress.finish(task)
     n_tok = sum(len(d.token_ids) for d in docs)
-    return {
+    stats = {
         "seconds": secs,
         "tokens_per_second": n_tok / secs if secs > 0 else None,
         "zero_gradient_rows": zero_rows,
@@ -244,3 +252,4 @@ def capture_traffic(
         "zero_gradient_rows_before_last": zero_rows_early,
         "zero_gradient_row_share_per_frame": per_frame,
     }
+    return stats, [channel.ledger]

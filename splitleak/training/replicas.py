@@ -1,23 +1,25 @@
-"""Replica median (000 §4.5, 002): K independent copies of the server's layers.
+"""Replica median (000 §4.5, 002): K independent copies of the server's layers, each its own server.
 
-Every copy receives the same activations (what the observer sees), computes its own loss, returns
-its own gradient and trains on it; each starts from the pretrained weights plus a small seeded
-perturbation, with its own seed. The client receives the coordinate-wise median of the K returned
-gradients, which stays correct while fewer than half of the copies lie. A copy whose relative
-deviation from the median, ||g_k − median|| / ||median||, exceeds ``threshold`` is flagged (002
-used 0.02). Held-out utility uses the median of the copies' logits.
+Every copy receives the same activations over its own link (``replica-K``: what the observer at
+that copy sees), computes its own loss, returns its own gradient (after the backward defences,
+applied by each copy) and trains on it; each starts from the pretrained weights plus a small seeded
+perturbation, with its own seed. The client takes the coordinate-wise median of the K returned
+gradients, which stays correct while fewer than half of the copies lie; the median is computed on
+the client and never crosses. A copy whose relative deviation from the median,
+||g_k − median|| / ||median||, exceeds ``threshold`` is flagged (002 used 0.02). Held-out utility
+uses the median of the copies' logits.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-from typing import Callable
 
 import torch
 
 from splitleak.models import LoadedModel, SplitModel
 from splitleak.training.roles import ServerRole
+from splitleak.wire.channel import InProcessChannel, Tap
 from splitleak.wire.defences import DefenceChain
 from splitleak.wire.frames import Frame
 
@@ -47,33 +49,54 @@ def make_replicas(split: SplitModel, k: int, scale: float, seed: int) -> list[Sp
     return replicas
 
 
-class ReplicaMedianServer:
-    """K ServerRoles behind one handler; returns the coordinate-wise median gradient."""
+class ReplicaMedianLink:
+    """The client's connection to K server copies: one channel per copy (``replica-K``), the same
+    forward frame on each, the coordinate-wise median of the K replies. Use it as the client's
+    channel; ``channels`` are the per-copy links (each with its taps and ledger)."""
 
-    def __init__(self, replicas: list[SplitModel], chain: DefenceChain, lr: float, threshold: float = 0.02):
+    def __init__(self, replicas: list[SplitModel], chain: DefenceChain, lr: float, threshold: float = 0.02,
+                 taps: list[Tap] | None = None):
         self.replicas = replicas
-        self.roles = [ServerRole(rep, DefenceChain([], chain.seed), lr) for rep in replicas]
-        self.chain = chain
+        self.roles = [ServerRole(rep, chain, lr) for rep in replicas]
+        self.channels = [InProcessChannel(role.handle, taps, link=f"replica-{r}") for r, role in enumerate(self.roles)]
         self.threshold = threshold
         self.flag_log: list[dict] = []
-        #: per replica, a function standing in for its handler (tests make one replica lie)
-        self.handlers: list[Callable[[Frame], Frame]] = [role.handle for role in self.roles]
+        self.last_losses: list[float] | None = None
 
-    def handle(self, frame: Frame) -> Frame:
+    def request(self, frame: Frame) -> Frame:
         if frame.kind != "forward":
             raise ValueError("replica-median serves the plain split only")
-        replies = [h(frame) for h in self.handlers]
+        replies = [ch.request(frame) for ch in self.channels]
         stack = torch.stack([r.tensor for r in replies])  # [K, docs, tokens, width]
         med = stack.median(dim=0).values
         denom = med.flatten().norm().clamp_min(torch.finfo(med.dtype).tiny)
         dev = [(float((s - med).flatten().norm() / denom)) for s in stack]
         flagged = [i for i, d in enumerate(dev) if d > self.threshold]
         self.flag_log.append({"step": frame.step, "phase": frame.phase, "deviation": dev, "flagged": flagged})
-        losses = torch.tensor([r.meta.get("loss", [float("nan")]) for r in replies])
-        g = self.chain.backward(med, frame.phase, frame.step, frame.doc_ids)
-        return Frame("backward", frame.step, frame.doc_ids, g, frame.mask, frame.phase,
-                     payload_bits=self.chain.payload_bits("backward", 8 * g.element_size()),
-                     meta={"loss": losses.median(dim=0).values.tolist(), "flagged": flagged})
+        losses = [role.last_losses for role in self.roles]
+        if all(x is not None for x in losses):
+            self.last_losses = torch.tensor(losses).median(dim=0).values.tolist()
+        # the median is the client's own: it does not cross, so it is not a frame on any channel
+        return Frame("backward", frame.step, frame.doc_ids, med, frame.mask, frame.phase,
+                     payload_bits=replies[0].payload_bits)
+
+    def set_taps(self, taps: list[Tap] | None) -> None:
+        for ch in self.channels:
+            ch.taps = list(taps or [])
+
+    @property
+    def ledger(self) -> list[dict]:
+        return [e for ch in self.channels for e in ch.ledger]
+
+    def bytes_per_direction(self) -> dict[str, int]:
+        out = {"client_to_server": 0, "server_to_client": 0}
+        for ch in self.channels:
+            for k, v in ch.bytes_per_direction().items():
+                out[k] += v
+        return out
+
+    def close(self) -> None:
+        pass
 
     @torch.no_grad()
     def median_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,11 @@ client's top computes the loss and sends that gradient back, the server backprop
 run and returns the gradient at the observation point. The forward defence is applied by the
 client before it sends; the backward defence by the server before it returns. Defences act on the
 observation-point crossing only (forward / backward), not on the second crossing of a U-shape.
+
+Nothing crosses that the protocol does not need: the loss stays with the side that computes it
+(the server in a plain split, the client in a U-shape), each logging it on its own side
+(``last_losses``). Mixup's probe rows carry ids drawn from its chunk counter, which do not name
+the document they are paired with.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class ServerRole:
         self.opt = make_optimizer(self.params, lr)
         self._ctx_cache: dict[tuple, BlockContext] = {}
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.last_losses: list[float] | None = None  # per document, logged on the server (plain split)
 
     def _context(self, frame: Frame) -> BlockContext:
         """Block arguments from the frame's shape and mask (no token values), cached per shape."""
@@ -63,7 +69,7 @@ class ServerRole:
             self._ctx_cache[(b, t)] = self.split.context(b, t)
         return self._ctx_cache[(b, t)]
 
-    def _return_gradient(self, frame: Frame, h_in: torch.Tensor, out: torch.Tensor, grad_out, meta: dict,
+    def _return_gradient(self, frame: Frame, h_in: torch.Tensor, out: torch.Tensor, grad_out,
                          probe: torch.Tensor | None = None) -> Frame:
         if probe is not None:  # probe rows: their gradient is returned, never trained on
             (g_probe,) = torch.autograd.grad(probe, h_in, retain_graph=True)
@@ -82,7 +88,7 @@ class ServerRole:
         g = self.chain.backward(g.detach(), frame.phase, frame.step, frame.doc_ids)
         return Frame(
             "backward", frame.step, frame.doc_ids, g, frame.mask, frame.phase,
-            payload_bits=self.chain.payload_bits("backward", 8 * g.element_size()), meta=meta,
+            payload_bits=self.chain.payload_bits("backward", 8 * g.element_size()),
         )
 
     def handle(self, frame: Frame) -> Frame:
@@ -104,11 +110,11 @@ class ServerRole:
             n_main = len(per_doc) - int(frame.meta.get("probe_rows", 0))
             loss = per_doc[:n_main].sum()  # each document's gradient is that of its own mean loss
             probe = per_doc[n_main:].sum() if n_main < len(per_doc) else None
-            return self._return_gradient(frame, h_in, loss, None,
-                                         {"loss": [float(x) for x in per_doc[:n_main].detach()]}, probe)
+            self.last_losses = [float(x) for x in per_doc[:n_main].detach()]
+            return self._return_gradient(frame, h_in, loss, None, probe)
         if frame.kind == "backward-top":
             h_in, h_out = self._pending.pop(frame.step)
-            return self._return_gradient(frame, h_in, h_out, frame.tensor.to(dev), dict(frame.meta))
+            return self._return_gradient(frame, h_in, h_out, frame.tensor.to(dev))
         raise ValueError(f"server cannot handle a {frame.kind!r} frame")
 
 
@@ -120,27 +126,37 @@ class ClientRole:
         self.params, _ = split.trainable_parameters()
         self.opt = make_optimizer(self.params, lr)
         self.last_gradient: torch.Tensor | None = None  # gradient applied to the bottom's output
+        self.last_losses: list[float] | None = None  # per document, when the client computes the loss (U-shape)
         if chain.mixup is not None and split.spec.u_shape:
             raise ConfigError("mixup is implemented for the plain split only, not for partial offloading")
 
-    def exchange(self, input_ids: torch.Tensor, doc_ids: tuple[int, ...], step: int, phase: str) -> list[float]:
+    def exchange(self, input_ids: torch.Tensor, doc_ids: tuple[int, ...], step: int, phase: str) -> list[float] | None:
         """One forward and backward through the wire; steps the client optimizer in training.
-        Returns the per-document next-token loss."""
+        Returns the per-document next-token loss when the client computes it (U-shape), else None
+        (in a plain split the loss stays on the server)."""
         split = self.split
         mask = torch.ones(input_ids.shape, dtype=torch.int64)
         train = phase == "train"
         with torch.set_grad_enabled(train):
             h = split.bottom(input_ids)
         mix = self.chain.mixup
-        rows, row_ids, labels, meta = h.detach(), doc_ids, input_ids, {}
-        if mix is not None:
-            mixed, decoy = mix.mix(h.detach())
-            # the decoys travel as probe rows (ids -1 - doc id): their gradient comes back untrained on
-            rows = torch.cat([mixed, decoy])
-            row_ids = tuple(doc_ids) + tuple(-1 - d for d in doc_ids)
-            labels = torch.cat([input_ids, input_ids])
-            meta = {"probe_rows": len(doc_ids)}
-            mask = torch.ones(labels.shape, dtype=torch.int64)
+        mixing = mix is not None and mix.ready(input_ids.shape[1])
+        if mix is not None and not mixing and not train:
+            raise ConfigError("mixup's decoy pool is empty: capture needs training steps first (they fill it)")
+        rows, row_ids, labels, meta = h.detach(), tuple(doc_ids), input_ids, {}
+        g_cached = None
+        if mixing:
+            mixed, decoy, g_cached = mix.mix(h.detach(), doc_ids, step, phase)
+            rows = mixed
+            if mix.correction == "probe":
+                # the decoys travel as probe rows after the document rows; their gradient comes back
+                # untrained on. Their ids are the decoy draws' chunk numbers: they do not name a document.
+                first = mix.chunk - len(doc_ids)
+                rows = torch.cat([mixed, decoy])
+                row_ids = tuple(doc_ids) + tuple(-1 - (first + i) for i in range(len(doc_ids)))
+                labels = torch.cat([input_ids, input_ids])
+                meta = {"probe_rows": len(doc_ids)}
+                mask = torch.ones(labels.shape, dtype=torch.int64)
         x = self.chain.forward(rows, phase, step, row_ids)
         bits = self.chain.payload_bits("forward", 8 * x.element_size())
         fwd = Frame(
@@ -148,6 +164,7 @@ class ClientRole:
             labels=None if split.spec.u_shape else labels.cpu(), payload_bits=bits, meta=meta,
         )
         reply = self.channel.request(fwd)
+        self.last_losses = None
         if reply.kind == "forward-return":
             h_ret = reply.tensor.to(split.device).requires_grad_(True)
             ctx = split.context(*input_ids.shape)
@@ -159,21 +176,23 @@ class ClientRole:
                 g_top = h_ret.grad
             else:
                 (g_top,) = torch.autograd.grad(per_doc.sum(), h_ret)
+            self.last_losses = [float(v) for v in per_doc.detach()]  # logged here; the loss never crosses
             reply = self.channel.request(
                 Frame("backward-top", step, doc_ids, g_top.detach(), mask, phase,
-                      payload_bits=8 * h_ret.element_size(), meta={"loss": [float(v) for v in per_doc.detach()]})
+                      payload_bits=8 * h_ret.element_size())
             )
         g = reply.tensor.to(split.device)
         _finite(g, "returned gradient", step)
-        if mix is not None:
-            n = len(doc_ids)
-            g = mix.correct(g[:n], g[n:])
-            if train:
-                mix.remember(h.detach())
+        n = len(doc_ids)
+        if mixing:
+            g_decoy = g[n:] if mix.correction == "probe" else g_cached
+            g = mix.correct(g[:n], g_decoy)
+        if train and mix is not None:
+            mix.remember(h.detach(), doc_ids, step, g if mix.correction == "cached" else None)
         self.last_gradient = g
         if train and self.opt is not None:
             h.backward(g)  # straight-through the forward defence
             _grads_finite(self.params, "client", step)
             self.opt.step()
             self.opt.zero_grad(set_to_none=False)  # keep the buffers: no re-allocation per step
-        return list(reply.meta.get("loss", []))
+        return self.last_losses

@@ -19,15 +19,16 @@ import torch
 
 import splitleak
 from splitleak.data import DocumentSets, load_documents
-from splitleak.errors import ConfigError, NonFiniteError
+from splitleak.errors import ConfigError, NonFiniteError, UndeclaredChannelError
 from splitleak.models import LoadedModel, SplitModel, load_model
 from splitleak.progress import Progress, Silent
 from splitleak.training.config import TrainConfig
 from splitleak.training.loop import TrainLog, capture_traffic, evaluate_ce, train_all_local, train_split, utility
 from splitleak.wire.defences import DefenceChain
+from splitleak.wire.declare import declare_channels
 from splitleak.wire.store import RunStore
+from splitleak.wire.tap import WireRecorder
 
-SHARD_DOCS = 64
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic", "faker", "gguf")
 
 
@@ -107,6 +108,11 @@ def run_training(
         raise ConfigError("mixup is implemented for the plain split only, not for partial offloading; use --depth")
     if chain_client.replica is not None and split.spec.u_shape:
         raise ConfigError("replica-median is implemented for the plain split only, not for partial offloading; use --depth")
+    if chain_client.mixup is not None and config.n_steps < chain_client.mixup.warmup:
+        raise ConfigError(f"mixup sends its first {chain_client.mixup.warmup} training step(s) unmixed to fill the decoy "
+                          f"pool, but the run has only {config.n_steps} step(s); lower the defence argument warmup or "
+                          "train longer")
+    declaration = declare_channels(u_shape=split.spec.u_shape, defences=chain_client.defences)
     pristine = copy.deepcopy(lm.model) if config.all_local_baseline else None
 
     store = RunStore.create(out, force=force)
@@ -133,6 +139,7 @@ def run_training(
         },
         "runtime": {"device": str(dev), "threads": torch.get_num_threads()},
         "labels_cross_wire": not split.spec.u_shape,
+        "channels": declaration.as_dict(),
     }
     store.add_json("manifest", "manifest.json", manifest)
     store.add_json("documents", "documents.json", docs.to_json())
@@ -141,52 +148,44 @@ def run_training(
     server = None
     server_logits = None
     if chain_server.replica is not None:
-        from splitleak.training.replicas import ReplicaMedianServer, make_replicas
+        from splitleak.training.replicas import ReplicaMedianLink, make_replicas
 
         rep = chain_server.replica
-        server = ReplicaMedianServer(make_replicas(split, rep.k, rep.perturbation, config.seed), chain_server,
-                                     config.lr, rep.threshold)
+        server = ReplicaMedianLink(make_replicas(split, rep.k, rep.perturbation, config.seed), chain_server,
+                                   config.lr, rep.threshold)
         server_logits = server.median_logits
+    # the tap: every frame of the training steps and of the capture pass, recorded as it crossed
+    train_tap = WireRecorder(store, "train", declaration)
     log = TrainLog()
     try:
         train_split(
-            split, docs.train, chain_client, chain_server,
-            seed=config.seed, steps=config.n_steps, lr=config.lr, progress=progress, log=log, server=server,
+            split, docs.train, chain_client, chain_server, seed=config.seed, steps=config.n_steps, lr=config.lr,
+            progress=progress, log=log, server=server, taps=[train_tap],
         )
-    except NonFiniteError as exc:
+    except (NonFiniteError, UndeclaredChannelError) as exc:
         log.error = str(exc)
+        train_tap.close(log.ledgers)
         store.add_json("training", "training.json", log.as_dict())
         store.close(False, {"error": str(exc), "steps_done": len(log.losses)})
         raise
+    train_tap.close(log.ledgers)
     train_record = log.as_dict()
     if server is not None and hasattr(server, "flag_log"):
-        train_record["replica_flags"] = server.flag_log
+        train_record["replica_flags"] = list(server.flag_log)
     store.add_json("training", "training.json", train_record)
     post = utility(evaluate_ce(split, docs.evaluation, progress=progress, server_logits=server_logits))
 
-    shard = {"n": 0}
-
-    def write_shard(batch: dict[str, torch.Tensor]) -> None:
-        # one shard per capture batch group, named in order
-        rel = f"captures/shard-{shard['n']:05d}.safetensors"
-        store.add_tensors("captures", rel, batch, {"doc_ids": batch["doc_ids"].tolist()})
-        shard["n"] += 1
-
-    buffer: list[dict[str, torch.Tensor]] = []
-
-    def on_batch(batch: dict[str, torch.Tensor]) -> None:
-        buffer.append(batch)
-        if sum(len(b["doc_ids"]) for b in buffer) >= SHARD_DOCS:
-            flush()
-
-    def flush() -> None:
-        if buffer:
-            write_shard({k: torch.cat([b[k] for b in buffer]) for k in buffer[0]})
-            buffer.clear()
-
-    cap = capture_traffic(split, docs.evaluation, chain_client, chain_server,
-                          batch=config.capture_batch, on_batch=on_batch, progress=progress, server=server)
-    flush()
+    capture_tap = WireRecorder(store, "capture", declaration)
+    try:
+        cap, ledgers = capture_traffic(split, docs.evaluation, chain_client, chain_server, batch=config.capture_batch,
+                                       taps=[capture_tap], progress=progress, server=server)
+    except (NonFiniteError, UndeclaredChannelError) as exc:
+        store.close(False, {"error": str(exc), "stage": "capture"})
+        raise
+    capture_tap.close(ledgers)
+    if chain_client.mixup is not None:
+        # the client's own record of where every decoy came from; it never crosses (for scoring only)
+        store.add_json("client-record", "client/mixup_decoys.json", chain_client.mixup.draw_log)
     store.add_tensors(
         "client-layers", "client_layers.safetensors", split.client_state_dict(),
         {"cut": split.spec.cut}, metadata={"model": lm.name, "cut": str(split.spec.cut)},

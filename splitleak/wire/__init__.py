@@ -1,7 +1,8 @@
 """What crosses the split: frames, defences, channels, and the verifiable capture store."""
 
-from splitleak.wire.captures import Capture, capture_shards, load_capture
-from splitleak.wire.channel import Channel, InProcessChannel
+from splitleak.wire.captures import Capture, capture_links, capture_shards, load_capture
+from splitleak.wire.channel import Channel, Crossing, InProcessChannel
+from splitleak.wire.declare import ChannelDecl, Declaration, declare_channels, frame_channels
 from splitleak.wire.defences import (
     DEFENCES,
     Defence,
@@ -14,11 +15,15 @@ from splitleak.wire.defences import (
 )
 from splitleak.wire.frames import Frame, check_finite, decode, encode
 from splitleak.wire.store import RunStore, VerifyResult, config_hash, read_tensors, verify_run
+from splitleak.wire.tap import WireRecorder, check_wire, read_wire, wire_phases
 
 __all__ = [
     "DEFENCES",
     "Capture",
     "Channel",
+    "ChannelDecl",
+    "Crossing",
+    "Declaration",
     "Defence",
     "DefenceChain",
     "Frame",
@@ -26,16 +31,23 @@ __all__ = [
     "RunStore",
     "VerifyResult",
     "WireContext",
+    "WireRecorder",
     "build_defence",
+    "capture_links",
     "capture_shards",
+    "check_wire",
     "check_finite",
     "clip_per_document",
     "config_hash",
+    "declare_channels",
     "decode",
     "encode",
+    "frame_channels",
     "load_capture",
     "parse_defence_args",
     "quantize_symmetric",
     "read_tensors",
+    "read_wire",
     "verify_run",
+    "wire_phases",
 ]

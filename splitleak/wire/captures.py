@@ -1,8 +1,19 @@
-"""Captured traffic of a run: what an observer at the split recorded, read back verified.
+"""Captured traffic of a run: what crossed the wire, per document, read back verified.
 
-Shards ``captures/shard-NNNNN.safetensors`` hold ``activations`` and ``gradients``
-``[docs, tokens, width]`` (after the defence: what crossed the wire), ``mask`` ``[docs, tokens]``
-and ``doc_ids`` ``[docs]``.
+The tap (``splitleak.wire.tap``) records whole frames; ``load_capture`` reads one phase (``capture``:
+the evaluation documents sent once with frozen weights; ``train``: one frame per training step) on
+one link and splits every frame's rows into its channels, one row per document:
+
+- ``activations`` / ``gradients``: the document rows of the forward frames and of their returned
+  gradients, after the defences (what crossed);
+- ``probe_activations`` / ``probe_gradients``: mixup's probe rows (decoys), paired with the
+  documents by frame position; ``probe_present`` marks the documents whose frame carried them;
+- ``trunk_output`` / ``output_gradients``: the U-shape's second crossing;
+- ``steps``: the training step of each document's frame (-1 in the capture pass); the client
+  weights that produced it are those after that many steps.
+
+Run directories written before the tap recorded whole frames (journal kind ``captures``) still read,
+with the forward and backward document rows only.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import torch
 
 from splitleak.errors import IntegrityError
 from splitleak.wire.store import JOURNAL, read_tensors
+from splitleak.wire.tap import exchanges, links_of, read_wire, stack_channel, wire_phases
 
 
 @dataclass
@@ -23,12 +35,21 @@ class Capture:
     activations: torch.Tensor  # [n, T, d]
     gradients: torch.Tensor  # [n, T, d]
     mask: torch.Tensor  # [n, T]
+    steps: torch.Tensor | None = None  # [n]
+    probe_activations: torch.Tensor | None = None  # [n, T, d]
+    probe_gradients: torch.Tensor | None = None
+    probe_present: torch.Tensor | None = None  # [n] bool
+    trunk_output: torch.Tensor | None = None
+    output_gradients: torch.Tensor | None = None
+    phase: str = "capture"
+    link: str = "main"
 
     def __len__(self) -> int:
         return int(self.doc_ids.numel())
 
 
 def capture_shards(run_dir: str | Path) -> list[str]:
+    """Shards of the legacy capture format (journal kind ``captures``)."""
     root = Path(run_dir)
     if not (root / JOURNAL).is_file():
         raise IntegrityError(f"{root} has no {JOURNAL}; pass a run directory written by `splitleak train`")
@@ -40,11 +61,41 @@ def capture_shards(run_dir: str | Path) -> list[str]:
     return shards
 
 
-def load_capture(run_dir: str | Path) -> Capture:
-    """All capture shards of a run, each checked against its journal hash."""
-    shards = capture_shards(run_dir)
-    if not shards:
-        raise IntegrityError(f"{run_dir} holds no captures; the run failed or was stopped before capture")
-    parts = [read_tensors(run_dir, rel) for rel in shards]
-    cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
-    return Capture(cat("doc_ids"), cat("activations"), cat("gradients"), cat("mask"))
+def capture_links(run_dir: str | Path, phase: str = "capture") -> list[str]:
+    return links_of(read_wire(run_dir, phase))
+
+
+def load_capture(run_dir: str | Path, phase: str = "capture", link: str | None = None) -> Capture:
+    """One phase of a run's recorded wire on one link (default: ``main``, or the first replica),
+    every shard checked against its journal hash."""
+    phases = wire_phases(run_dir)
+    if not phases:
+        legacy = capture_shards(run_dir)
+        if legacy and phase == "capture" and link in (None, "main"):
+            parts = [read_tensors(run_dir, rel) for rel in legacy]
+            cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
+            return Capture(cat("doc_ids"), cat("activations"), cat("gradients"), cat("mask"))
+        raise IntegrityError(f"{run_dir} holds no recorded traffic; the run failed or was stopped before capture")
+    if phase not in phases:
+        raise IntegrityError(f"{run_dir} recorded no {phase!r} traffic (it has: {', '.join(phases)})")
+    records = read_wire(run_dir, phase)
+    links = links_of(records)
+    link = link or ("main" if "main" in links else links[0])
+    if link not in links:
+        raise IntegrityError(f"{run_dir} has no link {link!r} in its {phase} traffic (links: {', '.join(links)})")
+    exs = exchanges(records, link)
+    if not exs:
+        raise IntegrityError(f"{run_dir} recorded no forward frame on link {link} in phase {phase}")
+    n_docs = [ex.forward.header["channels"]["activations"][1] for ex in exs]
+    doc_ids = torch.tensor([i for ex, n in zip(exs, n_docs) for i in ex.forward.header["row_ids"][:n]], dtype=torch.long)
+    steps = torch.tensor([ex.forward.header["step"] for ex, n in zip(exs, n_docs) for _ in range(n)], dtype=torch.long)
+    mask = torch.cat([ex.forward.frame.mask[:n] for ex, n in zip(exs, n_docs)])
+    act, _ = stack_channel(exs, "forward", "activations", n_docs)
+    grad, have_grad = stack_channel(exs, "backward", "gradient", n_docs)
+    if grad is None or not bool(have_grad.all()):
+        raise IntegrityError(f"{run_dir}: a forward frame on link {link} ({phase}) has no returned gradient")
+    probe, present = stack_channel(exs, "forward", "probe-activations", n_docs)
+    probe_g, _ = stack_channel(exs, "backward", "probe-gradient", n_docs)
+    trunk, _ = stack_channel(exs, "forward-return", "trunk-output", n_docs)
+    out_g, _ = stack_channel(exs, "backward-top", "output-gradient", n_docs)
+    return Capture(doc_ids, act, grad, mask, steps, probe, probe_g, present, trunk, out_g, phase, link)

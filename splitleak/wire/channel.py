@@ -2,19 +2,46 @@
 
 A channel sends one frame and returns the reply frame (``request``). The in-process channel
 encodes every frame to bytes and decodes it on the other side, exactly as a network transport
-would, counts the bytes per direction and hands every decoded frame to its taps (the recorder of
-what crosses the split). A TLS transport implements the same two methods.
+would, counts the bytes per direction, keeps a ledger of every blob that crossed (its SHA-256 and
+length) and hands every crossing to its taps (the recorder of what crosses the split,
+``splitleak.wire.tap``). A TLS transport implements the same two methods.
+
+``link`` names the connection: ``main`` for the one server of a split, ``replica-K`` for the K-th
+server copy under replica median. The tap sits here, on the wire, not in the roles: what it records
+is what was encoded, frame by frame, in both directions.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from splitleak.wire.frames import Frame, decode, encode
 
-Tap = Callable[[Frame], None]
 CLIENT_TO_SERVER = ("forward", "backward-top")
+MAIN_LINK = "main"
+
+
+def direction_of(kind: str) -> str:
+    return "client->server" if kind in CLIENT_TO_SERVER else "server->client"
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """One frame as it crossed: the decoded frame, the link, the direction and the encoded blob's
+    SHA-256 and length (the ledger entry)."""
+
+    seq: int  # order of the crossing on its channel
+    link: str
+    direction: str
+    frame: Frame
+    blob_sha256: str
+    blob_bytes: int
+
+
+Tap = Callable[[Crossing], None]
 
 
 class Channel(Protocol):
@@ -26,19 +53,28 @@ class Channel(Protocol):
 class InProcessChannel:
     """Client and server in one process; frames still go through the byte codec."""
 
-    def __init__(self, handler: Callable[[Frame], Frame], taps: list[Tap] | None = None, serialize: bool = True):
+    def __init__(self, handler: Callable[[Frame], Frame], taps: list[Tap] | None = None, serialize: bool = True,
+                 link: str = MAIN_LINK):
         self.handler = handler
         self.taps: list[Tap] = list(taps or [])
         self.serialize = serialize
+        self.link = link
         self.bytes_by_kind: dict[str, int] = defaultdict(int)
         self.frames_by_kind: dict[str, int] = defaultdict(int)
+        #: every blob that crossed: (seq, link, direction, kind, phase, sha256, bytes)
+        self.ledger: list[dict] = []
 
     def _cross(self, frame: Frame) -> Frame:
-        out = decode(encode(frame)) if self.serialize else frame
+        blob = encode(frame)
+        out = decode(blob) if self.serialize else frame
         self.bytes_by_kind[frame.kind] += frame.wire_bytes()
         self.frames_by_kind[frame.kind] += 1
+        digest = hashlib.sha256(blob).hexdigest()
+        crossing = Crossing(len(self.ledger), self.link, direction_of(frame.kind), out, digest, len(blob))
+        self.ledger.append({"seq": crossing.seq, "link": self.link, "direction": crossing.direction,
+                            "kind": frame.kind, "phase": frame.phase, "blob_sha256": digest, "blob_bytes": len(blob)})
         for tap in self.taps:
-            tap(out)
+            tap(crossing)
         return out
 
     def request(self, frame: Frame) -> Frame:

@@ -234,21 +234,36 @@ def draw_decoy_indices(pool_size: int, n: int, seed: int, chunk: int) -> torch.T
     if n > pool_size:
         raise ConfigError(
             f"mixup needs {n} decoy rows for this chunk but its pool holds {pool_size}; "
-            "raise the defence argument warmup (training documents that prefill the pool)"
+            "raise the defence argument warmup (training steps sent unmixed that fill the pool)"
         )
     return torch.randperm(pool_size, generator=decoy_generator(seed, chunk))[:n]
 
 
+CORRECTIONS = ("probe", "cached", "none")
+
+
 class SecretMixup(Defence):
     """Secret mixup (000 §4.5): every position sends lambda * (true activation) + (1 - lambda) *
-    (decoy). Decoys are real activation rows recycled from earlier training data of the same run,
-    drawn without replacement per chunk (one chunk = one document's rows) by a generator seeded with SHA-256
-    of (run seed, chunk index). The client also sends the decoys alone as probe rows; the server
-    returns their gradient g_decoy without training on it, and the client corrects the returned
-    gradient to (g - (1 - lambda) g_decoy) / lambda — exact when the gradient is affine in the
-    server's input (a linear server), approximate otherwise.
+    (decoy). Decoys are real activation rows recycled from earlier training steps of the same run
+    (rows the client already sent), drawn without replacement per chunk (one chunk = one document's
+    rows) by a generator seeded with SHA-256 of (run seed, chunk index). The pool holds only rows of
+    steps before the current one: the first ``warmup`` training steps cross *unmixed* (declared)
+    and fill it, so no decoy is ever the current or a later document.
 
-    Client-side state: the pool of earlier activation rows (``remember``) and the chunk counter."""
+    How the client corrects the returned gradient (``correction``):
+
+    - ``probe`` (000's design): the decoys also cross alone, as probe rows after the document rows
+      (``meta.probe_rows``); the server returns their gradient g_decoy without training on them and
+      the client uses (g - (1 - lambda) g_decoy) / lambda — exact when the gradient is affine in the
+      server's input. The probe rows are clean activations of earlier training documents, paired
+      with the mixed rows by frame position: whoever sees the frame unmixes it (``mixup-unmix``).
+    - ``cached`` (ours): nothing extra crosses; the client reuses the gradient it applied to the
+      decoy row when that row's own document was sent (stale by the steps since).
+    - ``none`` (ours): nothing extra crosses; the client applies the chain rule through the mix,
+      lambda * g.
+
+    Client-side state: the pool of earlier rows with their provenance and applied gradients, the
+    chunk counter, and ``draw_log`` (the provenance of every decoy drawn; it never crosses)."""
 
     name = "mixup"
     stateful = True
@@ -257,43 +272,98 @@ class SecretMixup(Defence):
         lam = kw.pop("lambda", kw.pop("lam", 0.75))
         warmup = kw.pop("warmup", 4)
         pool_rows = kw.pop("pool_rows", 8192)
+        correction = kw.pop("correction", "probe")
         if kw:
-            raise ConfigError(f"defence 'mixup' does not take argument(s) {sorted(kw)}; it takes lambda, warmup, pool_rows")
+            raise ConfigError(f"defence 'mixup' does not take argument(s) {sorted(kw)}; it takes lambda, warmup, "
+                              "pool_rows, correction")
         if not (isinstance(lam, (int, float)) and 0 < lam <= 1):
             raise ConfigError(f"mixup: lambda must be in (0, 1], got {lam!r}")
         if not (isinstance(warmup, int) and warmup >= 1):
             raise ConfigError(f"mixup: warmup must be an integer >= 1, got {warmup!r}")
-        self.lam, self.warmup, self.pool_rows = float(lam), warmup, int(pool_rows)
+        if not (isinstance(pool_rows, int) and pool_rows >= 1):
+            raise ConfigError(f"mixup: pool_rows must be an integer >= 1, got {pool_rows!r}")
+        if correction not in CORRECTIONS:
+            raise ConfigError(f"mixup: correction must be one of {', '.join(CORRECTIONS)}, got {correction!r}")
+        self.lam, self.warmup, self.pool_rows, self.correction = float(lam), warmup, pool_rows, correction
         self.seed = 0
         self.chunk = 0
-        self._pool: list[torch.Tensor] = []
+        self._pool: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # rows, gradients, provenance
+        self.draw_log: list[dict] = []
+        self.steps_seen = 0
 
     def args(self):
-        return {"lambda": self.lam, "warmup": self.warmup, "pool_rows": self.pool_rows}
+        return {"lambda": self.lam, "warmup": self.warmup, "pool_rows": self.pool_rows, "correction": self.correction}
 
-    def remember(self, h: torch.Tensor) -> None:
-        """Add true activation rows [docs, tokens, width] of a training message to the pool (FIFO)."""
-        self._pool.append(h.detach().reshape(-1, h.shape[-1]).cpu())
-        while sum(p.shape[0] for p in self._pool) - self._pool[0].shape[0] >= self.pool_rows:
+    # ---------------------------------------------------------------- channels
+    def declare(self, channels):
+        out = list(channels)
+        if self.correction == "probe":
+            from splitleak.wire.declare import ChannelDecl
+
+            out += [
+                ChannelDecl("probe-activations", "client->server", "mixup's decoy rows alone, after the document rows: "
+                            "clean activations of earlier training documents, paired by position with the mixed rows",
+                            "[docs, tokens, width]"),
+                ChannelDecl("probe-gradient", "server->client", "the gradient of the probe rows, returned untrained on",
+                            "[docs, tokens, width]"),
+                ChannelDecl("meta:probe_rows", "client->server", "how many rows of the frame are probes",
+                            "integer per frame"),
+            ]
+        return out
+
+    def channel_note(self) -> str:
+        return (f"mixup: the first {self.warmup} training step(s) cross unmixed (they fill the decoy pool); "
+                f"correction={self.correction}")
+
+    # ---------------------------------------------------------------- pool
+    def remember(self, h: torch.Tensor, doc_ids, step: int, gradient: torch.Tensor | None = None) -> None:
+        """Add the rows [docs, tokens, width] of a training step that has crossed to the pool (FIFO
+        of ``pool_rows`` rows), with their provenance (step, document id, position) and, for
+        ``correction=cached``, the gradient the client applied to them."""
+        n, T, d = h.shape
+        prov = torch.tensor([[step, int(doc), t] for doc in doc_ids for t in range(T)], dtype=torch.long)
+        g = None if gradient is None else gradient.detach().reshape(-1, d).cpu()
+        self._pool.append((h.detach().reshape(-1, d).cpu(), g, prov))
+        self.steps_seen += 1
+        while sum(p[0].shape[0] for p in self._pool) - self._pool[0][0].shape[0] >= self.pool_rows:
             self._pool.pop(0)
 
     def pool_size(self) -> int:
-        return sum(p.shape[0] for p in self._pool)
+        return sum(p[0].shape[0] for p in self._pool)
 
-    def mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mixed activations, decoys), both shaped like x [docs, tokens, width]. One chunk is one
-        document's rows: each document's decoys are drawn without replacement from the pool with
-        the generator of the next chunk index."""
-        pool = torch.cat(self._pool) if self._pool else torch.zeros(0, x.shape[-1], dtype=x.dtype)
-        decoys = []
-        for _ in range(x.shape[0]):
+    def ready(self, tokens: int) -> bool:
+        """Whether the warm-up steps are over and the pool can give one document's decoys without
+        replacement."""
+        return self.steps_seen >= self.warmup and self.pool_size() >= tokens
+
+    def mix(self, x: torch.Tensor, doc_ids=(), step: int = -1, phase: str = "train"
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(mixed activations, decoys, the decoys' cached gradients or None), shaped like x
+        [docs, tokens, width]. One chunk is one document's rows: each document's decoys are drawn
+        without replacement from the pool with the generator of the next chunk index."""
+        pool = torch.cat([p[0] for p in self._pool]) if self._pool else torch.zeros(0, x.shape[-1], dtype=x.dtype)
+        prov = torch.cat([p[2] for p in self._pool]) if self._pool else torch.zeros(0, 3, dtype=torch.long)
+        grads = None
+        if self.correction == "cached":
+            grads = torch.cat([p[1] for p in self._pool])
+        decoys, cached = [], []
+        for i in range(x.shape[0]):
             idx = draw_decoy_indices(pool.shape[0], x.shape[1], self.seed, self.chunk)
+            self.draw_log.append({"phase": phase, "step": step, "doc_id": int(doc_ids[i]) if len(doc_ids) else None,
+                                  "chunk": self.chunk, "sources": prov[idx].tolist()})
             self.chunk += 1
             decoys.append(pool[idx])
+            if grads is not None:
+                cached.append(grads[idx])
         decoy = torch.stack(decoys).to(x.device, x.dtype)
-        return self.lam * x + (1 - self.lam) * decoy, decoy
+        g_cached = torch.stack(cached).to(x.device, x.dtype) if grads is not None else None
+        return self.lam * x + (1 - self.lam) * decoy, decoy, g_cached
 
-    def correct(self, g: torch.Tensor, g_decoy: torch.Tensor) -> torch.Tensor:
+    def correct(self, g: torch.Tensor, g_decoy: torch.Tensor | None) -> torch.Tensor:
+        """The gradient the client applies to its own activations, from the returned gradient g of
+        the mixed rows (and the decoys' gradient: probed, or cached)."""
+        if self.correction == "none":
+            return self.lam * g
         return (g - (1 - self.lam) * g_decoy) / self.lam
 
 
@@ -317,6 +387,14 @@ class ReplicaMedian(Defence):
 
     def args(self):
         return {"k": self.k, "perturbation": self.perturbation, "threshold": self.threshold}
+
+    def links(self) -> list[str]:
+        """Each copy is its own server on its own link; the client takes the median of the replies."""
+        return [f"replica-{r}" for r in range(self.k)]
+
+    def channel_note(self) -> str:
+        return (f"replica-median: the activations cross to each of {self.k} server copies and each copy returns "
+                "its own gradient; the median is taken on the client and never crosses")
 
 
 DEFENCES: dict[str, type[Defence]] = {

@@ -2,7 +2,7 @@
 
 ``journal.jsonl`` has one JSON object per line::
 
-    {"seq": 3, "kind": "captures", "time": "...", "files": {"captures/shard-00000.safetensors": "<sha256>"},
+    {"seq": 3, "kind": "wire", "time": "...", "files": {"wire/capture-00000.safetensors": "<sha256>"},
      "info": {...}, "prev": "<sha256 of the previous line's bytes>"}
 
 The first entry's ``prev`` is 64 zeros. A file is written to a temporary name, flushed and renamed
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 
 from splitleak.errors import IntegrityError, SplitleakError
 
@@ -223,16 +223,34 @@ def verify_run(root: str | Path) -> VerifyResult:
     return VerifyResult(True, f"intact: {len(lines)} journal entries, {len(recorded)} files, run {status}", len(lines), len(recorded), status)
 
 
-def read_tensors(root: str | Path, rel: str) -> dict[str, torch.Tensor]:
-    """Load a recorded safetensors file, checking its sha256 against the journal first."""
+def recorded_digest(root: str | Path, rel: str) -> str | None:
+    """The SHA-256 the journal records for ``rel``, or None when it records none."""
     root = Path(root)
     expected = None
     for raw in (root / JOURNAL).read_bytes().splitlines():
-        entry = json.loads(raw)
+        try:
+            entry = json.loads(raw)
+        except json.JSONDecodeError:
+            raise IntegrityError(f"{root / JOURNAL} has a line that is not JSON; run `splitleak verify {root}`") from None
         if rel in entry.get("files", {}):
             expected = entry["files"][rel]
+    return expected
+
+
+def read_recorded(root: str | Path, rel: str) -> bytes:
+    """The bytes of a recorded file, checked against the journal's SHA-256 first."""
+    root = Path(root)
+    expected = recorded_digest(root, rel)
     if expected is None:
         raise IntegrityError(f"{rel} is not recorded in {root / JOURNAL}; run `splitleak verify {root}`")
-    if sha256_file(root / rel) != expected:
+    data = (root / rel).read_bytes()
+    if sha256_bytes(data) != expected:
         raise IntegrityError(f"{rel} does not match its recorded sha256; run `splitleak verify {root}` for details")
-    return load_file(str(root / rel))
+    return data
+
+
+def read_tensors(root: str | Path, rel: str) -> dict[str, torch.Tensor]:
+    """Load a recorded safetensors file, checking its sha256 against the journal first."""
+    from safetensors.torch import load
+
+    return load(read_recorded(root, rel))

@@ -1,0 +1,103 @@
+"""``mixup-unmix``: undo secret mixup from what crosses the wire, then run the activation attacker.
+
+Under mixup with ``correction=probe`` (000 §4.5 as splitleak first built it), a forward frame carries
+the mixed rows x = λh + (1 − λ)d *and* the decoys d alone as probe rows, paired with the documents by
+frame position. Whoever sees the frame computes h = (x − (1 − λ)d) / λ: one line of algebra.
+
+λ, when not given (``lam``), is estimated from the traffic alone, on a subsample of documents: on a
+grid of λ, unmix, decode each row with the ridge map (as VMI does), recompute the decoded tokens'
+activations through the attacker's copy of the client layers and keep the λ whose unmixed rows they
+match best; then refine by least squares of x − d = λ(a − d), with a the recomputed activations.
+Frames that carried no probe rows (mixup's unmixed warm-up steps) are taken as they are.
+
+The probe rows are clean activations of earlier training documents; ``probe_tokens`` in the
+reconstruction's extras decodes them row by row (VMI), for the orchestrator to score against the
+client's own record of where each decoy came from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitleak.attacks.core import ActivationBeam, Reconstruction
+from splitleak.attacks.knowledge import Traffic
+from splitleak.attacks.ridge import cosine_topk
+from splitleak.errors import ConfigError
+
+LAMBDA_GRID = tuple(round(0.05 * i, 2) for i in range(2, 21))  # 0.10 ... 1.00
+ESTIMATE_DOCS = 32
+
+
+class MixupUnmix(ActivationBeam):
+    """Pair probe rows with mixed rows (by frame position, as they cross), estimate λ unless given,
+    unmix, and run the activation-only beam search (``k`` candidates) on the result."""
+
+    name = "mixup-unmix"
+    reads = ("activations", "probe-activations")
+
+    def __init__(self, k: int = 32, width: int = 2, seed: int = 0, chunk_docs: int = 64, lam: float | None = None):
+        super().__init__(k=k, width=width, seed=seed, chunk_docs=chunk_docs)
+        self.lam = lam
+
+    def params(self):
+        p = super().params()
+        if self.lam is not None:
+            p["lam"] = self.lam
+        return p
+
+    # ------------------------------------------------------------------ λ
+    def _residual(self, x: torch.Tensor, d: torch.Tensor, lam: float) -> tuple[float, torch.Tensor]:
+        """Relative mismatch between the rows unmixed with λ and the recomputed activations of their
+        ridge decoding; and those activations."""
+        client = self.knowledge_.client
+        h = (x - (1 - lam) * d) / lam
+        tokens = cosine_topk(self.ridge_(h), client.embedding, 1)[..., 0]
+        a = client.activations(tokens).to(h.dtype)
+        return float((h - a).pow(2).sum() / h.pow(2).sum().clamp_min(1e-30)), a
+
+    def estimate_lambda(self, traffic: Traffic) -> float:
+        rows = self._probed_rows(traffic)[:ESTIMATE_DOCS]
+        client = self.knowledge_.client
+        x = traffic.activations[rows].to(client.device, client.dtype)
+        d = traffic.probe_activations[rows].to(client.device, client.dtype)
+        scores = [(self._residual(x, d, lam)[0], lam) for lam in LAMBDA_GRID]
+        lam = min(scores)[1]
+        for _ in range(2):  # least squares of x - d = λ (a - d), a from the current λ
+            _, a = self._residual(x, d, lam)
+            u, v = (x - d).flatten().double(), (a - d).flatten().double()
+            lam = float(torch.clamp(u @ v / (v @ v).clamp_min(1e-30), 0.01, 1.0))
+        return lam
+
+    # ------------------------------------------------------------------ unmixing
+    @staticmethod
+    def _probed_rows(traffic: Traffic) -> list[int]:
+        if traffic.probe_activations is None:
+            raise ConfigError(
+                "mixup-unmix reads mixup's probe rows, and this traffic carries none: the run has no mixup, or "
+                "mixup with correction=cached or none (nothing extra crosses); run the ordinary attacks instead")
+        present = traffic.probe_present if traffic.probe_present is not None else torch.ones(len(traffic), dtype=torch.bool)
+        rows = [i for i, p in enumerate(present.tolist()) if p]
+        if not rows:
+            raise ConfigError("mixup-unmix: no frame of this traffic carried probe rows")
+        return rows
+
+    def unmix(self, traffic: Traffic, lam: float) -> Traffic:
+        rows = self._probed_rows(traffic)
+        act = traffic.activations.clone()
+        x, d = act[rows], traffic.probe_activations[rows].to(act.dtype)
+        act[rows] = (x - (1 - lam) * d) / lam
+        return traffic.replace(activations=act)
+
+    def reconstruct(self, traffic, progress=None):
+        self._check(traffic)
+        rows = self._probed_rows(traffic)
+        lam = float(self.lam) if self.lam is not None else self.estimate_lambda(traffic)
+        if not 0 < lam <= 1:
+            raise ConfigError(f"mixup-unmix: lam must be in (0, 1], got {lam}")
+        rec: Reconstruction = super().reconstruct(self.unmix(traffic, lam), progress)
+        client = self.knowledge_.client
+        probe = traffic.probe_activations.to(client.device, client.dtype)
+        probe_tokens = cosine_topk(self.ridge_(probe), client.embedding, 1)[..., 0].cpu()
+        rec.extra.update({"lambda": lam, "lambda_estimated": self.lam is None, "probe_tokens": probe_tokens,
+                          "probed_rows": rows})
+        return rec

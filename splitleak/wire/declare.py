@@ -1,0 +1,147 @@
+"""Declared channels: everything that crosses the split, by name (002 §3, Table 3).
+
+A *channel* is one stream of information an observer on the untrusted side receives or sends:
+the rows of a frame's tensor (document activations, mixup's probe rows, the returned gradient, the
+U-shape's second crossing), the labels a plain split sends for the server's loss, the row ids and
+metadata in each frame's header, the shapes, and the timing of the messages. Each split mode with
+its defence chain *declares* its channels before the run (``declare_channels``); the tap names the
+channels of every frame that crosses (``frame_channels``) and a crossing that no declaration names
+stops the run with the channel named (``check_declared``).
+
+Names are link-free (``activations``); under replica median each server copy has its own link
+(``replica-0``, ...) and every channel exists once per link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+from splitleak.errors import UndeclaredChannelError
+from splitleak.wire.frames import Frame
+
+#: row channels of each frame kind: (channel of the document rows, channel of the probe rows)
+ROW_CHANNELS = {
+    "forward": ("activations", "probe-activations"),
+    "backward": ("gradient", "probe-gradient"),
+    "forward-return": ("trunk-output", None),
+    "backward-top": ("output-gradient", None),
+}
+
+
+@dataclass(frozen=True)
+class ChannelDecl:
+    """One declared channel."""
+
+    name: str
+    direction: str  # "client->server" | "server->client" | "both"
+    carries: str  # what it carries, in words
+    shape: str  # its shape per frame, in words
+    captured: bool = True  # whether the tap records it (timing is not recorded)
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """The channels of one split mode with its defence chain, and the links they cross on."""
+
+    channels: tuple[ChannelDecl, ...]
+    links: tuple[str, ...] = ("main",)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def names(self) -> set[str]:
+        return {c.name for c in self.channels}
+
+    def get(self, name: str) -> ChannelDecl | None:
+        return next((c for c in self.channels if c.name == name), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"channels": [c.as_dict() for c in self.channels], "links": list(self.links), "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Declaration":
+        return cls(tuple(ChannelDecl(**c) for c in d["channels"]), tuple(d["links"]), tuple(d.get("notes", ())))
+
+
+def declare_channels(*, u_shape: bool, defences: Iterable[Any] = ()) -> Declaration:
+    """The channels of a plain split (``u_shape`` False: labels cross for the server's loss) or a
+    U-shape (partial offloading: the trunk's output comes back, the output gradient goes out), plus
+    what each defence adds (``Defence.declare(channels)``) and the links (``Defence.links``)."""
+    ch: list[ChannelDecl] = [
+        ChannelDecl("activations", "client->server", "activations at the observation point, one row per token of "
+                    "each document (after the forward defences)", "[docs, tokens, width]"),
+        ChannelDecl("gradient", "server->client", "gradient of the loss with respect to the activations it received "
+                    "(after the backward defences)", "[docs, tokens, width]"),
+        ChannelDecl("row-ids", "both", "the document id of every row in the frame header; they link the rows of "
+                    "one document across frames and steps", "[rows]"),
+        ChannelDecl("shapes", "both", "frame kind, phase, step, tensor shape and dtype, the attention mask and the "
+                    "bits per element", "header"),
+        ChannelDecl("timing", "both", "when each message crosses and how long the other side takes",
+                    "per message", captured=False, note="not recorded by the tap"),
+    ]
+    if u_shape:
+        ch += [
+            ChannelDecl("trunk-output", "server->client", "the offloaded run's output, returned to the client's "
+                        "top blocks (the U-shape's second crossing)", "[docs, tokens, width]"),
+            ChannelDecl("output-gradient", "client->server", "gradient of the client's loss with respect to the "
+                        "trunk output (sits next to the loss)", "[docs, tokens, width]"),
+        ]
+    else:
+        ch.append(ChannelDecl("labels", "client->server", "the next-token labels for the server's loss: the "
+                              "document's token ids", "[docs, tokens]",
+                              note="the text itself; outside the observer view of 000 §3, read verbatim by the "
+                                   "server that computes the loss"))
+    links: tuple[str, ...] = ("main",)
+    notes: list[str] = []
+    for d in defences:
+        declare = getattr(d, "declare", None)
+        if declare is not None:
+            ch = list(declare(ch))
+        own = getattr(d, "links", None)
+        if callable(own):
+            links = tuple(own())
+        note = getattr(d, "channel_note", None)
+        if callable(note) and note():
+            notes.append(note())
+    return Declaration(tuple(ch), links, tuple(notes))
+
+
+def frame_channels(frame: Frame, probe_rows: int | None = None) -> dict[str, Any]:
+    """The channels one frame carries: row channels with their row range ``(start, stop)``, and the
+    header channels (``labels``, ``row-ids``, ``shapes``, ``meta:KEY`` for every metadata key).
+    A reply carries as many probe rows as the forward frame it answers (``probe_rows``)."""
+    main, probe = ROW_CHANNELS[frame.kind]
+    rows = frame.tensor.shape[0]
+    n_probe = int(frame.meta.get("probe_rows", 0)) if probe_rows is None else probe_rows
+    out: dict[str, Any] = {main: (0, rows - n_probe)}
+    if n_probe:
+        if probe is None:
+            raise UndeclaredChannelError(f"a {frame.kind!r} frame carries {n_probe} probe rows, which that frame kind "
+                                         "has no channel for")
+        out[probe] = (rows - n_probe, rows)
+    out["row-ids"] = None
+    out["shapes"] = None
+    if frame.labels is not None:
+        out["labels"] = None
+    for key in frame.meta:
+        out[f"meta:{key}"] = None
+    return out
+
+
+def check_declared(frame: Frame, declaration: Declaration, link: str, probe_rows: int | None = None) -> dict[str, Any]:
+    """``frame_channels(frame)``, refusing any channel (or link) the declaration does not name."""
+    found = frame_channels(frame, probe_rows)
+    if link not in declaration.links:
+        raise UndeclaredChannelError(
+            f"a {frame.kind!r} frame crossed on link {link!r}, which the split mode and its defences do not declare "
+            f"(declared links: {', '.join(declaration.links)}); declare it, or stop sending on it")
+    missing = sorted(set(found) - declaration.names())
+    if missing:
+        raise UndeclaredChannelError(
+            f"a {frame.kind!r} frame at step {frame.step} ({frame.phase}) carries undeclared channel(s) "
+            f"{', '.join(missing)}; every crossing must be declared (splitleak.wire.declare) so that the audit "
+            "measures it — declare the channel where the defence or split mode adds it, or stop sending it")
+    return found
