@@ -22,7 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from splitleak.attacks import load_knowledge, make_attack_config, run_attack  # noqa: E402
 from splitleak.models import load_model  # noqa: E402
+from splitleak.attacks import load_traffic  # noqa: E402
+from splitleak.attacks.knowledge import phase_documents, read_manifest  # noqa: E402
 from splitleak.training import make_train_config, run_training  # noqa: E402
+from splitleak.training.run import read_metrics  # noqa: E402
+from splitleak.wire import verify_run  # noqa: E402
 
 VARIANTS = {
     "none": [{"name": "none"}],
@@ -30,6 +34,18 @@ VARIANTS = {
     "mixup-cached": [{"name": "mixup", "args": {"correction": "cached"}}],
     "mixup-none": [{"name": "mixup", "args": {"correction": "none"}}],
 }
+
+
+def clean_twin(run: Path, lm):
+    """The run's capture traffic with the activations replaced by the trained client's own clean
+    activations of the same documents: what the defence was meant to hide."""
+    import torch
+
+    traffic = load_traffic(run)
+    by_id = {d.doc_id: d for d in phase_documents(run)}
+    ids = torch.tensor([list(by_id[i].token_ids) for i in traffic.doc_ids])
+    clean = load_knowledge(run, "trained", lm=copy.deepcopy(lm)).client.activations(ids)
+    return traffic.replace(activations=clean)
 
 
 def main() -> None:
@@ -44,6 +60,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reuse", action="store_true", help="attack runs already in OUT with the same configuration")
     a = ap.parse_args()
     if a.threads:
         import torch
@@ -59,18 +76,27 @@ def main() -> None:
                                     defences=VARIANTS[variant])
             run = a.out / f"seed{seed}-{variant}"
             t0 = time.perf_counter()
-            res = run_training(cfg, run, device="cpu", lm=copy.deepcopy(lm), force=True)
+            if a.reuse and verify_run(run).ok and read_manifest(run)["config_hash"] == cfg.hash():
+                metrics = read_metrics(run)  # attack an existing run of the same configuration again
+            else:
+                metrics = run_training(cfg, run, device="cpu", lm=copy.deepcopy(lm), force=True).metrics
             train_s = time.perf_counter() - t0
             kn = load_knowledge(run, "public", lm=copy.deepcopy(lm))
             attacks = [("majority", {}), ("vmi", {}), ("activation", {"k": a.k}), ("joint", {"k": a.k})]
             if variant == "mixup-probe":
                 attacks.append(("mixup-unmix", {"k": a.k}))
+            if variant != "none":  # what the same attack reads of this client's clean activations
+                attacks.append(("activation-clean-twin", {"k": a.k}))
             for name, kw in attacks:
-                r = run_attack(run, make_attack_config(attack=name, **kw), knowledge=kn)
+                traffic = None
+                if name == "activation-clean-twin":
+                    traffic = clean_twin(run, lm)
+                r = run_attack(run, make_attack_config(attack=name.removesuffix("-clean-twin"), **kw), knowledge=kn,
+                               traffic=traffic)
                 row = {"seed": seed, "variant": variant, "attack": name, **kw,
                        "token_recovery": r["token_recovery"], "doc_recovery": r["doc_recovery"],
-                       "span_recovery": r["span_recovery"], "perplexity": res.metrics["perplexity"],
-                       "heldout_ce": res.metrics["heldout_ce"], "train_seconds": train_s, "attack_seconds": r["seconds"],
+                       "span_recovery": r["span_recovery"], "perplexity": metrics["perplexity"],
+                       "heldout_ce": metrics["heldout_ce"], "train_seconds": train_s, "attack_seconds": r["seconds"],
                        "lambda": r.get("lambda"), "probe_rows": r.get("probe_rows")}
                 rows.append(row)
                 print(json.dumps(row), flush=True)

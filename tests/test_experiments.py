@@ -128,8 +128,10 @@ def test_shipped_specs_expand_to_the_papers_sizes():
     attack = g.of_kind("attack")
     configs = {(j.fields["attack"], j.fields["k"], j.fields["budget"], j.fields["perturbation"], j.fields["defence_name"])
                for j in attack}
-    assert len(configs) == 28 + 12  # 28 undefended + 6 x 2 defended attack configurations
+    # 000's 40: 28 undefended + 6 x 2 defended; and mixup-unmix at three k against mixup (beyond 000)
+    assert len(configs) == 28 + 12 + 3
     assert sum(1 for c in configs if c[4] == "none") == 28
+    assert {c for c in configs if c[0] == "mixup-unmix"} == {("mixup-unmix", k, None, "none", "mixup") for k in (8, 16, 32)}
     assert {(j.fields["depth"], j.fields["client_copy"]) for j in attack} == {(3, "public"), (3, "trained"),
                                                                               (6, "public"), (6, "trained")}
     reused = {(j.fields["attack"], j.fields["k"], j.fields["budget"]) for j in g.of_kind("reuse")}

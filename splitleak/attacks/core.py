@@ -332,7 +332,8 @@ class JointBeam(_GradientReader, ActivationBeam):
 
 
 class ShuffledGradient(JointBeam):
-    """Control: the joint attacker given another document's gradient (a seeded derangement)."""
+    """Control: the joint attacker given another document's gradient (a seeded derangement) — the
+    same gradient it would read (``gradient_source``), taken from the wrong document."""
 
     name = "shuffled-gradient"
 
@@ -363,7 +364,9 @@ class BackwardOnly(JointBeam):
     """Heuristic: the gradient at t−1 alone names token t (top-1 of the read-out); position 0 takes
     the calibration majority token. With the default ``gradient`` read-out it reads the gradient
     and the embeddings only. With ``pseudo-map`` the map is fitted on activation pseudo-labels, and
-    with few documents its top-1 largely repeats them (experiments/PILOTS.md)."""
+    with few documents its top-1 largely repeats them (experiments/PILOTS.md). It reads the gradient
+    returned at the observation point, or with ``gradient_source=output`` the U-shape's output
+    gradient (``_GradientReader``)."""
 
     name = "backward-only"
 
@@ -485,8 +488,9 @@ def choose_property_tokens(calibration_ids: np.ndarray, n: int = 3) -> list[int]
 
 
 class PropertyInference(Attack):
-    """000 §5: per document, the sum over positions of the returned-gradient norm is one score,
-    used to guess the presence of each of three property tokens (scored by ROC AUC)."""
+    """000 §5: per document, the sum over positions of the norm of the gradient returned at the
+    observation point (channel ``gradient``) is one score, used to guess the presence of each of
+    three property tokens (scored by ROC AUC)."""
 
     name = "property"
     uses_gradients = True

@@ -4,10 +4,8 @@ Under mixup with ``correction=probe`` (000 §4.5 as splitleak first built it), a
 the mixed rows x = λh + (1 − λ)d *and* the decoys d alone as probe rows, paired with the documents by
 frame position. Whoever sees the frame computes h = (x − (1 − λ)d) / λ: one line of algebra.
 
-λ, when not given (``lam``), is estimated from the traffic alone, on a subsample of documents: on a
-grid of λ, unmix, decode each row with the ridge map (as VMI does), recompute the decoded tokens'
-activations through the attacker's copy of the client layers and keep the λ whose unmixed rows they
-match best; then refine by least squares of x − d = λ(a − d), with a the recomputed activations.
+λ, when not given (``lam``), is estimated from the traffic alone by least squares, without any
+model (``MixupUnmix.estimate_lambda``): each mixed row regresses on its decoy with slope 1 − λ.
 Frames that carried no probe rows (mixup's unmixed warm-up steps) are taken as they are.
 
 The probe rows are clean activations of earlier training documents; ``probe_tokens`` in the
@@ -23,9 +21,6 @@ from splitleak.attacks.core import ActivationBeam, Reconstruction
 from splitleak.attacks.knowledge import Traffic
 from splitleak.attacks.ridge import cosine_topk
 from splitleak.errors import ConfigError
-
-LAMBDA_GRID = tuple(round(0.05 * i, 2) for i in range(2, 21))  # 0.10 ... 1.00
-ESTIMATE_DOCS = 32
 
 
 class MixupUnmix(ActivationBeam):
@@ -46,27 +41,25 @@ class MixupUnmix(ActivationBeam):
         return p
 
     # ------------------------------------------------------------------ λ
-    def _residual(self, x: torch.Tensor, d: torch.Tensor, lam: float) -> tuple[float, torch.Tensor]:
-        """Relative mismatch between the rows unmixed with λ and the recomputed activations of their
-        ridge decoding; and those activations."""
-        client = self.knowledge_.client
-        h = (x - (1 - lam) * d) / lam
-        tokens = cosine_topk(self.ridge_(h), client.embedding, 1)[..., 0]
-        a = client.activations(tokens).to(h.dtype)
-        return float((h - a).pow(2).sum() / h.pow(2).sum().clamp_min(1e-30)), a
-
     def estimate_lambda(self, traffic: Traffic) -> float:
-        rows = self._probed_rows(traffic)[:ESTIMATE_DOCS]
-        client = self.knowledge_.client
-        x = traffic.activations[rows].to(client.device, client.dtype)
-        d = traffic.probe_activations[rows].to(client.device, client.dtype)
-        scores = [(self._residual(x, d, lam)[0], lam) for lam in LAMBDA_GRID]
-        lam = min(scores)[1]
-        for _ in range(2):  # least squares of x - d = λ (a - d), a from the current λ
-            _, a = self._residual(x, d, lam)
-            u, v = (x - d).flatten().double(), (a - d).flatten().double()
-            lam = float(torch.clamp(u @ v / (v @ v).clamp_min(1e-30), 0.01, 1.0))
-        return lam
+        """λ by least squares, with no model. Each coordinate j of a mixed row is
+        x_j = λ h_j + (1 − λ) d_j, and a row is independent of the decoy drawn for it, so the
+        least-squares slope of x_j on d_j over all rows and positions, Cov(x_j, d_j) / Var(d_j),
+        estimates 1 − λ. The median over coordinates resists the few coordinates with massive
+        activations that would dominate a pooled fit."""
+        rows = self._probed_rows(traffic)
+        width = traffic.activations.shape[-1]
+        x = traffic.activations[rows].double().reshape(-1, width)
+        d = traffic.probe_activations[rows].double().reshape(-1, width)
+        if x.shape[0] < 3:
+            raise ConfigError("mixup-unmix: too few probe rows to estimate λ; pass --lam")
+        xc, dc = x - x.mean(0), d - d.mean(0)
+        var = dc.pow(2).mean(0)
+        keep = var > 0
+        if not bool(keep.any()):
+            raise ConfigError("mixup-unmix: the probe rows are constant, so λ cannot be estimated; pass --lam")
+        slope = (xc * dc).mean(0)[keep] / var[keep]
+        return float(torch.clamp(1 - slope.median(), 0.01, 1.0))
 
     # ------------------------------------------------------------------ unmixing
     @staticmethod
