@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from splitleak.attacks.registry import help_text as attack_help
 from splitleak.errors import ConfigError, SplitleakError
 
 app = typer.Typer(
@@ -306,8 +307,7 @@ def channels_cmd(
 @app.command("attack")
 def attack_cmd(
     run_dir: Path = typer.Argument(..., help="a run directory written by `splitleak train`"),
-    attack: str = typer.Option(..., "--attack", help="vmi, majority, activation, joint, shuffled-gradient, "
-                               "random-candidate, backward-only, sipit, property, mixup-unmix"),
+    attack: str = typer.Option(..., "--attack", help=f"one of: {attack_help()}"),
     out: Path = typer.Option(..., "--out", help="RESULT.json to write (predictions go beside it as .parquet)"),
     k: Optional[int] = typer.Option(None, "--k", help="candidate budget of the beam attackers (8, 16, 32)"),
     copy: str = typer.Option("public", "--copy", help="public (pretrained) or trained (the run's client layers)"),

@@ -1,33 +1,31 @@
 """Turning traffic into text or facts: ridge fit, VMI, beam-search attackers, controls, SipIt,
-property inference. Attacks see only ``Knowledge`` (a client-layer copy, calibration documents)
-and ``Traffic`` (what crossed the split)."""
+property inference, mixup-unmix. Attacks see only ``Knowledge`` (a client-layer copy, calibration
+documents) and ``Traffic`` (what crossed the split). What each attack is lives in the torch-free
+``splitleak.attacks.registry``; the names below load lazily, so that importing the registry (for
+help text, reports, selectors) does not import torch."""
 
-from splitleak.attacks.core import (
-    ATTACKS,
-    ActivationBeam,
-    Attack,
-    BackwardOnly,
-    JointBeam,
-    Majority,
-    PropertyInference,
-    RandomCandidate,
-    Reconstruction,
-    ShuffledGradient,
-    SipIt,
-    VMI,
-    choose_property_tokens,
-    make_attack,
-    merge_candidates,
-)
-from splitleak.attacks.knowledge import ClientCopy, Knowledge, Traffic, load_knowledge, load_traffic
-from splitleak.attacks.ridge import RidgeMap, cosine_topk
-from splitleak.attacks.run import AttackConfig, make_attack_config, perturb_gradients, run_attack
-from splitleak.attacks.search import SearchResult, beam_search, beam_search_naive, sipit
+from __future__ import annotations
 
-__all__ = [
-    "ATTACKS", "ActivationBeam", "Attack", "AttackConfig", "BackwardOnly", "ClientCopy", "JointBeam",
-    "Knowledge", "Majority", "PropertyInference", "RandomCandidate", "Reconstruction", "RidgeMap",
-    "SearchResult", "ShuffledGradient", "SipIt", "Traffic", "VMI", "beam_search", "beam_search_naive",
-    "choose_property_tokens", "cosine_topk", "load_knowledge", "load_traffic", "make_attack",
-    "make_attack_config", "merge_candidates", "perturb_gradients", "run_attack", "sipit",
-]
+import importlib
+
+_EXPORTS = {
+    "splitleak.attacks.core": (
+        "ATTACKS", "ActivationBeam", "Attack", "BackwardOnly", "JointBeam", "Majority", "PropertyInference",
+        "RandomCandidate", "Reconstruction", "ShuffledGradient", "SipIt", "VMI", "choose_property_tokens",
+        "make_attack", "merge_candidates",
+    ),
+    "splitleak.attacks.knowledge": ("ClientCopy", "Knowledge", "Traffic", "load_knowledge", "load_traffic"),
+    "splitleak.attacks.ridge": ("RidgeMap", "cosine_topk"),
+    "splitleak.attacks.run": ("AttackConfig", "make_attack_config", "perturb_gradients", "run_attack"),
+    "splitleak.attacks.search": ("SearchResult", "beam_search", "beam_search_naive", "sipit"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'splitleak.attacks' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

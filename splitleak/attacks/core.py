@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from splitleak.attacks.knowledge import Knowledge, Traffic
+from splitleak.attacks.registry import REGISTRY, attack_info
 from splitleak.attacks.ridge import RidgeMap, cosine_scores, cosine_topk
 from splitleak.attacks.search import GradientGuidedOrder, beam_search, sipit
 from splitleak.errors import ConfigError
@@ -48,12 +49,11 @@ class Reconstruction:
 class Attack:
     name: ClassVar[str] = ""
     uses_gradients: ClassVar[bool] = False
-    #: the channels (``splitleak.wire.declare``) this attack can read; ``channels_read()`` says which
-    #: ones a configured instance reads. A control that reads no traffic declares none.
-    reads: ClassVar[tuple[str, ...]] = ("activations",)
 
     def channels_read(self) -> tuple[str, ...]:
-        return self.reads
+        """The channels (``splitleak.wire.declare``) this configured attack reads; by default all
+        that its registry entry (``attacks.registry``) says it can read."""
+        return attack_info(self.name).reads
 
     def __init__(self, seed: int = 0):
         self.seed = seed
@@ -118,7 +118,6 @@ class Majority(Attack):
     """Control: the calibration documents' most frequent token at each position (ties: lower id)."""
 
     name = "majority"
-    reads = ()
 
     def fit(self, knowledge):
         super().fit(knowledge)
@@ -293,7 +292,6 @@ class JointBeam(_GradientReader, ActivationBeam):
 
     name = "joint"
     uses_gradients = True
-    reads = ("activations", "gradient", "output-gradient")
 
     def __init__(self, k: int = 32, width: int = 2, seed: int = 0, chunk_docs: int = 64,
                  readout: str = DEFAULT_READOUT, gradient_source: str = DEFAULT_GRADIENT_SOURCE):
@@ -369,8 +367,6 @@ class BackwardOnly(JointBeam):
     gradient (``_GradientReader``)."""
 
     name = "backward-only"
-
-    reads = ("gradient", "output-gradient")
 
     def __init__(self, seed: int = 0, readout: str = DEFAULT_READOUT, gradient_source: str = DEFAULT_GRADIENT_SOURCE):
         super().__init__(seed=seed, readout=readout, gradient_source=gradient_source)
@@ -494,7 +490,6 @@ class PropertyInference(Attack):
 
     name = "property"
     uses_gradients = True
-    reads = ("gradient",)
 
     def __init__(self, n_properties: int = 3, seed: int = 0):
         self.n_properties = n_properties
@@ -514,13 +509,8 @@ class PropertyInference(Attack):
         return Reconstruction(None, {"scores": score.numpy(), "property_tokens": self.property_tokens_})
 
 
-from splitleak.attacks.mixup_unmix import MixupUnmix  # noqa: E402  (it builds on ActivationBeam above)
-
-ATTACKS: dict[str, type[Attack]] = {
-    cls.name: cls
-    for cls in (VMI, Majority, ActivationBeam, JointBeam, ShuffledGradient, RandomCandidate, BackwardOnly, SipIt,
-                PropertyInference, MixupUnmix)
-}
+#: name -> class, in the registry's order (attacks.registry is the one list of attacks)
+ATTACKS: dict[str, type[Attack]] = {name: info.load() for name, info in REGISTRY.items()}
 
 
 def make_attack(name: str, **params) -> Attack:

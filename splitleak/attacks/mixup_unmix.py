@@ -28,7 +28,6 @@ class MixupUnmix(ActivationBeam):
     unmix, and run the activation-only beam search (``k`` candidates) on the result."""
 
     name = "mixup-unmix"
-    reads = ("activations", "probe-activations")
 
     def __init__(self, k: int = 32, width: int = 2, seed: int = 0, chunk_docs: int = 64, lam: float | None = None):
         super().__init__(k=k, width=width, seed=seed, chunk_docs=chunk_docs)

@@ -32,6 +32,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from splitleak.attacks.registry import readout_attacks
 from splitleak.audit.protocol import Protocol, check_results
 from splitleak.errors import ConfigError, DataError, SplitleakError
 from splitleak.stats import bonferroni_alpha, heldout_rmse, paired_difference_ci, partial_r2_test
@@ -39,9 +40,9 @@ from splitleak.stats import bonferroni_alpha, heldout_rmse, paired_difference_ci
 ATTACK_FIELDS = ("attack", "k", "budget", "client_copy", "attack_seed", "gradient_noise", "gradient_bits", "inference",
                  "readout")
 RUN_FIELDS = ("model", "depth", "offload_start", "offload_length", "defence", "data", "victim_seed", "data_seed")
-#: the attacks that take a gradient read-out (attacks.core.READOUTS), and its default; a test keeps
-#: these equal to the attack classes' (this module does not import torch)
-READOUT_ATTACKS = ("joint", "shuffled-gradient", "backward-only")
+#: the attacks that take a gradient read-out (attacks.core.READOUTS), from the torch-free registry,
+#: and its default
+READOUT_ATTACKS = readout_attacks()
 DEFAULT_READOUT = "gradient"
 SELECTOR_DEFAULTS = {"defence": "none", "gradient_noise": None, "gradient_bits": None, "inference": False,
                      "readout": DEFAULT_READOUT}

@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from splitleak.attacks.core import ATTACKS
 from splitleak.attacks.knowledge import read_manifest
+from splitleak.attacks.registry import attacks_reading
 from splitleak.wire.declare import Declaration, declare_channels
 from splitleak.wire.defences import DefenceChain
 from splitleak.wire.tap import read_wire, wire_phases
@@ -34,10 +34,6 @@ def run_declaration(run_dir: str | Path) -> Declaration:
         return Declaration.from_dict(m["channels"])
     chain = DefenceChain.from_specs(m["config"]["defences"], m["config"]["seed"])  # a run older than declarations
     return declare_channels(u_shape=bool(m["split"].get("u_shape")), defences=chain.defences)
-
-
-def attacks_reading(channel: str) -> list[str]:
-    return [name for name, cls in ATTACKS.items() if channel in cls.reads]
 
 
 def _captured(run_dir: Path) -> dict[str, dict[str, Any]]:

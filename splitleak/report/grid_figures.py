@@ -7,9 +7,11 @@ from typing import Sequence
 
 import numpy as np
 
+from splitleak.attacks.registry import controls
 from splitleak.report.grid_stats import Cell, Config, CostPoint, perturbation_rank, perturbation_text
 
-CONTROLS = {"shuffled-gradient": "shuffled-gradient control", "random-candidate": "random-candidate control"}
+#: the joint attacker's controls, shown beside its gradient conditions, with their labels (registry)
+CONTROLS = controls(of="joint")
 
 
 def _row_label(cfg: Config, models: int) -> str:

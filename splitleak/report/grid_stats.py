@@ -22,12 +22,12 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from splitleak.audit.analysis import DEFAULT_READOUT, effective_readout
+from splitleak.attacks.registry import attack_names
 from splitleak.data import LABELS
 from splitleak.stats import crossed_bootstrap_ci, crossed_replicates, hierarchical_bootstrap_ci, hierarchical_replicates
 
-#: the order attacks are listed in (others follow alphabetically)
-ATTACK_ORDER = ("majority", "vmi", "activation", "sipit", "joint", "shuffled-gradient", "random-candidate",
-                "backward-only", "property")
+#: the order attacks are listed in: the registry's (others follow alphabetically)
+ATTACK_ORDER = tuple(attack_names())
 
 
 # ------------------------------------------------------------------ configurations and conditions

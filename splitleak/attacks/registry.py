@@ -1,0 +1,99 @@
+"""What each attack *is*, in one torch-free place.
+
+Every attack registers here with what the rest of the code needs to know about it: the channels it
+can read (``splitleak.wire.declare``), what it outputs, whether it is a control, whether it takes a
+gradient read-out, its display label and its place in tables, one line of description, and where
+its class lives (imported only when the attack runs). The CLI help, the analysis's selectors, the
+report's order and the figures' control styling are derived from this table, never from a second
+list. It imports no torch, so reports and help text stay light.
+
+Adding an attack: write its class (one file under ``attacks/``), add one ``AttackInfo`` here; the
+contract tests check that the two agree (``tests/test_registry.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Literal
+
+from splitleak.errors import ConfigError
+
+Output = Literal["tokens", "doc-score", "partition", "labels"]
+
+
+@dataclass(frozen=True)
+class AttackInfo:
+    name: str
+    cls: str  # "module:Class"
+    summary: str
+    reads: tuple[str, ...]  # channels it can read; a configured instance may read fewer
+    output: Output = "tokens"
+    control: bool = False  # a control: reads no signal of the victim's text, or the wrong one on purpose
+    control_of: str | None = None  # the attack whose signal this control replaces (None: a control of all)
+    takes_readout: bool = False  # takes ``readout`` (the gradient read-out of attacks.core.READOUTS)
+    label: str = ""  # display label where it differs from the name (figures)
+
+    @property
+    def display(self) -> str:
+        return self.label or self.name
+
+    def load(self) -> type:
+        module, _, attr = self.cls.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+_CORE = "splitleak.attacks.core"
+#: in the order tables list them
+REGISTRY: dict[str, AttackInfo] = {a.name: a for a in (
+    AttackInfo("majority", f"{_CORE}:Majority", "control: the calibration documents' most frequent token at "
+               "each position", reads=(), control=True),
+    AttackInfo("vmi", f"{_CORE}:VMI", "ridge map from activation to input embedding, nearest token by cosine",
+               reads=("activations",)),
+    AttackInfo("activation", f"{_CORE}:ActivationBeam", "k ridge/cosine candidates per position, beam search "
+               "over recomputed activations", reads=("activations",)),
+    AttackInfo("sipit", f"{_CORE}:SipIt", "per position, check candidates until one's recomputed activation "
+               "matches", reads=("activations",)),
+    AttackInfo("joint", f"{_CORE}:JointBeam", "as activation, with half the candidates from the gradient",
+               reads=("activations", "gradient", "output-gradient"), takes_readout=True),
+    AttackInfo("shuffled-gradient", f"{_CORE}:ShuffledGradient", "control: the joint attacker given another "
+               "document's gradient", reads=("activations", "gradient", "output-gradient"), control=True,
+               control_of="joint", takes_readout=True, label="shuffled-gradient control"),
+    AttackInfo("random-candidate", f"{_CORE}:RandomCandidate", "control: random tokens for the joint attacker's "
+               "gradient half", reads=("activations",), control=True, control_of="joint",
+               label="random-candidate control"),
+    AttackInfo("backward-only", f"{_CORE}:BackwardOnly", "the gradient at t-1 alone names token t",
+               reads=("gradient", "output-gradient"), takes_readout=True),
+    AttackInfo("property", f"{_CORE}:PropertyInference", "per document, gradient norms predict property tokens "
+               "(ROC AUC) and the leakage index", reads=("gradient",), output="doc-score"),
+    AttackInfo("mixup-unmix", "splitleak.attacks.mixup_unmix:MixupUnmix", "undo mixup from its probe rows, then "
+               "the activation attacker", reads=("activations", "probe-activations")),
+)}
+
+
+def attack_names() -> list[str]:
+    return list(REGISTRY)
+
+
+def attack_info(name: str) -> AttackInfo:
+    info = REGISTRY.get(name)
+    if info is None:
+        raise ConfigError(f"unknown attack {name!r}; known attacks: {', '.join(REGISTRY)}")
+    return info
+
+
+def readout_attacks() -> tuple[str, ...]:
+    return tuple(n for n, a in REGISTRY.items() if a.takes_readout)
+
+
+def controls(of: str | None = None) -> dict[str, str]:
+    """The control attacks (of one attack, when ``of`` is given) and their display labels."""
+    return {n: a.display for n, a in REGISTRY.items() if a.control and (of is None or a.control_of == of)}
+
+
+def attacks_reading(channel: str) -> list[str]:
+    return [n for n, a in REGISTRY.items() if channel in a.reads]
+
+
+def help_text() -> str:
+    return ", ".join(REGISTRY)
