@@ -26,6 +26,7 @@ Neither uses labels, server layers or evaluation text.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -509,8 +510,21 @@ class PropertyInference(Attack):
         return Reconstruction(None, {"scores": score.numpy(), "property_tokens": self.property_tokens_})
 
 
-#: name -> class, in the registry's order (attacks.registry is the one list of attacks)
-ATTACKS: dict[str, type[Attack]] = {name: info.load() for name, info in REGISTRY.items()}
+class _Attacks(Mapping):
+    """name -> class, a live view of the registry (attacks.registry is the one list of attacks):
+    an attack registered at run time is here too."""
+
+    def __getitem__(self, name: str) -> type[Attack]:
+        return REGISTRY[name].load()
+
+    def __iter__(self):
+        return iter(list(REGISTRY))
+
+    def __len__(self) -> int:
+        return len(REGISTRY)
+
+
+ATTACKS: Mapping[str, type[Attack]] = _Attacks()
 
 
 def make_attack(name: str, **params) -> Attack:

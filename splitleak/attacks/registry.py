@@ -7,8 +7,9 @@ its class lives (imported only when the attack runs). The CLI help, the analysis
 report's order and the figures' control styling are derived from this table, never from a second
 list. It imports no torch, so reports and help text stay light.
 
-Adding an attack: write its class (one file under ``attacks/``), add one ``AttackInfo`` here; the
-contract tests check that the two agree (``tests/test_registry.py``).
+Adding an attack: write its class (one file under ``attacks/``), add one ``AttackInfo`` here (or
+``register`` it at run time, as a plug-in does); the contract tests check that the two agree
+(``tests/test_registry.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ Output = Literal["tokens", "doc-score", "partition", "labels"]
 @dataclass(frozen=True)
 class AttackInfo:
     name: str
-    cls: str  # "module:Class"
+    cls: str | type  # "module:Class" (loaded when the attack runs), or the class itself
     summary: str
     reads: tuple[str, ...]  # channels it can read; a configured instance may read fewer
     output: Output = "tokens"
@@ -39,6 +40,8 @@ class AttackInfo:
         return self.label or self.name
 
     def load(self) -> type:
+        if isinstance(self.cls, type):
+            return self.cls
         module, _, attr = self.cls.partition(":")
         return getattr(importlib.import_module(module), attr)
 
@@ -69,6 +72,17 @@ REGISTRY: dict[str, AttackInfo] = {a.name: a for a in (
     AttackInfo("mixup-unmix", "splitleak.attacks.mixup_unmix:MixupUnmix", "undo mixup from its probe rows, then "
                "the activation attacker", reads=("activations", "probe-activations")),
 )}
+
+
+def register(info: AttackInfo) -> None:
+    """Add an attack at run time (a plug-in, or a toy attack in a test); the name must be new."""
+    if info.name in REGISTRY:
+        raise ConfigError(f"an attack named {info.name!r} is already registered")
+    REGISTRY[info.name] = info
+
+
+def unregister(name: str) -> None:
+    REGISTRY.pop(name, None)
 
 
 def attack_names() -> list[str]:

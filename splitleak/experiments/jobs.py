@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,7 @@ def _attack_fields(acfg: dict[str, Any], perturbation: str) -> dict[str, Any]:
         "client_copy": acfg["client_copy"], "attack_seed": acfg["attack_seed"], "perturbation": perturbation,
         "gradient_noise": acfg["gradient_noise"], "gradient_bits": acfg["gradient_bits"],
         "inference": acfg["inference"], "readout": acfg.get("readout"),
+        "params": json.dumps(acfg["params"], sort_keys=True) if acfg.get("params") else None,
     }
 
 
@@ -114,6 +116,8 @@ def _attack_summary(f: dict[str, Any]) -> str:
         parts.append(f"budget {f['budget']}")
     if f["readout"] not in (None, DEFAULT_READOUT):
         parts.append(f"readout {f['readout']}")
+    if f.get("params"):
+        parts.extend(f"{k}={v}" for k, v in json.loads(f["params"]).items())
     parts.append(f["client_copy"])
     parts.append(f"a{f['attack_seed']}")
     if f["perturbation"] != "none":
@@ -154,9 +158,14 @@ def _attack_configs(entry: AttackEntry, spec: ExperimentSpec, index: int) -> lis
             f"{where}: attack {entry.attack!r} does not read gradients, so the perturbations "
             f"{[p.label for p in perturbed]} would not change it; drop them"
         )
+    twice = sorted(set(entry.params) & {"k", "budget", "readout"})
+    if twice:
+        raise ConfigError(f"{where}: give {', '.join(twice)} on the attack line, not in params")
+    names = sorted(entry.params)
+    combos = [dict(zip(names, values)) for values in itertools.product(*(entry.params[n] for n in names))]
     out = []
     for k in entry.k or [None]:
-        for budget, readout in itertools.product(entry.budget or [None], entry.readout or [None]):
+        for budget, readout, extra in itertools.product(entry.budget or [None], entry.readout or [None], combos):
             for pert in entry.perturbations:
                 for copy_ in entry.client_copy or spec.client_copies:
                     for seed in entry.attack_seeds or spec.attack_seeds:
@@ -165,7 +174,7 @@ def _attack_configs(entry: AttackEntry, spec: ExperimentSpec, index: int) -> lis
                                 attack=entry.attack, k=k, budget=budget, readout=readout, client_copy=copy_,
                                 attack_seed=seed,
                                 gradient_noise=pert.gradient_noise, gradient_bits=pert.gradient_bits,
-                                inference=entry.inference == "only",
+                                inference=entry.inference == "only", params=extra,
                             )
                         except ConfigError as exc:
                             raise ConfigError(f"{where}: {exc}") from None

@@ -120,7 +120,9 @@ class Perturbation(BaseModel):
 
 class AttackEntry(BaseModel):
     """One line of the attack list; lists (``k``, ``budget``, ``readout``, ``client_copy``,
-    ``perturbations``, ``attack_seeds``) expand into one attack configuration per combination.
+    ``perturbations``, ``attack_seeds`` and each value of ``params``) expand into one attack
+    configuration per combination. ``params`` takes any other hyperparameter of the attack's class
+    by name (``params: {lam: [0.6, 0.75]}``); names the class does not take are refused.
 
     ``inference``: ``false`` counts the configuration in the training setting only; ``true`` also
     counts it in the inference setting, reusing the training measurement (activation-only attacks
@@ -139,11 +141,18 @@ class AttackEntry(BaseModel):
     inference: bool | Literal["only"] = False
     defences: list[str] | None = None
     attack_seeds: list[int] | None = None  # default: the spec's attack_seeds
+    # any other hyperparameter of the attack's class, by name; a list expands like k does
+    params: dict[str, list[Any]] = Field(default_factory=dict)
 
     @field_validator("k", "budget", "readout", "client_copy", "perturbations", "defences", "attack_seeds", mode="before")
     @classmethod
     def _listify(cls, v):
         return _as_list(v)
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _listify_params(cls, v):
+        return {key: _as_list(value) for key, value in (v or {}).items()}
 
 
 class Documents(BaseModel):

@@ -51,6 +51,7 @@ ATTACK_SCHEMA = pa.schema(
         ("attack", pa.string()), ("k", pa.int64()), ("budget", pa.string()), ("client_copy", pa.string()),
         ("attack_seed", pa.int64()), ("perturbation", pa.string()), ("gradient_noise", pa.float64()),
         ("gradient_bits", pa.int64()), ("inference", pa.bool_()), ("readout", pa.string()),
+        ("params", pa.string()),  # the attack's other hyperparameters as canonical JSON (null in older stores)
         ("doc_id", pa.int64()), ("token_correct", pa.int64()), ("token_counted", pa.int64()), ("exact", pa.bool_()),
     ]
     + [(f"span_hits_{lab}", pa.int64()) for lab in LABELS]

@@ -15,6 +15,7 @@ Every function takes store rows (dicts, as ``read_results(..., as_rows=True)`` g
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -47,12 +48,13 @@ class Config:
     gradient_bits: int | None
     inference: bool
     readout: str | None = None  # gradient read-out of the attacks that take one
+    params: str | None = None  # the attack's other hyperparameters, as canonical JSON (None: none)
 
     @classmethod
     def of(cls, r: dict[str, Any]) -> "Config":
         return cls(r.get("model"), r.get("data"), r.get("defence") or "none", r["attack"], r.get("k"),
                    r.get("budget"), r.get("gradient_noise"), r.get("gradient_bits"), bool(r.get("inference")),
-                   effective_readout(r))
+                   effective_readout(r), r.get("params"))
 
     @property
     def perturbation(self) -> str:
@@ -67,6 +69,8 @@ class Config:
             s += f" budget={self.budget}"
         if self.readout not in (None, DEFAULT_READOUT):
             s += f" readout={self.readout}"
+        if self.params:
+            s += "".join(f" {k}={v}" for k, v in json.loads(self.params).items())
         if self.gradient_noise is not None or self.gradient_bits is not None:
             s += f", {self.perturbation}"
         if self.inference:
@@ -77,8 +81,8 @@ class Config:
         a = ATTACK_ORDER.index(self.attack) if self.attack in ATTACK_ORDER else len(ATTACK_ORDER)
         budget = -1 if self.budget is None else (10**9 if self.budget == "exhaustive" else int(self.budget))
         return (self.model or "", self.data or "", self.defence != "none", self.defence, a, self.attack,
-                self.k or 0, budget, self.readout or "", perturbation_rank(self.gradient_noise, self.gradient_bits),
-                self.inference)
+                self.k or 0, budget, self.readout or "", self.params or "",
+                perturbation_rank(self.gradient_noise, self.gradient_bits), self.inference)
 
 
 @dataclass(frozen=True)
