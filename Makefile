@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # The CPU wheel of this torch lies on local disk here; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: audit test install models clean-venv
+.PHONY: audit test check lint install models clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,14 @@ audit: install
 
 test: install
 	$(PY) -m pytest
+
+# The fast tier while you work (under 2 minutes on 2 cores): no real model, no end-to-end runs.
+check: $(VENV)/.installed
+	$(PY) -m pytest -m "not slow and not e2e" -q
+
+# pyflakes, bugbear and import order (configured in pyproject.toml); CI runs it before the tests.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check splitleak tests benchmarks experiments
 
 models: install
 	$(VENV)/bin/splitleak models

@@ -102,7 +102,13 @@ def protocol_analyse_cmd(
     and the partial-offloading tests. Results not written under the protocol's hash are refused."""
     import json as _json
 
-    from splitleak.audit.analysis import analyse, analysis_markdown, find_results, rows_from_results, run_rows_from_results
+    from splitleak.audit.analysis import (
+        analyse,
+        analysis_markdown,
+        find_results,
+        rows_from_results,
+        run_rows_from_results,
+    )
     from splitleak.audit.protocol import load_protocol
 
     with _user_errors():
@@ -282,7 +288,7 @@ def channels_cmd(
 ) -> None:
     """Every channel the run's split mode and defences declare (002 §3): direction, shape, whether the
     tap captured it, which registered attacks read it, and its status."""
-    from splitleak.audit.channels import channel_table, channels_json, run_declaration, table_rows, HEADER
+    from splitleak.audit.channels import HEADER, channel_table, channels_json, run_declaration, table_rows
 
     with _user_errors():
         if as_json:
@@ -501,6 +507,7 @@ def audit_cmd(
 
 
 from splitleak.experiments.cli import app as experiment_app  # noqa: E402
+
 app.add_typer(experiment_app, name="experiment")
 
 

@@ -49,10 +49,12 @@ def rich_progress() -> Iterator[Progress]:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
-        Progress as RP,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
+    )
+    from rich.progress import (
+        Progress as RP,
     )
 
     with RP(

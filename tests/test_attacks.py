@@ -5,8 +5,18 @@ import pytest
 import torch
 
 from splitleak.attacks import (
-    ATTACKS, ClientCopy, Knowledge, beam_search, beam_search_naive, choose_property_tokens,
-    load_knowledge, load_traffic, make_attack_config, merge_candidates, perturb_gradients, run_attack,
+    ATTACKS,
+    ClientCopy,
+    Knowledge,
+    beam_search,
+    beam_search_naive,
+    choose_property_tokens,
+    load_knowledge,
+    load_traffic,
+    make_attack_config,
+    merge_candidates,
+    perturb_gradients,
+    run_attack,
 )
 from splitleak.attacks.core import derangement, random_fill
 from splitleak.attacks.ridge import RidgeMap, cosine_topk
@@ -92,11 +102,11 @@ def test_gradient_readout_names_the_next_token_from_the_gradient_alone(weak_runs
 
 
 def test_readout_is_part_of_the_config_of_gradient_attacks_only():
+    import inspect
+
     from splitleak.attacks.core import BackwardOnly, JointBeam, ShuffledGradient
     from splitleak.audit.analysis import DEFAULT_READOUT, READOUT_ATTACKS
     from splitleak.wire.store import config_hash
-
-    import inspect
 
     takes = sorted(n for n, cls in ATTACKS.items() if "readout" in inspect.signature(cls.__init__).parameters)
     assert takes == sorted(READOUT_ATTACKS)  # analysis keeps its own copy (it does not import torch)

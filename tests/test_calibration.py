@@ -128,6 +128,7 @@ def test_shuffled_control_reads_not_detected_for_honest_arms_and_catches_a_cheat
     assert g == ref and g.breaks
 
 
+@pytest.mark.e2e
 def test_audit_under_heavy_noise_reads_at_floor_with_a_calibrated_metric(tmp_path):
     out = tmp_path / "audit"
     r = runner.invoke(app, ["audit", "--model", "tiny-gpt2", "--out", str(out), "--quiet", "--n-calib", "16",

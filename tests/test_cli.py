@@ -73,6 +73,7 @@ def test_defence_argument_forms():
         parse_defences(["quant8", "quant4"], ["clip=1"])
 
 
+@pytest.mark.e2e
 def test_audit_on_tiny_model(tmp_path):
     out = tmp_path / "audit"
     r = runner.invoke(app, ["audit", "--model", "tiny-gpt2", "--out", str(out), "--quiet", *SMALL])

@@ -6,6 +6,7 @@ from splitleak.errors import SplitleakError
 from splitleak.report.compare import compare_runs, leakage_cost_figure, table_rows
 
 runner = CliRunner()
+pytestmark = pytest.mark.e2e  # every test here compares whole audits
 SMALL = ["--n-calib", "8", "--n-train", "8", "--n-eval", "12", "--quiet", "--device", "cpu", "--model", "tiny-gpt2"]
 
 

@@ -342,7 +342,7 @@ def test_worker_counts_job_flops_only_when_asked_and_without_changing_results(tm
     assert results[True] == results[False]  # counting observes, it does not change the computation
     recs = {p.stem: json.loads(p.read_text()) for p in flops.glob("*.json")}
     assert set(recs) == {train.key, joint.key}
-    for key, rec in recs.items():
+    for rec in recs.values():
         assert rec["flops"] == sum(rec["by_op"].values()) > 0 and rec["seconds"] > 0
         assert "aten._scaled_dot_product_flash_attention_for_cpu" in rec["by_op"]
     # training runs the model forward and backward over its documents; the attack only forward
@@ -379,6 +379,7 @@ def tiny_grid(tmp_path_factory):
     return spec, store, r.output
 
 
+@pytest.mark.e2e
 def test_grid_store_has_one_row_per_job_and_document(tiny_grid):
     from splitleak.experiments import plan_grid, read_results
 
@@ -467,6 +468,7 @@ def test_status_counts_done_running_failed_pending(tiny_grid, tmp_path):
     assert f"running  {a[0][:12]}" in r.output
 
 
+@pytest.mark.e2e
 def test_sigkill_then_resume_gives_each_job_once_and_the_clean_results(tiny_grid, tmp_path):
     from splitleak.experiments import grid_status, plan_grid, read_results
 
@@ -551,6 +553,7 @@ attacks:
 """
 
 
+@pytest.mark.e2e
 def test_failed_jobs_are_recorded_and_do_not_stop_the_others(tmp_path):
     from splitleak.experiments import plan_grid, read_results
 
@@ -585,6 +588,7 @@ def test_failed_jobs_are_recorded_and_do_not_stop_the_others(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                     reason="ray is not installed (pip install 'splitleak[ray]'); the Ray executor is not tested")
+@pytest.mark.e2e
 def test_ray_executor_gives_the_local_results(tiny_grid, tmp_path):
     from splitleak.experiments import run_grid
 
@@ -598,6 +602,7 @@ def test_ray_executor_gives_the_local_results(tiny_grid, tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                     reason="ray is not installed (pip install 'splitleak[ray]'); the Ray executor is not tested")
+@pytest.mark.e2e
 def test_ray_executor_joins_a_running_cluster_and_spreads_jobs_over_its_nodes(tiny_grid, tmp_path):
     """`--address`: a cluster of a head without CPUs and two worker nodes (ray.cluster_utils runs
     them as separate raylets on this machine); every job must run on a worker node, both are used,

@@ -3,8 +3,7 @@ import torch
 from torch import nn
 
 from splitleak.errors import ConfigError, ModelError
-from splitleak.models import LoadedModel, SplitModel, load_model, make_spec, model_fingerprint
-from splitleak.models import presets
+from splitleak.models import LoadedModel, SplitModel, load_model, make_spec, model_fingerprint, presets
 
 
 def _tiny_llama(seed=0, **extra):

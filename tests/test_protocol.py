@@ -5,7 +5,12 @@ import pytest
 from typer.testing import CliRunner
 
 from splitleak.audit.protocol import (
-    check_results, file_sha256, freeze_protocol, load_protocol, parse_protocol, shipped_protocols,
+    check_results,
+    file_sha256,
+    freeze_protocol,
+    load_protocol,
+    parse_protocol,
+    shipped_protocols,
 )
 from splitleak.cli import app
 from splitleak.errors import ConfigError, IntegrityError

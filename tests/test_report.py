@@ -334,6 +334,7 @@ documents: {n_calib: 8, n_train: 4, n_eval: 8, doc_len: 16}
 """
 
 
+@pytest.mark.e2e
 def test_cli_reports_a_real_tiny_grid(tmp_path):
     """End to end: one tiny train job and two attacks run by the grid runner, then the report command."""
     from typer.testing import CliRunner

@@ -30,7 +30,6 @@ from splitleak.stats import (
     wilson_upper,
 )
 
-
 # ---------------------------------------------------------------- Wilson and the gate
 
 
@@ -271,9 +270,9 @@ def test_paired_difference_bonferroni_family_null():
     rng = np.random.default_rng(77)
     a_level = bonferroni_alpha(0.05, 5)
     false_families = 0
-    for sim in range(100):
+    for _ in range(100):
         any_fp = False
-        for j in range(5):
+        for _ in range(5):
             a = _simulate(rng)
             b = a + rng.normal(0, 1e-3, a.shape)
             iv = paired_difference_ci(a, b, n_boot=1000, alpha=a_level, seed=rng)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from splitleak.errors import ConfigError, NonFiniteError
 from splitleak.data import load_documents
+from splitleak.errors import ConfigError, NonFiniteError
 from splitleak.models import SplitModel, load_model, next_token_loss
 from splitleak.training import make_train_config, run_training, train_split, training_order
 from splitleak.wire import DefenceChain, load_capture, quantize_symmetric, verify_run

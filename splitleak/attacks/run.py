@@ -21,16 +21,21 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from splitleak.attacks.core import ATTACKS, DEFAULT_READOUT, Majority, VMI, make_attack
+from splitleak.attacks.core import ATTACKS, DEFAULT_READOUT, VMI, Majority, make_attack
 from splitleak.attacks.knowledge import (
-    Knowledge, Traffic, load_knowledge, load_traffic, phase_documents, read_documents, read_manifest,
+    Knowledge,
+    Traffic,
+    load_knowledge,
+    load_traffic,
+    phase_documents,
+    read_documents,
+    read_manifest,
 )
 from splitleak.errors import ConfigError, SplitleakError
 from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
 from splitleak.progress import Progress, Silent
 from splitleak.wire.defences import quantize_symmetric
 from splitleak.wire.store import config_hash
-
 
 #: hyperparameters that had their own columns before ``params`` existed; they stay top-level keys of
 #: the dump (``k`` and ``budget`` always, the others when set), so that earlier job keys do not change

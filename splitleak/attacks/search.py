@@ -164,8 +164,8 @@ def sipit(
             start = 0
             while len(active) and start < limit:
                 r = min(round_size, limit - start)
-                def prefix(act=active):
-                    return _subset_cache(client, cache, act) if t > 0 else None
+                def prefix(act=active):  # called within this iteration only
+                    return _subset_cache(client, cache, act) if t > 0 else None  # noqa: B023
 
                 cand = order(rows_all[active], t, start, r, prefix).to(client.device)
                 sub = prefix() or client.new_cache()

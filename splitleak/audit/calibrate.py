@@ -361,10 +361,10 @@ def calibration_table(record: dict[str, Any]) -> tuple[list[str], list[list[str]
     for r in record["doses"]:
         e = r["effects"]
 
-        def cell(m: str, value: str) -> str:
-            if e[m] is None:
+        def cell(m: str, value: str) -> str:  # called within this iteration only
+            if e[m] is None:  # noqa: B023
                 return f"{value} (n/a)"
-            mark = " ✓" if e[m]["detected"] else ""
+            mark = " ✓" if e[m]["detected"] else ""  # noqa: B023
             return f"{value}{mark}"
 
         rows.append([

@@ -91,7 +91,7 @@ def _load(spec: str | Path | LoadedSpec, profile: str | None, overrides) -> Load
 
 def _protocol_hash(loaded: LoadedSpec) -> str:
     """The protocol's hash as it would be frozen; an edit after freezing is refused here."""
-    from splitleak.audit.protocol import frozen_record_path, file_sha256, load_protocol, parse_protocol
+    from splitleak.audit.protocol import file_sha256, frozen_record_path, load_protocol, parse_protocol
 
     parse_protocol(loaded.protocol_path)  # a clear error for an invalid protocol
     if frozen_record_path(loaded.protocol_path).is_file():

@@ -127,10 +127,10 @@ def cached_model(name: str, precision: str, seed: int, model_path: str | None):
 
 
 def _train(job: dict[str, Any], store, device: str, threads: int | None, progress) -> None:
+    from splitleak.attacks.knowledge import read_manifest
     from splitleak.errors import IntegrityError
     from splitleak.experiments.store import train_row
     from splitleak.training import make_train_config, run_training
-    from splitleak.attacks.knowledge import read_manifest
     from splitleak.wire import verify_run
 
     cfg = make_train_config(**job["run_config"])

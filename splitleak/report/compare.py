@@ -22,7 +22,6 @@ from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
 
 
-
 @dataclass
 class RunSummary:
     path: Path

@@ -197,7 +197,7 @@ def store_report(store: str | Path, protocol_path: str | Path, *, out: str | Pat
     check_protocol(attack_rows, phash, rs.root)
     train_rows = read_results(rs.root, "train", as_rows=True)
     counts = {"train": {"done": len(train_rows)}, "attack": {"done": 0}, "reuse": {"done": 0}}
-    for key, kind in {r["key"]: r["kind"] for r in attack_rows}.items():
+    for kind in {r["key"]: r["kind"] for r in attack_rows}.values():
         counts["reuse" if kind == "reuse" else "attack"]["done"] += 1
     for f in rs.failures().values():
         k = f["kind"] if f["kind"] in counts else "attack"

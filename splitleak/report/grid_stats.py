@@ -22,8 +22,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from splitleak.audit.analysis import DEFAULT_READOUT, effective_readout
 from splitleak.attacks.registry import attack_names
+from splitleak.audit.analysis import DEFAULT_READOUT, effective_readout
 from splitleak.data import LABELS
 from splitleak.stats import crossed_bootstrap_ci, crossed_replicates, hierarchical_bootstrap_ci, hierarchical_replicates
 

@@ -39,7 +39,7 @@ def make_replicas(split: SplitModel, k: int, scale: float, seed: int) -> list[Sp
     copies; every copy's server layers get their own seeded perturbation."""
     spec = split.spec
     replicas = [split]
-    for r in range(1, k):
+    for _ in range(1, k):
         lm = split.lm
         model = copy.deepcopy(lm.model)
         replicas.append(SplitModel(LoadedModel(lm.name, model, lm.tokenizer, lm.precision, lm.source, dict(lm.info)),

@@ -24,8 +24,8 @@ from splitleak.models import LoadedModel, SplitModel, load_model
 from splitleak.progress import Progress, Silent
 from splitleak.training.config import TrainConfig
 from splitleak.training.loop import TrainLog, capture_traffic, evaluate_ce, train_all_local, train_split, utility
-from splitleak.wire.defences import DefenceChain
 from splitleak.wire.declare import declare_channels
+from splitleak.wire.defences import DefenceChain
 from splitleak.wire.store import RunStore
 from splitleak.wire.tap import WireRecorder
 
