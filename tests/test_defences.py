@@ -41,7 +41,7 @@ def test_mixup_corrections_against_a_linear_server(lam, correction):
     ids = torch.randint(0, 500, (1, 32), generator=gen)
     with torch.no_grad():
         earlier = split.bottom(torch.randint(0, 500, (2, 32), generator=gen))
-    chain.mixup.remember(earlier, (5, 6), 0, earlier @ A + c)
+    chain.client_transform.remember(earlier, (5, 6), 0, earlier @ A + c)
     seen = []
     client.channel.taps.append(seen.append)
     client.exchange(ids, (11,), 1, "capture")
@@ -62,7 +62,7 @@ def test_mixup_corrections_against_a_linear_server(lam, correction):
         assert torch.equal(sent.tensor[1], decoy)
     else:
         assert sent.tensor.shape[0] == 1 and sent.doc_ids == (11,) and sent.meta == {}
-    assert all(src[1] in (5, 6) for src in chain.mixup.draw_log[0]["sources"])
+    assert all(src[1] in (5, 6) for src in chain.client_transform.draw_log[0]["sources"])
 
 
 def test_mixup_is_not_exact_for_a_nonlinear_server_but_close():
@@ -75,7 +75,7 @@ def test_mixup_is_not_exact_for_a_nonlinear_server_but_close():
     client = ClientRole(split, chain, InProcessChannel(server.handle), lr=0.0)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        chain.mixup.remember(split.bottom(torch.randint(0, 500, (4, 32), generator=gen)), (0, 1, 2, 3), 0)
+        chain.client_transform.remember(split.bottom(torch.randint(0, 500, (4, 32), generator=gen)), (0, 1, 2, 3), 0)
     ids = torch.randint(0, 500, (1, 32), generator=gen)
     client.exchange(ids, (0,), 0, "capture")
     plain = ClientRole(split, DefenceChain([], 0), InProcessChannel(server.handle), lr=0.0)

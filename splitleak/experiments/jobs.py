@@ -28,7 +28,6 @@ from splitleak.wire.store import config_hash
 
 SCHEMA = 1
 KINDS = ("train", "attack", "reuse")
-PLAIN_SPLIT_ONLY = ("mixup", "replica-median")  # run_training refuses them with partial offloading
 
 
 @dataclass(frozen=True)
@@ -217,7 +216,8 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
         seen[job.key] = job.summary
         jobs.append(job)
 
-    plain_only = [lab for lab, chain in chains if any(d.name in PLAIN_SPLIT_ONLY for d in chain)]
+    plain_only = [lab for lab, chain in chains  # unknown names are refused below, with the defence named
+                  if any(d.name in DEFENCES and "u-shape" not in DEFENCES[d.name].split_modes for d in chain)]
     if plain_only and spec.placements is not None:
         raise ConfigError(
             f"{loaded.path}: the defence {plain_only[0]!r} is implemented for the plain split only, not for "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from splitleak.errors import ConfigError, NonFiniteError
+from splitleak.errors import NonFiniteError
 from splitleak.models.split import BlockContext, SplitModel, next_token_loss
 from splitleak.wire.channel import Channel
 from splitleak.wire.defences import DefenceChain
@@ -127,36 +127,23 @@ class ClientRole:
         self.opt = make_optimizer(self.params, lr)
         self.last_gradient: torch.Tensor | None = None  # gradient applied to the bottom's output
         self.last_losses: list[float] | None = None  # per document, when the client computes the loss (U-shape)
-        if chain.mixup is not None and split.spec.u_shape:
-            raise ConfigError("mixup is implemented for the plain split only, not for partial offloading")
+        chain.check_split_mode(split.spec.u_shape)
 
     def exchange(self, input_ids: torch.Tensor, doc_ids: tuple[int, ...], step: int, phase: str) -> list[float] | None:
         """One forward and backward through the wire; steps the client optimizer in training.
         Returns the per-document next-token loss when the client computes it (U-shape), else None
         (in a plain split the loss stays on the server)."""
         split = self.split
-        mask = torch.ones(input_ids.shape, dtype=torch.int64)
         train = phase == "train"
         with torch.set_grad_enabled(train):
             h = split.bottom(input_ids)
-        mix = self.chain.mixup
-        mixing = mix is not None and mix.ready(input_ids.shape[1])
-        if mix is not None and not mixing and not train:
-            raise ConfigError("mixup's decoy pool is empty: capture needs training steps first (they fill it)")
-        rows, row_ids, labels, meta = h.detach(), tuple(doc_ids), input_ids, {}
-        g_cached = None
-        if mixing:
-            mixed, decoy, g_cached = mix.mix(h.detach(), doc_ids, step, phase)
-            rows = mixed
-            if mix.correction == "probe":
-                # the decoys travel as probe rows after the document rows; their gradient comes back
-                # untrained on. Their ids are the decoy draws' chunk numbers: they do not name a document.
-                first = mix.chunk - len(doc_ids)
-                rows = torch.cat([mixed, decoy])
-                row_ids = tuple(doc_ids) + tuple(-1 - (first + i) for i in range(len(doc_ids)))
-                labels = torch.cat([input_ids, input_ids])
-                meta = {"probe_rows": len(doc_ids)}
-                mask = torch.ones(labels.shape, dtype=torch.int64)
+        transform = self.chain.client_transform  # a defence acting on what the client sends and receives
+        prepared = transform.prepare(h.detach(), input_ids, doc_ids, step, phase) if transform is not None else None
+        if prepared is None:
+            rows, row_ids, labels, meta, state = h.detach(), tuple(doc_ids), input_ids, {}, None
+        else:
+            rows, row_ids, labels, meta, state = prepared
+        mask = torch.ones(labels.shape, dtype=torch.int64)
         x = self.chain.forward(rows, phase, step, row_ids)
         bits = self.chain.payload_bits("forward", 8 * x.element_size())
         fwd = Frame(
@@ -177,18 +164,16 @@ class ClientRole:
             else:
                 (g_top,) = torch.autograd.grad(per_doc.sum(), h_ret)
             self.last_losses = [float(v) for v in per_doc.detach()]  # logged here; the loss never crosses
+            top_mask = torch.ones(input_ids.shape, dtype=torch.int64)
             reply = self.channel.request(
-                Frame("backward-top", step, doc_ids, g_top.detach(), mask, phase,
-                      payload_bits=8 * h_ret.element_size())
+                Frame("backward-top", step, doc_ids, g_top.detach(), top_mask, phase, payload_bits=8 * h_ret.element_size())
             )
         g = reply.tensor.to(split.device)
         _finite(g, "returned gradient", step)
-        n = len(doc_ids)
-        if mixing:
-            g_decoy = g[n:] if mix.correction == "probe" else g_cached
-            g = mix.correct(g[:n], g_decoy)
-        if train and mix is not None:
-            mix.remember(h.detach(), doc_ids, step, g if mix.correction == "cached" else None)
+        if prepared is not None:
+            g = transform.receive(g, len(doc_ids), state)
+        if train and transform is not None:
+            transform.after_step(h.detach(), doc_ids, step, g)
         self.last_gradient = g
         if train and self.opt is not None:
             h.backward(g)  # straight-through the forward defence

@@ -104,14 +104,8 @@ def run_training(
     split = SplitModel(lm, config.depth, config.offload_start, config.offload_length)
     if config.doc_len > getattr(lm.model.config, "max_position_embeddings", getattr(lm.model.config, "n_positions", 10**9)):
         raise ConfigError(f"--doc-len {config.doc_len} exceeds the model's context length")
-    if chain_client.mixup is not None and split.spec.u_shape:
-        raise ConfigError("mixup is implemented for the plain split only, not for partial offloading; use --depth")
-    if chain_client.replica is not None and split.spec.u_shape:
-        raise ConfigError("replica-median is implemented for the plain split only, not for partial offloading; use --depth")
-    if chain_client.mixup is not None and config.n_steps < chain_client.mixup.warmup:
-        raise ConfigError(f"mixup sends its first {chain_client.mixup.warmup} training step(s) unmixed to fill the decoy "
-                          f"pool, but the run has only {config.n_steps} step(s); lower the defence argument warmup or "
-                          "train longer")
+    chain_client.check_split_mode(split.spec.u_shape)
+    chain_client.check_run(config.n_steps)
     declaration = declare_channels(u_shape=split.spec.u_shape, defences=chain_client.defences)
     pristine = copy.deepcopy(lm.model) if config.all_local_baseline else None
 
@@ -145,15 +139,8 @@ def run_training(
     store.add_json("documents", "documents.json", docs.to_json())
 
     pre = utility(evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss"))
-    server = None
-    server_logits = None
-    if chain_server.replica is not None:
-        from splitleak.training.replicas import ReplicaMedianLink, make_replicas
-
-        rep = chain_server.replica
-        server = ReplicaMedianLink(make_replicas(split, rep.k, rep.perturbation, config.seed), chain_server,
-                                   config.lr, rep.threshold)
-        server_logits = server.median_logits
+    server = chain_server.build_server(split, config.lr)  # None: one ServerRole on the main link
+    server_logits = getattr(server, "median_logits", None)
     # the tap: every frame of the training steps and of the capture pass, recorded as it crossed
     train_tap = WireRecorder(store, "train", declaration)
     log = TrainLog()
@@ -183,9 +170,11 @@ def run_training(
         store.close(False, {"error": str(exc), "stage": "capture"})
         raise
     capture_tap.close(ledgers)
-    if chain_client.mixup is not None:
-        # the client's own record of where every decoy came from; it never crosses (for scoring only)
-        store.add_json("client-record", "client/mixup_decoys.json", chain_client.mixup.draw_log)
+    for d in chain_client.defences:
+        record = getattr(d, "client_record", None)
+        if record is not None:  # the client's own record (mixup: where each decoy came from); it never crosses
+            rel, obj = record()
+            store.add_json("client-record", rel, obj)
     store.add_tensors(
         "client-layers", "client_layers.safetensors", split.client_state_dict(),
         {"cut": split.spec.cut}, metadata={"model": lm.name, "cut": str(split.spec.cut)},

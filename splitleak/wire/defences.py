@@ -39,13 +39,34 @@ class WireContext:
         return g
 
 
+#: where a defence acts (``Defence.roles``):
+#: - ``client-forward``: transforms the activations the client sends (``forward``);
+#: - ``return-wire``: transforms the gradient the server returns at the observation point (``backward``);
+#: - ``server``: changes the server side itself (``build_server``);
+#: - ``client-after-receipt``: changes what the client does with what it sent and received, with state
+#:   of its own across steps (``ClientTransform``);
+#: - ``backward-wire``: the gradient the client returns in a U-shape (no defence acts there yet).
+ROLES = ("client-forward", "return-wire", "server", "client-after-receipt", "backward-wire")
+SPLIT_MODES = ("plain", "u-shape")
+
+
 class Defence:
     """Base class. Subclasses set ``name`` and override ``forward``/``backward``; the default
-    direction is the identity."""
+    direction is the identity. A defence says where it acts (``roles``, from ``ROLES``) and which
+    split modes it supports (``split_modes``); the training code asks it, not its class."""
 
     name: ClassVar[str] = ""
     #: bits per element on the wire after this defence, per direction; None leaves it unchanged
     bits: ClassVar[dict[str, int | None]] = {"forward": None, "backward": None}
+    split_modes: ClassVar[tuple[str, ...]] = SPLIT_MODES
+
+    def roles(self) -> tuple[str, ...]:
+        """Where this configured defence acts: both wire directions unless a subclass says less."""
+        return ("client-forward", "return-wire")
+
+    def build_server(self, split, chain: "DefenceChain", lr: float, seed: int):
+        """A defence acting on the ``server`` returns the server side the client talks to."""
+        raise NotImplementedError(f"defence {self.name!r} does not act on the server")
 
     def forward(self, x: torch.Tensor, ctx: WireContext) -> torch.Tensor:
         return x
@@ -94,6 +115,9 @@ def gaussian_noise_rms(g: torch.Tensor, rel_sigma: float, ctx: WireContext, dire
 
 class NoDefence(Defence):
     name = "none"
+
+    def roles(self):
+        return ()
 
 
 class Quant(Defence):
@@ -173,6 +197,10 @@ class ClipNoise(Defence):
     def args(self):
         return {"clip": self.clip, "sigma": self.sigma, "where": self.where}
 
+    def roles(self):
+        return {"forward": ("client-forward",), "backward": ("return-wire",),
+                "both": ("client-forward", "return-wire")}[self.where]
+
     def _apply(self, x, ctx, direction):
         return gaussian_rows(clip_rows(x, self.clip), self.sigma * self.clip, ctx, direction)
 
@@ -202,6 +230,9 @@ class DPForward(Defence):
 
     def args(self):
         return {"noise_multiplier": self.noise_multiplier, "clip": self.clip, "delta": self.delta}
+
+    def roles(self):
+        return ("client-forward",)
 
     def forward(self, x, ctx):
         return gaussian_rows(clip_rows(x, self.clip), self.noise_multiplier * self.clip, ctx, "forward")
@@ -266,7 +297,10 @@ class SecretMixup(Defence):
     chunk counter, and ``draw_log`` (the provenance of every decoy drawn; it never crosses)."""
 
     name = "mixup"
-    stateful = True
+    split_modes = ("plain",)
+
+    def roles(self):
+        return ("client-forward", "client-after-receipt")
 
     def __init__(self, **kw):
         lam = kw.pop("lambda", kw.pop("lam", 0.75))
@@ -359,6 +393,44 @@ class SecretMixup(Defence):
         g_cached = torch.stack(cached).to(x.device, x.dtype) if grads is not None else None
         return self.lam * x + (1 - self.lam) * decoy, decoy, g_cached
 
+    # ---------------------------------------------------------------- the client transform
+    def set_seed(self, seed: int) -> None:
+        self.seed = seed
+
+    def check_run(self, steps: int) -> None:
+        if steps < self.warmup:
+            raise ConfigError(f"mixup sends its first {self.warmup} training step(s) unmixed to fill the decoy pool, "
+                              f"but the run has only {steps} step(s); lower the defence argument warmup or train longer")
+
+    def prepare(self, h: torch.Tensor, input_ids: torch.Tensor, doc_ids, step: int, phase: str):
+        """What the client sends instead of its rows h: (rows, row ids, labels, meta, state), or None
+        to send h unmixed (the warm-up steps). State is what ``receive`` needs."""
+        if not self.ready(input_ids.shape[1]):
+            if phase != "train":
+                raise ConfigError("mixup's decoy pool is empty: capture needs training steps first (they fill it)")
+            return None
+        mixed, decoy, g_cached = self.mix(h, doc_ids, step, phase)
+        if self.correction != "probe":
+            return mixed, tuple(doc_ids), input_ids, {}, g_cached
+        # the decoys travel as probe rows after the document rows; their gradient comes back untrained
+        # on. Their ids are the decoy draws' chunk numbers: they do not name a document.
+        first = self.chunk - len(doc_ids)
+        row_ids = tuple(doc_ids) + tuple(-1 - (first + i) for i in range(len(doc_ids)))
+        return torch.cat([mixed, decoy]), row_ids, torch.cat([input_ids, input_ids]), {"probe_rows": len(doc_ids)}, None
+
+    def receive(self, g: torch.Tensor, n: int, state) -> torch.Tensor:
+        """The gradient the client applies to its n document rows, from the reply to a mixed frame."""
+        g_decoy = g[n:] if self.correction == "probe" else state
+        return self.correct(g[:n], g_decoy)
+
+    def after_step(self, h: torch.Tensor, doc_ids, step: int, g: torch.Tensor) -> None:
+        """After a training step has crossed: its rows join the decoy pool."""
+        self.remember(h, doc_ids, step, g if self.correction == "cached" else None)
+
+    def client_record(self) -> tuple[str, Any]:
+        """The client's own record, written into the run (it never crosses): where each decoy came from."""
+        return "client/mixup_decoys.json", self.draw_log
+
     def correct(self, g: torch.Tensor, g_decoy: torch.Tensor | None) -> torch.Tensor:
         """The gradient the client applies to its own activations, from the returned gradient g of
         the mixed rows (and the decoys' gradient: probed, or cached)."""
@@ -375,6 +447,15 @@ class ReplicaMedian(Defence):
     ``splitleak.training.replicas``)."""
 
     name = "replica-median"
+    split_modes = ("plain",)
+
+    def roles(self):
+        return ("server",)
+
+    def build_server(self, split, chain, lr, seed):
+        from splitleak.training.replicas import ReplicaMedianLink, make_replicas
+
+        return ReplicaMedianLink(make_replicas(split, self.k, self.perturbation, seed), chain, lr, self.threshold)
 
     def __init__(self, k: int = 3, perturbation: float = 1e-4, threshold: float = 0.02):
         if not (isinstance(k, int) and k >= 3):
@@ -403,48 +484,77 @@ DEFENCES: dict[str, type[Defence]] = {
 }
 
 
-@dataclass(frozen=True)
-class DefenceSpec:
-    name: str
-    args: tuple[tuple[str, Any], ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "args": dict(self.args)}
-
-
 def build_defence(name: str, args: dict[str, Any] | None = None) -> Defence:
+    """The defence ``name`` with ``args``; unknown names, unknown arguments and values of the wrong
+    type or out of range are refused with the defence and the argument named."""
+    import inspect
+
     args = dict(args or {})
     cls = DEFENCES.get(name)
     if cls is None:
         raise ConfigError(f"unknown defence {name!r}; known defences: {', '.join(sorted(DEFENCES))}")
+    params = {} if cls.__init__ is object.__init__ else inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    allowed = [p for p in params if p not in ("self", "kw")]
+    unknown = sorted(set(args) - set(allowed)) if not takes_any else []
+    if unknown:
+        raise ConfigError(
+            f"defence {name!r} does not take argument(s) {unknown}; it takes "
+            f"{', '.join(allowed) if allowed else 'no arguments'}"
+        )
     try:
         return cls(**args)
-    except TypeError:
-        import inspect
-
-        allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-        raise ConfigError(
-            f"defence {name!r} does not take argument(s) {sorted(args)}; it takes "
-            f"{', '.join(allowed) if allowed else 'no arguments'}"
-        ) from None
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        given = ", ".join(f"{k}={v!r}" for k, v in args.items())
+        raise ConfigError(f"defence {name!r}: an argument has a value of the wrong type ({given}): {exc}") from None
 
 
 class DefenceChain:
-    """Defences applied in the order given, in both directions."""
+    """Defences applied in the order given, in both directions. The training code asks the chain
+    where its defences act: ``client_transform`` (at most one defence acting after receipt, with
+    state of its own, applied by the client before the other forward transforms), ``build_server``
+    (at most one defence acting on the server), ``check_split_mode``."""
 
     def __init__(self, defences: list[Defence], seed: int):
         self.defences = [d for d in defences if not isinstance(d, NoDefence)]
         self.seed = seed
-        mixups = [d for d in self.defences if isinstance(d, SecretMixup)]
-        if len(mixups) > 1:
-            raise ConfigError("mixup can appear once in a defence chain")
-        self.mixup: SecretMixup | None = mixups[0] if mixups else None
-        replicas = [d for d in self.defences if isinstance(d, ReplicaMedian)]
-        if len(replicas) > 1:
-            raise ConfigError("replica-median can appear once in a defence chain")
-        self.replica: ReplicaMedian | None = replicas[0] if replicas else None
-        if self.mixup is not None:
-            self.mixup.seed = seed
+        self.client_transform = self._one("client-after-receipt")
+        self.server_defence = self._one("server")
+        for d in self.defences:
+            seeded = getattr(d, "set_seed", None)
+            if seeded is not None:
+                seeded(seed)
+
+    def _one(self, role: str) -> Defence | None:
+        acting = [d for d in self.defences if role in d.roles()]
+        if len({d.name for d in acting}) < len(acting):
+            raise ConfigError(f"{acting[0].name} can appear once in a defence chain")
+        if len(acting) > 1:
+            raise ConfigError(f"{' and '.join(d.name for d in acting)} both act on the {role.replace('-', ' ')}; "
+                              "a chain takes one of them")
+        return acting[0] if acting else None
+
+    def check_split_mode(self, u_shape: bool) -> None:
+        """Refuse a defence that does not support the run's split mode, naming it."""
+        mode = "u-shape" if u_shape else "plain"
+        for d in self.defences:
+            if mode not in d.split_modes:
+                raise ConfigError(f"{d.name} is implemented for the plain split only, not for partial offloading; "
+                                  "use --depth")
+
+    def check_run(self, steps: int) -> None:
+        for d in self.defences:
+            check = getattr(d, "check_run", None)
+            if check is not None:
+                check(steps)
+
+    def build_server(self, split, lr: float):
+        """The server side a defence acting on the server builds, or None."""
+        if self.server_defence is None:
+            return None
+        return self.server_defence.build_server(split, self, lr, self.seed)
 
     @classmethod
     def from_specs(cls, specs: list[dict[str, Any]], seed: int) -> "DefenceChain":
@@ -454,9 +564,9 @@ class DefenceChain:
         return WireContext(self.seed, phase, step, tuple(doc_ids), position)
 
     def forward(self, x: torch.Tensor, phase: str, step: int, doc_ids) -> torch.Tensor:
-        """The forward transforms in order; mixup is applied by the client before (see ClientRole)."""
+        """The forward transforms in order; the client transform was applied before (ClientRole)."""
         for i, d in enumerate(self.defences):
-            if d is not self.mixup:
+            if d is not self.client_transform:
                 x = d.forward(x, self._ctx(phase, step, doc_ids, i))
         return x
 

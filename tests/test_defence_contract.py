@@ -1,0 +1,64 @@
+"""Contract tests driven by the defence registry: every registered defence says where it acts and
+which split modes it supports, runs deterministically, composes with quant8, and refuses a split
+mode it does not support, naming itself."""
+
+import pytest
+import torch
+
+from splitleak.errors import ConfigError
+from splitleak.training import make_train_config, run_training
+from splitleak.wire import DEFENCES, DefenceChain, build_defence, load_capture
+from splitleak.wire.defences import ROLES, SPLIT_MODES
+
+SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=8, seed=2, all_local_baseline=False)
+NAMES = [n for n in DEFENCES if n != "none"]
+
+
+@pytest.mark.parametrize("name", list(DEFENCES))
+def test_each_defence_declares_its_roles_and_split_modes(name):
+    d = build_defence(name)
+    assert set(d.roles()) <= set(ROLES) and set(d.split_modes) <= set(SPLIT_MODES) and d.split_modes
+    assert (name == "none") == (d.roles() == ())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_defence_is_deterministic_and_composes_with_quant8(tmp_path, name):
+    mode = {"depth": 2} if "plain" in DEFENCES[name].split_modes else {"offload_start": 1, "offload_length": 2}
+    chain = [{"name": name}, {"name": "quant8"}] if name != "quant8" else [{"name": "quant8"}]
+    caps = []
+    for run in ("a", "b"):
+        run_training(make_train_config(**SMALL, **mode, defences=chain), tmp_path / run, device="cpu")
+        caps.append(load_capture(tmp_path / run))
+    assert torch.equal(caps[0].activations, caps[1].activations)
+    assert torch.equal(caps[0].gradients, caps[1].gradients)
+    from splitleak.wire import quantize_symmetric
+
+    if "client-forward" in build_defence(name).roles() or name == "replica-median":
+        assert torch.equal(quantize_symmetric(caps[0].activations, 8), caps[0].activations)  # quant8 applied last
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if "u-shape" not in DEFENCES[n].split_modes])
+def test_a_defence_refuses_a_split_mode_it_does_not_support(tmp_path, name):
+    with pytest.raises(ConfigError, match=f"{name} is implemented for the plain split only"):
+        run_training(make_train_config(**SMALL, offload_start=1, offload_length=2, defences=[{"name": name}]),
+                     tmp_path / "r", device="cpu")
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_chain_takes_one_defence_per_exclusive_role():
+    with pytest.raises(ConfigError, match="mixup can appear once"):
+        DefenceChain([build_defence("mixup"), build_defence("mixup")], 0)
+    with pytest.raises(ConfigError, match="replica-median can appear once"):
+        DefenceChain([build_defence("replica-median"), build_defence("replica-median")], 0)
+
+
+@pytest.mark.parametrize("name,args,words", [
+    ("clip-noise", {"clip": "abc"}, r"wrong type \(clip='abc'\)"),
+    ("quant4-noisy", {"noise": "lots"}, r"wrong type \(noise='lots'\)"),
+    ("dp-forward", {"delta": "x"}, r"wrong type \(delta='x'\)"),
+    ("quant8", {"bits": 4}, r"does not take argument\(s\) \['bits'\]; it takes no arguments"),
+    ("mixup", {"correction": "exact"}, "correction must be one of probe, cached, none"),
+])
+def test_bad_arguments_are_refused_with_the_argument_named(name, args, words):
+    with pytest.raises(ConfigError, match=words):
+        build_defence(name, args)
