@@ -4,7 +4,6 @@ line per finished job."""
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable
 
 
@@ -111,12 +110,3 @@ class RichReporter(SilentReporter):
 
     def end(self) -> None:
         self.progress.stop()
-
-
-def default_reporter(quiet: bool = False):
-    """Rich bars on a terminal, one line per job in a plain log, nothing with ``quiet``."""
-    if quiet:
-        return SilentReporter()
-    if sys.stdout.isatty():
-        return RichReporter()
-    return PlainReporter()

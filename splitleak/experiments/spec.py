@@ -22,11 +22,11 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from splitleak.errors import ConfigError
+from splitleak.training.config import DefenceConfig
 
 SPEC_SUFFIXES = (".yaml", ".yml")
 DEFAULT_PROFILE = "full"
 PRECISIONS = ("float32", "float64")
-COPIES = ("public", "trained")
 
 
 def _as_list(v: Any) -> Any:
@@ -36,12 +36,8 @@ def _as_list(v: Any) -> Any:
     return [v]
 
 
-class DefenceItem(BaseModel):
-    """One defence of a chain, as in ``TrainConfig.defences``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    name: str
-    args: dict[str, Any] = Field(default_factory=dict)
+#: one defence of a chain: the same type as ``TrainConfig.defences`` holds
+DefenceItem = DefenceConfig
 
 
 def defence_label(chain: list[DefenceItem] | tuple[DefenceItem, ...]) -> str:

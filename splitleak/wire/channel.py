@@ -4,7 +4,8 @@ A channel sends one frame and returns the reply frame (``request``). The in-proc
 encodes every frame to bytes and decodes it on the other side, exactly as a network transport
 would, counts the bytes per direction, keeps a ledger of every blob that crossed (its SHA-256 and
 length) and hands every crossing to its taps (the recorder of what crosses the split,
-``splitleak.wire.tap``). A TLS transport implements the same two methods.
+``splitleak.wire.tap``). A network transport would implement the same two methods; none is built
+yet.
 
 ``link`` names the connection: ``main`` for the one server of a split, ``replica-K`` for the K-th
 server copy under replica median. The tap sits here, on the wire, not in the roles: what it records
