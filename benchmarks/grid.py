@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from splitleak.experiments import load_spec, plan_grid, read_results  # noqa: E402
 
-# 000 Appendix A: GPU hours summed over the executed work of each experiment, and what they cover
+# What Gradients Add Appendix A: GPU hours summed over the executed work of each experiment, and what they cover
 PAPER = {
     "paper_main": (336.1, "GPU-hours of attack wall-clock for 3,200 executed evaluations (GPT-2)"),
     "partial_offloading": (1.369, "GPU-hours for the 200 GPT-2 training runs"),
@@ -237,7 +237,7 @@ def main() -> None:
           f"{proj['train_s'] / 3600:.1f} h of training job time at {a.threads} thread(s) per job = {core_h:.0f} "
           f"CPU core-hours ({core_h / cores:.0f} h wall on {cores} cores); {per_eval:.0f} s per attack evaluation "
           f"(documents x{proj['doc_ratio']:g}, steps x{proj['step_ratio']:g}; {proj['missing']} jobs without a "
-          f"measurement). 000 reports {paper[0]} {paper[1]}.")
+          f"measurement). What Gradients Add reports {paper[0]} {paper[1]}.")
     full_pf = "—"
     if a.flops:
         full_pf = f"{proj['flops'] / 1e15:.1f}" if proj["flops"] is not None else "n/a"

@@ -286,7 +286,7 @@ def channels_cmd(
     run_dir: Path = typer.Argument(..., help="a run directory written by `splitleak train`"),
     as_json: bool = typer.Option(False, "--json", help="print the table as JSON"),
 ) -> None:
-    """Every channel the run's split mode and defences declare (002 §3): direction, shape, whether the
+    """Every channel the run's split mode and defences declare (Politis & Pappas 2026, §3): direction, shape, whether the
     tap captured it, which registered attacks read it, and its status."""
     from splitleak.audit.channels import HEADER, channel_table, channels_json, run_declaration, table_rows
 
@@ -407,7 +407,7 @@ def calibrate_cmd(
     quiet: bool = typer.Option(False, "--quiet"),
 ) -> None:
     """Inject a known token leak into the capture at rising dose and record where each metric (token
-    top-1, rare-token top-1, cross-entropy, membership AUC) first detects it (002 §4)."""
+    top-1, rare-token top-1, cross-entropy, membership AUC) first detects it (Politis & Pappas 2026, §4)."""
     from splitleak.audit.calibrate import calibration_table, onset_text
     from splitleak.training.run import apply_threads
 

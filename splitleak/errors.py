@@ -29,4 +29,4 @@ class IntegrityError(SplitleakError):
 
 class UndeclaredChannelError(SplitleakError):
     """Something crossed the wire that no declaration of the split mode or its defences names: an
-    undeclared channel is where a privacy evaluation passes while the data leaks (002 §3)."""
+    undeclared channel is where a privacy evaluation passes while the data leaks (Politis & Pappas 2026, §3)."""

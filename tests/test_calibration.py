@@ -72,7 +72,7 @@ def test_dose_ladder_detects_a_large_leak_and_nothing_at_zero_dose(noisy_run):
     assert doses[-1]["effects"]["token_cross_entropy"]["effect"] > 5  # nats
     assert res.onsets["token_top1"]["coverage"] <= 0.10
     assert res.onsets["rare_token_top1"] is not None and res.onsets["token_cross_entropy"] is not None
-    # membership: both sets dosed alike, so a token-identity leak leaves the AUC flat (002 §4.1)
+    # membership: both sets dosed alike, so a token-identity leak leaves the AUC flat (Politis & Pappas 2026, §4.1)
     assert max(abs(d["effects"]["membership_auc"]["effect"]) for d in doses) < 0.1
     # the gate breaks by the full dose, not at zero dose
     assert not zero["gate_breaks"] and doses[-1]["gate_breaks"]

@@ -101,7 +101,7 @@ def test_audit_on_tiny_model(tmp_path):
     assert {"joint k=32"} <= set(channels["gradient"]["read_by"])
     assert channels["labels"]["status"] == "no attack" and channels["timing"]["status"] == "not captured"
     assert "Channels not attacked: row-ids, shapes, timing, labels." in report["verdict"]
-    assert "## Channels (002 §3)" in md and "| labels | main | client->server |" in md
+    assert "## Channels (Politis & Pappas 2026, §3)" in md and "| labels | main | client->server |" in md
     assert runner.invoke(app, ["verify", str(out / "run")]).exit_code == 0
 
 

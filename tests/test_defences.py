@@ -176,9 +176,9 @@ def test_bad_replica_arguments(args, words):
 
 @pytest.mark.slow
 def test_mixup_probe_rows_give_the_text_back_on_smollm2(tmp_path, smollm2):
-    """000 §4.5's mixup as first built (correction=probe) on SmolLM2-135M at depth 6, CI-sized: 8-token
+    """What Gradients Add §4.5's mixup as first built (correction=probe) on SmolLM2-135M at depth 6, CI-sized: 8-token
     synthetic PII documents, 16 training steps, 64 evaluation documents, k = 8, public copy. The
-    naive activation attacker on the mixed rows reads few whole documents, as 000 reports; reading
+    naive activation attacker on the mixed rows reads few whole documents, as What Gradients Add reports; reading
     the probe rows that cross beside them, mixup-unmix gets the text back. Measured by hand
     (experiments/PILOTS.md) on seeds 1 and 2: λ estimated 0.740 / 0.750; unmixed rows within 1.6 % /
     0.03 % of the client's own activations; tokens / whole documents 78.1 / 23.4 % and 74.6 / 18.8 %

@@ -128,7 +128,7 @@ def test_shipped_specs_expand_to_the_papers_sizes():
     attack = g.of_kind("attack")
     configs = {(j.fields["attack"], j.fields["k"], j.fields["budget"], j.fields["perturbation"], j.fields["defence_name"])
                for j in attack}
-    # 000's 40: 28 undefended + 6 x 2 defended; and mixup-unmix at three k against mixup (beyond 000)
+    # What Gradients Add's 40: 28 undefended + 6 x 2 defended; and mixup-unmix at three k against mixup (beyond that paper)
     assert len(configs) == 28 + 12 + 3
     assert sum(1 for c in configs if c[4] == "none") == 28
     assert {c for c in configs if c[0] == "mixup-unmix"} == {("mixup-unmix", k, None, "none", "mixup") for k in (8, 16, 32)}
@@ -403,7 +403,7 @@ def test_grid_store_has_one_row_per_job_and_document(tiny_grid):
     assert sorted(r["key"] for r in train) == sorted(j.key for j in g.of_kind("train"))
     assert read_results(store, "failed").num_rows == 0
     assert all(r["protocol_hash"] == g.protocol_hash for r in rows)
-    for t in train:  # no defence: the split run reproduces its all-local twin (000 §5 all-local runs)
+    for t in train:  # no defence: the split run reproduces its all-local twin (What Gradients Add §5 all-local runs)
         assert t["delta_u"] == 0.0 and t["all_local_ce"] == t["heldout_ce"]
         assert t["wire_bytes_client_to_server"] > 0
     assert not list((store / "claims").glob("*.json"))

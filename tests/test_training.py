@@ -33,7 +33,7 @@ def test_undefended_split_training_equals_all_local_training(tmp_path, seed):
 
 
 def test_victim_seeds_share_documents_and_the_data_seed_draws_them(tmp_path):
-    """Every trained model is scored on the same evaluation documents (000 §3), so the crossed
+    """Every trained model is scored on the same evaluation documents (What Gradients Add §3), so the crossed
     bootstrap can pair them; the victim seed changes the training, the data seed the documents."""
     docs = {}
     for name, kw in (("a", dict(seed=0)), ("b", dict(seed=1)), ("c", dict(seed=0, data_seed=1))):

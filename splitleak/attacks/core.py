@@ -1,11 +1,11 @@
-"""The attacks of 000 §3.1, §4 and §5, with the scikit-learn shape.
+"""The attacks of What Gradients Add §3.1, §4 and §5, with the scikit-learn shape.
 
 Parameters go to ``__init__`` and nothing else happens there; ``fit(knowledge)`` learns from what
 the observer holds; ``reconstruct(traffic)`` returns token ids per document (or, for property
 inference, one score per document). Every random draw comes from ``numpy.random.default_rng`` /
 ``torch.Generator`` seeded with the attack seed.
 
-The joint attacker's gradient read-out (000 §3.1 step 3: "adds the tokens whose embeddings best
+The joint attacker's gradient read-out (What Gradients Add §3.1 step 3: "adds the tokens whose embeddings best
 match this signal"). The returned gradient at position t−1 is the next-token loss's gradient, whose
 target is token t; through the residual stream and tied embeddings, −gradient points towards the
 embedding of token t, minus the model's expected embedding. Two read-outs turn it into candidates:
@@ -86,7 +86,7 @@ class Attack:
 
 
 class _RidgeAttack(Attack):
-    """Fits the ridge map from activations to the input embedding of their token (000 §3.1 step 1)."""
+    """Fits the ridge map from activations to the input embedding of their token (What Gradients Add §3.1 step 1)."""
 
     def fit(self, knowledge: Knowledge) -> "_RidgeAttack":
         super().fit(knowledge)
@@ -171,7 +171,7 @@ def gradient_readout(gradients: torch.Tensor, embedding: torch.Tensor, k: int) -
 
 
 def merge_candidates(act: torch.Tensor, grad: torch.Tensor, k: int) -> torch.Tensor:
-    """000 §3.1 step 3: the top k/2 activation candidates, then gradient candidates not among them,
+    """What Gradients Add §3.1 step 3: the top k/2 activation candidates, then gradient candidates not among them,
     then further activation candidates where the halves overlapped; position 0 keeps all k from
     the activations. act: [n, T, >=k] ranked; grad: [n, T-1, >=k/2] ranked (for positions 1..)."""
     n, T, _ = act.shape
@@ -264,7 +264,7 @@ class _GradientReader:
       in a plain split it comes from the server's blocks after the cut, in a U-shape from the
       offloaded run and the client's top behind it.
     - ``output``: in a U-shape, the gradient the client returns for the trunk's output (channel
-      ``output-gradient``), which sits next to the loss, as the server-side gradient of 000's
+      ``output-gradient``), which sits next to the loss, as the server-side gradient of What Gradients Add's
       main split does (only the client's top blocks lie between it and the loss)."""
 
     gradient_source: str = DEFAULT_GRADIENT_SOURCE
@@ -422,7 +422,7 @@ class _RidgeOrder:
 
 
 class SipIt(_RidgeAttack):
-    """SipIt (Nikolaou et al. 2026), as 000 §2–3 describes it: per position, check candidates until
+    """SipIt (Nikolaou et al. 2026), as What Gradients Add §2–3 describes it: per position, check candidates until
     one's recomputed activation matches the observed one within tolerance; a budget of checks per
     token returns the best checked candidate when it runs out; ``budget='exhaustive'`` checks the
     whole vocabulary if needed, so every match is certified.
@@ -473,7 +473,7 @@ class SipIt(_RidgeAttack):
 
 
 def choose_property_tokens(calibration_ids: np.ndarray, n: int = 3) -> list[int]:
-    """000 §5: the n token ids whose share of calibration documents containing them is closest to
+    """What Gradients Add §5: the n token ids whose share of calibration documents containing them is closest to
     one half, ties broken by lower id."""
     present: dict[int, int] = {}
     for row in calibration_ids:
@@ -485,7 +485,7 @@ def choose_property_tokens(calibration_ids: np.ndarray, n: int = 3) -> list[int]
 
 
 class PropertyInference(Attack):
-    """000 §5: per document, the sum over positions of the norm of the gradient returned at the
+    """What Gradients Add §5: per document, the sum over positions of the norm of the gradient returned at the
     observation point (channel ``gradient``) is one score, used to guess the presence of each of
     three property tokens (scored by ROC AUC)."""
 

@@ -1,6 +1,6 @@
 """``mixup-unmix``: undo secret mixup from what crosses the wire, then run the activation attacker.
 
-Under mixup with ``correction=probe`` (000 §4.5 as splitleak first built it), a forward frame carries
+Under mixup with ``correction=probe`` (What Gradients Add §4.5 as splitleak first built it), a forward frame carries
 the mixed rows x = λh + (1 − λ)d *and* the decoys d alone as probe rows, paired with the documents by
 frame position. Whoever sees the frame computes h = (x − (1 − λ)d) / λ: one line of algebra.
 

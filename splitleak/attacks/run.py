@@ -4,7 +4,7 @@ The orchestrator is the only place that holds both sides: it gives the attack it
 and the ``Traffic``, and afterwards scores the returned token ids against the evaluation documents,
 which the attack never sees.
 
-Observer-side gradient perturbations (000 §4.4) change what the attacker observes, not training:
+Observer-side gradient perturbations (What Gradients Add §4.4) change what the attacker observes, not training:
 Gaussian noise σ × the document's gradient RMS, or symmetric signed rounding to b bits with one
 max-abs scale per document.
 """
@@ -169,7 +169,7 @@ def make_attack_config(**kw) -> AttackConfig:
 
 
 def perturb_gradients(grad: torch.Tensor, noise: float | None, bits: int | None, seed: int) -> torch.Tensor:
-    """Observer-side perturbation of captured gradients [n, T, d] (000 §4.4)."""
+    """Observer-side perturbation of captured gradients [n, T, d] (What Gradients Add §4.4)."""
     if noise is not None:
         g = torch.Generator().manual_seed(int(seed) * 1_000_003 + 17)
         rms = grad.double().pow(2).mean(dim=(1, 2), keepdim=True).sqrt().to(grad.dtype)

@@ -1,5 +1,5 @@
 """Apply a frozen protocol to results: the main test, the Bonferroni family, and the
-partial-offloading tests (000 §3 "Statistics", §5 "Analysis").
+partial-offloading tests (What Gradients Add §3 "Statistics", §5 "Analysis").
 
 The input is a long table of per-document scores, one record per (attack evaluation, document),
 carrying the fields a protocol's selectors name:
@@ -279,14 +279,14 @@ def analyse(protocol: Protocol, protocol_hash: str, rows: Sequence[dict[str, Any
 
 
 def analyse_partial_offloading(protocol: Protocol, run_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """000 §5: for each model and test {outcome, defence}, partial R² of the start beyond length with its
+    """What Gradients Add §5: for each model and test {outcome, defence}, partial R² of the start beyond length with its
     permutation p-value and seed-bootstrap interval, and the held-out-seed RMSE check.
 
     ``run_rows``: one record per run with ``defence``, ``victim_seed``, ``offload_start``,
     ``offload_length`` and the outcomes (``delta_u``, ``leakage_index``). The held-out seeds are the
     protocol's last two victim seeds."""
     th = protocol.thresholds
-    test_seeds = protocol.victim_seeds[-2:]  # 000 §5: fit on seeds 11-66, evaluate on 77 and 88
+    test_seeds = protocol.victim_seeds[-2:]  # What Gradients Add §5: fit on seeds 11-66, evaluate on 77 and 88
     out = []
     models = sorted({str(r.get("model")) for r in run_rows})
     for i, (model, test) in enumerate((m, t) for m in models for t in protocol.tests):

@@ -1,11 +1,11 @@
-"""Injected-leak calibration of the instrument (paper 002 §4).
+"""Injected-leak calibration of the instrument (Politis & Pappas (2026) §4).
 
 A metric can certify that a channel does not leak only if it is shown to detect a leak planted on
 purpose. ``calibrate`` plants a known token signal into a chosen share of the captured activation
 rows (*coverage*) at a chosen strength (*amplitude*), runs one attack on the dosed frame, and
 records for each metric where it first detects the leak.
 
-The planted signal is representation-matched to the attacker (002 §5: "a positive control must be
+The planted signal is representation-matched to the attacker (Politis & Pappas 2026, §5: "a positive control must be
 representation-matched to the cell under test"): a dosed row becomes
 ``(1 − a)·row + a·ref`` where ``ref`` is the activation the attacker's own copy of the client layers
 computes for the true document at that position. Rows are dosed in one seeded random order, so the
@@ -25,9 +25,9 @@ interval; *detected* when the interval's lower end is above zero):
   documents (non-members) by the probe's mean log-likelihood of each document. Both sets are
   recomputed through the run's trained client layers and dosed the same way, so the metric asks
   whether the frame reveals training membership; a token-identity leak should leave it flat
-  (002 §4.1 found the same).
+  (Politis & Pappas 2026, §4.1 found the same).
 
-The gate column is 002 Eq. (1) for the single token-top-1 arm: Wilson upper-95 minus the constant
+The gate column is Politis & Pappas 2026, Eq. (1) for the single token-top-1 arm: Wilson upper-95 minus the constant
 baseline (the evaluation set's most frequent token); it breaks above +1.0 pp.
 """
 
@@ -54,7 +54,7 @@ from splitleak.progress import Progress, Silent
 from splitleak.stats import Interval, frame_weights, ratio_bootstrap_ci, wilson_upper
 from splitleak.stats._checks import percentile_bounds
 
-#: the coverage ladder of 002 Table 4 (zero dose is always added as the reference)
+#: the coverage ladder of Politis & Pappas 2026, Table 4 (zero dose is always added as the reference)
 DEFAULT_COVERAGES = (0.02, 0.04, 0.06, 0.10, 0.30, 1.0)
 DEFAULT_AMPLITUDES = (1.0,)
 METRICS = ("token_top1", "rare_token_top1", "token_cross_entropy", "membership_auc")

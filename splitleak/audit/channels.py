@@ -1,5 +1,5 @@
 """The channel table of a run: every declared channel, whether the tap captured it, which registered
-attacks read it, and its status in the words of 002 §3 (Table 3).
+attacks read it, and its status in the words of Politis & Pappas 2026, §3 (Table 3).
 
 Status, for an audit (``attacks_run`` given):
 

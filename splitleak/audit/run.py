@@ -4,7 +4,7 @@ Layout of the output folder: ``run/`` is the verifiable run directory (see ``spl
 ``attacks/`` one RESULT.json + Parquet per attack, ``calibration/`` the injected-leak dose ladder
 (``splitleak.audit.calibrate``), ``report.md`` and ``report.json`` the summary.
 
-The verdict uses the words of 002 §3 (``splitleak.audit.verdicts``): each attack arm's token top-1
+The verdict uses the words of Politis & Pappas 2026, §3 (``splitleak.audit.verdicts``): each attack arm's token top-1
 accuracy is read as a paired effect over the constant baseline with a document-bootstrap interval
 (**detected** / **at floor**), beside its shuffled-label negative control; the gate G over the
 arms **breaks** above +1.0 pp. Token top-1 may stand behind the verdict only because the audit
@@ -38,7 +38,7 @@ from splitleak.wire import load_capture, verify_run
 DEFAULT_MODEL = "smollm2-135m"
 FALLBACK_MODEL = "tiny-gpt2"
 DEFAULT_DEPTH = 6
-#: the attacks the audit runs, with the main setting of 000 (k = 32; SipIt with 32 checks per token)
+#: the attacks the audit runs, with the main setting of What Gradients Add (k = 32; SipIt with 32 checks per token)
 AUDIT_ATTACKS = (
     ("majority", {}),
     ("vmi", {}),
@@ -123,7 +123,7 @@ def run_audit(
     """Train and capture, verify, attack with ``AUDIT_ATTACKS``, calibrate, and write the report.
 
     With a defence and ``twin``, the same run without the defence is trained too (``out/twin``, no
-    all-local baseline) so that the cost reads as the relative perplexity change against it (000 §4.5)."""
+    all-local baseline) so that the cost reads as the relative perplexity change against it (What Gradients Add §4.5)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise SplitleakError(f"{out} already exists and is not empty; choose another --out or pass --force")
@@ -223,7 +223,7 @@ def attack_label(res: dict[str, Any]) -> str:
 
 
 def verdict_line(results: list[dict[str, Any]], arms, probe_arms, gate, calibration: dict[str, Any]) -> str:
-    """The audit's verdict in the words of 002 §3.
+    """The audit's verdict in the words of Politis & Pappas 2026, §3.
 
     A detection stands on its own (its shuffled-label control guards against false positives); an
     "at floor" verdict needs the calibration to have detected an injected leak, or it is no
@@ -312,7 +312,7 @@ def report_markdown(report: dict[str, Any]) -> str:
         "tokens are right. `majority` is the control that guesses the calibration documents' most",
         "frequent token at every position.",
         "",
-        "## Verdict words (002 §3)",
+        "## Verdict words (Politis & Pappas 2026, §3)",
         "",
         "| " + " | ".join(ARM_HEADER) + " |",
         "|" + "---|" * len(ARM_HEADER),
@@ -324,11 +324,11 @@ def report_markdown(report: dict[str, Any]) -> str:
         "**detected** when its lower end is above 0, **at floor** when it includes 0, *below floor* when it lies "
         "below 0. N is the same statistic against labels permuted across all positions (the shuffled-label "
         "negative control); it must not be detected (chance agreement of varied predictions reads below floor). "
-        f"Gate (002 Eq. 1) over {', '.join(report['verdicts']['gate']['arms'])}: G = max Bonferroni–Wilson "
+        f"Gate (Politis & Pappas 2026, Eq. 1) over {', '.join(report['verdicts']['gate']['arms'])}: G = max Bonferroni–Wilson "
         f"upper-95 − baseline = {100 * report['verdicts']['gate']['G']:+.2f} pp, "
         f"{'breaks the gate' if report['verdicts']['gate']['breaks'] else 'holds the gate'} (+1.00 pp).",
         "",
-        "## Instrument calibration (002 §4)",
+        "## Instrument calibration (Politis & Pappas 2026, §4)",
         "",
         f"`{report['verdicts']['calibration']['attack']}` on the first {report['verdicts']['calibration']['documents']} "
         "captured documents with a known leak injected at rising coverage (see `calibration/calibration.md` and "
@@ -338,7 +338,7 @@ def report_markdown(report: dict[str, Any]) -> str:
           f"{_onset(report['verdicts']['calibration']['onsets'].get(m))}"
           for m in ("token_top1", "rare_token_top1", "token_cross_entropy", "membership_auc")],
         "",
-        "## Channels (002 §3)",
+        "## Channels (Politis & Pappas 2026, §3)",
         "",
         "Every channel the split mode and its defences declare, whether the tap captured it, which attacks of this "
         "audit read it, and its status: **measured** (attacked, and the injected-leak calibration doses it), "

@@ -1,5 +1,5 @@
 """Paired effects over the constant baseline, shuffled-label negative controls, the gate, and the
-verdict words of paper 002 §3.
+verdict words of Politis & Pappas (2026) §3.
 
 Every arm's score is a top-1 token accuracy. The *constant baseline* always guesses the single
 most frequent token of the evaluation set. For document (frame) f,
@@ -14,9 +14,9 @@ below floor when the arm's predictions are more varied than the constant guess (
 agreement is then smaller than the constant's rate). A detected N means the scoring pairs
 predictions with labels it should not see.
 
-Intervals resample documents (frame-clustered bootstrap). Verdict words, exactly as 002 §3:
+Intervals resample documents (frame-clustered bootstrap). Verdict words, exactly as Politis & Pappas 2026, §3:
 **detected** when the lower end of the interval is above zero; **at floor** when the interval
-includes zero (and *below floor* when it lies wholly below zero, which 002 does not name); an arm set
+includes zero (and *below floor* when it lies wholly below zero, which Politis & Pappas 2026 do not name); an arm set
 **breaks the gate** when ``G = max_j U^Bonf_0.95(p_j) − p_const > gate`` (Eq. 1).
 """
 
@@ -37,7 +37,7 @@ from splitleak.stats import (
 )
 from splitleak.stats._checks import percentile_bounds
 
-#: the gate of 002 §3, +1.0 percentage point
+#: the gate of Politis & Pappas 2026, §3, +1.0 percentage point
 GATE = 0.01
 
 
@@ -123,7 +123,7 @@ def arm_effects(
 
 def arm_gate(arms: Sequence[ArmEffect], base: ConstantBaseline, alpha: float = 0.05,
              gate: float = GATE) -> GateResult:
-    """002 Eq. (1) over the given arms: Bonferroni over arms, Wilson upper bound, minus p_const."""
+    """Politis & Pappas 2026, Eq. (1) over the given arms: Bonferroni over arms, Wilson upper bound, minus p_const."""
     if not arms:
         raise DataError("no arms to form the gate statistic over")
     return gate_statistic([a.successes for a in arms], [a.n for a in arms], base.rate, alpha, gate)

@@ -12,7 +12,7 @@
   ``inference: true``. Its key is the key an inference attack job would have (``AttackConfig.inference
   = True``); it is not computed: the store copies the training-setting measurement (``reuse_of``
   names the source key), since an activation-only attack reads the same activations in both
-  settings (000 §3, "These 480 evaluations reuse the training measurements").
+  settings (What Gradients Add §3, "These 480 evaluations reuse the training measurements").
 """
 
 from __future__ import annotations

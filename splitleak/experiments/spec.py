@@ -58,7 +58,7 @@ def defence_names(chain: list[DefenceItem] | tuple[DefenceItem, ...]) -> str:
 
 
 class Placements(BaseModel):
-    """Partial offloading (000 §5): the server trains blocks [b, b + s) for every length s and start b."""
+    """Partial offloading (What Gradients Add §5): the server trains blocks [b, b + s) for every length s and start b."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     lengths: list[int] = Field(min_length=1)
@@ -85,7 +85,7 @@ class Placements(BaseModel):
 
 
 class Perturbation(BaseModel):
-    """An observer-side perturbation of the captured gradients (000 §4.4): none, Gaussian noise
+    """An observer-side perturbation of the captured gradients (What Gradients Add §4.4): none, Gaussian noise
     ``gradient_noise`` x RMS, or rounding to ``gradient_bits`` bits."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -122,7 +122,7 @@ class AttackEntry(BaseModel):
 
     ``inference``: ``false`` counts the configuration in the training setting only; ``true`` also
     counts it in the inference setting, reusing the training measurement (activation-only attacks
-    only; 000 §3); ``only`` runs it on the activations alone, in the inference setting only.
+    only; What Gradients Add §3); ``only`` runs it on the activations alone, in the inference setting only.
     ``defences`` restricts the entry to train jobs whose defence chain is listed, by label
     (``mixup(lambda=0.75)``) or by names alone (``mixup``, matching any arguments); default: all.
     """
@@ -153,7 +153,7 @@ class AttackEntry(BaseModel):
 
 class Documents(BaseModel):
     """Document counts and the seed that draws the documents (``TrainConfig.data_seed``): one seed
-    for the whole grid, so every victim seed trains and is evaluated on the same documents (000)."""
+    for the whole grid, so every victim seed trains and is evaluated on the same documents (What Gradients Add)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     n_calib: int = Field(32, ge=1)

@@ -10,7 +10,7 @@ Segments (N blocks):
 
 - plain split at depth L: client = embeddings + blocks [0, L); server = blocks [L, N) + final norm
   + LM head (the server holds the labels); observation point after L blocks.
-- partial offloading (000 §5, U-shape): the server trains the run [b, b+s); the client keeps
+- partial offloading (What Gradients Add §5, U-shape): the server trains the run [b, b+s); the client keeps
   [0, b), [b+s, N), the final norm, the head and the labels. Split software needs at least one
   block on the client, so the observation point is after max(1, b) blocks: for b = 0, block 0 is
   computed on the client but belongs to the trained run.

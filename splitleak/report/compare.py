@@ -6,7 +6,7 @@ perplexity, ΔU), the relative perplexity change against the undefended run of t
 data, split and seed when one is among the arguments, and token / document / span recovery of
 every attack result found beside it. The figure plots leakage (token and whole-document recovery of
 the strongest attack run against each run, defence-aware ones such as ``mixup-unmix`` included)
-against that perplexity change (000 Figure 6 pools the attacks instead; with defence-aware attacks
+against that perplexity change (What Gradients Add Figure 6 pools the attacks instead; with defence-aware attacks
 a pool would dilute the one that undoes the defence).
 """
 

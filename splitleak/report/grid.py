@@ -13,12 +13,12 @@ as the store's data allows (a section without data says why in one line):
    jobs done / running / failed / pending, date;
 2. the protocol's main test and its Bonferroni family (``splitleak.audit.analysis.analyse``);
 3. token, whole-document and span recovery per attack configuration x split x copy, with 95 %
-   bootstrap intervals (000 Tables 2, 3, 4, 7);
-4. the joint attacker under observer-side gradient perturbations (000 Figure 5);
-5. leakage against the utility cost of each defence (000 Figure 6);
-6. the attack x condition heatmap of token recovery (000 Figure 7);
+   bootstrap intervals (What Gradients Add Tables 2, 3, 4, 7);
+4. the joint attacker under observer-side gradient perturbations (What Gradients Add Figure 5);
+5. leakage against the utility cost of each defence (What Gradients Add Figure 6);
+6. the attack x condition heatmap of token recovery (What Gradients Add Figure 7);
 7. partial offloading: means per placement, the variance tests and the held-out-seed RMSE
-   (000 Tables 10 and 5).
+   (What Gradients Add Tables 10 and 5).
 
 Results written under another protocol hash are refused before anything is written, naming them.
 ``store_report`` does the same from a store and a protocol file without a spec (no pending count).

@@ -1,4 +1,4 @@
-"""Figures of the grid report (000 Figures 5, 6 and 7), each written as PNG and SVG."""
+"""Figures of the grid report (What Gradients Add Figures 5, 6 and 7), each written as PNG and SVG."""
 
 from __future__ import annotations
 

@@ -477,7 +477,7 @@ def offload_section(doc: Document, ctx: Ctx, run_rows, analysis: Analysis | None
     doc.add(Table((["model"] if models else []) + [
         "defence", "length s", "start b", "seeds", "ΔU (nats)", "leakage index I", "VMI excess (share)", "perplexity"],
         rows, caption=("Means over victim seeds per placement (the server trains blocks [b, b + s)). ΔU = L_split − "
-                       "L_all-local (nats); I: the normalised leakage index of the property attack (000 §5); VMI "
+                       "L_all-local (nats); I: the normalised leakage index of the property attack (What Gradients Add §5); VMI "
                        "excess: VMI token recovery minus the majority control.")))
     doc.add(Heading(3, "Variance tests"))
     th = ctx.used.thresholds
@@ -489,7 +489,7 @@ def offload_section(doc: Document, ctx: Ctx, run_rows, analysis: Analysis | None
         return
     entries: list[tuple[str | None, dict[str, Any]]]
     run_models = sorted({r.get("model") for r in run_rows}, key=str)
-    if len(run_models) > 1:  # each model on its own, as 000 Table 5 reports them
+    if len(run_models) > 1:  # each model on its own, as What Gradients Add Table 5 reports them
         entries = [(m, e) for m in run_models
                    for e in analyse_partial_offloading(ctx.used, [r for r in run_rows if r.get("model") == m])]
     else:

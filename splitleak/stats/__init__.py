@@ -1,7 +1,7 @@
 """Statistics for reporting leakage: crossed (models x documents) and hierarchical
 (seeds x frames) bootstrap intervals, Wilson score bounds and the gate statistic G
-(paper 002 Eq. 1), Bonferroni splits, DerSimonian-Laird random effects, and the partial
-R^2 permutation test of paper 000 §5.
+(Politis & Pappas (2026) Eq. 1), Bonferroni splits, DerSimonian-Laird random effects, and the partial
+R^2 permutation test of What Gradients Add §5.
 
 Every random function takes ``seed`` (an int or a ``numpy.random.Generator``) and never
 touches global random state; bad input raises ``ConfigError`` or ``DataError``."""

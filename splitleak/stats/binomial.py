@@ -17,7 +17,7 @@ from splitleak.stats.bootstrap import Interval
 
 @dataclass(frozen=True)
 class GateResult:
-    """Paper 002 Eq. (1): ``G = max_j U^Bonf(p_j) - p_const``.
+    """Paper Politis & Pappas 2026, Eq. (1): ``G = max_j U^Bonf(p_j) - p_const``.
 
     ``per_arm_upper`` holds each arm's one-sided Wilson upper bound at ``alpha_bonf``;
     ``breaks`` is ``G > gate``."""
@@ -114,9 +114,9 @@ def gate_statistic(
 
 
 def effect_verdict(interval: Interval) -> str:
-    """Paper 002 §3: "detected" when the interval's lower end is above 0, "at floor" when the
+    """Paper Politis & Pappas 2026, §3: "detected" when the interval's lower end is above 0, "at floor" when the
     interval includes 0. An interval wholly below 0 reads "below floor" (an arm that does worse
-    than its baseline; 002 has no word for it, and it is not a detection)."""
+    than its baseline; Politis & Pappas 2026 have no word for it, and it is not a detection)."""
     if interval.low > 0:
         return "detected"
     return "below floor" if interval.high < 0 else "at floor"

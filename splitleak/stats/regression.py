@@ -1,4 +1,4 @@
-"""Partial R^2 of a start-position factor beyond length (paper 000 §5), with a restricted
+"""Partial R^2 of a start-position factor beyond length (What Gradients Add §5), with a restricted
 permutation p-value and a seed-level bootstrap interval."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def partial_r2_test(
 
 @dataclass(frozen=True)
 class HeldoutRMSE:
-    """Held-out-seed check of 000 §5: RMSE on held-out seeds of a length-only linear fit and of
+    """Held-out-seed check of What Gradients Add §5: RMSE on held-out seeds of a length-only linear fit and of
     the fit with the start and its interaction added; ``passes`` when the second is lower by at
     least ``required`` (a share: 0.10 = 10 %)."""
 
@@ -190,7 +190,7 @@ def heldout_rmse(
     ridge: float = 1e-3,
 ) -> HeldoutRMSE:
     """Fit ridge models on the rows whose seed is not in ``test_seeds`` and report their RMSE on
-    the rows whose seed is (000 §5: seeds 11-66 train, 77 and 88 test).
+    the rows whose seed is (What Gradients Add §5: seeds 11-66 train, 77 and 88 test).
 
     The length-only predictor is linear in the length s; the full one adds the start b and the
     product s*b. Columns are standardised on the training rows; ``ridge`` is the penalty on the

@@ -248,7 +248,7 @@ def capture_traffic(
         "zero_gradient_rows": zero_rows,
         "zero_gradient_row_share": zero_rows / max(1, total_rows),
         # the last position has no next-token target, so its gradient is zero by construction;
-        # zero rows anywhere else are what an observer could use to discard decoys (002)
+        # zero rows anywhere else are what an observer could use to discard decoys (Politis & Pappas 2026)
         "zero_gradient_rows_before_last": zero_rows_early,
         "zero_gradient_row_share_per_frame": per_frame,
     }

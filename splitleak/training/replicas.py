@@ -1,4 +1,4 @@
-"""Replica median (000 §4.5, 002): K independent copies of the server's layers, each its own server.
+"""Replica median (What Gradients Add §4.5; Politis & Pappas 2026): K independent copies of the server's layers, each its own server.
 
 Every copy receives the same activations over its own link (``replica-K``: what the observer at
 that copy sees), computes its own loss, returns its own gradient (after the backward defences,
@@ -6,7 +6,7 @@ applied by each copy) and trains on it; each starts from the pretrained weights 
 perturbation, with its own seed. The client takes the coordinate-wise median of the K returned
 gradients, which stays correct while fewer than half of the copies lie; the median is computed on
 the client and never crosses. A copy whose relative deviation from the median,
-||g_k − median|| / ||median||, exceeds ``threshold`` is flagged (002 used 0.02). Held-out utility
+||g_k − median|| / ||median||, exceeds ``threshold`` is flagged (Politis & Pappas 2026 used 0.02). Held-out utility
 uses the median of the copies' logits.
 """
 

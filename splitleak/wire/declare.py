@@ -1,4 +1,4 @@
-"""Declared channels: everything that crosses the split, by name (002 §3, Table 3).
+"""Declared channels: everything that crosses the split, by name (Politis & Pappas 2026, §3, Table 3).
 
 A *channel* is one stream of information an observer on the untrusted side receives or sends:
 the rows of a frame's tensor (document activations, mixup's probe rows, the returned gradient, the
@@ -92,7 +92,7 @@ def declare_channels(*, u_shape: bool, defences: Iterable[Any] = ()) -> Declarat
     else:
         ch.append(ChannelDecl("labels", "client->server", "the next-token labels for the server's loss: the "
                               "document's token ids", "[docs, tokens]",
-                              note="the text itself; outside the observer view of 000 §3, read verbatim by the "
+                              note="the text itself; outside the observer view of What Gradients Add §3, read verbatim by the "
                                    "server that computes the loss"))
     links: tuple[str, ...] = ("main",)
     notes: list[str] = []

@@ -121,7 +121,7 @@ class NoDefence(Defence):
 
 
 class Quant(Defence):
-    """Symmetric signed rounding of activations and gradients (000 §5, "8-bit defence")."""
+    """Symmetric signed rounding of activations and gradients (What Gradients Add §5, "8-bit defence")."""
 
     name = "quant8"
     n_bits: ClassVar[int] = 8
@@ -141,7 +141,7 @@ class Quant4(Quant):
 
 
 class Quant4Noisy(Quant4):
-    """000 §5 "4-bit noisy defence": 4-bit activations; the returned gradient is clipped to
+    """What Gradients Add §5 "4-bit noisy defence": 4-bit activations; the returned gradient is clipped to
     L2 norm ``clip`` per document, gets Gaussian noise ``noise`` x its RMS (after clipping), then
     is rounded to 4 bits — in that order."""
 
@@ -274,7 +274,7 @@ CORRECTIONS = ("probe", "cached", "none")
 
 
 class SecretMixup(Defence):
-    """Secret mixup (000 §4.5): every position sends lambda * (true activation) + (1 - lambda) *
+    """Secret mixup (What Gradients Add §4.5): every position sends lambda * (true activation) + (1 - lambda) *
     (decoy). Decoys are real activation rows recycled from earlier training steps of the same run
     (rows the client already sent), drawn without replacement per chunk (one chunk = one document's
     rows) by a generator seeded with SHA-256 of (run seed, chunk index). The pool holds only rows of
@@ -283,7 +283,7 @@ class SecretMixup(Defence):
 
     How the client corrects the returned gradient (``correction``):
 
-    - ``probe`` (000's design): the decoys also cross alone, as probe rows after the document rows
+    - ``probe`` (What Gradients Add's design): the decoys also cross alone, as probe rows after the document rows
       (``meta.probe_rows``); the server returns their gradient g_decoy without training on them and
       the client uses (g - (1 - lambda) g_decoy) / lambda — exact when the gradient is affine in the
       server's input. The probe rows are clean activations of earlier training documents, paired
@@ -440,7 +440,7 @@ class SecretMixup(Defence):
 
 
 class ReplicaMedian(Defence):
-    """Replica median (000 §4.5): ``k`` >= 3 server copies, each with its own seed and a seeded
+    """Replica median (What Gradients Add §4.5): ``k`` >= 3 server copies, each with its own seed and a seeded
     relative weight perturbation ``perturbation``, their returned gradients combined by the
     coordinate-wise median; copies deviating by more than ``threshold`` (relative) are flagged.
     The wire transforms are the identity: this defence changes the server side (see
