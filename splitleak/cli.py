@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from splitleak.attacks.registry import help_text as attack_help
+from splitleak.audit.defaults import DEFAULT_COVERAGES
+from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
 from splitleak.errors import ConfigError, SplitleakError
 
 app = typer.Typer(
@@ -35,7 +37,6 @@ def _user_errors():
 
 
 # ------------------------------------------------------------------ shared options
-_CAL_COVERAGES = (0.02, 0.04, 0.06, 0.10, 0.30, 1.0)  # splitleak.audit.calibrate.DEFAULT_COVERAGES
 DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present), cpu or cuda")
 ThreadsOpt = typer.Option(None, "--threads", help="torch intra-op threads (default: torch's choice)")
 
@@ -179,10 +180,10 @@ def train_cmd(
                                   "so that every trained model is scored on the same evaluation documents"),
     steps: Optional[int] = typer.Option(None, "--steps", help="training steps (default: one pass over the training documents)"),
     precision: str = typer.Option("float32", "--precision", help="float32 or float64"),
-    n_calib: int = typer.Option(32, "--n-calib"),
-    n_train: int = typer.Option(128, "--n-train"),
-    n_eval: int = typer.Option(256, "--n-eval"),
-    doc_len: int = typer.Option(32, "--doc-len"),
+    n_calib: int = typer.Option(N_CALIB, "--n-calib"),
+    n_train: int = typer.Option(N_TRAIN, "--n-train"),
+    n_eval: int = typer.Option(N_EVAL, "--n-eval"),
+    doc_len: int = typer.Option(DOC_LEN, "--doc-len"),
     no_baseline: bool = typer.Option(False, "--no-baseline", help="skip the paired all-local baseline"),
     force: bool = typer.Option(False, "--force", help="replace an existing run directory"),
     device: str = DeviceOpt,
@@ -228,23 +229,16 @@ def train_cmd(
 
 _TRAIN_DEFAULTS = dict(
     model="tiny-gpt2", model_path=None, depth=None, offload_start=None, offload_length=None, defence=["none"],
-    defence_arg=[], data="synthetic-pii", data_path=None, seed=0, data_seed=0, steps=None, precision="float32", n_calib=32,
-    n_train=128, n_eval=256, doc_len=32, no_baseline=False,
+    defence_arg=[], data="synthetic-pii", data_path=None, seed=0, data_seed=0, steps=None, precision="float32",
+    n_calib=N_CALIB, n_train=N_TRAIN, n_eval=N_EVAL, doc_len=DOC_LEN, no_baseline=False,
 )
 
 
 def load_train_yaml(path: Path):
     """A TrainConfig from a YAML mapping of its fields; unknown keys are refused by name."""
-    import yaml
+    from splitleak.files import read_yaml
 
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"configuration file {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of configuration fields (model: ..., depth: ..., ...)")
+    data = read_yaml(path, "configuration", "model: ..., depth: ..., defences: [...], ...")
     return _train_config(**data)
 
 
@@ -394,7 +388,7 @@ def calibrate_cmd(
     run_dir: Path = typer.Argument(..., help="a run directory written by `splitleak train`"),
     attack: str = typer.Option(..., "--attack", help="the token attack to calibrate (vmi, activation, joint, sipit, ...)"),
     out: Optional[Path] = typer.Option(None, "--out", help="output folder (default: RUN_DIR's parent / calibration-ATTACK)"),
-    coverage: list[float] = typer.Option(list(_CAL_COVERAGES), "--coverage", help="share of rows dosed; repeat for a ladder"),
+    coverage: list[float] = typer.Option(list(DEFAULT_COVERAGES), "--coverage", help="share of rows dosed; repeat for a ladder"),
     amplitude: list[float] = typer.Option([1.0], "--amplitude", help="strength of the planted signal in (0, 1]; repeat"),
     copy: str = typer.Option("public", "--copy", help="the attacker's copy of the client layers: public or trained"),
     k: Optional[int] = typer.Option(None, "--k"),
@@ -466,9 +460,9 @@ def audit_cmd(
     data_path: Optional[Path] = typer.Option(None, "--data-path"),
     seed: int = typer.Option(0, "--seed"),
     steps: Optional[int] = typer.Option(None, "--steps"),
-    n_calib: int = typer.Option(32, "--n-calib"),
-    n_train: int = typer.Option(128, "--n-train"),
-    n_eval: int = typer.Option(256, "--n-eval"),
+    n_calib: int = typer.Option(N_CALIB, "--n-calib"),
+    n_train: int = typer.Option(N_TRAIN, "--n-train"),
+    n_eval: int = typer.Option(N_EVAL, "--n-eval"),
     force: bool = typer.Option(False, "--force"),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,

@@ -47,6 +47,7 @@ from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
 from splitleak.attacks.core import make_attack
 from splitleak.attacks.knowledge import Knowledge, Traffic, eval_token_ids, read_documents, read_manifest
 from splitleak.attacks.ridge import RidgeMap
+from splitleak.audit.defaults import DEFAULT_COVERAGES
 from splitleak.audit.verdicts import GATE, constant_baseline
 from splitleak.errors import ConfigError, SplitleakError
 from splitleak.metrics import roc_auc
@@ -54,8 +55,6 @@ from splitleak.progress import Progress, Silent
 from splitleak.stats import Interval, frame_weights, ratio_bootstrap_ci, wilson_upper
 from splitleak.stats._checks import percentile_bounds
 
-#: the coverage ladder of Politis & Pappas 2026, Table 4 (zero dose is always added as the reference)
-DEFAULT_COVERAGES = (0.02, 0.04, 0.06, 0.10, 0.30, 1.0)
 DEFAULT_AMPLITUDES = (1.0,)
 METRICS = ("token_top1", "rare_token_top1", "token_cross_entropy", "membership_auc")
 METRIC_TITLES = {

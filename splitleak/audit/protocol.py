@@ -114,15 +114,10 @@ def frozen_record_path(path: Path) -> Path:
 
 
 def parse_protocol(path: str | Path) -> Protocol:
-    import yaml
+    from splitleak.files import read_yaml
 
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"protocol file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    data = read_yaml(path, "protocol")
     try:
         proto = Protocol(**(data or {}))
     except (ValidationError, TypeError) as exc:

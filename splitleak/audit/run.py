@@ -27,7 +27,7 @@ from splitleak.attacks.knowledge import eval_token_ids
 from splitleak.audit.calibrate import calibrate
 from splitleak.audit.channels import channel_table, channels_markdown, not_attacked, run_declaration
 from splitleak.audit.verdicts import arm_effects, arm_gate
-from splitleak.data import LABELS
+from splitleak.data import LABELS, N_CALIB, N_EVAL, N_TRAIN
 from splitleak.errors import SplitleakError
 from splitleak.metrics import fmt_pct
 from splitleak.models import PRESETS, load_model, preset_available
@@ -110,9 +110,9 @@ def run_audit(
     data_path: str | None = None,
     seed: int = 0,
     steps: int | None = None,
-    n_calib: int = 32,
-    n_train: int = 128,
-    n_eval: int = 256,
+    n_calib: int = N_CALIB,
+    n_train: int = N_TRAIN,
+    n_eval: int = N_EVAL,
     force: bool = False,
     device: str = "auto",
     threads: int | None = None,

@@ -29,15 +29,20 @@ __all__ = ["SOURCES", "LABELS", "Span", "Document", "DocumentSets", "annotate", 
 SOURCES = ("wikitext2", "synthetic-pii", "text")
 
 
+#: the document counts of What Gradients Add (32 calibration, 128 training, 256 evaluation documents of 32
+#: tokens): the one place every default of the package (configurations, CLI, specs) takes them from
+N_CALIB, N_TRAIN, N_EVAL, DOC_LEN = 32, 128, 256, 32
+
+
 def load_documents(
     source: str,
     tokenizer: Any,
     *,
     seed: int,
-    n_calib: int = 32,
-    n_train: int = 128,
-    n_eval: int = 256,
-    doc_len: int = 32,
+    n_calib: int = N_CALIB,
+    n_train: int = N_TRAIN,
+    n_eval: int = N_EVAL,
+    doc_len: int = DOC_LEN,
     data_path: str | Path | None = None,
 ) -> DocumentSets:
     """Draw calibration, train and evaluation documents of ``doc_len`` tokens from ``source``.

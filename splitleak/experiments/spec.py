@@ -21,6 +21,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
 from splitleak.errors import ConfigError
 from splitleak.training.config import DefenceConfig
 
@@ -156,10 +157,10 @@ class Documents(BaseModel):
     for the whole grid, so every victim seed trains and is evaluated on the same documents (What Gradients Add)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    n_calib: int = Field(32, ge=1)
-    n_train: int = Field(128, ge=1)
-    n_eval: int = Field(256, ge=1)
-    doc_len: int = Field(32, ge=2)
+    n_calib: int = Field(N_CALIB, ge=1)
+    n_train: int = Field(N_TRAIN, ge=1)
+    n_eval: int = Field(N_EVAL, ge=1)
+    doc_len: int = Field(DOC_LEN, ge=2)
     seed: int = 0
 
     def train_config_fields(self) -> dict[str, int]:
@@ -467,15 +468,9 @@ def _explain(exc: ValidationError, path: Path, layers: list[tuple[str, dict[str,
 
 
 def read_spec_file(path: Path) -> dict[str, Any]:
-    import yaml
+    from splitleak.files import read_yaml
 
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping (models: ..., depths: ..., attacks: ..., protocol: ...)")
-    return data
+    return read_yaml(path, "experiment spec", "models: ..., depths: ..., attacks: ..., protocol: ...")
 
 
 def load_spec(spec: str | Path, profile: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> LoadedSpec:

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
 from splitleak.errors import ConfigError
 from splitleak.wire.defences import build_defence
 from splitleak.wire.store import config_hash
@@ -36,10 +37,10 @@ class TrainConfig(BaseModel):
     data_seed: int = 0  # draws the calibration / train / evaluation documents, shared across victim seeds
     steps: int | None = None  # None: one pass over the training documents
     lr: float = 5e-5
-    n_calib: int = Field(32, ge=1)
-    n_train: int = Field(128, ge=1)
-    n_eval: int = Field(256, ge=1)
-    doc_len: int = Field(32, ge=2)
+    n_calib: int = Field(N_CALIB, ge=1)
+    n_train: int = Field(N_TRAIN, ge=1)
+    n_eval: int = Field(N_EVAL, ge=1)
+    doc_len: int = Field(DOC_LEN, ge=2)
     capture_batch: int = Field(16, ge=1)
     all_local_baseline: bool = True
 
