@@ -20,13 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from splitleak.attacks import (  # noqa: E402
-    load_knowledge,
-    load_traffic,  # noqa: E402
-    make_attack_config,
-    run_attack,
-)
+from splitleak.attacks import load_knowledge, load_traffic, make_attack_config  # noqa: E402
 from splitleak.attacks.knowledge import phase_documents, read_manifest  # noqa: E402
+from splitleak.audit.evaluate import run_attack  # noqa: E402
 from splitleak.models import load_model  # noqa: E402
 from splitleak.training import make_train_config, run_training  # noqa: E402
 from splitleak.training.run import read_metrics  # noqa: E402

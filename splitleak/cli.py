@@ -333,7 +333,8 @@ def attack_cmd(
     quiet: bool = typer.Option(False, "--quiet"),
 ) -> None:
     """Run one attack against a run's captured traffic and score it per token, document and span."""
-    from splitleak.attacks import make_attack_config, run_attack
+    from splitleak.attacks import make_attack_config
+    from splitleak.audit.evaluate import run_attack
     from splitleak.training.run import apply_threads, resolve_device
 
     with _user_errors():

@@ -16,10 +16,10 @@ from splitleak.attacks import (
     make_attack_config,
     merge_candidates,
     perturb_gradients,
-    run_attack,
 )
 from splitleak.attacks.core import derangement, random_fill
 from splitleak.attacks.ridge import RidgeMap, cosine_topk
+from splitleak.audit.evaluate import run_attack
 from splitleak.errors import ConfigError
 from splitleak.models import load_model
 from splitleak.training import make_train_config, run_training

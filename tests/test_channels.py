@@ -7,9 +7,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from splitleak.attacks import load_knowledge, load_traffic, make_attack, make_attack_config, run_attack
+from splitleak.attacks import load_knowledge, load_traffic, make_attack, make_attack_config
 from splitleak.attacks.mixup_unmix import MixupUnmix
 from splitleak.audit.channels import channel_table
+from splitleak.audit.evaluate import run_attack
 from splitleak.cli import app
 from splitleak.errors import ConfigError
 from splitleak.training import make_train_config, run_training

@@ -187,9 +187,10 @@ def test_mixup_probe_rows_give_the_text_back_on_smollm2(tmp_path, smollm2):
     on the undefended run (a differently trained client)."""
     import copy
 
-    from splitleak.attacks import load_knowledge, load_traffic, make_attack_config, run_attack
+    from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
     from splitleak.attacks.knowledge import phase_documents
     from splitleak.attacks.mixup_unmix import MixupUnmix
+    from splitleak.audit.evaluate import run_attack
 
     lm = load_model("smollm2-135m", seed=1)
     runs = {}

@@ -414,7 +414,8 @@ def test_grid_store_has_one_row_per_job_and_document(tiny_grid):
 
 
 def test_grid_scores_equal_run_attack_on_the_same_run(tiny_grid):
-    from splitleak.attacks import make_attack_config, run_attack
+    from splitleak.attacks import make_attack_config
+    from splitleak.audit.evaluate import run_attack
     from splitleak.experiments import plan_grid, read_results
 
     spec, store, _ = tiny_grid

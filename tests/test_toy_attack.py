@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-from splitleak.attacks import Attack, Reconstruction, make_attack_config, run_attack
+from splitleak.attacks import Attack, Reconstruction, make_attack_config
 from splitleak.attacks.registry import AttackInfo, register, unregister
+from splitleak.audit.evaluate import run_attack
 from splitleak.errors import ConfigError
 from splitleak.training import make_train_config, run_training
 

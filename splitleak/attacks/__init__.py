@@ -16,7 +16,7 @@ _EXPORTS = {
     ),
     "splitleak.attacks.knowledge": ("ClientCopy", "Knowledge", "Traffic", "load_knowledge", "load_traffic"),
     "splitleak.attacks.ridge": ("RidgeMap", "cosine_topk"),
-    "splitleak.attacks.run": ("AttackConfig", "make_attack_config", "perturb_gradients", "run_attack"),
+    "splitleak.attacks.config": ("AttackConfig", "make_attack_config", "perturb_gradients"),
     "splitleak.attacks.search": ("SearchResult", "beam_search", "beam_search_naive", "sipit"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

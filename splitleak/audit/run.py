@@ -22,10 +22,11 @@ from typing import Any, Callable
 
 import torch
 
-from splitleak.attacks import load_knowledge, load_traffic, make_attack_config, run_attack
+from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
 from splitleak.attacks.knowledge import eval_token_ids
 from splitleak.audit.calibrate import calibrate
 from splitleak.audit.channels import channel_table, channels_markdown, not_attacked, run_declaration
+from splitleak.audit.evaluate import run_attack
 from splitleak.audit.verdicts import arm_effects, arm_gate
 from splitleak.data import LABELS, N_CALIB, N_EVAL, N_TRAIN
 from splitleak.errors import SplitleakError

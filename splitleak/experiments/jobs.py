@@ -137,8 +137,8 @@ def _splits(spec: ExperimentSpec) -> list[dict[str, int | None]]:
 
 def _attack_configs(entry: AttackEntry, spec: ExperimentSpec, index: int) -> list[tuple[dict[str, Any], str, bool]]:
     """(AttackConfig dict, perturbation label, counted also in inference) for every combination."""
+    from splitleak.attacks.config import make_attack_config
     from splitleak.attacks.core import ATTACKS
-    from splitleak.attacks.run import make_attack_config
 
     where = f"attacks[{index}] ({entry.attack})"
     if entry.attack not in ATTACKS:

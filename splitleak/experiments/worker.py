@@ -147,8 +147,9 @@ def _train(job: dict[str, Any], store, device: str, threads: int | None, progres
 
 
 def _attack(job: dict[str, Any], store, device: str, progress) -> None:
+    from splitleak.attacks.config import make_attack_config
     from splitleak.attacks.knowledge import load_knowledge, read_manifest
-    from splitleak.attacks.run import make_attack_config, run_attack
+    from splitleak.audit.evaluate import run_attack
     from splitleak.errors import IntegrityError
     from splitleak.experiments.store import attack_rows
 
