@@ -1,5 +1,6 @@
 """Turning traffic into text or facts: ridge fit, VMI, beam-search attackers, controls, SipIt,
-property inference, mixup-unmix. Attacks see only ``Knowledge`` (a client-layer copy, calibration
+property inference, mixup-unmix — one file per attack family (``vmi``, ``beam``, ``sipit``,
+``property``, ``mixup_unmix``) on the shape of ``base``. Attacks see only ``Knowledge`` (a client-layer copy, calibration
 documents) and ``Traffic`` (what crossed the split). What each attack is lives in the torch-free
 ``splitleak.attacks.registry``; the names below load lazily, so that importing the registry (for
 help text, reports, selectors) does not import torch."""

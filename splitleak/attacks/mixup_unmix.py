@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from splitleak.attacks.core import ActivationBeam, Reconstruction
+from splitleak.attacks.base import Reconstruction
+from splitleak.attacks.beam import ActivationBeam
 from splitleak.attacks.knowledge import Traffic
 from splitleak.attacks.ridge import cosine_topk
 from splitleak.errors import ConfigError

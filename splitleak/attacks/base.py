@@ -1,0 +1,80 @@
+"""The shape every attack has (scikit-learn's): parameters in ``__init__`` and nothing else happens
+there; ``fit(knowledge)`` learns from what the observer holds; ``reconstruct(traffic)`` returns token
+ids per document (or, for property inference, one score per document). Every random draw comes from
+``numpy.random.default_rng`` / ``torch.Generator`` seeded with the attack seed. What each attack is
+(the channels it reads, its output, whether it is a control) lives in ``attacks.registry``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from splitleak.attacks.knowledge import Knowledge, Traffic
+from splitleak.attacks.registry import attack_info
+from splitleak.attacks.ridge import RidgeMap, cosine_topk
+from splitleak.errors import ConfigError
+from splitleak.progress import Progress
+
+
+@dataclass
+class Reconstruction:
+    tokens: torch.Tensor | None  # [n, T] long, or None for attacks that infer properties
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Attack:
+    name: ClassVar[str] = ""
+    uses_gradients: ClassVar[bool] = False
+
+    def channels_read(self) -> tuple[str, ...]:
+        """The channels (``splitleak.wire.declare``) this configured attack reads; by default all
+        that its registry entry (``attacks.registry``) says it can read."""
+        return attack_info(self.name).reads
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def params(self) -> dict[str, Any]:
+        return {"seed": self.seed}
+
+    def fit(self, knowledge: Knowledge) -> "Attack":
+        self.knowledge_ = knowledge
+        return self
+
+    def reconstruct(self, traffic: Traffic, progress: Progress | None = None) -> Reconstruction:
+        raise NotImplementedError
+
+    def _check(self, traffic: Traffic) -> None:
+        if not hasattr(self, "knowledge_"):
+            raise ConfigError(f"{self.name}: call fit(knowledge) before reconstruct(traffic)")
+        if self.uses_gradients and traffic.gradients is None:
+            raise ConfigError(f"{self.name} needs the returned gradients, but the traffic holds activations only")
+        d = self.knowledge_.client.embedding.shape[1]
+        if traffic.activations.shape[-1] != d:
+            raise ConfigError(
+                f"the captured activations have width {traffic.activations.shape[-1]} but the client-layer copy "
+                f"has width {d}; the run and the model do not match"
+            )
+
+
+class _RidgeAttack(Attack):
+    """Fits the ridge map from activations to the input embedding of their token (What Gradients Add §3.1 step 1)."""
+
+    def fit(self, knowledge: Knowledge) -> "_RidgeAttack":
+        super().fit(knowledge)
+        client = knowledge.client
+        ids = knowledge.calibration_ids()
+        x = client.activations(ids)
+        y = client.embedding[ids.to(client.device)]
+        self.ridge_ = RidgeMap.fit(x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]))
+        return self
+
+    def embed_estimate(self, traffic: Traffic) -> torch.Tensor:
+        act = traffic.activations.to(self.knowledge_.client.device, self.knowledge_.client.dtype)
+        return self.ridge_(act)
+
+    def activation_candidates(self, traffic: Traffic, k: int) -> torch.Tensor:
+        return cosine_topk(self.embed_estimate(traffic), self.knowledge_.client.embedding, k).cpu()
