@@ -264,14 +264,23 @@ def _print_summary(res) -> None:
 
 @app.command("verify")
 def verify_cmd(run_dir: Path = typer.Argument(..., help="a run directory")) -> None:
-    """Re-hash every file of a run against its hash-chained journal. Exit 0 when intact."""
+    """Re-hash every file of a run against its hash-chained journal and, for a complete run, re-encode
+    every recorded frame against the channels' ledgers of what crossed. Exit 0 when intact."""
+    from splitleak.errors import IntegrityError
     from splitleak.wire import verify_run
+    from splitleak.wire.tap import verify_wire
 
     res = verify_run(run_dir)
+    message = res.message
+    if res.ok and res.status == "complete":
+        try:
+            message += "; " + verify_wire(run_dir)
+        except IntegrityError as exc:
+            res.ok, message = False, f"{message}, but {exc}"
     if res.ok:
-        console.print(f"[green]ok[/] {run_dir}: {res.message}")
+        console.print(f"[green]ok[/] {run_dir}: {message}", highlight=False)
         return
-    err.print(f"[bold red]FAILED[/] {run_dir}: {res.message}", highlight=False)
+    err.print(f"[bold red]FAILED[/] {run_dir}: {message}", highlight=False)
     raise typer.Exit(1)
 
 

@@ -89,6 +89,14 @@ def test_a_tap_that_misses_something_fails_the_check(tmp_path, monkeypatch, dama
     phase = "capture" if damage == "drop-row" else "train"
     with pytest.raises(IntegrityError, match="not in the capture|does not re-encode"):
         check_wire(tmp_path / "r", phase)
+    # every file still matches its journal hash, yet `splitleak verify` refuses the run
+    assert verify_run(tmp_path / "r").ok
+    from typer.testing import CliRunner
+
+    from splitleak.cli import app
+
+    r = CliRunner().invoke(app, ["verify", str(tmp_path / "r")])
+    assert r.exit_code == 1 and "FAILED" in r.output
 
 
 def test_an_undeclared_crossing_fails_the_run_with_the_channel_named(tmp_path, monkeypatch):

@@ -214,6 +214,18 @@ def check_wire(run_dir: str | Path, phase: str) -> dict[str, Any]:
     return {"frames": len(records), "bytes": sum(e["blob_bytes"] for e in ledger)}
 
 
+def verify_wire(run_dir: str | Path) -> str:
+    """``check_wire`` for every phase the run recorded; a one-line summary, or IntegrityError."""
+    phases = wire_phases(run_dir)
+    if not phases:
+        return "no wire record (a run written before the tap recorded whole frames)"
+    parts = []
+    for phase in phases:
+        counts = check_wire(run_dir, phase)
+        parts.append(f"{phase} {counts['frames']} frames")
+    return "the capture re-encodes to what crossed (" + ", ".join(parts) + ")"
+
+
 # -------------------------------------------------------------------- exchanges
 
 
