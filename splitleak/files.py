@@ -31,3 +31,21 @@ def read_yaml(path: str | Path, what: str, mapping_hint: str | None = None) -> A
     if mapping_hint is not None and not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping ({mapping_hint}), not {type(data).__name__}")
     return data
+
+
+def json_default(o: Any) -> Any:
+    """``json.dumps(..., default=json_default)``: numpy scalars and arrays, tensors and paths as plain
+    JSON; anything else is refused (a TypeError naming the type), never written as its repr."""
+    import numpy as np
+
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, (np.ndarray, np.bool_)):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    if type(o).__module__.startswith("torch") and hasattr(o, "tolist"):
+        return o.tolist()
+    raise TypeError(f"{type(o).__name__} is not JSON serialisable")

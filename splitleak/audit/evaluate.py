@@ -29,6 +29,7 @@ from splitleak.attacks.knowledge import (
     read_manifest,
 )
 from splitleak.errors import ConfigError, SplitleakError
+from splitleak.files import json_default
 from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
 from splitleak.progress import Progress, Silent
 
@@ -200,15 +201,5 @@ def write_result(out_path: Path, result: dict[str, Any], per_doc_rows: list[dict
     result = dict(result)
     result["predictions"] = pq_path.name
     tmpj = out_path.with_name(f".{out_path.name}.tmp")
-    tmpj.write_text(json.dumps(result, indent=2, sort_keys=True, default=_json_default) + "\n")
+    tmpj.write_text(json.dumps(result, indent=2, sort_keys=True, default=json_default) + "\n")
     tmpj.replace(out_path)
-
-
-def _json_default(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(type(o).__name__)

@@ -30,6 +30,7 @@ from splitleak.audit.evaluate import run_attack
 from splitleak.audit.verdicts import arm_effects, arm_gate
 from splitleak.data import LABELS, N_CALIB, N_EVAL, N_TRAIN
 from splitleak.errors import SplitleakError
+from splitleak.files import json_default
 from splitleak.metrics import fmt_pct
 from splitleak.models import PRESETS, load_model, preset_available
 from splitleak.progress import Progress
@@ -201,7 +202,7 @@ def run_audit(
               "summary": summary, "cost": cost, "channels": channels,
               "channel_notes": list(run_declaration(out / "run").notes),
               "torch_threads": torch.get_num_threads()}
-    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+    (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=json_default) + "\n")
     (out / "report.md").write_text(report_markdown(report))
     return AuditResult(out, run, cap, summary, results, verdict)
 

@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from splitleak.data.documents import LABELS
 from splitleak.errors import SplitleakError
+from splitleak.files import json_default
 from splitleak.wire.store import write_atomic
 
 KIND_DIRS = {"attack": "attacks", "train": "train", "failed": "failed"}
@@ -89,19 +90,7 @@ SCHEMAS = {"attack": ATTACK_SCHEMA, "train": TRAIN_SCHEMA, "failed": FAILED_SCHE
 
 
 def _json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_default)
-
-
-def _default(o):
-    import numpy as np
-
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(type(o).__name__)
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=json_default)
 
 
 def _now() -> str:
@@ -323,7 +312,7 @@ class ResultsStore:
             path.unlink(missing_ok=True)
 
     def write_json(self, name: str, obj: Any) -> None:
-        write_atomic(self.root / name, (json.dumps(obj, indent=1, sort_keys=True, default=_default) + "\n").encode())
+        write_atomic(self.root / name, (json.dumps(obj, indent=1, sort_keys=True, default=json_default) + "\n").encode())
 
 
 def read_results(store: str | Path, kind: str = "attack", *, as_rows: bool = False) -> pa.Table | list[dict[str, Any]]:

@@ -26,36 +26,20 @@ Results written under another protocol hash are refused before anything is writt
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from splitleak.audit.analysis import Analysis, analyse
+from splitleak.audit.analysis import analyse
 from splitleak.audit.protocol import Protocol, check_results, file_sha256, load_protocol
 from splitleak.errors import ConfigError, DataError, IntegrityError
 from splitleak.report import grid_sections as sec
 from splitleak.report.document import Document, render_html, render_markdown
+from splitleak.report.grid_sections import GridReport
 from splitleak.report.grid_stats import Config, recovery_cells, split_text
 
 #: bootstrap replicates of the descriptive intervals (sections 3-6); the protocol's tests use its own count
 DESCRIPTIVE_BOOT = 2000
 FIGURES = ("gradient-perturbations", "leakage-cost", "heatmap")
-
-
-@dataclass
-class GridReport:
-    """What ``grid_report`` / ``store_report`` wrote, and the analysis behind it."""
-
-    out: Path
-    markdown: Path
-    html: Path
-    figures: list[Path] = field(default_factory=list)
-    analysis: Analysis | None = None
-    analysis_error: str | None = None
-
-    @property
-    def paths(self) -> list[Path]:
-        return [self.markdown, self.html, *self.figures]
 
 
 # ------------------------------------------------------------------ adapters from the store

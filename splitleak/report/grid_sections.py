@@ -5,10 +5,10 @@ heatmap, partial offloading. A section whose data the store lacks says why in on
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -19,9 +19,6 @@ from splitleak.errors import SplitleakError
 from splitleak.metrics import fmt_pct
 from splitleak.report.document import Contents, Document, Figure, Heading, Para, Table
 from splitleak.report.grid_stats import Cell, cost_points, placement_means
-
-if TYPE_CHECKING:
-    from splitleak.report.grid import GridReport
 
 
 def protocol_boot_counts(protocol: Protocol) -> list[str]:
@@ -37,6 +34,22 @@ def protocol_boot_counts(protocol: Protocol) -> list[str]:
 
 
 @dataclass
+class GridReport:
+    """What ``grid_report`` / ``store_report`` wrote, and the analysis behind it."""
+
+    out: Path
+    markdown: Path
+    html: Path
+    figures: list[Path] = field(default_factory=list)
+    analysis: Analysis | None = None
+    analysis_error: str | None = None
+
+    @property
+    def paths(self) -> list[Path]:
+        return [self.markdown, self.html, *self.figures]
+
+
+@dataclass
 class Ctx:
     """What every section needs: the protocol as fixed and as used, where figures go."""
 
@@ -47,7 +60,7 @@ class Ctx:
     n_boot: int | None
     descriptive_boot: int
     out: Path
-    rep: "GridReport"
+    rep: GridReport
 
 
 # ------------------------------------------------------------------ formatting helpers
