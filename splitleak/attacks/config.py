@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from splitleak.attacks.core import ATTACKS, DEFAULT_READOUT, make_attack
+from splitleak.attacks.registry import Copy
 from splitleak.errors import ConfigError
 from splitleak.wire.defences import quantize_symmetric
 from splitleak.wire.store import config_hash
@@ -49,7 +50,7 @@ class AttackConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     attack: str
-    client_copy: Literal["public", "trained"] = "public"
+    client_copy: Copy = "public"
     attack_seed: int = 0
     gradient_noise: float | None = Field(None, ge=0)
     gradient_bits: int | None = Field(None, ge=2, le=16)

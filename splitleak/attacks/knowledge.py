@@ -22,13 +22,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from splitleak.attacks.registry import COPIES
 from splitleak.data import Document, DocumentSets
 from splitleak.errors import ConfigError, IntegrityError
 from splitleak.models import load_model
 from splitleak.models.presets import _NORM_NAMES, find_blocks
 from splitleak.wire import Capture, load_capture, read_tensors
-
-COPIES = ("public", "trained")
 
 
 class ClientCopy:

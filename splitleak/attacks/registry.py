@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from splitleak.errors import ConfigError
 
 Output = Literal["tokens", "doc-score", "partition", "labels"]
+#: the attacker's copy of the client layers: the public pretrained weights, or the run's trained ones
+Copy = Literal["public", "trained"]
+COPIES: tuple[str, ...] = get_args(Copy)
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["LABELS", "STOPWORDS", "CONNECTORS", "annotate"]
+from splitleak.data.documents import LABELS  # the one definition of the span classes
 
-LABELS = ("name", "number", "identifier")
+__all__ = ["LABELS", "STOPWORDS", "CONNECTORS", "annotate"]
 
 CONNECTORS = frozenset({"of", "de", "da", "del", "der", "di", "du", "la", "le", "van", "von"})
 

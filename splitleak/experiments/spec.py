@@ -21,6 +21,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from splitleak.attacks.registry import Copy
 from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
 from splitleak.errors import ConfigError
 from splitleak.training.config import DefenceConfig
@@ -133,7 +134,7 @@ class AttackEntry(BaseModel):
     k: list[int] | None = None
     budget: list[Union[int, Literal["exhaustive"]]] | None = None
     readout: list[Literal["gradient", "pseudo-map"]] | None = None  # gradient-reading attacks; default: gradient
-    client_copy: list[Literal["public", "trained"]] | None = None  # default: the spec's client_copies
+    client_copy: list[Copy] | None = None  # default: the spec's client_copies
     perturbations: list[Perturbation] = Field(default_factory=lambda: [Perturbation()])
     inference: bool | Literal["only"] = False
     defences: list[str] | None = None
@@ -190,7 +191,7 @@ class ExperimentSpec(BaseModel):
     defences: list[list[DefenceItem]] = Field(default_factory=lambda: [[DefenceItem(name="none")]])
     victim_seeds: list[int] = Field(min_length=1)
     attack_seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
-    client_copies: list[Literal["public", "trained"]] = Field(default_factory=lambda: ["public"], min_length=1)
+    client_copies: list[Copy] = Field(default_factory=lambda: ["public"], min_length=1)
     attacks: list[AttackEntry] = Field(default_factory=list)
     documents: Documents = Field(default_factory=Documents)
     steps: int | None = Field(None, ge=1)  # None: one pass over the training documents
