@@ -156,11 +156,12 @@ class Traffic:
 
     @classmethod
     def from_capture(cls, cap: Capture, with_gradients: bool = True) -> "Traffic":
-        """``with_gradients`` False: inference traffic, the forward channels only."""
+        """``with_gradients`` False: inference traffic, without the gradients (the activations, probe
+        rows and a U-shape's trunk output cross in inference too)."""
         return cls(
             tuple(int(i) for i in cap.doc_ids), cap.activations, cap.gradients if with_gradients else None,
             cap.probe_activations, cap.probe_gradients if with_gradients else None, cap.probe_present,
-            cap.trunk_output if with_gradients else None, cap.output_gradients if with_gradients else None,
+            cap.trunk_output, cap.output_gradients if with_gradients else None,
             None if cap.steps is None else tuple(int(s) for s in cap.steps), cap.phase,
         )
 

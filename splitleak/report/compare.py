@@ -47,10 +47,6 @@ class RunSummary:
         return (c["model"], c["data"], c["depth"], c.get("offload_start"), c.get("offload_length"), c["seed"],
                 c["n_train"], c["n_eval"], c.get("steps"))
 
-    def pooled(self, what: str) -> float | None:
-        vals = [a[what] for a in self.attacks if a.get(what) is not None and a["attack"] != "majority"]
-        return sum(vals) / len(vals) if vals else None
-
     def strongest(self, what: str) -> float | None:
         """The best reading of any attack run against this run (the majority control excluded): what
         an attacker gets, whichever attack it picks. A mean over attacks would reward a run for

@@ -1,6 +1,6 @@
 """What crosses the split: frames, defences, channels, and the verifiable capture store."""
 
-from splitleak.wire.captures import Capture, capture_links, capture_shards, load_capture
+from splitleak.wire.captures import Capture, capture_shards, load_capture
 from splitleak.wire.channel import Channel, Crossing, InProcessChannel
 from splitleak.wire.declare import ChannelDecl, Declaration, declare_channels, frame_channels
 from splitleak.wire.defences import (
@@ -33,7 +33,6 @@ __all__ = [
     "WireContext",
     "WireRecorder",
     "build_defence",
-    "capture_links",
     "capture_shards",
     "check_wire",
     "check_finite",

@@ -61,10 +61,6 @@ def capture_shards(run_dir: str | Path) -> list[str]:
     return shards
 
 
-def capture_links(run_dir: str | Path, phase: str = "capture") -> list[str]:
-    return links_of(read_wire(run_dir, phase))
-
-
 def load_capture(run_dir: str | Path, phase: str = "capture", link: str | None = None) -> Capture:
     """One phase of a run's recorded wire on one link (default: ``main``, or the first replica),
     every shard checked against its journal hash."""

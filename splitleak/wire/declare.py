@@ -55,9 +55,6 @@ class Declaration:
     def names(self) -> set[str]:
         return {c.name for c in self.channels}
 
-    def get(self, name: str) -> ChannelDecl | None:
-        return next((c for c in self.channels if c.name == name), None)
-
     def as_dict(self) -> dict[str, Any]:
         return {"channels": [c.as_dict() for c in self.channels], "links": list(self.links), "notes": list(self.notes)}
 

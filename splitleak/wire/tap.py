@@ -46,10 +46,10 @@ def ledger_name(phase: str) -> str:
 
 
 class WireRecorder:
-    """A tap that writes every crossing of one phase into ``store`` (or keeps it in memory when
-    ``store`` is None). ``close(ledgers)`` flushes the last shard and writes the channels' ledgers."""
+    """A tap that writes every crossing of one phase into ``store``. ``close(ledgers)`` flushes the
+    last shard and writes the channels' ledgers."""
 
-    def __init__(self, store: RunStore | None, phase: str, declaration: Declaration, shard_bytes: int = SHARD_BYTES):
+    def __init__(self, store: RunStore, phase: str, declaration: Declaration, shard_bytes: int = SHARD_BYTES):
         self.store = store
         self.phase = phase
         self.declaration = declaration
@@ -59,7 +59,6 @@ class WireRecorder:
         self._shards = 0
         self.frames = 0
         self._probe_rows: dict[str, int] = {}
-        self.records: list[tuple[dict[str, Any], Frame]] = []  # kept when store is None
 
     def __call__(self, crossing: Crossing) -> None:
         frame = crossing.frame
@@ -77,16 +76,13 @@ class WireRecorder:
             "channels": {k: (list(v) if v is not None else None) for k, v in channels.items()},
         }
         self.frames += 1
-        if self.store is None:
-            self.records.append((header, frame))
-            return
         self._buffer.append((header, frame))
         self._bytes += crossing.blob_bytes
         if self._bytes >= self.shard_bytes:
             self.flush()
 
     def flush(self) -> None:
-        if not self._buffer or self.store is None:
+        if not self._buffer:
             return
         tensors: dict[str, torch.Tensor] = {}
         headers = []
@@ -105,9 +101,8 @@ class WireRecorder:
 
     def close(self, ledgers: list[list[dict]]) -> None:
         self.flush()
-        if self.store is not None:
-            entries = [e for ledger in ledgers for e in ledger if e["phase"] == self.phase]
-            self.store.add_json(LEDGER_KIND, ledger_name(self.phase), entries, {"phase": self.phase})
+        entries = [e for ledger in ledgers for e in ledger if e["phase"] == self.phase]
+        self.store.add_json(LEDGER_KIND, ledger_name(self.phase), entries, {"phase": self.phase})
 
 
 # -------------------------------------------------------------------- reading
