@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 # The CPU wheel of this torch lies on local disk here; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: audit test check lint install models clean-venv
+.PHONY: audit test check lint format install models clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,9 +35,16 @@ test: install
 check: $(VENV)/.installed
 	$(PY) -m pytest -m "not slow and not e2e" -q
 
-# pyflakes, bugbear and import order (configured in pyproject.toml); CI runs it before the tests.
+# pyflakes, bugbear, import order and formatting (configured in pyproject.toml); CI runs it before the tests.
+# `make format` rewrites the files in place.
+LINTED := splitleak tests benchmarks experiments
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check splitleak tests benchmarks experiments
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff format $(LINTED)
+	$(VENV)/bin/ruff check --fix $(LINTED)
 
 models: install
 	$(VENV)/bin/splitleak models

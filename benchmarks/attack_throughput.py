@@ -71,7 +71,10 @@ def main() -> None:
     gflops = matmul_gflops()
     kn = load_knowledge(a.run, "public")
     traffic = load_traffic(a.run)
-    print(f"matmul {gflops:.0f} GFLOP/s; search {search_flops(kn.client, len(traffic), traffic.activations.shape[1], a.k, 2) / 1e12:.2f} TFLOP", flush=True)
+    print(
+        f"matmul {gflops:.0f} GFLOP/s; search {search_flops(kn.client, len(traffic), traffic.activations.shape[1], a.k, 2) / 1e12:.2f} TFLOP",
+        flush=True,
+    )
     attack = make_attack("activation", k=a.k).fit(kn)
     cand = attack.candidates(traffic)
     n, T = traffic.activations.shape[:2]
@@ -97,16 +100,32 @@ def main() -> None:
     floor = flops / (gflops * 1e9)
     manifest = json.loads((Path(a.run) / "manifest.json").read_text())
     res = {
-        "model": manifest["config"]["model"], "cut": manifest["split"]["cut"], "docs": n, "k": a.k,
-        "matmul_gflops": gflops, "batched_s": wall, "peak_rss_gib": rss, "token_recovery": tok,
-        "naive_docs": m, "naive_s": naive_s, "batched_same_docs_s": fast_sub_s, "identical": identical,
-        "speedup_same_docs": ratio_same, "speedup_per_doc": ratio_per_doc,
-        "search_tflop": flops / 1e12, "floor_s": floor, "wall_over_floor": wall / floor,
+        "model": manifest["config"]["model"],
+        "cut": manifest["split"]["cut"],
+        "docs": n,
+        "k": a.k,
+        "matmul_gflops": gflops,
+        "batched_s": wall,
+        "peak_rss_gib": rss,
+        "token_recovery": tok,
+        "naive_docs": m,
+        "naive_s": naive_s,
+        "batched_same_docs_s": fast_sub_s,
+        "identical": identical,
+        "speedup_same_docs": ratio_same,
+        "speedup_per_doc": ratio_per_doc,
+        "search_tflop": flops / 1e12,
+        "floor_s": floor,
+        "wall_over_floor": wall / floor,
     }
     print(json.dumps(res, indent=2))
     if a.record:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=HERE).stdout.strip() or "uncommitted"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+            ).stdout.strip()
+            or "uncommitted"
+        )
         dev = f"cpu: {cpu_name()}, {torch.get_num_threads()} threads"
         row = (
             f"| {date.today().isoformat()} | {res['model']} | {res['cut']} | {n} | {a.k} | {dev} | {gflops:.0f} | "

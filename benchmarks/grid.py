@@ -82,8 +82,18 @@ def cpu_name() -> str:
 
 
 def signature(f: dict) -> tuple:
-    return (f["depth"], f["offload_start"], f["offload_length"], f["defence"], f.get("attack"), f.get("k"),
-            f.get("budget"), f.get("client_copy"), f.get("perturbation"), f.get("inference"))
+    return (
+        f["depth"],
+        f["offload_start"],
+        f["offload_length"],
+        f["defence"],
+        f.get("attack"),
+        f.get("k"),
+        f.get("budget"),
+        f.get("client_copy"),
+        f.get("perturbation"),
+        f.get("inference"),
+    )
 
 
 def device_name(device: str) -> str:
@@ -103,8 +113,9 @@ def read_flops(folder: Path | None) -> dict[str, tuple[int, float]]:
     return out
 
 
-def project(spec: str, quick_profile: str, overrides: list[str], store: Path,
-            flops: dict[str, tuple[int, float]] | None = None) -> dict:
+def project(
+    spec: str, quick_profile: str, overrides: list[str], store: Path, flops: dict[str, tuple[int, float]] | None = None
+) -> dict:
     """Projected seconds (and, with ``flops``, FLOPs) of the full profile from the quick run's jobs."""
     quick = plan_grid(spec, profile=quick_profile, overrides=overrides)
     models = quick.loaded.spec.models  # the full grid, on the model that was measured
@@ -154,10 +165,17 @@ def project(spec: str, quick_profile: str, overrides: list[str], store: Path,
         else:  # the job's FLOPs grow with its projected seconds (the same FLOP rate)
             total_flops += n * scale
     c = full.counts()
-    return {"attack_s": total_attack, "train_s": total_train, "missing": missing, "counts": c,
-            "attack_measured": attack_measured,
-            "doc_ratio": doc_ratio, "step_ratio": step_ratio,
-            "flops": total_flops if flops and not flops_missing else None, "flops_missing": flops_missing}
+    return {
+        "attack_s": total_attack,
+        "train_s": total_train,
+        "missing": missing,
+        "counts": c,
+        "attack_measured": attack_measured,
+        "doc_ratio": doc_ratio,
+        "step_ratio": step_ratio,
+        "flops": total_flops if flops and not flops_missing else None,
+        "flops_missing": flops_missing,
+    }
 
 
 def _count(rec: tuple[int, float] | None) -> int | None:
@@ -170,9 +188,13 @@ def main() -> None:
     ap.add_argument("--profile", default="quick")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--override", action="append", default=[],
-                    help="extra KEY=VALUE for the spec; applied to the projected full grid too (fit for "
-                         "model, model_path, data.path; not for documents or seeds)")
+    ap.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="extra KEY=VALUE for the spec; applied to the projected full grid too (fit for "
+        "model, model_path, data.path; not for documents or seeds)",
+    )
     ap.add_argument("--keep", default=None, help="store folder to keep (default: a temporary one)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the GPU of this machine)")
     ap.add_argument("--flops", action="store_true", help="count each job's FLOPs (torch.utils.flop_counter)")
@@ -185,9 +207,26 @@ def main() -> None:
     shutil.copy(loaded.protocol_path, proto)
     overrides = [*a.override, f"protocol={proto}"]
     store = Path(a.keep) if a.keep else tmp / "store"
-    cmd = [sys.executable, "-m", "splitleak.cli", "experiment", "run", a.spec, "--profile", a.profile,
-           "--store", str(store), "--executor", "local", "--workers", str(a.workers), "--threads", str(a.threads),
-           "--device", a.device]
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitleak.cli",
+        "experiment",
+        "run",
+        a.spec,
+        "--profile",
+        a.profile,
+        "--store",
+        str(store),
+        "--executor",
+        "local",
+        "--workers",
+        str(a.workers),
+        "--threads",
+        str(a.threads),
+        "--device",
+        a.device,
+    ]
     for o in overrides:
         cmd += ["--override", o]
     env = dict(os.environ)
@@ -231,13 +270,17 @@ def main() -> None:
     per_eval = proj["attack_s"] / max(1, proj["attack_measured"])  # over the configurations measured
     model = ",".join(grid.loaded.spec.models)
     paper = PAPER.get(Path(a.spec).stem, ("n/a", "(no published figure for this spec)"))
-    print(f"\nexit {rc}; {failed} failed; wall {wall:.0f} s; {executed / (wall / 3600):.0f} executed jobs/h; "
-          f"peak RSS (all processes) {peak[0] / 2**30:.2f} GiB; load average {load_before[0]:.1f} -> {load_after[0]:.1f}")
-    print(f"full profile on {model}: {proj['counts']} jobs; projected {proj['attack_s'] / 3600:.1f} h of attack and "
-          f"{proj['train_s'] / 3600:.1f} h of training job time at {a.threads} thread(s) per job = {core_h:.0f} "
-          f"CPU core-hours ({core_h / cores:.0f} h wall on {cores} cores); {per_eval:.0f} s per attack evaluation "
-          f"(documents x{proj['doc_ratio']:g}, steps x{proj['step_ratio']:g}; {proj['missing']} jobs without a "
-          f"measurement). What Gradients Add reports {paper[0]} {paper[1]}.")
+    print(
+        f"\nexit {rc}; {failed} failed; wall {wall:.0f} s; {executed / (wall / 3600):.0f} executed jobs/h; "
+        f"peak RSS (all processes) {peak[0] / 2**30:.2f} GiB; load average {load_before[0]:.1f} -> {load_after[0]:.1f}"
+    )
+    print(
+        f"full profile on {model}: {proj['counts']} jobs; projected {proj['attack_s'] / 3600:.1f} h of attack and "
+        f"{proj['train_s'] / 3600:.1f} h of training job time at {a.threads} thread(s) per job = {core_h:.0f} "
+        f"CPU core-hours ({core_h / cores:.0f} h wall on {cores} cores); {per_eval:.0f} s per attack evaluation "
+        f"(documents x{proj['doc_ratio']:g}, steps x{proj['step_ratio']:g}; {proj['missing']} jobs without a "
+        f"measurement). What Gradients Add reports {paper[0]} {paper[1]}."
+    )
     full_pf = "—"
     if a.flops:
         full_pf = f"{proj['flops'] / 1e15:.1f}" if proj["flops"] is not None else "n/a"
@@ -246,9 +289,11 @@ def main() -> None:
         full_h = f"n/a ({proj['missing']} of {sum(proj['counts'].values()) - proj['counts']['reuse']} jobs unmeasured)"
         full_pf = full_h if a.flops else full_pf
     if a.flops:
-        print(f"FLOPs: {len(measured)} jobs counted, {job_flops / 1e12:.2f} TFLOP in {job_secs:.0f} job-seconds = "
-              f"{(rate or 0) / 1e9:.1f} GFLOP/s per job at {a.threads} thread(s); full profile: "
-              f"{full_pf} PFLOP ({proj['flops_missing']} jobs without a count)")
+        print(
+            f"FLOPs: {len(measured)} jobs counted, {job_flops / 1e12:.2f} TFLOP in {job_secs:.0f} job-seconds = "
+            f"{(rate or 0) / 1e9:.1f} GFLOP/s per job at {a.threads} thread(s); full profile: "
+            f"{full_pf} PFLOP ({proj['flops_missing']} jobs without a count)"
+        )
     if gpu and not proj["missing"]:
         print(f"on this GPU: {gpu_h:.2f} GPU-hours for the full profile ({a.workers} job(s) at a time on one GPU)")
     row = (
@@ -261,8 +306,12 @@ def main() -> None:
     if a.record:
         from train_capture import record_row
 
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=HERE).stdout.strip() or "uncommitted"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+            ).stdout.strip()
+            or "uncommitted"
+        )
         record_row("## Experiment grid", row + f" {commit} |")
     if not a.keep:
         shutil.rmtree(tmp, ignore_errors=True)

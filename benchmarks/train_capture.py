@@ -71,15 +71,26 @@ def main() -> None:
     t0 = time.perf_counter()
     lm = load_model(a.model)
     load_s = time.perf_counter() - t0
-    cfg = make_train_config(model=a.model, depth=a.depth, defences=[{"name": a.defence}], data=a.data,
-                            data_path=a.data_path, n_train=a.n_train, n_eval=a.n_eval, seed=0)
+    cfg = make_train_config(
+        model=a.model,
+        depth=a.depth,
+        defences=[{"name": a.defence}],
+        data=a.data,
+        data_path=a.data_path,
+        n_train=a.n_train,
+        n_eval=a.n_eval,
+        seed=0,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         t1 = time.perf_counter()
         res = run_training(cfg, Path(tmp) / "run", device=a.device, threads=a.threads, lm=lm)
         total_s = time.perf_counter() - t1
     m = res.metrics
-    dev = "cuda: " + torch.cuda.get_device_name(0) if torch.cuda.is_available() and a.device != "cpu" else \
-        f"cpu: {cpu_name()}, {torch.get_num_threads()} threads"
+    dev = (
+        "cuda: " + torch.cuda.get_device_name(0)
+        if torch.cuda.is_available() and a.device != "cpu"
+        else f"cpu: {cpu_name()}, {torch.get_num_threads()} threads"
+    )
     row = (
         f"| {date.today().isoformat()} | {a.model} | {a.depth} | {a.defence} | {dev} | {load_s:.1f} | "
         f"{m['train_tokens_per_second']:.0f} | {m['all_local_train_tokens_per_second']:.0f} | "
@@ -88,8 +99,12 @@ def main() -> None:
     print(row)
     print(f"held-out CE {m['heldout_ce']:.4f}, all-local {m['all_local_ce']:.4f}, ΔU {m['delta_u']:+.6f}")
     if a.record:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=HERE).stdout.strip() or "uncommitted"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
+            ).stdout.strip()
+            or "uncommitted"
+        )
         record_row("## Split training and capture", row + f" {commit} |")
 
 

@@ -42,12 +42,20 @@ def public_gradients(run: Path, n_docs: int, exclude: set[tuple[int, ...]]) -> t
     cfg = read_manifest(run)["config"]
     lm = load_model(cfg["model"], precision=cfg["precision"], seed=cfg["seed"], model_path=cfg.get("model_path"))
     split = SplitModel(lm, depth=cfg["depth"])
-    pub = load_documents(cfg["data"], lm.tokenizer, seed=10_000 + cfg["data_seed"], n_calib=n_docs, n_train=1,
-                         n_eval=1, doc_len=cfg["doc_len"], data_path=cfg.get("data_path")).calibration
+    pub = load_documents(
+        cfg["data"],
+        lm.tokenizer,
+        seed=10_000 + cfg["data_seed"],
+        n_calib=n_docs,
+        n_train=1,
+        n_eval=1,
+        doc_len=cfg["doc_len"],
+        data_path=cfg.get("data_path"),
+    ).calibration
     ids = torch.tensor([list(d.token_ids) for d in pub if tuple(d.token_ids) not in exclude])
     grads = []
     for i in range(0, len(ids), 32):
-        batch = ids[i:i + 32]
+        batch = ids[i : i + 32]
         h_in = split.bottom(batch).detach().requires_grad_(True)
         ctx = split.context(*batch.shape)
         loss = next_token_loss(split.head_logits(split.trunk(h_in, ctx), ctx), batch, reduction="per_doc").sum()
@@ -114,8 +122,11 @@ def main() -> None:
         res = check(run, a.copy, a.k, a.public_docs)
         print(f"{run}:")
         for name, v in res.items():
-            print(f"  {name:40s} {v:.0f}" if name.endswith(("documents", "documents used"))
-                  else f"  {name:40s} {100 * v:6.2f} %")
+            print(
+                f"  {name:40s} {v:.0f}"
+                if name.endswith(("documents", "documents used"))
+                else f"  {name:40s} {100 * v:6.2f} %"
+            )
 
 
 if __name__ == "__main__":

@@ -71,9 +71,17 @@ def main() -> None:
     for seed in a.seeds:
         lm = load_model(a.model, seed=seed)
         for variant in a.variants:
-            cfg = make_train_config(model=a.model, depth=a.depth, n_calib=32, n_train=a.n_train, n_eval=a.n_eval,
-                                    doc_len=a.doc_len, seed=seed, all_local_baseline=False,
-                                    defences=VARIANTS[variant])
+            cfg = make_train_config(
+                model=a.model,
+                depth=a.depth,
+                n_calib=32,
+                n_train=a.n_train,
+                n_eval=a.n_eval,
+                doc_len=a.doc_len,
+                seed=seed,
+                all_local_baseline=False,
+                defences=VARIANTS[variant],
+            )
             run = a.out / f"seed{seed}-{variant}"
             t0 = time.perf_counter()
             if a.reuse and verify_run(run).ok and read_manifest(run)["config_hash"] == cfg.hash():
@@ -91,17 +99,32 @@ def main() -> None:
                 traffic = None
                 if name == "activation-clean-twin":
                     traffic = clean_twin(run, lm)
-                r = run_attack(run, make_attack_config(attack=name.removesuffix("-clean-twin"), **kw), knowledge=kn,
-                               traffic=traffic)
-                row = {"seed": seed, "variant": variant, "attack": name, **kw,
-                       "token_recovery": r["token_recovery"], "doc_recovery": r["doc_recovery"],
-                       "span_recovery": r["span_recovery"], "perplexity": metrics["perplexity"],
-                       "heldout_ce": metrics["heldout_ce"], "train_seconds": train_s, "attack_seconds": r["seconds"],
-                       "lambda": r.get("lambda"), "probe_rows": r.get("probe_rows")}
+                r = run_attack(
+                    run,
+                    make_attack_config(attack=name.removesuffix("-clean-twin"), **kw),
+                    knowledge=kn,
+                    traffic=traffic,
+                )
+                row = {
+                    "seed": seed,
+                    "variant": variant,
+                    "attack": name,
+                    **kw,
+                    "token_recovery": r["token_recovery"],
+                    "doc_recovery": r["doc_recovery"],
+                    "span_recovery": r["span_recovery"],
+                    "perplexity": metrics["perplexity"],
+                    "heldout_ce": metrics["heldout_ce"],
+                    "train_seconds": train_s,
+                    "attack_seconds": r["seconds"],
+                    "lambda": r.get("lambda"),
+                    "probe_rows": r.get("probe_rows"),
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    (a.out / "pilot.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "rows": rows},
-                                                 indent=2) + "\n")
+    (a.out / "pilot.json").write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2) + "\n"
+    )
 
 
 if __name__ == "__main__":

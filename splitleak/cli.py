@@ -61,9 +61,7 @@ def parse_defences(names: list[str], args: list[str]) -> list[dict[str, Any]]:
         elif len(specs) == 1:
             specs[0]["args"].update(parse_defence_args([item]))
         else:
-            raise ConfigError(
-                f"--defence-arg {item} is ambiguous with {len(specs)} defences; write NAME.{item}"
-            )
+            raise ConfigError(f"--defence-arg {item} is ambiguous with {len(specs)} defences; write NAME.{item}")
     return specs
 
 
@@ -71,6 +69,7 @@ def _progress(quiet: bool):
     from splitleak.progress import Silent, rich_progress
 
     if quiet:
+
         @contextmanager
         def silent():
             yield Silent()
@@ -96,7 +95,9 @@ def protocol_freeze_cmd(file: Path = typer.Argument(..., help="protocol YAML fil
 @protocol_app.command("analyse")
 def protocol_analyse_cmd(
     file: Path = typer.Argument(..., help="the frozen protocol file"),
-    results: list[Path] = typer.Argument(..., help="attack RESULT.json files, or folders holding them (searched recursively)"),
+    results: list[Path] = typer.Argument(
+        ..., help="attack RESULT.json files, or folders holding them (searched recursively)"
+    ),
     out: Optional[Path] = typer.Option(None, "--out", help="write the analysis as OUT.json and OUT.md"),
 ) -> None:
     """Apply a frozen protocol to results: the main test against its pass mark, the Bonferroni family,
@@ -164,21 +165,37 @@ def _train_config(**kw):
 @app.command("train")
 def train_cmd(
     out: Path = typer.Option(..., "--out", help="run directory to write (must not exist, unless --force)"),
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML file with the training configuration "
-                                          "(model, depth, defences: [{name, args}], data, seed, ...) instead of options"),
+    config: Optional[Path] = typer.Option(
+        None,
+        "--config",
+        help="YAML file with the training configuration "
+        "(model, depth, defences: [{name, args}], data, seed, ...) instead of options",
+    ),
     model: str = typer.Option("tiny-gpt2", "--model", help="preset name, Hugging Face id or local directory"),
     model_path: Optional[Path] = typer.Option(None, "--model-path", help="local directory holding the model"),
     depth: Optional[int] = typer.Option(None, "--depth", help="cut after L blocks (plain split)"),
-    offload_start: Optional[int] = typer.Option(None, "--offload-start", help="partial offloading: first server-trained block b"),
-    offload_length: Optional[int] = typer.Option(None, "--offload-length", help="partial offloading: number of server-trained blocks s"),
+    offload_start: Optional[int] = typer.Option(
+        None, "--offload-start", help="partial offloading: first server-trained block b"
+    ),
+    offload_length: Optional[int] = typer.Option(
+        None, "--offload-length", help="partial offloading: number of server-trained blocks s"
+    ),
     defence: list[str] = typer.Option(["none"], "--defence", help="defence name (repeat to compose, applied in order)"),
     defence_arg: list[str] = typer.Option([], "--defence-arg", help="KEY=VALUE (or NAME.KEY=VALUE) for a defence"),
     data: str = typer.Option("synthetic-pii", "--data", help="wikitext2, synthetic-pii or text"),
-    data_path: Optional[Path] = typer.Option(None, "--data-path", help="folder of wiki.*.raw files, or your text files"),
+    data_path: Optional[Path] = typer.Option(
+        None, "--data-path", help="folder of wiki.*.raw files, or your text files"
+    ),
     seed: int = typer.Option(0, "--seed", help="victim seed: training order, defence noise, tiny-model init"),
-    data_seed: int = typer.Option(0, "--data-seed", help="draws the documents; keep it fixed across victim seeds "
-                                  "so that every trained model is scored on the same evaluation documents"),
-    steps: Optional[int] = typer.Option(None, "--steps", help="training steps (default: one pass over the training documents)"),
+    data_seed: int = typer.Option(
+        0,
+        "--data-seed",
+        help="draws the documents; keep it fixed across victim seeds "
+        "so that every trained model is scored on the same evaluation documents",
+    ),
+    steps: Optional[int] = typer.Option(
+        None, "--steps", help="training steps (default: one pass over the training documents)"
+    ),
     precision: str = typer.Option("float32", "--precision", help="float32 or float64"),
     n_calib: int = typer.Option(N_CALIB, "--n-calib"),
     n_train: int = typer.Option(N_TRAIN, "--n-train"),
@@ -195,10 +212,24 @@ def train_cmd(
 
     with _user_errors():
         options = dict(
-            model=model, model_path=model_path, depth=depth, offload_start=offload_start,
-            offload_length=offload_length, defence=defence, defence_arg=defence_arg, data=data, data_path=data_path,
-            seed=seed, data_seed=data_seed, steps=steps, precision=precision, n_calib=n_calib, n_train=n_train,
-            n_eval=n_eval, doc_len=doc_len, no_baseline=no_baseline,
+            model=model,
+            model_path=model_path,
+            depth=depth,
+            offload_start=offload_start,
+            offload_length=offload_length,
+            defence=defence,
+            defence_arg=defence_arg,
+            data=data,
+            data_path=data_path,
+            seed=seed,
+            data_seed=data_seed,
+            steps=steps,
+            precision=precision,
+            n_calib=n_calib,
+            n_train=n_train,
+            n_eval=n_eval,
+            doc_len=doc_len,
+            no_baseline=no_baseline,
         )
         if config is not None:
             changed = [k for k, v in options.items() if v != _TRAIN_DEFAULTS[k]]
@@ -215,11 +246,22 @@ def train_cmd(
         if depth is None and offload_start is None and offload_length is None:
             raise ConfigError("give --depth L (plain split) or --offload-start b --offload-length s")
         cfg = _train_config(
-            model=model, model_path=str(model_path) if model_path else None, precision=precision,
-            depth=depth, offload_start=offload_start, offload_length=offload_length,
-            defences=parse_defences(defence, defence_arg), data=data,
-            data_path=str(data_path) if data_path else None, seed=seed, data_seed=data_seed, steps=steps,
-            n_calib=n_calib, n_train=n_train, n_eval=n_eval, doc_len=doc_len,
+            model=model,
+            model_path=str(model_path) if model_path else None,
+            precision=precision,
+            depth=depth,
+            offload_start=offload_start,
+            offload_length=offload_length,
+            defences=parse_defences(defence, defence_arg),
+            data=data,
+            data_path=str(data_path) if data_path else None,
+            seed=seed,
+            data_seed=data_seed,
+            steps=steps,
+            n_calib=n_calib,
+            n_train=n_train,
+            n_eval=n_eval,
+            doc_len=doc_len,
             all_local_baseline=not no_baseline,
         )
         with _progress(quiet) as prog:
@@ -228,9 +270,24 @@ def train_cmd(
 
 
 _TRAIN_DEFAULTS = dict(
-    model="tiny-gpt2", model_path=None, depth=None, offload_start=None, offload_length=None, defence=["none"],
-    defence_arg=[], data="synthetic-pii", data_path=None, seed=0, data_seed=0, steps=None, precision="float32",
-    n_calib=N_CALIB, n_train=N_TRAIN, n_eval=N_EVAL, doc_len=DOC_LEN, no_baseline=False,
+    model="tiny-gpt2",
+    model_path=None,
+    depth=None,
+    offload_start=None,
+    offload_length=None,
+    defence=["none"],
+    defence_arg=[],
+    data="synthetic-pii",
+    data_path=None,
+    seed=0,
+    data_seed=0,
+    steps=None,
+    precision="float32",
+    n_calib=N_CALIB,
+    n_train=N_TRAIN,
+    n_eval=N_EVAL,
+    doc_len=DOC_LEN,
+    no_baseline=False,
 )
 
 
@@ -258,7 +315,9 @@ def _print_summary(res) -> None:
     t.add_row("wire bytes / step, server → client", f"{w.get('server_to_client', 0):,.0f}")
     c = m["capture"]
     t.add_row("captured documents", str(res.config.n_eval))
-    t.add_row("all-zero gradient rows in capture", f"{c['zero_gradient_rows']} ({100 * c['zero_gradient_row_share']:.2f} %)")
+    t.add_row(
+        "all-zero gradient rows in capture", f"{c['zero_gradient_rows']} ({100 * c['zero_gradient_row_share']:.2f} %)"
+    )
     console.print(t)
 
 
@@ -321,21 +380,40 @@ def attack_cmd(
     k: Optional[int] = typer.Option(None, "--k", help="candidate budget of the beam attackers (8, 16, 32)"),
     copy: str = typer.Option("public", "--copy", help="public (pretrained) or trained (the run's client layers)"),
     budget: Optional[str] = typer.Option(None, "--budget", help="SipIt checks per token (32, 64, 128) or 'exhaustive'"),
-    readout: Optional[str] = typer.Option(None, "--readout", help="how the joint attacker, its shuffled-gradient "
-                                          "control and the backward-only heuristic read the gradient: gradient "
-                                          "(cosine of −gradient with the token embeddings; default) or pseudo-map"),
-    gradient_source: Optional[str] = typer.Option(None, "--gradient-source", help="which gradient the gradient "
-                                                  "readers read: split (at the observation point; default) or output "
-                                                  "(the U-shape's output gradient)"),
-    lam: Optional[float] = typer.Option(None, "--lam", help="mixup-unmix: the mixing weight, if known "
-                                        "(default: estimated from the traffic)"),
-    phase: str = typer.Option("capture", "--phase", help="capture (the evaluation documents, frozen weights) or "
-                              "train (the training documents, from the frames of the training steps)"),
+    readout: Optional[str] = typer.Option(
+        None,
+        "--readout",
+        help="how the joint attacker, its shuffled-gradient "
+        "control and the backward-only heuristic read the gradient: gradient "
+        "(cosine of −gradient with the token embeddings; default) or pseudo-map",
+    ),
+    gradient_source: Optional[str] = typer.Option(
+        None,
+        "--gradient-source",
+        help="which gradient the gradient "
+        "readers read: split (at the observation point; default) or output "
+        "(the U-shape's output gradient)",
+    ),
+    lam: Optional[float] = typer.Option(
+        None, "--lam", help="mixup-unmix: the mixing weight, if known (default: estimated from the traffic)"
+    ),
+    phase: str = typer.Option(
+        "capture",
+        "--phase",
+        help="capture (the evaluation documents, frozen weights) or "
+        "train (the training documents, from the frames of the training steps)",
+    ),
     attack_seed: int = typer.Option(0, "--attack-seed"),
-    gradient_noise: Optional[float] = typer.Option(None, "--gradient-noise", help="observer-side noise, sigma x gradient RMS"),
-    gradient_bits: Optional[int] = typer.Option(None, "--gradient-bits", help="observer-side rounding of the gradient to b bits"),
+    gradient_noise: Optional[float] = typer.Option(
+        None, "--gradient-noise", help="observer-side noise, sigma x gradient RMS"
+    ),
+    gradient_bits: Optional[int] = typer.Option(
+        None, "--gradient-bits", help="observer-side rounding of the gradient to b bits"
+    ),
     inference: bool = typer.Option(False, "--inference", help="use the activations only (inference traffic)"),
-    protocol: Optional[Path] = typer.Option(None, "--protocol", help="a frozen protocol file; the result carries its hash"),
+    protocol: Optional[Path] = typer.Option(
+        None, "--protocol", help="a frozen protocol file; the result carries its hash"
+    ),
     force: bool = typer.Option(False, "--force", help="replace an existing RESULT.json"),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -355,17 +433,29 @@ def attack_cmd(
                 b = int(budget)
             except ValueError:
                 raise ConfigError(f"--budget {budget!r} is neither an integer nor 'exhaustive'") from None
-        cfg = make_attack_config(attack=attack, k=k, client_copy=copy, budget=b, readout=readout, attack_seed=attack_seed,
-                                 gradient_noise=gradient_noise, gradient_bits=gradient_bits, inference=inference,
-                                 gradient_source=gradient_source, lam=lam, phase=phase)
+        cfg = make_attack_config(
+            attack=attack,
+            k=k,
+            client_copy=copy,
+            budget=b,
+            readout=readout,
+            attack_seed=attack_seed,
+            gradient_noise=gradient_noise,
+            gradient_bits=gradient_bits,
+            inference=inference,
+            gradient_source=gradient_source,
+            lam=lam,
+            phase=phase,
+        )
         protocol_hash = None
         if protocol is not None:
             from splitleak.audit.protocol import load_protocol
 
             _, protocol_hash = load_protocol(protocol)
         with _progress(quiet) as prog:
-            res = run_attack(run_dir, cfg, out=out, force=force, progress=prog, device=str(dev),
-                             protocol_hash=protocol_hash)
+            res = run_attack(
+                run_dir, cfg, out=out, force=force, progress=prog, device=str(dev), protocol_hash=protocol_hash
+            )
         t = Table(title=f"{attack} on {run_dir}")
         t.add_column("measure")
         t.add_column("value", justify="right")
@@ -377,14 +467,18 @@ def attack_cmd(
             for cls, v in res["span_recovery"].items():
                 t.add_row(f"{cls} spans (%) [{res['span_counts'][cls]}]", "n/a" if v is None else fmt_pct(v))
             if res.get("lambda") is not None:
-                t.add_row("mixing weight λ" + (" (estimated)" if res.get("lambda_estimated") else ""),
-                          f"{res['lambda']:.4f}")
+                t.add_row(
+                    "mixing weight λ" + (" (estimated)" if res.get("lambda_estimated") else ""), f"{res['lambda']:.4f}"
+                )
             probe = res.get("probe_rows") or {}
             if probe.get("scored"):
                 t.add_row("probe rows: training tokens read (%)", fmt_pct(probe["token_recovery"]))
                 t.add_row("probe rows: share of training tokens exposed (%)", fmt_pct(probe["training_token_share"]))
             if res.get("leading_space_errors") is not None:
-                t.add_row("wrong tokens / of them leading-space only", f"{res['wrong_tokens']} / {res['leading_space_errors']}")
+                t.add_row(
+                    "wrong tokens / of them leading-space only",
+                    f"{res['wrong_tokens']} / {res['leading_space_errors']}",
+                )
         else:
             for p in res["properties"]:
                 t.add_row(f"AUC, token {p['token_id']}", "n/a" if p["auc"] is None else f"{p['auc']:.4f}")
@@ -396,10 +490,18 @@ def attack_cmd(
 @app.command("calibrate")
 def calibrate_cmd(
     run_dir: Path = typer.Argument(..., help="a run directory written by `splitleak train`"),
-    attack: str = typer.Option(..., "--attack", help="the token attack to calibrate (vmi, activation, joint, sipit, ...)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="output folder (default: RUN_DIR's parent / calibration-ATTACK)"),
-    coverage: list[float] = typer.Option(list(DEFAULT_COVERAGES), "--coverage", help="share of rows dosed; repeat for a ladder"),
-    amplitude: list[float] = typer.Option([1.0], "--amplitude", help="strength of the planted signal in (0, 1]; repeat"),
+    attack: str = typer.Option(
+        ..., "--attack", help="the token attack to calibrate (vmi, activation, joint, sipit, ...)"
+    ),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="output folder (default: RUN_DIR's parent / calibration-ATTACK)"
+    ),
+    coverage: list[float] = typer.Option(
+        list(DEFAULT_COVERAGES), "--coverage", help="share of rows dosed; repeat for a ladder"
+    ),
+    amplitude: list[float] = typer.Option(
+        [1.0], "--amplitude", help="strength of the planted signal in (0, 1]; repeat"
+    ),
     copy: str = typer.Option("public", "--copy", help="the attacker's copy of the client layers: public or trained"),
     k: Optional[int] = typer.Option(None, "--k"),
     budget: Optional[int] = typer.Option(None, "--budget"),
@@ -421,8 +523,21 @@ def calibrate_cmd(
 
         target = out if out is not None else run_dir.parent / f"calibration-{attack}"
         with _progress(quiet) as prog:
-            res = calibrate(run_dir, attack, out=target, coverages=coverage, amplitudes=amplitude, client_copy=copy,
-                            k=k, budget=budget, n_docs=n_docs, seed=seed, n_boot=n_boot, force=force, progress=prog)
+            res = calibrate(
+                run_dir,
+                attack,
+                out=target,
+                coverages=coverage,
+                amplitudes=amplitude,
+                client_copy=copy,
+                k=k,
+                budget=budget,
+                n_docs=n_docs,
+                seed=seed,
+                n_boot=n_boot,
+                force=force,
+                progress=prog,
+            )
         header, rows = calibration_table(res.record)
         t = Table(title=f"dose-response of {attack} on {run_dir} (✓ detected)")
         for i, col in enumerate(header):
@@ -438,7 +553,9 @@ def calibrate_cmd(
 @app.command("compare")
 def compare_cmd(
     runs: list[Path] = typer.Argument(..., help="run directories or audit folders"),
-    figure: Optional[Path] = typer.Option(None, "--figure", help="write the leakage-against-cost figure as FIGURE.png and FIGURE.svg"),
+    figure: Optional[Path] = typer.Option(
+        None, "--figure", help="write the leakage-against-cost figure as FIGURE.png and FIGURE.svg"
+    ),
 ) -> None:
     """One table of the runs (defence, depth, utility, and recovery per attack, one line per attack),
     and the leakage-against-cost figure."""
@@ -477,7 +594,9 @@ def audit_cmd(
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
     quiet: bool = typer.Option(False, "--quiet"),
-    no_twin: bool = typer.Option(False, "--no-twin", help="with a defence, skip the undefended twin run (and the relative perplexity cost)"),
+    no_twin: bool = typer.Option(
+        False, "--no-twin", help="with a defence, skip the undefended twin run (and the relative perplexity cost)"
+    ),
 ) -> None:
     """The main job: train and capture on embedded defaults, attack the traffic, write a report."""
     from splitleak.audit.run import choose_default_model, run_audit
@@ -490,11 +609,24 @@ def audit_cmd(
             out = Path("runs") / f"audit-{datetime.now():%Y%m%d-%H%M%S}"
         with _progress(quiet) as prog:
             res = run_audit(
-                out, model=model, model_path=str(model_path) if model_path else None, depth=depth,
-                defences=parse_defences(defence, defence_arg), data=data,
-                data_path=str(data_path) if data_path else None, seed=seed, steps=steps,
-                n_calib=n_calib, n_train=n_train, n_eval=n_eval, force=force, device=device,
-                threads=threads, progress=prog, say=console.print, twin=not no_twin,
+                out,
+                model=model,
+                model_path=str(model_path) if model_path else None,
+                depth=depth,
+                defences=parse_defences(defence, defence_arg),
+                data=data,
+                data_path=str(data_path) if data_path else None,
+                seed=seed,
+                steps=steps,
+                n_calib=n_calib,
+                n_train=n_train,
+                n_eval=n_eval,
+                force=force,
+                device=device,
+                threads=threads,
+                progress=prog,
+                say=console.print,
+                twin=not no_twin,
             )
         _print_summary(res.run)
         from splitleak.audit.run import ATTACK_HEADER, attack_table_rows

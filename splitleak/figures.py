@@ -31,14 +31,19 @@ def save_png_svg(fig, out_stem: str | Path, dpi: int = 150) -> list[Path]:
 CostPoint = tuple[float, float, str, bool]  # (cost %, recovery %, label, undefended)
 
 
-def recovery_cost_figure(panels: dict[str, list[CostPoint]], out_stem: str | Path, *, xlabel: str,
-                         ylabel: str = "{title} (%), pooled over attacks", dpi: int = 150) -> list[Path]:
+def recovery_cost_figure(
+    panels: dict[str, list[CostPoint]],
+    out_stem: str | Path,
+    *,
+    xlabel: str,
+    ylabel: str = "{title} (%), pooled over attacks",
+    dpi: int = 150,
+) -> list[Path]:
     """One panel per title: recovery (%) against utility cost (%), one labelled point per run or
     condition, undefended ones in blue. Points closer than the plot can show share one label, and
     labels point inwards so that none runs off the panel. Writes OUT.png and OUT.svg."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6), constrained_layout=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6), constrained_layout=True, squeeze=False)
     for ax, (title, points) in zip(axes[0], panels.items()):
         groups: dict[tuple[float, float], tuple[float, float, list[str], bool]] = {}
         for x, y, name, undefended in points:
@@ -50,8 +55,15 @@ def recovery_cost_figure(panels: dict[str, list[CostPoint]], out_stem: str | Pat
         for x, y, names, undefended in groups.values():
             ax.scatter([x], [y], s=42, color="C0" if undefended else "C3", zorder=3)
             right = x > mid
-            ax.annotate("\n".join(names), (x, y), textcoords="offset points", xytext=(-7 if right else 7, -4),
-                        fontsize=9, va="top", ha="right" if right else "left")
+            ax.annotate(
+                "\n".join(names),
+                (x, y),
+                textcoords="offset points",
+                xytext=(-7 if right else 7, -4),
+                fontsize=9,
+                va="top",
+                ha="right" if right else "left",
+            )
         ax.margins(x=0.35)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel.format(title=title))

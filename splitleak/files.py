@@ -26,8 +26,10 @@ def read_yaml(path: str | Path, what: str, mapping_hint: str | None = None) -> A
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{path} is not valid YAML{where}: {problem}; fix the {what} there "
-                          "(indentation, a missing ':' or an unclosed bracket or quote)") from None
+        raise ConfigError(
+            f"{path} is not valid YAML{where}: {problem}; fix the {what} there "
+            "(indentation, a missing ':' or an unclosed bracket or quote)"
+        ) from None
     if mapping_hint is not None and not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping ({mapping_hint}), not {type(data).__name__}")
     return data

@@ -28,8 +28,17 @@ from splitleak.wire import quantize_symmetric
 
 def _run(path, seed, depth=3, n_calib=2, defence="none", n_eval=64):
     # each seed draws its own documents too: three independent set-ups (the measured claims below)
-    cfg = make_train_config(model="tiny-gpt2", depth=depth, n_calib=n_calib, n_train=16, n_eval=n_eval, seed=seed,
-                            data_seed=seed, all_local_baseline=False, defences=[{"name": defence}])
+    cfg = make_train_config(
+        model="tiny-gpt2",
+        depth=depth,
+        n_calib=n_calib,
+        n_train=16,
+        n_eval=n_eval,
+        seed=seed,
+        data_seed=seed,
+        all_local_baseline=False,
+        defences=[{"name": defence}],
+    )
     run_training(cfg, path, device="cpu")
     return path
 
@@ -70,7 +79,11 @@ def test_joint_beats_activation_and_controls_do_not(weak_runs):
         joint = _score(run, "joint", k=4, attack_seed=i)
         shuf = _score(run, "shuffled-gradient", k=4, attack_seed=i)
         rand = _score(run, "random-candidate", k=4, attack_seed=i)
-        assert joint["token_recovery"] - act["token_recovery"] > 0.02, (i, joint["token_recovery"], act["token_recovery"])
+        assert joint["token_recovery"] - act["token_recovery"] > 0.02, (
+            i,
+            joint["token_recovery"],
+            act["token_recovery"],
+        )
         assert shuf["token_recovery"] <= act["token_recovery"] + 0.01
         assert rand["token_recovery"] <= act["token_recovery"] + 0.01
 
@@ -119,9 +132,18 @@ def test_readout_is_part_of_the_config_of_gradient_attacks_only():
     # those from before read-outs existed)
     act = make_attack_config(attack="activation", k=8)
     assert "readout" not in act.model_dump(mode="json")
-    assert act.hash() == config_hash({"attack": "activation", "k": 8, "client_copy": "public", "budget": None,
-                                      "attack_seed": 0, "gradient_noise": None, "gradient_bits": None,
-                                      "inference": False})
+    assert act.hash() == config_hash(
+        {
+            "attack": "activation",
+            "k": 8,
+            "client_copy": "public",
+            "budget": None,
+            "attack_seed": 0,
+            "gradient_noise": None,
+            "gradient_bits": None,
+            "inference": False,
+        }
+    )
     with pytest.raises(ConfigError, match="reads no gradient"):
         make_attack_config(attack="random-candidate", k=8, readout="gradient")
     with pytest.raises(ConfigError, match="readout"):
@@ -215,7 +237,7 @@ def test_gradient_perturbations():
     assert torch.equal(perturb_gradients(g, None, 8, 0), quantize_symmetric(g, 8))
     n1, n2 = perturb_gradients(g, 0.1, None, 5), perturb_gradients(g, 0.1, None, 5)
     assert torch.equal(n1, n2) and not torch.equal(n1, perturb_gradients(g, 0.1, None, 6))
-    rel = ((n1 - g).pow(2).mean(dim=(1, 2)).sqrt() / g.pow(2).mean(dim=(1, 2)).sqrt())
+    rel = (n1 - g).pow(2).mean(dim=(1, 2)).sqrt() / g.pow(2).mean(dim=(1, 2)).sqrt()
     assert ((rel > 0.07) & (rel < 0.13)).all()
 
 
@@ -246,10 +268,21 @@ def test_cli_attack_writes_result_and_parquet(weak_runs, tmp_path):
     from splitleak.cli import app
 
     out = tmp_path / "r" / "joint.json"
-    r = CliRunner().invoke(app, ["attack", str(weak_runs[0]), "--attack", "joint", "--k", "4", "--out", str(out), "--quiet"])
+    r = CliRunner().invoke(
+        app, ["attack", str(weak_runs[0]), "--attack", "joint", "--k", "4", "--out", str(out), "--quiet"]
+    )
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
-    for key in ("attack", "config", "config_hash", "n_docs", "n_tokens", "token_recovery", "doc_recovery", "span_recovery"):
+    for key in (
+        "attack",
+        "config",
+        "config_hash",
+        "n_docs",
+        "n_tokens",
+        "token_recovery",
+        "doc_recovery",
+        "span_recovery",
+    ):
         assert key in res
     import pyarrow.parquet as pq
 
@@ -281,16 +314,36 @@ def test_inference_traffic_refuses_gradient_attacks(weak_runs):
 
 
 def test_registry_names_match_cli_contract():
-    assert set(ATTACKS) == {"vmi", "majority", "activation", "joint", "shuffled-gradient", "random-candidate",
-                            "backward-only", "sipit", "property", "mixup-unmix"}
+    assert set(ATTACKS) == {
+        "vmi",
+        "majority",
+        "activation",
+        "joint",
+        "shuffled-gradient",
+        "random-candidate",
+        "backward-only",
+        "sipit",
+        "property",
+        "mixup-unmix",
+    }
 
 
 @pytest.mark.slow
 def test_audit_on_smollm2_with_wikitext(tmp_path, smollm2, wikitext_dir):
     from splitleak.audit.run import run_audit
 
-    res = run_audit(tmp_path / "audit", model="smollm2-135m", data="wikitext2", data_path=str(wikitext_dir),
-                    n_calib=8, n_train=4, n_eval=6, steps=4, seed=0, device="cpu")
+    res = run_audit(
+        tmp_path / "audit",
+        model="smollm2-135m",
+        data="wikitext2",
+        data_path=str(wikitext_dir),
+        n_calib=8,
+        n_train=4,
+        n_eval=6,
+        steps=4,
+        seed=0,
+        device="cpu",
+    )
     by_name = {a["attack"]: a for a in res.attacks}
     assert set(by_name) == {"majority", "vmi", "activation", "joint", "sipit"}
     assert by_name["activation"]["n_docs"] == 6 and by_name["activation"]["n_tokens"] == 6 * 32
@@ -308,7 +361,12 @@ def test_both_sipit_orders_certify_with_the_trained_copy(weak_runs, order):
     kn = load_knowledge(weak_runs[0], "trained")
     tr = load_traffic(weak_runs[0]).subset(range(8))
     rec = SipIt(budget="exhaustive", order=order).fit(kn).reconstruct(tr)
-    truth = torch.tensor([[t for t in d["token_ids"]] for d in json.loads((weak_runs[0] / "documents.json").read_text())["evaluation"][:8]])
+    truth = torch.tensor(
+        [
+            [t for t in d["token_ids"]]
+            for d in json.loads((weak_runs[0] / "documents.json").read_text())["evaluation"][:8]
+        ]
+    )
     assert torch.equal(rec.tokens, truth) and bool(rec.extra["matched"].all())
     with pytest.raises(ConfigError, match="order"):
         SipIt(order="psychic").fit(kn).reconstruct(tr)

@@ -49,9 +49,16 @@ def noisy_run(request, tmp_path_factory):
     """Heavy forward noise on the tiny model: the attack reads at floor before any dose."""
     seed = request.param
     path = tmp_path_factory.mktemp(f"noisy{seed}") / "run"
-    cfg = make_train_config(model="tiny-gpt2", depth=2, n_calib=16, n_train=16, n_eval=48, seed=seed,
-                            all_local_baseline=False,
-                            defences=[{"name": "clip-noise", "args": {"clip": 1.0, "sigma": 2.0, "where": "forward"}}])
+    cfg = make_train_config(
+        model="tiny-gpt2",
+        depth=2,
+        n_calib=16,
+        n_train=16,
+        n_eval=48,
+        seed=seed,
+        all_local_baseline=False,
+        defences=[{"name": "clip-noise", "args": {"clip": 1.0, "sigma": 2.0, "where": "forward"}}],
+    )
     run_training(cfg, path, device="cpu")
     return path
 
@@ -91,11 +98,48 @@ def test_calibrate_refuses_bad_input_and_keeps_what_exists(noisy_run, tmp_path):
     out = tmp_path / "cal"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    r = runner.invoke(app, ["calibrate", str(noisy_run), "--attack", "vmi", "--out", str(out), "--quiet",
-                            "--coverage", "0.1", "--coverage", "1.0", "--n-docs", "16", "--n-boot", "200"])
+    r = runner.invoke(
+        app,
+        [
+            "calibrate",
+            str(noisy_run),
+            "--attack",
+            "vmi",
+            "--out",
+            str(out),
+            "--quiet",
+            "--coverage",
+            "0.1",
+            "--coverage",
+            "1.0",
+            "--n-docs",
+            "16",
+            "--n-boot",
+            "200",
+        ],
+    )
     assert r.exit_code == 2 and "--force" in r.output and (out / "keep.txt").read_text() == "x"
-    r = runner.invoke(app, ["calibrate", str(noisy_run), "--attack", "vmi", "--out", str(out), "--quiet", "--force",
-                            "--coverage", "0.1", "--coverage", "1.0", "--n-docs", "16", "--n-boot", "200"])
+    r = runner.invoke(
+        app,
+        [
+            "calibrate",
+            str(noisy_run),
+            "--attack",
+            "vmi",
+            "--out",
+            str(out),
+            "--quiet",
+            "--force",
+            "--coverage",
+            "0.1",
+            "--coverage",
+            "1.0",
+            "--n-docs",
+            "16",
+            "--n-boot",
+            "200",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rec = json.loads((out / "calibration.json").read_text())
     assert [d["coverage"] for d in rec["doses"]] == [0.0, 0.1, 1.0] and rec["documents"] == 16
@@ -112,8 +156,9 @@ def test_shuffled_control_reads_not_detected_for_honest_arms_and_catches_a_cheat
     noisy = np.where(rng.random(truth.shape) < 0.5, truth, rng.integers(0, 40, truth.shape))
     constant = np.zeros_like(truth)
     cheat = shuffled_labels(truth, seed=7)  # predictions that copy the permuted labels
-    base, arms = arm_effects({"perfect": perfect, "noisy": noisy, "constant": constant, "cheat": cheat},
-                             truth, n_boot=2000, seed=7)
+    base, arms = arm_effects(
+        {"perfect": perfect, "noisy": noisy, "constant": constant, "cheat": cheat}, truth, n_boot=2000, seed=7
+    )
     by = {a.name: a for a in arms}
     assert base.token_id == 0 and abs(base.rate - (truth == 0).mean()) < 1e-12
     assert by["perfect"].verdict == "detected" and by["noisy"].verdict == "detected"
@@ -131,16 +176,35 @@ def test_shuffled_control_reads_not_detected_for_honest_arms_and_catches_a_cheat
 @pytest.mark.e2e
 def test_audit_under_heavy_noise_reads_at_floor_with_a_calibrated_metric(tmp_path):
     out = tmp_path / "audit"
-    r = runner.invoke(app, ["audit", "--model", "tiny-gpt2", "--out", str(out), "--quiet", "--n-calib", "16",
-                            "--n-train", "6", "--n-eval", "32", "--defence", "clip-noise",
-                            "--defence-arg", "sigma=2.0", "--seed", "1"])
+    r = runner.invoke(
+        app,
+        [
+            "audit",
+            "--model",
+            "tiny-gpt2",
+            "--out",
+            str(out),
+            "--quiet",
+            "--n-calib",
+            "16",
+            "--n-train",
+            "6",
+            "--n-eval",
+            "32",
+            "--defence",
+            "clip-noise",
+            "--defence-arg",
+            "sigma=2.0",
+            "--seed",
+            "1",
+        ],
+    )
     assert r.exit_code == 0, r.output
     rep = json.loads((out / "report.json").read_text())
     assert rep["verdict"].startswith("AT FLOOR")
     assert rep["verdicts"]["calibration"]["onsets"]["token_top1"] is not None
     assert not rep["verdicts"]["gate"]["breaks"]
-    assert all(a["arm"]["verdict"] != "detected" and a["arm"]["control_verdict"] != "detected"
-               for a in rep["attacks"])
+    assert all(a["arm"]["verdict"] != "detected" and a["arm"]["control_verdict"] != "detected" for a in rep["attacks"])
     assert (out / "calibration" / "calibration.json").is_file()
     md = (out / "report.md").read_text()
     assert "## Instrument calibration" in md and "relative perplexity change against the twin" in md
@@ -201,11 +265,24 @@ def _rows(diff, seeds=(1, 2, 3, 4), n_docs=60, attack_seeds=(0, 1), rng_seed=0, 
             p_doc = np.clip(level + rng.normal(0, 0.05), 0, 1)
             for a_seed in attack_seeds:
                 for attack, p in (("joint", p_doc + diff), ("activation", p_doc)):
-                    rows.append({"attack": attack, "k": 32, "client_copy": "public", "depth": 6, "defence": "none",
-                                 "victim_seed": vs, "attack_seed": a_seed, "doc_id": d, "token_counted": 32,
-                                 "token_correct": int(rng.binomial(32, np.clip(p, 0, 1))), "exact": False,
-                                 "protocol_hash": phash, "config_hash": f"{attack}{vs}{a_seed}",
-                                 "readout": "gradient" if attack == "joint" else None})
+                    rows.append(
+                        {
+                            "attack": attack,
+                            "k": 32,
+                            "client_copy": "public",
+                            "depth": 6,
+                            "defence": "none",
+                            "victim_seed": vs,
+                            "attack_seed": a_seed,
+                            "doc_id": d,
+                            "token_counted": 32,
+                            "token_correct": int(rng.binomial(32, np.clip(p, 0, 1))),
+                            "exact": False,
+                            "protocol_hash": phash,
+                            "config_hash": f"{attack}{vs}{a_seed}",
+                            "readout": "gradient" if attack == "joint" else None,
+                        }
+                    )
     return rows
 
 
@@ -230,17 +307,27 @@ def test_main_test_passes_a_large_difference_and_fails_a_small_one():
     again = compare(rows + pm, t, c, metric="token_recovery", alpha=0.05, mark=0.02, n_boot=4000, seed=0)
     assert again.estimate == big.estimate
     for extra in (pm, legacy):
-        named = compare(rows + extra, {**t, "readout": "pseudo-map"}, c, metric="token_recovery", alpha=0.05,
-                        mark=0.02, n_boot=200, seed=0)
+        named = compare(
+            rows + extra,
+            {**t, "readout": "pseudo-map"},
+            c,
+            metric="token_recovery",
+            alpha=0.05,
+            mark=0.02,
+            n_boot=200,
+            seed=0,
+        )
         assert named.estimate > 0.1 and named.n_docs == 60
     mixed = [{**r, "data_seed": r["victim_seed"]} for r in _rows(0.06)]  # each run drew its own documents
     with pytest.raises(SplitleakError, match="different data seeds"):
         compare(mixed, t, c, metric="token_recovery", alpha=0.05, mark=0.02, n_boot=100, seed=0)
-    noisy = compare(rows, {**t, "gradient_noise": 1.0}, c, metric="token_recovery", alpha=0.05, mark=0.02,
-                    n_boot=500, seed=0)
+    noisy = compare(
+        rows, {**t, "gradient_noise": 1.0}, c, metric="token_recovery", alpha=0.05, mark=0.02, n_boot=500, seed=0
+    )
     assert noisy.estimate < -0.5
-    missing = compare(_rows(0.06), {**t, "depth": 3}, c, metric="token_recovery", alpha=0.05, mark=0.02,
-                      n_boot=100, seed=0)
+    missing = compare(
+        _rows(0.06), {**t, "depth": 3}, c, metric="token_recovery", alpha=0.05, mark=0.02, n_boot=100, seed=0
+    )
     assert not missing.passes and "treatment" in missing.missing
 
 
@@ -250,8 +337,12 @@ def test_analysis_runs_the_shipped_family_and_refuses_foreign_results():
     fam = proto.family.expand(proto.main_test)
     assert len(fam) == 47 == proto.family.size
     assert proto.main_test.treatment not in [c.treatment for c in fam if c.control == proto.main_test.control]
-    quick = proto.model_copy(update={"main_test": proto.main_test.model_copy(update={"n_boot": 2000}),
-                                     "family": proto.family.model_copy(update={"n_boot": 500})})
+    quick = proto.model_copy(
+        update={
+            "main_test": proto.main_test.model_copy(update={"n_boot": 2000}),
+            "family": proto.family.model_copy(update={"n_boot": 500}),
+        }
+    )
     a = analyse(quick, "h", _rows(0.06))
     assert a.main.passes and a.family_alpha == pytest.approx(0.05 / 47)
     assert len(a.family) == 47 and not a.family_passes and all(c.missing for c in a.family)
@@ -274,19 +365,35 @@ def test_protocol_analyse_cli_end_to_end_on_tiny_runs(tmp_path):
         "main_test:\n  description: activation minus majority\n  metric: token_recovery\n"
         "  treatment: {attack: activation, k: 4, depth: 2}\n  control: {attack: majority, depth: 2}\n"
         "  pass_mark: 0.2\n  n_boot: 2000\n"
-        "victim_seeds: [0, 1]\ndocuments: {n_eval: 12}\n")
+        "victim_seeds: [0, 1]\ndocuments: {n_eval: 12}\n"
+    )
     assert runner.invoke(app, ["protocol", "freeze", str(proto)]).exit_code == 0
     for seed in (0, 1):
         run = tmp_path / f"run{seed}"
-        cfg = make_train_config(model="tiny-gpt2", depth=2, n_calib=8, n_train=4, n_eval=12, seed=seed,
-                                all_local_baseline=False)
+        cfg = make_train_config(
+            model="tiny-gpt2", depth=2, n_calib=8, n_train=4, n_eval=12, seed=seed, all_local_baseline=False
+        )
         run_training(cfg, run, device="cpu")
         for attack, extra in (("activation", ["--k", "4"]), ("majority", [])):
-            r = runner.invoke(app, ["attack", str(run), "--attack", attack, *extra, "--protocol", str(proto),
-                                    "--out", str(tmp_path / "results" / f"{attack}{seed}.json"), "--quiet"])
+            r = runner.invoke(
+                app,
+                [
+                    "attack",
+                    str(run),
+                    "--attack",
+                    attack,
+                    *extra,
+                    "--protocol",
+                    str(proto),
+                    "--out",
+                    str(tmp_path / "results" / f"{attack}{seed}.json"),
+                    "--quiet",
+                ],
+            )
             assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["protocol", "analyse", str(proto), str(tmp_path / "results"),
-                            "--out", str(tmp_path / "analysis")])
+    r = runner.invoke(
+        app, ["protocol", "analyse", str(proto), str(tmp_path / "results"), "--out", str(tmp_path / "analysis")]
+    )
     assert r.exit_code == 0, r.output
     a = json.loads((tmp_path / "analysis.json").read_text())
     assert a["main"]["passes"] and a["main"]["n_models"] == 2 and a["main"]["n_docs"] == 12
@@ -296,8 +403,20 @@ def test_protocol_analyse_cli_end_to_end_on_tiny_runs(tmp_path):
     shutil.copy(proto, other)
     other.write_text(other.read_text().replace("pass_mark: 0.2", "pass_mark: 0.3"))
     freeze_protocol(other)
-    r = runner.invoke(app, ["attack", str(tmp_path / "run0"), "--attack", "vmi", "--protocol", str(other),
-                            "--out", str(tmp_path / "results" / "vmi0.json"), "--quiet"])
+    r = runner.invoke(
+        app,
+        [
+            "attack",
+            str(tmp_path / "run0"),
+            "--attack",
+            "vmi",
+            "--protocol",
+            str(other),
+            "--out",
+            str(tmp_path / "results" / "vmi0.json"),
+            "--quiet",
+        ],
+    )
     assert r.exit_code == 0
     r = runner.invoke(app, ["protocol", "analyse", str(proto), str(tmp_path / "results")])
     assert r.exit_code == 2 and "vmi" in r.output

@@ -21,8 +21,9 @@ BASE = dict(model="tiny-gpt2", n_calib=16, n_train=12, n_eval=24, all_local_base
 
 def _train(path, seed=1, defences=None, **split):
     split = split or {"depth": 2}
-    run_training(make_train_config(**BASE, seed=seed, defences=defences or [{"name": "none"}], **split), path,
-                 device="cpu")
+    run_training(
+        make_train_config(**BASE, seed=seed, defences=defences or [{"name": "none"}], **split), path, device="cpu"
+    )
     return path
 
 
@@ -81,8 +82,17 @@ def test_mixup_unmix_needs_probe_rows(runs):
 
 def test_channels_of_a_mixup_run_and_a_u_shape_run(runs):
     rows = {r["channel"]: r for r in channel_table(runs["mixup"])}
-    assert set(rows) == {"activations", "gradient", "row-ids", "shapes", "timing", "labels", "probe-activations",
-                         "probe-gradient", "meta:probe_rows"}
+    assert set(rows) == {
+        "activations",
+        "gradient",
+        "row-ids",
+        "shapes",
+        "timing",
+        "labels",
+        "probe-activations",
+        "probe-gradient",
+        "meta:probe_rows",
+    }
     assert all(r["captured"] for name, r in rows.items() if name != "timing") and not rows["timing"]["captured"]
     assert rows["probe-activations"]["shape"] == {"train": [1, 32, 64], "capture": [16, 32, 64]}
     assert rows["probe-activations"]["rows"] == {"train": 12 - 4, "capture": 24}  # after 4 unmixed warm-up steps
@@ -110,8 +120,7 @@ def test_joint_and_backward_only_read_the_output_gradient_of_a_u_shape(runs):
     tr = load_traffic(runs["u"])
     scrambled = tr.replace(gradients=torch.randn(tr.gradients.shape, generator=torch.Generator().manual_seed(0)))
     assert run_attack(runs["u"], cfg, traffic=scrambled)["token_recovery"] == out["token_recovery"]
-    assert run_attack(runs["u"], make_attack_config(attack="backward-only"),
-                      traffic=scrambled)["token_recovery"] < 0.2
+    assert run_attack(runs["u"], make_attack_config(attack="backward-only"), traffic=scrambled)["token_recovery"] < 0.2
     joint = run_attack(runs["u"], make_attack_config(attack="joint", k=4, gradient_source="output"))
     assert joint["channels_read"] == ["activations", "output-gradient"]
     with pytest.raises(ConfigError, match="output gradient"):
@@ -124,8 +133,17 @@ def test_new_attack_fields_leave_existing_keys_alone():
     a = make_attack_config(attack="joint", k=32)
     b = make_attack_config(attack="joint", k=32, gradient_source="split", phase="capture")
     assert a.hash() == b.hash()
-    assert set(a.model_dump(mode="json")) == {"attack", "k", "client_copy", "budget", "attack_seed", "gradient_noise",
-                                              "gradient_bits", "inference", "readout"}
+    assert set(a.model_dump(mode="json")) == {
+        "attack",
+        "k",
+        "client_copy",
+        "budget",
+        "attack_seed",
+        "gradient_noise",
+        "gradient_bits",
+        "inference",
+        "readout",
+    }
     assert make_attack_config(attack="joint", k=32, phase="train").hash() != a.hash()
 
 
@@ -135,8 +153,9 @@ def test_attack_reads_the_training_steps(runs):
     assert res["phase"] == "train" and res["n_docs"] == 12
     assert [r["doc_id"] for r in res["per_doc"]] == order and [r["step"] for r in res["per_doc"]] == list(range(12))
     assert res["token_recovery"] > 0.9 and "after as many training steps" in res["weights"]
-    r = runner.invoke(app, ["attack", str(runs["none"]), "--attack", "majority", "--phase", "training",
-                            "--out", "x.json"])
+    r = runner.invoke(
+        app, ["attack", str(runs["none"]), "--attack", "majority", "--phase", "training", "--out", "x.json"]
+    )
     assert r.exit_code == 2 and "phase" in r.output
 
 

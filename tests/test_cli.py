@@ -25,8 +25,25 @@ def test_models_lists_presets_with_availability():
 
 def test_train_then_verify_then_refuse_overwrite(tmp_path):
     out = tmp_path / "run"
-    args = ["train", "--model", "tiny-gpt2", "--depth", "2", "--defence", "quant8", "--seed", "3",
-            "--out", str(out), "--quiet", "--threads", "1", "--device", "cpu", *SMALL]
+    args = [
+        "train",
+        "--model",
+        "tiny-gpt2",
+        "--depth",
+        "2",
+        "--defence",
+        "quant8",
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+        "--quiet",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+        *SMALL,
+    ]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     m = json.loads((out / "metrics.json").read_text())
@@ -68,7 +85,9 @@ def test_missing_model_names_offline_preset(tmp_path):
 def test_defence_argument_forms():
     assert parse_defences(["quant4-noisy"], ["clip=2.0"]) == [{"name": "quant4-noisy", "args": {"clip": 2.0}}]
     assert parse_defences(["quant8", "quant4-noisy:noise=0.2"], ["quant4-noisy.clip=0.5"]) == [
-        {"name": "quant8", "args": {}}, {"name": "quant4-noisy", "args": {"noise": 0.2, "clip": 0.5}}]
+        {"name": "quant8", "args": {}},
+        {"name": "quant4-noisy", "args": {"noise": 0.2, "clip": 0.5}},
+    ]
     with pytest.raises(ConfigError, match="ambiguous"):
         parse_defences(["quant8", "quant4"], ["clip=1"])
 
@@ -115,8 +134,10 @@ def test_train_from_yaml_with_composed_defences(tmp_path):
     r = runner.invoke(app, ["train", "--config", str(cfg), "--out", str(out), "--quiet"])
     assert r.exit_code == 0, r.output
     m = json.loads((out / "manifest.json").read_text())
-    assert m["defences"] == [{"name": "quant8", "args": {}},
-                             {"name": "clip-noise", "args": {"clip": 2.0, "sigma": 0.05, "where": "backward"}}]
+    assert m["defences"] == [
+        {"name": "quant8", "args": {}},
+        {"name": "clip-noise", "args": {"clip": 2.0, "sigma": 0.05, "where": "backward"}},
+    ]
     r = runner.invoke(app, ["train", "--config", str(cfg), "--depth", "3", "--out", str(tmp_path / "x"), "--quiet"])
     assert r.exit_code == 2 and "--depth" in r.output
     bad = tmp_path / "bad.yaml"

@@ -42,13 +42,16 @@ def test_a_mixup_audit_attacks_the_probe_rows(audits):
     assert channels["probe-activations"]["read_by"] == ["mixup-unmix k=32"]
     assert channels["probe-activations"]["status"] == "no positive control"
     unmix = next(a for a in report["attacks"] if a["attack"] == "mixup-unmix")
-    plain = next(a for a in json.loads((audits / "none" / "report.json").read_text())["attacks"]
-                 if a["attack"] == "activation")
+    plain = next(
+        a for a in json.loads((audits / "none" / "report.json").read_text())["attacks"] if a["attack"] == "activation"
+    )
     assert unmix["token_recovery"] >= plain["token_recovery"] - 0.01
 
 
 def test_compare_cli_writes_png_and_svg(audits, tmp_path):
-    r = runner.invoke(app, ["compare", str(audits / "none"), str(audits / "quant4-noisy"), "--figure", str(tmp_path / "f")])
+    r = runner.invoke(
+        app, ["compare", str(audits / "none"), str(audits / "quant4-noisy"), "--figure", str(tmp_path / "f")]
+    )
     assert r.exit_code == 0, r.output
     png, svg = tmp_path / "f.png", tmp_path / "f.svg"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

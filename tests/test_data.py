@@ -62,10 +62,7 @@ def wiki(wiki_cache):
 
 @pytest.fixture(scope="module")
 def wiki_lines():
-    return {
-        split: (WIKI / f"wiki.{split}.raw").read_text(encoding="utf-8").split("\n")
-        for split in ("test", "valid")
-    }
+    return {split: (WIKI / f"wiki.{split}.raw").read_text(encoding="utf-8").split("\n") for split in ("test", "valid")}
 
 
 @pytest.fixture(scope="module")
@@ -160,16 +157,20 @@ def test_windows_never_cross_paragraphs(tok, tmp_path):
     lens = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in paras]
     expected = sum(n // L for n in lens)
     assert expected < sum(lens) // L  # crossing paragraphs would give more windows
-    sets = load_documents(
-        "text", tok, seed=3, n_calib=0, n_train=0, n_eval=expected, doc_len=L, data_path=tmp_path
-    )
+    sets = load_documents("text", tok, seed=3, n_calib=0, n_train=0, n_eval=expected, doc_len=L, data_path=tmp_path)
     for d in sets.evaluation:
         assert any(d.text in p for p in paras), d.text
     origins = collections.Counter(_SOURCE.match(d.source)["origin"] for d in sets.evaluation)
     assert origins == {"text:a.txt:line 1": lens[0] // L, "text:b.txt:line 3": lens[2] // L}
     with pytest.raises(DataError, match=rf"found {expected} windows of {L} tokens"):
         load_documents(
-            "text", tok, seed=3, n_calib=0, n_train=0, n_eval=expected + 1, doc_len=L,
+            "text",
+            tok,
+            seed=3,
+            n_calib=0,
+            n_train=0,
+            n_eval=expected + 1,
+            doc_len=L,
             data_path=tmp_path,
         )
 
@@ -258,7 +259,13 @@ def test_hand_built_text_gives_exact_spans(tok, tmp_path, text, doc_len, expecte
     path = tmp_path / "one.txt"
     path.write_text(text + "\n", encoding="utf-8")
     sets = load_documents(
-        "text", tok, seed=0, n_calib=0, n_train=0, n_eval=len(expected), doc_len=doc_len,
+        "text",
+        tok,
+        seed=0,
+        n_calib=0,
+        n_train=0,
+        n_eval=len(expected),
+        doc_len=doc_len,
         data_path=path,
     )
     got = {}
@@ -278,7 +285,7 @@ def test_hand_built_text_gives_exact_spans(tok, tmp_path, text, doc_len, expecte
             [("name", "Robert Boulter"), ("name", "English")],
         ),
         (
-            " In 2004 Boulter landed a role as \" Craig \" in The Long Firm .",
+            ' In 2004 Boulter landed a role as " Craig " in The Long Firm .',
             [("number", "2004"), ("name", "Boulter"), ("name", "Craig"), ("name", "Long Firm")],
         ),
         # a one-word run that starts a sentence is dropped; month names are never names
@@ -360,9 +367,7 @@ def test_synthetic_text_depends_only_on_seed_and_index(tok, pii):
 
 
 def test_synthetic_long_documents_are_lengthened(tok):
-    sets = load_documents(
-        "synthetic-pii", tok, seed=5, n_calib=1, n_train=1, n_eval=4, doc_len=160
-    )
+    sets = load_documents("synthetic-pii", tok, seed=5, n_calib=1, n_train=1, n_eval=4, doc_len=160)
     for d in all_docs(sets):
         assert len(d.token_ids) == 160
         assert len(d.spans) >= 8
@@ -506,15 +511,13 @@ def test_wikitext_through_datasets_rows(tok, monkeypatch, wiki_lines):
     def load_dataset(name, config):
         calls.append((name, config))
         rows = {"test": wiki_lines["test"], "validation": wiki_lines["valid"], "train": []}
-        return {k: {"text": [line + "\n" if line.strip() else "" for line in v]}
-                for k, v in rows.items()}
+        return {k: {"text": [line + "\n" if line.strip() else "" for line in v]} for k, v in rows.items()}
 
     fake.load_dataset = load_dataset
     monkeypatch.setitem(sys.modules, "datasets", fake)
     # the same lines through the hub path give the same sets as the files
     hub = load_documents("wikitext2", tok, seed=4, n_calib=2, n_train=4, n_eval=8)
-    files = load_documents("wikitext2", tok, seed=4, n_calib=2, n_train=4, n_eval=8,
-                           data_path=WIKI)
+    files = load_documents("wikitext2", tok, seed=4, n_calib=2, n_train=4, n_eval=8, data_path=WIKI)
     assert calls == [("Salesforce/wikitext", "wikitext-2-raw-v1")]
     assert hub == files
 
@@ -522,8 +525,36 @@ def test_wikitext_through_datasets_rows(tok, monkeypatch, wiki_lines):
 # ---------------------------------------------------------------- annotator properties
 
 _PIECES = st.sampled_from(
-    ["Anna", "Lee", "of", "the", "The", "May", "1", "2,5", "@,@", "@-@", "M", "-", "11", ".",
-     "ISBN", "x86", "km2", "19th", " ", "  ", "\n", "'s", "O'Neill", "Dr", "é", "Ünal", "\"", ","]
+    [
+        "Anna",
+        "Lee",
+        "of",
+        "the",
+        "The",
+        "May",
+        "1",
+        "2,5",
+        "@,@",
+        "@-@",
+        "M",
+        "-",
+        "11",
+        ".",
+        "ISBN",
+        "x86",
+        "km2",
+        "19th",
+        " ",
+        "  ",
+        "\n",
+        "'s",
+        "O'Neill",
+        "Dr",
+        "é",
+        "Ünal",
+        '"',
+        ",",
+    ]
 )
 
 

@@ -40,8 +40,11 @@ def test_each_defence_is_deterministic_and_composes_with_quant8(tmp_path, name):
 @pytest.mark.parametrize("name", [n for n in NAMES if "u-shape" not in DEFENCES[n].split_modes])
 def test_a_defence_refuses_a_split_mode_it_does_not_support(tmp_path, name):
     with pytest.raises(ConfigError, match=f"{name} is implemented for the plain split only"):
-        run_training(make_train_config(**SMALL, offload_start=1, offload_length=2, defences=[{"name": name}]),
-                     tmp_path / "r", device="cpu")
+        run_training(
+            make_train_config(**SMALL, offload_start=1, offload_length=2, defences=[{"name": name}]),
+            tmp_path / "r",
+            device="cpu",
+        )
     assert not (tmp_path / "r").exists()
 
 
@@ -52,13 +55,16 @@ def test_a_chain_takes_one_defence_per_exclusive_role():
         DefenceChain([build_defence("replica-median"), build_defence("replica-median")], 0)
 
 
-@pytest.mark.parametrize("name,args,words", [
-    ("clip-noise", {"clip": "abc"}, r"wrong type \(clip='abc'\)"),
-    ("quant4-noisy", {"noise": "lots"}, r"wrong type \(noise='lots'\)"),
-    ("dp-forward", {"delta": "x"}, r"wrong type \(delta='x'\)"),
-    ("quant8", {"bits": 4}, r"does not take argument\(s\) \['bits'\]; it takes no arguments"),
-    ("mixup", {"correction": "exact"}, "correction must be one of probe, cached, none"),
-])
+@pytest.mark.parametrize(
+    "name,args,words",
+    [
+        ("clip-noise", {"clip": "abc"}, r"wrong type \(clip='abc'\)"),
+        ("quant4-noisy", {"noise": "lots"}, r"wrong type \(noise='lots'\)"),
+        ("dp-forward", {"delta": "x"}, r"wrong type \(delta='x'\)"),
+        ("quant8", {"bits": 4}, r"does not take argument\(s\) \['bits'\]; it takes no arguments"),
+        ("mixup", {"correction": "exact"}, "correction must be one of probe, cached, none"),
+    ],
+)
 def test_bad_arguments_are_refused_with_the_argument_named(name, args, words):
     with pytest.raises(ConfigError, match=words):
         build_defence(name, args)

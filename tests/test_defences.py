@@ -85,8 +85,16 @@ def test_mixup_is_not_exact_for_a_nonlinear_server_but_close():
 
 
 def test_mixup_run_gradients_are_dense_and_deterministic(tmp_path):
-    cfg = make_train_config(model="tiny-gpt2", depth=2, n_calib=4, n_train=12, n_eval=20, seed=1,
-                            defences=[{"name": "mixup", "args": {"lambda": 0.75}}], all_local_baseline=False)
+    cfg = make_train_config(
+        model="tiny-gpt2",
+        depth=2,
+        n_calib=4,
+        n_train=12,
+        n_eval=20,
+        seed=1,
+        defences=[{"name": "mixup", "args": {"lambda": 0.75}}],
+        all_local_baseline=False,
+    )
     m = run_training(cfg, tmp_path / "a", device="cpu").metrics
     assert m["capture"]["zero_gradient_rows_before_last"] == 0
     assert len(m["capture"]["zero_gradient_row_share_per_frame"]) == 2  # 20 documents in batches of 16
@@ -94,14 +102,27 @@ def test_mixup_run_gradients_are_dense_and_deterministic(tmp_path):
     a, b = load_capture(tmp_path / "a"), load_capture(tmp_path / "b")
     assert torch.equal(a.activations, b.activations) and torch.equal(a.gradients, b.gradients)
     # the wire carries the mix: it differs from the trained client's clean activations
-    plain = run_training(make_train_config(model="tiny-gpt2", depth=2, n_calib=4, n_train=12, n_eval=20, seed=1,
-                                           all_local_baseline=False), tmp_path / "c", device="cpu")
+    plain = run_training(
+        make_train_config(
+            model="tiny-gpt2", depth=2, n_calib=4, n_train=12, n_eval=20, seed=1, all_local_baseline=False
+        ),
+        tmp_path / "c",
+        device="cpu",
+    )
     assert not torch.allclose(load_capture(plain.run_dir).activations, a.activations)
 
 
 def test_mixup_composes_with_quant8(tmp_path):
-    cfg = make_train_config(model="tiny-gpt2", depth=2, n_calib=4, n_train=8, n_eval=8, seed=0,
-                            defences=[{"name": "mixup"}, {"name": "quant8"}], all_local_baseline=False)
+    cfg = make_train_config(
+        model="tiny-gpt2",
+        depth=2,
+        n_calib=4,
+        n_train=8,
+        n_eval=8,
+        seed=0,
+        defences=[{"name": "mixup"}, {"name": "quant8"}],
+        all_local_baseline=False,
+    )
     run_training(cfg, tmp_path / "r", device="cpu")
     from splitleak.wire import quantize_symmetric
 
@@ -119,8 +140,15 @@ def test_bad_mixup_arguments_fail_before_training(args, words):
 
 
 def test_mixup_refuses_partial_offloading(tmp_path):
-    cfg = make_train_config(model="tiny-gpt2", offload_start=1, offload_length=2, n_calib=2, n_train=4, n_eval=4,
-                            defences=[{"name": "mixup"}])
+    cfg = make_train_config(
+        model="tiny-gpt2",
+        offload_start=1,
+        offload_length=2,
+        n_calib=2,
+        n_train=4,
+        n_eval=4,
+        defences=[{"name": "mixup"}],
+    )
     with pytest.raises(ConfigError, match="plain split"):
         run_training(cfg, tmp_path / "r", device="cpu")
     assert not (tmp_path / "r").exists()
@@ -160,8 +188,9 @@ def test_one_lying_replica_is_flagged_and_does_not_move_the_median():
 
 
 def test_replica_median_run_costs_little(tmp_path):
-    cfg = make_train_config(model="tiny-gpt2", depth=2, n_calib=4, n_train=12, n_eval=20, seed=1,
-                            defences=[{"name": "replica-median"}])
+    cfg = make_train_config(
+        model="tiny-gpt2", depth=2, n_calib=4, n_train=12, n_eval=20, seed=1, defences=[{"name": "replica-median"}]
+    )
     m = run_training(cfg, tmp_path / "r", device="cpu").metrics
     assert m["replica_flagged_messages"] == 0 and 0 < m["replica_max_deviation"] < 0.02
     assert abs(m["delta_u"]) < 1e-3
@@ -171,7 +200,6 @@ def test_replica_median_run_costs_little(tmp_path):
 def test_bad_replica_arguments(args, words):
     with pytest.raises(ConfigError, match=words):
         make_train_config(model="tiny-gpt2", depth=2, defences=[{"name": "replica-median", "args": args}])
-
 
 
 @pytest.mark.slow
@@ -195,8 +223,17 @@ def test_mixup_probe_rows_give_the_text_back_on_smollm2(tmp_path, smollm2):
     lm = load_model("smollm2-135m", seed=1)
     runs = {}
     for defence in ("none", "mixup"):
-        cfg = make_train_config(model="smollm2-135m", depth=6, n_calib=32, n_train=16, n_eval=64, doc_len=8, seed=1,
-                                all_local_baseline=False, defences=[{"name": defence}])
+        cfg = make_train_config(
+            model="smollm2-135m",
+            depth=6,
+            n_calib=32,
+            n_train=16,
+            n_eval=64,
+            doc_len=8,
+            seed=1,
+            all_local_baseline=False,
+            defences=[{"name": defence}],
+        )
         runs[defence] = tmp_path / defence
         run_training(cfg, runs[defence], device="cpu", lm=copy.deepcopy(lm))
     mixed = runs["mixup"]

@@ -43,12 +43,43 @@ attacks:
 TINY_COUNTS = {"train": 2, "attack": 12, "reuse": 4}
 
 # columns that must agree between two runs of the same grid (timings and paths excluded)
-ATTACK_SCORES = ["key", "kind", "train_key", "reuse_of", "protocol_hash", "doc_id", "token_correct", "token_counted",
-                 "exact", "span_hits_name", "span_counts_name", "span_hits_number", "span_counts_number",
-                 "predicted", "property_score", "leakage_index", "vmi_token_recovery", "majority_token_recovery",
-                 "attack_config", "job_config", "train_config", "cut"]
-TRAIN_SCORES = ["key", "heldout_ce", "perplexity", "all_local_ce", "delta_u", "pretrained_ce",
-                "wire_bytes_client_to_server", "wire_bytes_server_to_client", "train_config", "job_config", "cut"]
+ATTACK_SCORES = [
+    "key",
+    "kind",
+    "train_key",
+    "reuse_of",
+    "protocol_hash",
+    "doc_id",
+    "token_correct",
+    "token_counted",
+    "exact",
+    "span_hits_name",
+    "span_counts_name",
+    "span_hits_number",
+    "span_counts_number",
+    "predicted",
+    "property_score",
+    "leakage_index",
+    "vmi_token_recovery",
+    "majority_token_recovery",
+    "attack_config",
+    "job_config",
+    "train_config",
+    "cut",
+]
+TRAIN_SCORES = [
+    "key",
+    "heldout_ce",
+    "perplexity",
+    "all_local_ce",
+    "delta_u",
+    "pretrained_ce",
+    "wire_bytes_client_to_server",
+    "wire_bytes_server_to_client",
+    "train_config",
+    "job_config",
+    "cut",
+]
 
 
 def write_spec(folder: Path, text: str = TINY, name: str = "tiny.yaml") -> Path:
@@ -79,8 +110,10 @@ def test_unknown_keys_are_refused_naming_key_file_and_layer(tmp_path):
         load_spec(spec)
     assert "'depthz'" in str(e.value) and str(spec) in str(e.value) and "known keys here" in str(e.value)
 
-    spec = write_spec(tmp_path, TINY.replace("{attack: property, client_copy: public}",
-                                             "{attack: property, client_copy: public, kk: 3}"))
+    spec = write_spec(
+        tmp_path,
+        TINY.replace("{attack: property, client_copy: public}", "{attack: property, client_copy: public, kk: 3}"),
+    )
     with pytest.raises(ConfigError, match=r"unknown key 'attacks\.2\.kk'"):
         load_spec(spec)
 
@@ -101,9 +134,7 @@ def test_profile_and_override_precedence(tmp_path):
     from splitleak.experiments import load_spec
 
     text = TINY.replace("model: tiny-gpt2", "models: [tiny-gpt2, smollm2-135m]") + (
-        "profiles:\n"
-        "  quick: {documents: {n_eval: 6}, victim_seeds: [5, 6]}\n"
-        "  full: {steps: 3}\n"
+        "profiles:\n  quick: {documents: {n_eval: 6}, victim_seeds: [5, 6]}\n  full: {steps: 3}\n"
     )
     spec = write_spec(tmp_path, text)
     s = load_spec(spec).spec  # default profile: full
@@ -126,17 +157,31 @@ def test_shipped_specs_expand_to_the_papers_sizes():
     assert g.counts() == {"train": 60, "attack": 3440, "reuse": 480}
     assert g.loaded.protocol_path == (SHIPPED / "paper_main.yaml").resolve()
     attack = g.of_kind("attack")
-    configs = {(j.fields["attack"], j.fields["k"], j.fields["budget"], j.fields["perturbation"], j.fields["defence_name"])
-               for j in attack}
+    configs = {
+        (j.fields["attack"], j.fields["k"], j.fields["budget"], j.fields["perturbation"], j.fields["defence_name"])
+        for j in attack
+    }
     # What Gradients Add's 40: 28 undefended + 6 x 2 defended; and mixup-unmix at three k against mixup (beyond that paper)
     assert len(configs) == 28 + 12 + 3
     assert sum(1 for c in configs if c[4] == "none") == 28
-    assert {c for c in configs if c[0] == "mixup-unmix"} == {("mixup-unmix", k, None, "none", "mixup") for k in (8, 16, 32)}
-    assert {(j.fields["depth"], j.fields["client_copy"]) for j in attack} == {(3, "public"), (3, "trained"),
-                                                                              (6, "public"), (6, "trained")}
+    assert {c for c in configs if c[0] == "mixup-unmix"} == {
+        ("mixup-unmix", k, None, "none", "mixup") for k in (8, 16, 32)
+    }
+    assert {(j.fields["depth"], j.fields["client_copy"]) for j in attack} == {
+        (3, "public"),
+        (3, "trained"),
+        (6, "public"),
+        (6, "trained"),
+    }
     reused = {(j.fields["attack"], j.fields["k"], j.fields["budget"]) for j in g.of_kind("reuse")}
-    assert reused == {("activation", 8, None), ("activation", 16, None), ("activation", 32, None),
-                      ("sipit", None, "32"), ("sipit", None, "64"), ("sipit", None, "128")}
+    assert reused == {
+        ("activation", 8, None),
+        ("activation", 16, None),
+        ("activation", 32, None),
+        ("sipit", None, "32"),
+        ("sipit", None, "64"),
+        ("sipit", None, "128"),
+    }
     assert {j.fields["defence_name"] for j in g.of_kind("reuse")} == {"none"}
     assert plan_grid("paper_main", profile="quick").counts() == {"train": 6, "attack": 172, "reuse": 24}
     tiny = plan_grid("paper_main", profile="quick", overrides=["model=tiny-gpt2"])
@@ -147,12 +192,12 @@ def test_shipped_specs_expand_to_the_papers_sizes():
     one = plan_grid("partial_offloading", overrides=["model=gpt2"])
     assert one.counts()["train"] == 3 * 4 * 2 * 8  # lengths x starts x defences x victim seeds
     assert {(j.fields["offload_length"], j.fields["offload_start"]) for j in one.of_kind("train")} == {
-        (s, b) for s in (2, 4, 6) for b in range(4)}
+        (s, b) for s in (2, 4, 6) for b in range(4)
+    }
     assert {j.fields["attack"] for j in one.of_kind("attack")} == {"property"}
     qwen = plan_grid("partial_offloading", overrides=["model=qwen3-0.6b"])
     assert {j.config["train"]["precision"] for j in qwen.jobs if j.kind == "train"} == {"float64"}
     assert plan_grid("partial_offloading", profile="quick").counts() == {"train": 24, "attack": 24, "reuse": 0}
-
 
 
 def test_pilot_profiles_hold_exactly_the_cells_the_protocols_tests_compare():
@@ -184,8 +229,12 @@ def test_pilot_profiles_hold_exactly_the_cells_the_protocols_tests_compare():
     g = plan_grid("paper_main", profile="server-6")
     assert g.counts() == {"train": 4, "attack": 20, "reuse": 0}
     assert {(j.fields["attack"], j.fields["k"], j.fields["readout"]) for j in g.of_kind("attack")} == {
-        ("activation", 32, None), ("joint", 32, "gradient"), ("joint", 32, "pseudo-map"),
-        ("backward-only", None, "gradient"), ("backward-only", None, "pseudo-map")}
+        ("activation", 32, None),
+        ("joint", 32, "gradient"),
+        ("joint", 32, "pseudo-map"),
+        ("backward-only", None, "gradient"),
+        ("backward-only", None, "pseudo-map"),
+    }
     assert {j.fields["depth"] for j in g.jobs} == {24}
 
 
@@ -222,8 +271,9 @@ def test_expansion_counts_keys_and_dependencies(tmp_path):
     for j in g.of_kind("attack"):
         t = trains[j.train_key]
         assert j.config["train_key"] == t.key
-        assert all(j.fields[f] == t.fields[f] for f in ("depth", "offload_start", "offload_length", "defence",
-                                                        "victim_seed"))
+        assert all(
+            j.fields[f] == t.fields[f] for f in ("depth", "offload_start", "offload_length", "defence", "victim_seed")
+        )
     by_key = g.by_key
     for r in g.of_kind("reuse"):
         src = by_key[r.reuse_of]
@@ -268,19 +318,25 @@ def test_a_readout_list_expands_into_one_attack_job_each(tmp_path):
     assert all(j.fields["readout"] is None and "readout" not in j.config["attack"] for j in others)
 
 
-@pytest.mark.parametrize("change,words", [
-    (("{attack: property, client_copy: public}", "{attack: propertyy}"), "unknown attack 'propertyy'"),
-    (("defences: [none]", "defences: [mixupp]"), "unknown defence 'mixupp'"),
-    (("protocol: proto.yaml", "protocol: nowhere.yaml"), "protocol file 'nowhere.yaml' does not exist"),
-    (("{attack: property, client_copy: public}", "{attack: joint, k: 4, inference: true}"), "inference traffic"),
-    (("{attack: property, client_copy: public}", "{attack: sipit, k: 4}"), "does not take ['k']"),
-    (("{attack: property, client_copy: public}", "{attack: activation, k: 4, defences: [mixp]}"), "'mixp'"),
-    (("{attack: property, client_copy: public}", "{attack: activation, k: 4}"), "listed twice"),
-    (("defences: [none]", "defences: [mixup]\nplacements: {lengths: [1], starts: [0]}"), "plain split only"),
-    (("depths: [1, 2]", "depths: [0]"), "every depth must be >= 1"),
-    (("{attack: property, client_copy: public}", "{attack: activation, k: 5, readout: gradient}"), "reads no gradient"),
-    (("{attack: property, client_copy: public}", "{attack: joint, k: 5, readout: [psychic]}"), "readout"),
-])
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (("{attack: property, client_copy: public}", "{attack: propertyy}"), "unknown attack 'propertyy'"),
+        (("defences: [none]", "defences: [mixupp]"), "unknown defence 'mixupp'"),
+        (("protocol: proto.yaml", "protocol: nowhere.yaml"), "protocol file 'nowhere.yaml' does not exist"),
+        (("{attack: property, client_copy: public}", "{attack: joint, k: 4, inference: true}"), "inference traffic"),
+        (("{attack: property, client_copy: public}", "{attack: sipit, k: 4}"), "does not take ['k']"),
+        (("{attack: property, client_copy: public}", "{attack: activation, k: 4, defences: [mixp]}"), "'mixp'"),
+        (("{attack: property, client_copy: public}", "{attack: activation, k: 4}"), "listed twice"),
+        (("defences: [none]", "defences: [mixup]\nplacements: {lengths: [1], starts: [0]}"), "plain split only"),
+        (("depths: [1, 2]", "depths: [0]"), "every depth must be >= 1"),
+        (
+            ("{attack: property, client_copy: public}", "{attack: activation, k: 5, readout: gradient}"),
+            "reads no gradient",
+        ),
+        (("{attack: property, client_copy: public}", "{attack: joint, k: 5, readout: [psychic]}"), "readout"),
+    ],
+)
 def test_bad_spec_fails_before_anything_is_written(tmp_path, change, words):
     spec = write_spec(tmp_path, TINY.replace(*change))
     store = tmp_path / "store"
@@ -309,7 +365,9 @@ def test_flop_counter_counts_a_tiny_forward_pass_exactly():
         matmul = 2 * b * t * (n_layer * (3 * d * d + d * d + 2 * d * inner) + d * vocab)
         attention = n_layer * 4 * b * t * t * d
         assert counter.get_total_flops() == matmul + attention
-        assert counter.get_flop_counts()["Global"][torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] == attention
+        assert (
+            counter.get_flop_counts()["Global"][torch.ops.aten._scaled_dot_product_flash_attention_for_cpu] == attention
+        )
 
 
 def test_worker_counts_job_flops_only_when_asked_and_without_changing_results(tmp_path, monkeypatch):
@@ -373,8 +431,10 @@ def tiny_grid(tmp_path_factory):
     folder = tmp_path_factory.mktemp("grid")
     spec = write_spec(folder)
     store = folder / "store"
-    r = runner.invoke(app, ["experiment", "run", str(spec), "--store", str(store), "--workers", "2",
-                            "--threads", "1", "--device", "cpu"])
+    r = runner.invoke(
+        app,
+        ["experiment", "run", str(spec), "--store", str(store), "--workers", "2", "--threads", "1", "--device", "cpu"],
+    )
     assert r.exit_code == 0, r.output
     return spec, store, r.output
 
@@ -394,8 +454,12 @@ def test_grid_store_has_one_row_per_job_and_document(tiny_grid):
         by_key.setdefault(r["key"], []).append(r["doc_id"])
     expected = {j.key for j in g.jobs if j.kind != "train"}
     assert set(by_key) == expected
-    eval_ids = {d["doc_id"] for d in json.loads(
-        (store / "runs" / g.of_kind("train")[0].key[:16] / "documents.json").read_text())["evaluation"]}
+    eval_ids = {
+        d["doc_id"]
+        for d in json.loads((store / "runs" / g.of_kind("train")[0].key[:16] / "documents.json").read_text())[
+            "evaluation"
+        ]
+    }
     assert len(eval_ids) == 4
     for key, docs in by_key.items():
         assert sorted(docs) == sorted(eval_ids), key  # each document exactly once per job
@@ -423,8 +487,9 @@ def test_grid_scores_equal_run_attack_on_the_same_run(tiny_grid):
     rows = read_results(store).to_pylist()
     for job in g.of_kind("attack") + g.of_kind("reuse"):
         run_dir = store / "runs" / job.train_key[:16]
-        res = run_attack(run_dir, make_attack_config(**job.config["attack"]), device="cpu",
-                         protocol_hash=g.protocol_hash)
+        res = run_attack(
+            run_dir, make_attack_config(**job.config["attack"]), device="cpu", protocol_hash=g.protocol_hash
+        )
         mine = {r["doc_id"]: r for r in rows if r["key"] == job.key}
         assert len(mine) == len(res["per_doc"]) == 4
         for d in res["per_doc"]:
@@ -433,7 +498,11 @@ def test_grid_scores_equal_run_attack_on_the_same_run(tiny_grid):
                 assert r["property_score"] == d["score"] and r["leakage_index"] == res["leakage_index"]
             else:
                 assert (r["token_correct"], r["token_counted"], r["exact"], r["predicted"]) == (
-                    d["token_correct"], d["token_counted"], d["exact"], d["predicted"])
+                    d["token_correct"],
+                    d["token_counted"],
+                    d["exact"],
+                    d["predicted"],
+                )
                 assert r["span_hits_name"] == d["span_hits"]["name"]
         if job.kind == "reuse":  # the reused measurement equals running the inference attack itself
             src = {r["doc_id"]: r["predicted"] for r in rows if r["key"] == job.reuse_of}
@@ -476,13 +545,29 @@ def test_sigkill_then_resume_gives_each_job_once_and_the_clean_results(tiny_grid
     clean_spec, clean_store, _ = tiny_grid
     spec = write_spec(tmp_path)
     store = tmp_path / "store"
-    cmd = [sys.executable, "-m", "splitleak.cli", "experiment", "run", str(spec), "--store", str(store),
-           "--workers", "1", "--threads", "1", "--device", "cpu", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitleak.cli",
+        "experiment",
+        "run",
+        str(spec),
+        "--store",
+        str(store),
+        "--workers",
+        "1",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
     def start():
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
 
     def kill_when(proc, ready, timeout=120):
         t0 = time.monotonic()
@@ -491,8 +576,11 @@ def test_sigkill_then_resume_gives_each_job_once_and_the_clean_results(tiny_grid
                 assert proc.poll() is None, "the run ended before it could be killed"
                 assert time.monotonic() - t0 < timeout
                 time.sleep(0.02)
-            claims = [json.loads(p.read_text()) for p in (store / "claims").glob("*.json")] \
-                if (store / "claims").is_dir() else []
+            claims = (
+                [json.loads(p.read_text()) for p in (store / "claims").glob("*.json")]
+                if (store / "claims").is_dir()
+                else []
+            )
             proc.send_signal(signal.SIGKILL)  # the driver only: its workers must not outlive it
             proc.wait()
             for c in claims:  # PR_SET_PDEATHSIG takes the workers down with the driver
@@ -533,7 +621,8 @@ def test_sigkill_then_resume_gives_each_job_once_and_the_clean_results(tiny_grid
         counts[row["key"]] = counts.get(row["key"], 0) + 1
     assert counts == {j.key: 4 for j in g.jobs if j.kind != "train"}
     assert sorted(r["key"] for r in read_results(store, "train").to_pylist()) == sorted(
-        j.key for j in g.of_kind("train"))
+        j.key for j in g.of_kind("train")
+    )
     assert scores(store) == scores(clean_store)
     assert scores(store, "train") == scores(clean_store, "train")
     assert read_results(store, "failed").num_rows == 0
@@ -562,8 +651,9 @@ def test_failed_jobs_are_recorded_and_do_not_stop_the_others(tmp_path):
     # with sigma 1e39 turns the activations into inf, which the server refuses as non-finite
     spec = write_spec(tmp_path, FAILING)
     store = tmp_path / "store"
-    r = runner.invoke(app, ["experiment", "run", str(spec), "--store", str(store), "--workers", "2",
-                            "--threads", "1", "--quiet"])
+    r = runner.invoke(
+        app, ["experiment", "run", str(spec), "--store", str(store), "--workers", "2", "--threads", "1", "--quiet"]
+    )
     assert r.exit_code == 1, r.output
     g = plan_grid(spec)
     good = next(j for j in g.of_kind("train") if j.fields["depth"] == 2 and j.fields["defence"] == "none")
@@ -579,7 +669,8 @@ def test_failed_jobs_are_recorded_and_do_not_stop_the_others(tmp_path):
             assert failed[j.key]["error_type"] == "skipped"
             assert j.train_key[:12] in failed[j.key]["error"] or j.reuse_of[:12] in failed[j.key]["error"]
     assert {row["key"] for row in read_results(store).to_pylist()} == {
-        j.key for j in g.jobs if j.kind != "train" and j.train_key == good.key}
+        j.key for j in g.jobs if j.kind != "train" and j.train_key == good.key
+    }
     assert [row["key"] for row in read_results(store, "train").to_pylist()] == [good.key]
     assert nan.key[:12] in r.output and "NonFiniteError" in r.output and nan.summary in r.output
     st = runner.invoke(app, ["experiment", "status", str(spec), "--store", str(store)])
@@ -587,8 +678,10 @@ def test_failed_jobs_are_recorded_and_do_not_stop_the_others(tmp_path):
     assert "NonFiniteError" in st.output
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                    reason="ray is not installed (pip install 'splitleak[ray]'); the Ray executor is not tested")
+@pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None,
+    reason="ray is not installed (pip install 'splitleak[ray]'); the Ray executor is not tested",
+)
 @pytest.mark.e2e
 def test_ray_executor_gives_the_local_results(tiny_grid, tmp_path):
     from splitleak.experiments import run_grid
@@ -601,8 +694,10 @@ def test_ray_executor_gives_the_local_results(tiny_grid, tmp_path):
     assert scores(store, "train") == scores(clean_store, "train")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                    reason="ray is not installed (pip install 'splitleak[ray]'); the Ray executor is not tested")
+@pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None,
+    reason="ray is not installed (pip install 'splitleak[ray]'); the Ray executor is not tested",
+)
 @pytest.mark.e2e
 def test_ray_executor_joins_a_running_cluster_and_spreads_jobs_over_its_nodes(tiny_grid, tmp_path):
     """`--address`: a cluster of a head without CPUs and two worker nodes (ray.cluster_utils runs

@@ -9,11 +9,17 @@ from splitleak.errors import ConfigError
 from splitleak.files import read_yaml
 
 
-@pytest.mark.parametrize("text,words", [
-    ("model: tiny-gpt2\n  depth: 2\n", r"is not valid YAML at line 2, column 8: mapping values are not allowed here"),
-    ("defences: [{name: quant8}\n", r"is not valid YAML at line 2, column 1: .*unclosed bracket"),
-    ("- a\n- b\n", r"must hold a mapping \(model: \.\.\.\), not list"),
-])
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        (
+            "model: tiny-gpt2\n  depth: 2\n",
+            r"is not valid YAML at line 2, column 8: mapping values are not allowed here",
+        ),
+        ("defences: [{name: quant8}\n", r"is not valid YAML at line 2, column 1: .*unclosed bracket"),
+        ("- a\n- b\n", r"must hold a mapping \(model: \.\.\.\), not list"),
+    ],
+)
 def test_bad_yaml_gets_one_line_naming_file_place_and_fix(tmp_path, text, words):
     path = tmp_path / "run.yaml"
     path.write_text(text)

@@ -9,8 +9,16 @@ from splitleak.models import LoadedModel, SplitModel, load_model, make_spec, mod
 def _tiny_llama(seed=0, **extra):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **extra)
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        **extra,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return LoadedModel("llama-test", LlamaForCausalLM(cfg).eval(), None, "float32", "test")
@@ -19,9 +27,18 @@ def _tiny_llama(seed=0, **extra):
 def _tiny_qwen3(seed=0):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    cfg = Qwen3Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=2,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return LoadedModel("qwen3-test", Qwen3ForCausalLM(cfg).eval(), None, "float32", "test")
@@ -111,9 +128,7 @@ def test_tiny_tokenizer_is_deterministic_and_lossless():
     assert t1.decode(ids) == text
 
 
-@pytest.mark.parametrize(
-    "b,s,cut,end", [(0, 2, 1, 2), (1, 4, 1, 5), (2, 4, 2, 6), (3, 6, 3, 9)]
-)
+@pytest.mark.parametrize("b,s,cut,end", [(0, 2, 1, 2), (1, 4, 1, 5), (2, 4, 2, 6), (3, 6, 3, 9)])
 def test_partial_offloading_spec(b, s, cut, end):
     spec = make_spec(12, offload_start=b, offload_length=s)
     assert (spec.cut, spec.server_end, spec.trained_start, spec.u_shape) == (cut, end, b, True)
@@ -164,8 +179,13 @@ def test_hub_preset_offline_error_names_the_offline_preset():
 def test_smollm2_split_equivalence(smollm2):
     lm = load_model("smollm2-135m")
     assert lm.info["n_blocks"] == 30 and lm.info["class"] == "LlamaForCausalLM"
-    ids = torch.tensor([lm.tokenizer("The nurse read the letter twice and checked the date of birth.",
-                                     add_special_tokens=False).input_ids])
+    ids = torch.tensor(
+        [
+            lm.tokenizer(
+                "The nurse read the letter twice and checked the date of birth.", add_special_tokens=False
+            ).input_ids
+        ]
+    )
     with torch.no_grad():
         ref = lm.model(ids, output_hidden_states=True)
         for depth in (3, 6):

@@ -14,8 +14,9 @@ CASES = {
     "plain-quant4-noisy": dict(depth=2, defences=[{"name": "quant4-noisy"}]),
     "plain-clip-dp": dict(depth=2, defences=[{"name": "clip-noise", "args": {"sigma": 0.05}}, {"name": "dp-forward"}]),
     "mixup": dict(depth=2, defences=[{"name": "mixup", "args": {"warmup": 2}}]),
-    "mixup-cached-quant8": dict(depth=2, defences=[{"name": "mixup", "args": {"warmup": 2, "correction": "cached"}},
-                                                   {"name": "quant8"}]),
+    "mixup-cached-quant8": dict(
+        depth=2, defences=[{"name": "mixup", "args": {"warmup": 2, "correction": "cached"}}, {"name": "quant8"}]
+    ),
     "mixup-none": dict(depth=2, defences=[{"name": "mixup", "args": {"warmup": 2, "correction": "none"}}]),
     "replica-median": dict(depth=2, defences=[{"name": "replica-median"}]),
     "u-quant8": dict(offload_start=1, offload_length=2, defences=[{"name": "quant8"}]),
@@ -98,8 +99,13 @@ PINNED = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_captures_are_what_they_were(tmp_path, name):
-    run_training(make_train_config(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=10, seed=4,
-                                   all_local_baseline=False, **CASES[name]), tmp_path / "r", device="cpu")
+    run_training(
+        make_train_config(
+            model="tiny-gpt2", n_calib=4, n_train=6, n_eval=10, seed=4, all_local_baseline=False, **CASES[name]
+        ),
+        tmp_path / "r",
+        device="cpu",
+    )
     got = capture_stats(tmp_path / "r")
     assert set(got) == set(PINNED[name])
     for key, value in PINNED[name].items():

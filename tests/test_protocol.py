@@ -76,11 +76,16 @@ def test_attack_result_carries_the_protocol_hash(proto, tmp_path):
     from splitleak.training import make_train_config, run_training
 
     run = tmp_path / "run"
-    run_training(make_train_config(model="tiny-gpt2", depth=2, n_calib=4, n_train=4, n_eval=6,
-                                   all_local_baseline=False), run, device="cpu")
+    run_training(
+        make_train_config(model="tiny-gpt2", depth=2, n_calib=4, n_train=4, n_eval=6, all_local_baseline=False),
+        run,
+        device="cpu",
+    )
     digest = freeze_protocol(proto)
     out = tmp_path / "vmi.json"
-    r = runner.invoke(app, ["attack", str(run), "--attack", "vmi", "--out", str(out), "--protocol", str(proto), "--quiet"])
+    r = runner.invoke(
+        app, ["attack", str(run), "--attack", "vmi", "--out", str(out), "--protocol", str(proto), "--quiet"]
+    )
     assert r.exit_code == 0, r.output
     res = json.loads(out.read_text())
     assert res["protocol_hash"] == digest

@@ -36,7 +36,10 @@ def test_the_registry_is_the_one_list_of_attacks():
 
     assert ATTACK_ORDER == tuple(REGISTRY)
     assert READOUT_ATTACKS == readout_attacks() == ("joint", "shuffled-gradient", "backward-only")
-    assert CONTROLS == {"shuffled-gradient": "shuffled-gradient control", "random-candidate": "random-candidate control"}
+    assert CONTROLS == {
+        "shuffled-gradient": "shuffled-gradient control",
+        "random-candidate": "random-candidate control",
+    }
     assert set(controls()) == {"majority", "shuffled-gradient", "random-candidate"}
     help_text = " ".join(CliRunner().invoke(app, ["attack", "--help"]).output.split())
     assert all(name in help_text for name in REGISTRY)
@@ -80,12 +83,22 @@ def test_each_attack_runs_on_a_tiny_run_deterministically_and_round_trips_its_pa
         assert first.tokens is None and (first.extra["scores"] == second.extra["scores"]).all()
 
 
-@pytest.mark.parametrize("name", [n for n, a in REGISTRY.items() if {"gradient", "probe-activations"} & set(a.reads)
-                                  and not set(a.reads) <= {"activations", "output-gradient"}])
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        for n, a in REGISTRY.items()
+        if {"gradient", "probe-activations"} & set(a.reads) and not set(a.reads) <= {"activations", "output-gradient"}
+    ],
+)
 def test_an_attack_refuses_traffic_it_cannot_read(tiny_runs, name):
     knowledge = load_knowledge(tiny_runs["plain"], "public")
     inference = load_traffic(tiny_runs["plain"], with_gradients=False)
-    small = {"budget": 4} if name == "sipit" else ({"k": 4} if "k" in inspect.signature(ATTACKS[name].__init__).parameters else {})
+    small = (
+        {"budget": 4}
+        if name == "sipit"
+        else ({"k": 4} if "k" in inspect.signature(ATTACKS[name].__init__).parameters else {})
+    )
     with pytest.raises(ConfigError, match="gradient|probe rows"):
         make_attack(name, **small).fit(knowledge).reconstruct(inference)
 
@@ -93,22 +106,43 @@ def test_an_attack_refuses_traffic_it_cannot_read(tiny_runs, name):
 #: job keys of attack configurations as earlier sessions wrote them into results stores (the first
 #: twelve computed at b11f2e5, before the tap and the registry; the rest at 9a2cbb2)
 PINNED_KEYS = [
-    ({'attack': 'vmi'}, "92fb2d6223e35ac7f4ff210ac3dd27904e3250135b7f894d37c2aa2c1f741464"),
-    ({'attack': 'majority', 'client_copy': 'trained', 'attack_seed': 3}, "60eeffeaac220b6b494690ab2cd449fc755666d7de638a0067dfa2a4c422cb21"),
-    ({'attack': 'activation', 'k': 32}, "3e63fc72dec17a550a5e9deed9716cd76dfb08f3de5643c07f482a7f63e4f01d"),
-    ({'attack': 'activation', 'k': 8, 'inference': True}, "9e875a805f6028fb287beaaedb6fc000ae1298bdfe7c8cc09fd3f7fbc1592e95"),
-    ({'attack': 'joint', 'k': 16, 'gradient_noise': 0.1}, "a9b0d2fe50a03b09aa67223518711c1cc3d730f17cb1634211b194b290052928"),
-    ({'attack': 'joint', 'k': 32, 'readout': 'pseudo-map', 'gradient_bits': 8}, "2befe21c4c3bd080bfc42c8a621f68e776e4410f75db68c9268e5c8aa09fbbfe"),
-    ({'attack': 'shuffled-gradient', 'k': 8}, "fbaa74d7fd76cc222ac91d24dd3ac6d2e93f6e55e2358b61ea02db1bda0491af"),
-    ({'attack': 'random-candidate', 'k': 16, 'attack_seed': 1}, "2743ee1cc1475cb733b191c4f62387a45ca240605f8b25758c21b1488c864589"),
-    ({'attack': 'backward-only'}, "f9ec50f54ce3d0c36267cfca782443ce9a3c1cc9174f953ea526878780d576ac"),
-    ({'attack': 'sipit', 'budget': 32, 'client_copy': 'trained'}, "b63cd70465275df74fcf9877d48edddc9d32cf7b63644dfdbbe45529590e71c5"),
-    ({'attack': 'sipit', 'budget': 'exhaustive'}, "1637eec1b537df8abd59a6555b97d3f89c9077d00aee24d9c056f1a940feab2f"),
-    ({'attack': 'property', 'attack_seed': 17}, "e739ff953e7f83f3e59abb55c586c47f71055c62d7ec936a5243cce3577d6ebc"),
-    ({'attack': 'mixup-unmix', 'k': 32}, "f664242e60b404707c223dbb44e6e034b62e1c7e36daa3743ed863ebefe58345"),
-    ({'attack': 'mixup-unmix', 'k': 8, 'lam': 0.6}, "47e56847ff1407494f093442a37a987395948652aa0c4d522e0ce76eb9e0a271"),
-    ({'attack': 'joint', 'k': 32, 'gradient_source': 'output'}, "12363323328a07b643b9b70e0e1f16c8688811cd676c85bfa897ba0af89b73d1"),
-    ({'attack': 'vmi', 'phase': 'train'}, "66e3d99a7b123f758bdbb61c4cbf2c2ce4c2d91022b7bdc5342b861bd2f89a2a"),
+    ({"attack": "vmi"}, "92fb2d6223e35ac7f4ff210ac3dd27904e3250135b7f894d37c2aa2c1f741464"),
+    (
+        {"attack": "majority", "client_copy": "trained", "attack_seed": 3},
+        "60eeffeaac220b6b494690ab2cd449fc755666d7de638a0067dfa2a4c422cb21",
+    ),
+    ({"attack": "activation", "k": 32}, "3e63fc72dec17a550a5e9deed9716cd76dfb08f3de5643c07f482a7f63e4f01d"),
+    (
+        {"attack": "activation", "k": 8, "inference": True},
+        "9e875a805f6028fb287beaaedb6fc000ae1298bdfe7c8cc09fd3f7fbc1592e95",
+    ),
+    (
+        {"attack": "joint", "k": 16, "gradient_noise": 0.1},
+        "a9b0d2fe50a03b09aa67223518711c1cc3d730f17cb1634211b194b290052928",
+    ),
+    (
+        {"attack": "joint", "k": 32, "readout": "pseudo-map", "gradient_bits": 8},
+        "2befe21c4c3bd080bfc42c8a621f68e776e4410f75db68c9268e5c8aa09fbbfe",
+    ),
+    ({"attack": "shuffled-gradient", "k": 8}, "fbaa74d7fd76cc222ac91d24dd3ac6d2e93f6e55e2358b61ea02db1bda0491af"),
+    (
+        {"attack": "random-candidate", "k": 16, "attack_seed": 1},
+        "2743ee1cc1475cb733b191c4f62387a45ca240605f8b25758c21b1488c864589",
+    ),
+    ({"attack": "backward-only"}, "f9ec50f54ce3d0c36267cfca782443ce9a3c1cc9174f953ea526878780d576ac"),
+    (
+        {"attack": "sipit", "budget": 32, "client_copy": "trained"},
+        "b63cd70465275df74fcf9877d48edddc9d32cf7b63644dfdbbe45529590e71c5",
+    ),
+    ({"attack": "sipit", "budget": "exhaustive"}, "1637eec1b537df8abd59a6555b97d3f89c9077d00aee24d9c056f1a940feab2f"),
+    ({"attack": "property", "attack_seed": 17}, "e739ff953e7f83f3e59abb55c586c47f71055c62d7ec936a5243cce3577d6ebc"),
+    ({"attack": "mixup-unmix", "k": 32}, "f664242e60b404707c223dbb44e6e034b62e1c7e36daa3743ed863ebefe58345"),
+    ({"attack": "mixup-unmix", "k": 8, "lam": 0.6}, "47e56847ff1407494f093442a37a987395948652aa0c4d522e0ce76eb9e0a271"),
+    (
+        {"attack": "joint", "k": 32, "gradient_source": "output"},
+        "12363323328a07b643b9b70e0e1f16c8688811cd676c85bfa897ba0af89b73d1",
+    ),
+    ({"attack": "vmi", "phase": "train"}, "66e3d99a7b123f758bdbb61c4cbf2c2ce4c2d91022b7bdc5342b861bd2f89a2a"),
 ]
 
 

@@ -21,8 +21,14 @@ from splitleak.stats import crossed_bootstrap_ci
 SEEDS = (11, 22, 33)
 DOCS = 20
 ATTACK_SEEDS = (0, 1)
-SECTIONS = ("Main test and comparison family", "Token, whole-document and span recovery", "Gradient perturbations",
-            "Leakage against utility cost", "Attack × condition heatmap", "Partial offloading")
+SECTIONS = (
+    "Main test and comparison family",
+    "Token, whole-document and span recovery",
+    "Gradient perturbations",
+    "Leakage against utility cost",
+    "Attack × condition heatmap",
+    "Partial offloading",
+)
 
 
 def _protocol(tmp: Path, name: str = "paper_main.yaml") -> tuple[Path, str]:
@@ -32,29 +38,82 @@ def _protocol(tmp: Path, name: str = "paper_main.yaml") -> tuple[Path, str]:
 
 
 def _train_row(key, seed, defence, ppl, depth=6, start=None, length=None, delta_u=0.0, all_local=None):
-    return {"key": key, "kind": "train", "model": "tiny-gpt2", "precision": "float32", "depth": depth,
-            "offload_start": start, "offload_length": length, "cut": depth or max(1, start or 0), "defence": defence,
-            "defence_name": defence.split("(")[0], "victim_seed": seed, "data": "synthetic-pii", "steps": 4,
-            "n_calib": 8, "n_train": 8, "n_eval": DOCS, "doc_len": 32, "u_shape": depth is None,
-            "heldout_ce": float(np.log(ppl)), "perplexity": ppl, "all_local_ce": None,
-            "all_local_perplexity": all_local, "delta_u": delta_u}
+    return {
+        "key": key,
+        "kind": "train",
+        "model": "tiny-gpt2",
+        "precision": "float32",
+        "depth": depth,
+        "offload_start": start,
+        "offload_length": length,
+        "cut": depth or max(1, start or 0),
+        "defence": defence,
+        "defence_name": defence.split("(")[0],
+        "victim_seed": seed,
+        "data": "synthetic-pii",
+        "steps": 4,
+        "n_calib": 8,
+        "n_train": 8,
+        "n_eval": DOCS,
+        "doc_len": 32,
+        "u_shape": depth is None,
+        "heldout_ce": float(np.log(ppl)),
+        "perplexity": ppl,
+        "all_local_ce": None,
+        "all_local_perplexity": all_local,
+        "delta_u": delta_u,
+    }
 
 
-def _attack_rows(rng, key, train, phash, attack, seed_a, p_correct, p_exact, k=32, copy="public", noise=None,
-                 bits=None):
+def _attack_rows(
+    rng, key, train, phash, attack, seed_a, p_correct, p_exact, k=32, copy="public", noise=None, bits=None
+):
     rows = []
     for d in range(DOCS):
         exact = rng.random() < p_exact
         correct = 32 if exact else int(rng.binomial(31, p_correct))
-        row = {"key": key, "kind": "attack", "train_key": train["key"], "protocol_hash": phash,
-               **{f: train[f] for f in ("model", "precision", "depth", "offload_start", "offload_length", "cut",
-                                        "defence", "defence_name", "victim_seed", "data", "steps", "n_calib",
-                                        "n_train", "n_eval", "doc_len")},
-               "attack": attack, "k": k, "budget": None, "client_copy": copy, "attack_seed": seed_a,
-               "perturbation": "none" if noise is None and bits is None else (f"noise={noise:g}" if noise else f"bits={bits}"),
-               "gradient_noise": noise, "gradient_bits": bits, "inference": False,
-               "readout": "gradient" if attack in ("joint", "shuffled-gradient", "backward-only") else None,
-               "doc_id": 100 + d, "token_correct": correct, "token_counted": 32, "exact": exact}
+        row = {
+            "key": key,
+            "kind": "attack",
+            "train_key": train["key"],
+            "protocol_hash": phash,
+            **{
+                f: train[f]
+                for f in (
+                    "model",
+                    "precision",
+                    "depth",
+                    "offload_start",
+                    "offload_length",
+                    "cut",
+                    "defence",
+                    "defence_name",
+                    "victim_seed",
+                    "data",
+                    "steps",
+                    "n_calib",
+                    "n_train",
+                    "n_eval",
+                    "doc_len",
+                )
+            },
+            "attack": attack,
+            "k": k,
+            "budget": None,
+            "client_copy": copy,
+            "attack_seed": seed_a,
+            "perturbation": "none"
+            if noise is None and bits is None
+            else (f"noise={noise:g}" if noise else f"bits={bits}"),
+            "gradient_noise": noise,
+            "gradient_bits": bits,
+            "inference": False,
+            "readout": "gradient" if attack in ("joint", "shuffled-gradient", "backward-only") else None,
+            "doc_id": 100 + d,
+            "token_correct": correct,
+            "token_counted": 32,
+            "exact": exact,
+        }
         for lab in LABELS:
             n = int(rng.integers(0, 3))
             row[f"span_counts_{lab}"] = n
@@ -114,7 +173,7 @@ def _kv(md: str, key: str) -> str:
     """The value of the first ``- **key**: value`` line."""
     for line in md.splitlines():
         if line.startswith(f"- **{key}**: "):
-            return line[len(f"- **{key}**: "):]
+            return line[len(f"- **{key}**: ") :]
     raise AssertionError(f"no line for {key!r}")
 
 
@@ -176,10 +235,13 @@ def test_main_test_passes_for_a_large_difference_and_fails_for_a_small_one(big, 
     assert rep.analysis.main.passes and rep.analysis.main.estimate > 0.3
     md = rep.markdown.read_text()
     assert _kv(md, "result") == "**PASS**"
-    joint = _matrix([r for r in rows if r["attack"] == "joint" and r["gradient_noise"] is None and r["defence"] == "none"],
-                    lambda r: r["token_correct"] / 32)
-    act = _matrix([r for r in rows if r["attack"] == "activation" and r["defence"] == "none"],
-                  lambda r: r["token_correct"] / 32)
+    joint = _matrix(
+        [r for r in rows if r["attack"] == "joint" and r["gradient_noise"] is None and r["defence"] == "none"],
+        lambda r: r["token_correct"] / 32,
+    )
+    act = _matrix(
+        [r for r in rows if r["attack"] == "activation" and r["defence"] == "none"], lambda r: r["token_correct"] / 32
+    )
     assert _kv(md, "difference, treatment − control (pp)") == "+" + fmt_pct(joint.mean() - act.mean())
     assert "overridden to 2,000" in md and "100,000" in md  # the override is said, with the protocol's count
     # a gain of well under the 2-point pass mark fails
@@ -225,11 +287,31 @@ def test_html_is_self_contained_with_every_section_and_figures_as_png_and_svg(bi
 
 
 def test_adapter_converts_store_rows_for_the_analysis():
-    row = {"key": "k1", "kind": "attack", "attack": "sipit", "k": None, "budget": "32", "client_copy": "trained",
-           "attack_seed": 1, "gradient_noise": None, "gradient_bits": None, "inference": None, "model": "m",
-           "depth": 3, "offload_start": None, "offload_length": None, "defence": "mixup(lambda=0.75)",
-           "defence_name": "mixup", "data": "d", "victim_seed": 11, "doc_id": 4, "token_correct": 5,
-           "token_counted": 8, "exact": False, "protocol_hash": "h"}
+    row = {
+        "key": "k1",
+        "kind": "attack",
+        "attack": "sipit",
+        "k": None,
+        "budget": "32",
+        "client_copy": "trained",
+        "attack_seed": 1,
+        "gradient_noise": None,
+        "gradient_bits": None,
+        "inference": None,
+        "model": "m",
+        "depth": 3,
+        "offload_start": None,
+        "offload_length": None,
+        "defence": "mixup(lambda=0.75)",
+        "defence_name": "mixup",
+        "data": "d",
+        "victim_seed": 11,
+        "doc_id": 4,
+        "token_correct": 5,
+        "token_counted": 8,
+        "exact": False,
+        "protocol_hash": "h",
+    }
     prop = {**row, "key": "k2", "attack": "property", "budget": "exhaustive", "token_counted": None}
     out = analysis_rows([row, prop, {**row, "key": "k3", "budget": "exhaustive"}])
     assert [r["budget"] for r in out] == [32, "exhaustive"]  # property rows carry no token scores
@@ -246,22 +328,53 @@ def test_partial_offloading_section_means_and_variance_tests(tmp_path):
             for b in (0, 1, 2):
                 for d in ("quant8", "quant4-noisy"):
                     du = 0.01 * s + 0.05 * b + 0.002 * rng.standard_normal()  # the start matters
-                    t = _train_row(f"t-{seed}-{s}-{b}-{d}", seed, d, 12.0, depth=None, start=b, length=s, delta_u=du,
-                                   all_local=10.0)
+                    t = _train_row(
+                        f"t-{seed}-{s}-{b}-{d}",
+                        seed,
+                        d,
+                        12.0,
+                        depth=None,
+                        start=b,
+                        length=s,
+                        delta_u=du,
+                        all_local=10.0,
+                    )
                     rs.write_rows("train", t["key"], [t])
                     li = 0.2 + 0.1 * b + 0.01 * rng.standard_normal()
                     expect.setdefault((d, s, b), []).append(du)
-                    a = {"key": f"p-{t['key']}", "kind": "attack", "train_key": t["key"], "protocol_hash": phash,
-                         **{f: t[f] for f in ("model", "depth", "offload_start", "offload_length", "defence",
-                                              "defence_name", "victim_seed", "data")},
-                         "attack": "property", "client_copy": "public", "attack_seed": 17, "doc_id": 0,
-                         "leakage_index": li, "vmi_token_recovery": 0.4, "majority_token_recovery": 0.1}
+                    a = {
+                        "key": f"p-{t['key']}",
+                        "kind": "attack",
+                        "train_key": t["key"],
+                        "protocol_hash": phash,
+                        **{
+                            f: t[f]
+                            for f in (
+                                "model",
+                                "depth",
+                                "offload_start",
+                                "offload_length",
+                                "defence",
+                                "defence_name",
+                                "victim_seed",
+                                "data",
+                            )
+                        },
+                        "attack": "property",
+                        "client_copy": "public",
+                        "attack_seed": 17,
+                        "doc_id": 0,
+                        "leakage_index": li,
+                        "vmi_token_recovery": 0.4,
+                        "majority_token_recovery": 0.1,
+                    }
                     rs.write_rows("attack", a["key"], [a, {**a, "doc_id": 1}])
     rows = ResultsStore(rs.root)
     from splitleak.experiments import read_results
 
-    runs = offload_run_rows(read_results(rows.root, "attack", as_rows=True), read_results(rows.root, "train", as_rows=True),
-                            phash)
+    runs = offload_run_rows(
+        read_results(rows.root, "attack", as_rows=True), read_results(rows.root, "train", as_rows=True), phash
+    )
     assert len(runs) == 5 * 2 * 3 * 2 and all(abs(r["vmi_excess"] - 0.3) < 1e-12 for r in runs)
     rep = store_report(rs.root, proto, out=tmp_path / "out", n_boot=200)
     md = rep.markdown.read_text().split("## Partial offloading")[1]
@@ -271,7 +384,10 @@ def test_partial_offloading_section_means_and_variance_tests(tmp_path):
     assert set(po) == {(d, o) for d in ("quant8", "quant4-noisy") for o in ("delta_u", "leakage_index")}
     e = po[("quant8", "delta_u")]
     assert e["passes"] and e["partial_r2"] > 0.9
-    assert _cell(md, "quant8 | delta_u |", 3) == f"{e['partial_r2']:.4f}" and _cell(md, "quant8 | delta_u |", 6) == "**PASS**"
+    assert (
+        _cell(md, "quant8 | delta_u |", 3) == f"{e['partial_r2']:.4f}"
+        and _cell(md, "quant8 | delta_u |", 6) == "**PASS**"
+    )
     assert e["heldout"]["test_seeds"] == [77, 88]
     assert "RMSE, with start" in md
     # no per-token attack: the recovery sections say why; the cost table uses the all-local twin
@@ -288,12 +404,33 @@ def test_recovery_with_documents_nested_in_seeds_uses_the_hierarchical_bootstrap
     rows = []
     for i, seed in enumerate(SEEDS):  # each seed its own documents, 10 per seed; seed i gets i + 1 more tokens right
         for d in range(10):
-            rows.append({"key": f"a{seed}", "kind": "attack", "train_key": "t", "model": "m", "data": "x",
-                         "defence": "none", "attack": "activation", "k": 8, "budget": None, "gradient_noise": None,
-                         "gradient_bits": None, "inference": False, "depth": 2, "offload_start": None,
-                         "offload_length": None, "client_copy": "public", "attack_seed": 0, "victim_seed": seed,
-                         "doc_id": 100 * i + d, "token_correct": 20 + i + (d % 2), "token_counted": 32, "exact": False,
-                         **{f"span_{w}_{lab}": 0 for w in ("hits", "counts") for lab in LABELS}})
+            rows.append(
+                {
+                    "key": f"a{seed}",
+                    "kind": "attack",
+                    "train_key": "t",
+                    "model": "m",
+                    "data": "x",
+                    "defence": "none",
+                    "attack": "activation",
+                    "k": 8,
+                    "budget": None,
+                    "gradient_noise": None,
+                    "gradient_bits": None,
+                    "inference": False,
+                    "depth": 2,
+                    "offload_start": None,
+                    "offload_length": None,
+                    "client_copy": "public",
+                    "attack_seed": 0,
+                    "victim_seed": seed,
+                    "doc_id": 100 * i + d,
+                    "token_correct": 20 + i + (d % 2),
+                    "token_counted": 32,
+                    "exact": False,
+                    **{f"span_{w}_{lab}": 0 for w in ("hits", "counts") for lab in LABELS},
+                }
+            )
     (cell,) = recovery_cells(rows, n_boot=500)
     assert not cell.crossed and cell.n_docs == 30 and cell.n_seeds == 3
     per_seed = [np.mean([(20 + i + d % 2) / 32 for d in range(10)]) for i in range(3)]
@@ -345,8 +482,10 @@ def test_cli_reports_a_real_tiny_grid(tmp_path):
     (tmp_path / "protocol.yaml").write_text(PROTOCOL)
     spec, store, out = str(tmp_path / "spec.yaml"), str(tmp_path / "store"), tmp_path / "rep"
     runner = CliRunner()
-    r = runner.invoke(app, ["experiment", "run", spec, "--store", store, "--workers", "1", "--threads", "1",
-                            "--device", "cpu", "--quiet"])
+    r = runner.invoke(
+        app,
+        ["experiment", "run", spec, "--store", store, "--workers", "1", "--threads", "1", "--device", "cpu", "--quiet"],
+    )
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["experiment", "report", spec, "--store", store, "--out", str(out), "--n-boot", "300"])
     assert r.exit_code == 0, r.output
@@ -365,8 +504,17 @@ def test_cli_reports_a_real_tiny_grid(tmp_path):
 def test_tables_name_a_non_default_gradient_readout():
     from splitleak.report.grid_stats import Config
 
-    base = {"model": "m", "data": "d", "defence": "none", "attack": "joint", "k": 32, "budget": None,
-            "gradient_noise": None, "gradient_bits": None, "inference": False}
+    base = {
+        "model": "m",
+        "data": "d",
+        "defence": "none",
+        "attack": "joint",
+        "k": 32,
+        "budget": None,
+        "gradient_noise": None,
+        "gradient_bits": None,
+        "inference": False,
+    }
     assert Config.of({**base, "readout": "gradient"}).attack_text() == "joint k=32"
     # the pseudo-label map, named or recorded before read-outs existed, is a row of its own
     assert Config.of({**base, "readout": "pseudo-map"}).attack_text() == "joint k=32 readout=pseudo-map"

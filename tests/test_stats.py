@@ -242,12 +242,7 @@ def test_crossed_bootstrap_is_seeded_and_leaves_global_state():
 
 
 def _simulate(rng, mu=0.5, m=10, d=64):
-    return (
-        mu
-        + rng.normal(0, 0.05, (m, 1))
-        + rng.normal(0, 0.1, (1, d))
-        + rng.normal(0, 0.05, (m, d))
-    )
+    return mu + rng.normal(0, 0.05, (m, 1)) + rng.normal(0, 0.1, (1, d)) + rng.normal(0, 0.05, (m, d))
 
 
 def test_crossed_bootstrap_coverage():

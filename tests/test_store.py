@@ -16,8 +16,9 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def fresh_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs") / "run"
-    cfg = make_train_config(model="tiny-gpt2", depth=2, n_calib=4, n_train=6, n_eval=70, seed=0,
-                            all_local_baseline=False)
+    cfg = make_train_config(
+        model="tiny-gpt2", depth=2, n_calib=4, n_train=6, n_eval=70, seed=0, all_local_baseline=False
+    )
     run_training(cfg, root, device="cpu")
     return root
 
@@ -37,9 +38,17 @@ def test_fresh_run_verifies(fresh_run):
     v = verify_run(fresh_run)
     assert v.ok and v.status == "complete", v.message
     files = {p.relative_to(fresh_run).as_posix() for p in fresh_run.rglob("*") if p.is_file()}
-    assert {"manifest.json", "documents.json", "metrics.json", "training.json", "client_layers.safetensors",
-            "wire/train-00000.safetensors", "wire/train-ledger.json", "wire/capture-00000.safetensors",
-            "wire/capture-ledger.json"} <= files
+    assert {
+        "manifest.json",
+        "documents.json",
+        "metrics.json",
+        "training.json",
+        "client_layers.safetensors",
+        "wire/train-00000.safetensors",
+        "wire/train-ledger.json",
+        "wire/capture-00000.safetensors",
+        "wire/capture-ledger.json",
+    } <= files
     assert v.files == len(files) - 1  # everything but the journal itself is recorded
     r = runner.invoke(app, ["verify", str(fresh_run)])
     text = " ".join(r.output.split())
@@ -56,8 +65,9 @@ def test_manifest_records_config_hash_versions_and_fingerprint(fresh_run):
     assert len(m["model"]["fingerprint"]) == 64 and m["split"]["cut"] == 2
 
 
-@pytest.mark.parametrize("target", ["wire/capture-00000.safetensors", "wire/train-ledger.json", "manifest.json",
-                                    "client_layers.safetensors"])
+@pytest.mark.parametrize(
+    "target", ["wire/capture-00000.safetensors", "wire/train-ledger.json", "manifest.json", "client_layers.safetensors"]
+)
 def test_one_flipped_byte_is_found(run_copy, target):
     path = run_copy / target
     data = bytearray(path.read_bytes())

@@ -36,23 +36,33 @@ def wire_log(monkeypatch):
     original = InProcessChannel._cross
 
     def spy(self, frame):
-        crossed.append((frame.phase, self.link, frame.kind, hashlib.sha256(encode(frame)).hexdigest(),
-                        frame.tensor.shape[0]))
+        crossed.append(
+            (frame.phase, self.link, frame.kind, hashlib.sha256(encode(frame)).hexdigest(), frame.tensor.shape[0])
+        )
         return original(self, frame)
 
     monkeypatch.setattr(InProcessChannel, "_cross", spy)
     return crossed
 
 
-@pytest.mark.parametrize("mode,defence", [(m, d) for m in MODES for d in DEFENCES
-                                          if not (m == "u-shape" and d in PLAIN_ONLY)])
+@pytest.mark.parametrize(
+    "mode,defence", [(m, d) for m in MODES for d in DEFENCES if not (m == "u-shape" and d in PLAIN_ONLY)]
+)
 def test_capture_holds_exactly_what_crossed(tmp_path, wire_log, mode, defence):
     cfg = make_train_config(**SMALL, **MODES[mode], defences=DEFENCES[defence])
     run_training(cfg, tmp_path / "r", device="cpu")
     for phase in ("train", "capture"):
         assert check_wire(tmp_path / "r", phase)["frames"] == sum(1 for c in wire_log if c[0] == phase)
-        stored = sorted((r.frame.phase, r.header["link"], r.frame.kind, hashlib.sha256(encode(r.frame)).hexdigest(),
-                         r.frame.tensor.shape[0]) for r in read_wire(tmp_path / "r", phase))
+        stored = sorted(
+            (
+                r.frame.phase,
+                r.header["link"],
+                r.frame.kind,
+                hashlib.sha256(encode(r.frame)).hexdigest(),
+                r.frame.tensor.shape[0],
+            )
+            for r in read_wire(tmp_path / "r", phase)
+        )
         assert stored == sorted(c for c in wire_log if c[0] == phase)
     kinds = {c[2] for c in wire_log}
     expected = {"forward", "backward"} | ({"forward-return", "backward-top"} if mode == "u-shape" else set())
@@ -77,14 +87,18 @@ def test_a_tap_that_misses_something_fails_the_check(tmp_path, monkeypatch, dama
             if state["n"] == 3:
                 return
         if damage == "drop-row" and f.kind == "forward" and f.tensor.shape[0] > 1:
-            f = dataclasses.replace(f, tensor=f.tensor[:-1], mask=f.mask[:-1], doc_ids=f.doc_ids[:-1],
-                                    labels=f.labels[:-1], meta={})
+            f = dataclasses.replace(
+                f, tensor=f.tensor[:-1], mask=f.mask[:-1], doc_ids=f.doc_ids[:-1], labels=f.labels[:-1], meta={}
+            )
             crossing = dataclasses.replace(crossing, frame=f)
         return original(self, crossing)
 
     monkeypatch.setattr(WireRecorder, "__call__", lossy)
-    cfg = make_train_config(**SMALL, **MODES["u-shape" if damage == "drop-kind" else "plain"],
-                            defences=DEFENCES["mixup" if damage == "drop-row" else "none"])
+    cfg = make_train_config(
+        **SMALL,
+        **MODES["u-shape" if damage == "drop-kind" else "plain"],
+        defences=DEFENCES["mixup" if damage == "drop-row" else "none"],
+    )
     run_training(cfg, tmp_path / "r", device="cpu")
     phase = "capture" if damage == "drop-row" else "train"
     with pytest.raises(IntegrityError, match="not in the capture|does not re-encode"):
@@ -142,8 +156,9 @@ def test_u_shape_traffic_carries_the_second_crossing(tmp_path):
 
 @pytest.mark.parametrize("seed", [0, 5])
 def test_mixup_decoys_only_come_from_earlier_steps(tmp_path, seed):
-    cfg = make_train_config(**{**SMALL, "seed": seed, "n_train": 8}, depth=2,
-                            defences=[{"name": "mixup", "args": {"warmup": 3}}])
+    cfg = make_train_config(
+        **{**SMALL, "seed": seed, "n_train": 8}, depth=2, defences=[{"name": "mixup", "args": {"warmup": 3}}]
+    )
     run_training(cfg, tmp_path / "r", device="cpu")
     draws = json.loads((tmp_path / "r" / "client" / "mixup_decoys.json").read_text())
     train = [d for d in draws if d["phase"] == "train"]

@@ -40,16 +40,20 @@ class RollingMajority(Attack):
 
 @pytest.fixture
 def toy():
-    register(AttackInfo("rolling-majority", RollingMajority, "toy: the majority control, rolled", reads=(),
-                        control=True))
+    register(
+        AttackInfo("rolling-majority", RollingMajority, "toy: the majority control, rolled", reads=(), control=True)
+    )
     yield
     unregister("rolling-majority")
 
 
 def test_a_new_attack_and_its_hyperparameter_travel_everywhere(toy, tmp_path):
     run = tmp_path / "run"
-    run_training(make_train_config(model="tiny-gpt2", depth=2, n_calib=8, n_train=4, n_eval=6, seed=0,
-                                   all_local_baseline=False), run, device="cpu")
+    run_training(
+        make_train_config(model="tiny-gpt2", depth=2, n_calib=8, n_train=4, n_eval=6, seed=0, all_local_baseline=False),
+        run,
+        device="cpu",
+    )
     a, b = (make_attack_config(attack="rolling-majority", params={"shift": s}) for s in (0, 3))
     assert a.hash() != b.hash() and b.model_dump(mode="json")["params"] == {"shift": 3}
     assert make_attack_config(**b.model_dump(mode="json")).hash() == b.hash()

@@ -29,7 +29,11 @@ def test_undefended_split_training_equals_all_local_training(tmp_path, seed):
     assert m["pretrained_ce"] - m["heldout_ce"] > 0.01
     assert m["perplexity"] == pytest.approx(np.exp(m["heldout_ce"]))
     assert set(json.loads((tmp_path / "run" / "metrics.json").read_text())) >= {
-        "heldout_ce", "perplexity", "all_local_ce", "delta_u"}
+        "heldout_ce",
+        "perplexity",
+        "all_local_ce",
+        "delta_u",
+    }
 
 
 def test_victim_seeds_share_documents_and_the_data_seed_draws_them(tmp_path):
@@ -52,7 +56,9 @@ def test_quantised_training_differs_from_all_local(tmp_path):
 
 def test_wire_bytes_per_step_follow_the_encoding(tmp_path):
     m32 = run_training(_cfg(all_local_baseline=False), tmp_path / "a", device="cpu").metrics
-    m8 = run_training(_cfg(all_local_baseline=False, defences=[{"name": "quant8"}]), tmp_path / "b", device="cpu").metrics
+    m8 = run_training(
+        _cfg(all_local_baseline=False, defences=[{"name": "quant8"}]), tmp_path / "b", device="cpu"
+    ).metrics
     width, tokens = 64, 32
     mask_bytes, label_bytes = 4, 4 * tokens
     assert m32["wire_bytes_per_step"]["client_to_server"] == tokens * width * 4 + mask_bytes + label_bytes
@@ -71,7 +77,7 @@ def test_partial_offloading_trains_only_the_offloaded_run(b, s):
     train_split(split, docs.train, chain, chain, seed=1, steps=6, lr=1e-3)
     prefix = "transformer.h."
     for name, p in lm.model.named_parameters():
-        inside = name.startswith(prefix) and b <= int(name[len(prefix):].split(".")[0]) < b + s
+        inside = name.startswith(prefix) and b <= int(name[len(prefix) :].split(".")[0]) < b + s
         if inside:
             if name.endswith(".weight") and "ln" not in name:
                 assert not torch.equal(p, before[name]), f"{name} should have trained"
@@ -124,8 +130,9 @@ def test_captured_gradient_is_each_documents_own_loss_gradient(tmp_path):
     sets = load_documents("synthetic-pii", lm.tokenizer, seed=5, **SMALL)
     chain = DefenceChain([], 5)
     train_split(split, sets.train, chain, chain, seed=5, steps=12, lr=5e-5)
-    assert torch.equal(load_file(run / "client_layers.safetensors")["transformer.wte.weight"],
-                       lm.model.transformer.wte.weight.detach())
+    assert torch.equal(
+        load_file(run / "client_layers.safetensors")["transformer.wte.weight"], lm.model.transformer.wte.weight.detach()
+    )
     for i in (0, 9, 19):
         ids = torch.tensor([docs["evaluation"][i]["token_ids"]])
         h = split.bottom(ids).detach().requires_grad_(True)
@@ -142,8 +149,11 @@ def test_same_seed_same_captures_bit_for_bit(tmp_path):
     run_training(cfg, tmp_path / "b", device="cpu")
     a, b = load_capture(tmp_path / "a"), load_capture(tmp_path / "b")
     assert torch.equal(a.activations, b.activations) and torch.equal(a.gradients, b.gradients)
-    c = load_capture(run_training(_cfg(defences=[{"name": "quant4-noisy"}], seed=8, all_local_baseline=False),
-                                  tmp_path / "c", device="cpu").run_dir)
+    c = load_capture(
+        run_training(
+            _cfg(defences=[{"name": "quant4-noisy"}], seed=8, all_local_baseline=False), tmp_path / "c", device="cpu"
+        ).run_dir
+    )
     assert not torch.equal(a.gradients[:, :5], c.gradients[:, :5])
 
 
@@ -186,8 +196,18 @@ def test_bad_depth_and_data_write_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_trains_and_captures_on_wikitext(tmp_path, smollm2, wikitext_dir):
-    cfg = make_train_config(model="smollm2-135m", depth=6, data="wikitext2", data_path=str(wikitext_dir),
-                            n_calib=2, n_train=4, n_eval=4, steps=4, seed=0, all_local_baseline=False)
+    cfg = make_train_config(
+        model="smollm2-135m",
+        depth=6,
+        data="wikitext2",
+        data_path=str(wikitext_dir),
+        n_calib=2,
+        n_train=4,
+        n_eval=4,
+        steps=4,
+        seed=0,
+        all_local_baseline=False,
+    )
     res = run_training(cfg, tmp_path / "run", device="cpu")
     cap = load_capture(tmp_path / "run")
     assert cap.activations.shape == (4, 32, 576)

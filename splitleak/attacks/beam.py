@@ -141,11 +141,19 @@ class ActivationBeam(_RidgeAttack):
     def reconstruct(self, traffic, progress=None):
         self._check(traffic)
         cand = self.candidates(traffic)
-        res = beam_search(self.knowledge_.client, traffic.activations, cand, self.width, self.chunk_docs,
-                          progress, name=f"{self.name} beam search (k={self.k})")
+        res = beam_search(
+            self.knowledge_.client,
+            traffic.activations,
+            cand,
+            self.width,
+            self.chunk_docs,
+            progress,
+            name=f"{self.name} beam search (k={self.k})",
+        )
         coverage = (cand == res.tokens.unsqueeze(-1)).any(-1)
-        return Reconstruction(res.tokens, {"candidates": cand, "distance": res.distance,
-                                           "chosen_in_candidates": coverage})
+        return Reconstruction(
+            res.tokens, {"candidates": cand, "distance": res.distance, "chosen_in_candidates": coverage}
+        )
 
 
 GRADIENT_SOURCES = ("split", "output")
@@ -171,11 +179,14 @@ class _GradientReader:
             return traffic.gradients
         if self.gradient_source == "output":
             if traffic.output_gradients is None:
-                raise ConfigError(f"{self.name} with gradient_source=output reads the U-shape's output gradient, which "
-                                  "this traffic does not carry (a plain split, or inference traffic); use split")
+                raise ConfigError(
+                    f"{self.name} with gradient_source=output reads the U-shape's output gradient, which "
+                    "this traffic does not carry (a plain split, or inference traffic); use split"
+                )
             return traffic.output_gradients
-        raise ConfigError(f"{self.name}: unknown gradient_source {self.gradient_source!r}; known: "
-                          f"{', '.join(GRADIENT_SOURCES)}")
+        raise ConfigError(
+            f"{self.name}: unknown gradient_source {self.gradient_source!r}; known: {', '.join(GRADIENT_SOURCES)}"
+        )
 
     def gradient_channel(self) -> str:
         return "output-gradient" if self.gradient_source == "output" else "gradient"
@@ -189,8 +200,15 @@ class JointBeam(_GradientReader, ActivationBeam):
     name = "joint"
     uses_gradients = True
 
-    def __init__(self, k: int = 32, width: int = 2, seed: int = 0, chunk_docs: int = 64,
-                 readout: str = DEFAULT_READOUT, gradient_source: str = DEFAULT_GRADIENT_SOURCE):
+    def __init__(
+        self,
+        k: int = 32,
+        width: int = 2,
+        seed: int = 0,
+        chunk_docs: int = 64,
+        readout: str = DEFAULT_READOUT,
+        gradient_source: str = DEFAULT_GRADIENT_SOURCE,
+    ):
         super().__init__(k=k, width=width, seed=seed, chunk_docs=chunk_docs)
         self.readout = readout
         self.gradient_source = gradient_source
@@ -237,7 +255,8 @@ class ShuffledGradient(JointBeam):
         perm = torch.from_numpy(p)
         shuffled = traffic.replace(
             gradients=traffic.gradients[perm],
-            output_gradients=None if traffic.output_gradients is None else traffic.output_gradients[perm])
+            output_gradients=None if traffic.output_gradients is None else traffic.output_gradients[perm],
+        )
         rec = super().reconstruct(shuffled, progress)
         rec.extra["gradient_from_row"] = p
         return rec

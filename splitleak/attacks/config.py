@@ -94,9 +94,14 @@ class AttackConfig(BaseModel):
         # the layout of the columns before params existed, so that the keys of earlier results do not
         # change: k and budget always, readout, gradient_source, lam and phase only when set
         d: dict[str, Any] = {
-            "attack": self.attack, "k": self.params.get("k"), "client_copy": self.client_copy,
-            "budget": self.params.get("budget"), "attack_seed": self.attack_seed,
-            "gradient_noise": self.gradient_noise, "gradient_bits": self.gradient_bits, "inference": self.inference,
+            "attack": self.attack,
+            "k": self.params.get("k"),
+            "client_copy": self.client_copy,
+            "budget": self.params.get("budget"),
+            "attack_seed": self.attack_seed,
+            "gradient_noise": self.gradient_noise,
+            "gradient_bits": self.gradient_bits,
+            "inference": self.inference,
         }
         for key in ("readout", "gradient_source", "lam"):
             if key in self.params:
@@ -161,5 +166,3 @@ def perturb_gradients(grad: torch.Tensor, noise: float | None, bits: int | None,
     if bits is not None:
         return quantize_symmetric(grad, bits)
     return grad
-
-

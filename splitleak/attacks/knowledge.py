@@ -97,8 +97,11 @@ class ClientCopy:
         mask[:, 0, idx, position + idx] = True
         pos = torch.full((n, k), position, dtype=torch.long, device=self.device)
         out = self.owner(
-            input_ids=candidates.to(self.device), position_ids=pos, attention_mask=mask,
-            cache=cache, use_cache=True,
+            input_ids=candidates.to(self.device),
+            position_ids=pos,
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
         )
         return out.last_hidden_state
 
@@ -148,8 +151,15 @@ class Traffic:
     steps: tuple[int, ...] | None = None
     phase: str = "capture"
 
-    _ROWS = ("activations", "gradients", "probe_activations", "probe_gradients", "probe_present", "trunk_output",
-             "output_gradients")
+    _ROWS = (
+        "activations",
+        "gradients",
+        "probe_activations",
+        "probe_gradients",
+        "probe_present",
+        "trunk_output",
+        "output_gradients",
+    )
 
     def __len__(self) -> int:
         return len(self.doc_ids)
@@ -159,10 +169,16 @@ class Traffic:
         """``with_gradients`` False: inference traffic, without the gradients (the activations, probe
         rows and a U-shape's trunk output cross in inference too)."""
         return cls(
-            tuple(int(i) for i in cap.doc_ids), cap.activations, cap.gradients if with_gradients else None,
-            cap.probe_activations, cap.probe_gradients if with_gradients else None, cap.probe_present,
-            cap.trunk_output, cap.output_gradients if with_gradients else None,
-            None if cap.steps is None else tuple(int(s) for s in cap.steps), cap.phase,
+            tuple(int(i) for i in cap.doc_ids),
+            cap.activations,
+            cap.gradients if with_gradients else None,
+            cap.probe_activations,
+            cap.probe_gradients if with_gradients else None,
+            cap.probe_present,
+            cap.trunk_output,
+            cap.output_gradients if with_gradients else None,
+            None if cap.steps is None else tuple(int(s) for s in cap.steps),
+            cap.phase,
         )
 
     def replace(self, **fields) -> "Traffic":
@@ -171,8 +187,12 @@ class Traffic:
     def subset(self, rows: Sequence[int]) -> "Traffic":
         rows = list(rows)
         picked = {k: (None if getattr(self, k) is None else getattr(self, k)[rows]) for k in self._ROWS}
-        return Traffic(tuple(self.doc_ids[i] for i in rows), **picked,
-                       steps=None if self.steps is None else tuple(self.steps[i] for i in rows), phase=self.phase)
+        return Traffic(
+            tuple(self.doc_ids[i] for i in rows),
+            **picked,
+            steps=None if self.steps is None else tuple(self.steps[i] for i in rows),
+            phase=self.phase,
+        )
 
 
 def read_manifest(run_dir: str | Path) -> dict[str, Any]:
@@ -189,7 +209,9 @@ def read_documents(run_dir: str | Path) -> DocumentSets:
 def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None) -> Knowledge:
     """The attacker's knowledge for a run: its client-layer copy and the calibration documents."""
     if copy not in COPIES:
-        raise ConfigError(f"unknown copy {copy!r}; use public (pretrained weights) or trained (the run's client layers)")
+        raise ConfigError(
+            f"unknown copy {copy!r}; use public (pretrained weights) or trained (the run's client layers)"
+        )
     m = read_manifest(run_dir)
     cfg = m["config"]
     if lm is None:
@@ -208,8 +230,9 @@ def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None) -> Knowle
     return Knowledge(client, docs.calibration, copy, cfg["model"])
 
 
-def load_traffic(run_dir: str | Path, with_gradients: bool = True, phase: str = "capture",
-                 link: str | None = None) -> Traffic:
+def load_traffic(
+    run_dir: str | Path, with_gradients: bool = True, phase: str = "capture", link: str | None = None
+) -> Traffic:
     """The recorded traffic of one phase (``capture``: the evaluation documents; ``train``: one
     frame per training step) on one link (default ``main``, or the first server copy)."""
     return Traffic.from_capture(load_capture(run_dir, phase, link), with_gradients)

@@ -67,8 +67,11 @@ class MixupUnmix(ActivationBeam):
         if traffic.probe_activations is None:
             raise ConfigError(
                 "mixup-unmix reads mixup's probe rows, and this traffic carries none: the run has no mixup, or "
-                "mixup with correction=cached or none (nothing extra crosses); run the ordinary attacks instead")
-        present = traffic.probe_present if traffic.probe_present is not None else torch.ones(len(traffic), dtype=torch.bool)
+                "mixup with correction=cached or none (nothing extra crosses); run the ordinary attacks instead"
+            )
+        present = (
+            traffic.probe_present if traffic.probe_present is not None else torch.ones(len(traffic), dtype=torch.bool)
+        )
         rows = [i for i, p in enumerate(present.tolist()) if p]
         if not rows:
             raise ConfigError("mixup-unmix: no frame of this traffic carried probe rows")
@@ -91,6 +94,7 @@ class MixupUnmix(ActivationBeam):
         client = self.knowledge_.client
         probe = traffic.probe_activations.to(client.device, client.dtype)
         probe_tokens = cosine_topk(self.ridge_(probe), client.embedding, 1)[..., 0].cpu()
-        rec.extra.update({"lambda": lam, "lambda_estimated": self.lam is None, "probe_tokens": probe_tokens,
-                          "probed_rows": rows})
+        rec.extra.update(
+            {"lambda": lam, "lambda_estimated": self.lam is None, "probe_tokens": probe_tokens, "probed_rows": rows}
+        )
         return rec

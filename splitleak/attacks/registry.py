@@ -51,30 +51,82 @@ class AttackInfo:
 
 _A = "splitleak.attacks"
 #: in the order tables list them
-REGISTRY: dict[str, AttackInfo] = {a.name: a for a in (
-    AttackInfo("majority", f"{_A}.vmi:Majority", "control: the calibration documents' most frequent token at "
-               "each position", reads=(), control=True),
-    AttackInfo("vmi", f"{_A}.vmi:VMI", "ridge map from activation to input embedding, nearest token by cosine",
-               reads=("activations",)),
-    AttackInfo("activation", f"{_A}.beam:ActivationBeam", "k ridge/cosine candidates per position, beam search "
-               "over recomputed activations", reads=("activations",)),
-    AttackInfo("sipit", f"{_A}.sipit:SipIt", "per position, check candidates until one's recomputed activation "
-               "matches", reads=("activations",)),
-    AttackInfo("joint", f"{_A}.beam:JointBeam", "as activation, with half the candidates from the gradient",
-               reads=("activations", "gradient", "output-gradient"), takes_readout=True),
-    AttackInfo("shuffled-gradient", f"{_A}.beam:ShuffledGradient", "control: the joint attacker given another "
-               "document's gradient", reads=("activations", "gradient", "output-gradient"), control=True,
-               control_of="joint", takes_readout=True, label="shuffled-gradient control"),
-    AttackInfo("random-candidate", f"{_A}.beam:RandomCandidate", "control: random tokens for the joint attacker's "
-               "gradient half", reads=("activations",), control=True, control_of="joint",
-               label="random-candidate control"),
-    AttackInfo("backward-only", f"{_A}.beam:BackwardOnly", "the gradient at t-1 alone names token t",
-               reads=("gradient", "output-gradient"), takes_readout=True),
-    AttackInfo("property", f"{_A}.property:PropertyInference", "per document, gradient norms predict property tokens "
-               "(ROC AUC) and the leakage index", reads=("gradient",), output="doc-score"),
-    AttackInfo("mixup-unmix", f"{_A}.mixup_unmix:MixupUnmix", "undo mixup from its probe rows, then "
-               "the activation attacker", reads=("activations", "probe-activations")),
-)}
+REGISTRY: dict[str, AttackInfo] = {
+    a.name: a
+    for a in (
+        AttackInfo(
+            "majority",
+            f"{_A}.vmi:Majority",
+            "control: the calibration documents' most frequent token at each position",
+            reads=(),
+            control=True,
+        ),
+        AttackInfo(
+            "vmi",
+            f"{_A}.vmi:VMI",
+            "ridge map from activation to input embedding, nearest token by cosine",
+            reads=("activations",),
+        ),
+        AttackInfo(
+            "activation",
+            f"{_A}.beam:ActivationBeam",
+            "k ridge/cosine candidates per position, beam search over recomputed activations",
+            reads=("activations",),
+        ),
+        AttackInfo(
+            "sipit",
+            f"{_A}.sipit:SipIt",
+            "per position, check candidates until one's recomputed activation matches",
+            reads=("activations",),
+        ),
+        AttackInfo(
+            "joint",
+            f"{_A}.beam:JointBeam",
+            "as activation, with half the candidates from the gradient",
+            reads=("activations", "gradient", "output-gradient"),
+            takes_readout=True,
+        ),
+        AttackInfo(
+            "shuffled-gradient",
+            f"{_A}.beam:ShuffledGradient",
+            "control: the joint attacker given another document's gradient",
+            reads=("activations", "gradient", "output-gradient"),
+            control=True,
+            control_of="joint",
+            takes_readout=True,
+            label="shuffled-gradient control",
+        ),
+        AttackInfo(
+            "random-candidate",
+            f"{_A}.beam:RandomCandidate",
+            "control: random tokens for the joint attacker's gradient half",
+            reads=("activations",),
+            control=True,
+            control_of="joint",
+            label="random-candidate control",
+        ),
+        AttackInfo(
+            "backward-only",
+            f"{_A}.beam:BackwardOnly",
+            "the gradient at t-1 alone names token t",
+            reads=("gradient", "output-gradient"),
+            takes_readout=True,
+        ),
+        AttackInfo(
+            "property",
+            f"{_A}.property:PropertyInference",
+            "per document, gradient norms predict property tokens (ROC AUC) and the leakage index",
+            reads=("gradient",),
+            output="doc-score",
+        ),
+        AttackInfo(
+            "mixup-unmix",
+            f"{_A}.mixup_unmix:MixupUnmix",
+            "undo mixup from its probe rows, then the activation attacker",
+            reads=("activations", "probe-activations"),
+        ),
+    )
+}
 
 
 def register(info: AttackInfo) -> None:

@@ -78,7 +78,9 @@ def beam_search(
             beam, j = pick // k, pick % k
             rows = (torch.arange(m, device=client.device).unsqueeze(1) * width + beam).reshape(-1)
             select_cache(cache, t, rows, j.reshape(-1))
-            hist = torch.cat([hist[torch.arange(m).unsqueeze(1), beam], torch.gather(cand[:, t], 1, j).unsqueeze(-1)], -1)
+            hist = torch.cat(
+                [hist[torch.arange(m).unsqueeze(1), beam], torch.gather(cand[:, t], 1, j).unsqueeze(-1)], -1
+            )
             step_d = torch.cat(
                 [step_d[torch.arange(m).unsqueeze(1), beam], dist.view(m, width * k).gather(1, pick).unsqueeze(-1)], -1
             )
@@ -95,7 +97,9 @@ def beam_search(
 
 
 @torch.no_grad()
-def beam_search_naive(client: ClientCopy, observed: torch.Tensor, candidates: torch.Tensor, width: int = 2) -> SearchResult:
+def beam_search_naive(
+    client: ClientCopy, observed: torch.Tensor, candidates: torch.Tensor, width: int = 2
+) -> SearchResult:
     """Reference: recompute the full prefix for every candidate, one document at a time."""
     n, T, _ = observed.shape
     k = candidates.shape[-1]
@@ -120,8 +124,9 @@ def beam_search_naive(client: ClientCopy, observed: torch.Tensor, candidates: to
         best = _stable_best(torch.stack([c for _, _, c in beams]).unsqueeze(0), 1)[0, 0]
         toks.append(beams[best][0])
         dists.append(beams[best][1])
-    return SearchResult(torch.tensor(toks), torch.tensor(dists, dtype=observed.dtype),
-                        torch.zeros(n, T, dtype=torch.long))
+    return SearchResult(
+        torch.tensor(toks), torch.tensor(dists, dtype=observed.dtype), torch.zeros(n, T, dtype=torch.long)
+    )
 
 
 def sipit(
@@ -164,6 +169,7 @@ def sipit(
             start = 0
             while len(active) and start < limit:
                 r = min(round_size, limit - start)
+
                 def prefix(act=active):  # called within this iteration only
                     return _subset_cache(client, cache, act) if t > 0 else None  # noqa: B023
 
@@ -215,8 +221,9 @@ class GradientGuidedOrder:
         e = e.detach().clone().requires_grad_(True)
         pos = torch.full((len(rows), 1), t, dtype=torch.long, device=c.device)
         with torch.enable_grad():
-            out = c.owner(inputs_embeds=e.unsqueeze(1), position_ids=pos, cache=prefix() if t > 0 else None,
-                          use_cache=t > 0).last_hidden_state[:, 0]
+            out = c.owner(
+                inputs_embeds=e.unsqueeze(1), position_ids=pos, cache=prefix() if t > 0 else None, use_cache=t > 0
+            ).last_hidden_state[:, 0]
             loss = (out - self.observed[rows, t].to(c.device, c.dtype)).pow(2).sum()
             (g,) = torch.autograd.grad(loss, e)
         g = torch.nn.functional.normalize(g, dim=-1)

@@ -49,8 +49,16 @@ class SipIt(_RidgeAttack):
 
     name = "sipit"
 
-    def __init__(self, budget: int | str = 32, tol_rel: float = 1e-3, round_size: int = 16, seed: int = 0,
-                 chunk_docs: int = 64, order: str = "gradient", step: float = 0.5):
+    def __init__(
+        self,
+        budget: int | str = 32,
+        tol_rel: float = 1e-3,
+        round_size: int = 16,
+        seed: int = 0,
+        chunk_docs: int = 64,
+        order: str = "gradient",
+        step: float = 0.5,
+    ):
         self.budget = budget
         self.order = order
         self.step = step
@@ -60,8 +68,14 @@ class SipIt(_RidgeAttack):
         self.chunk_docs = chunk_docs
 
     def params(self):
-        return {"budget": self.budget, "tol_rel": self.tol_rel, "round_size": self.round_size, "seed": self.seed,
-                "order": self.order, "step": self.step}
+        return {
+            "budget": self.budget,
+            "tol_rel": self.tol_rel,
+            "round_size": self.round_size,
+            "seed": self.seed,
+            "order": self.order,
+            "step": self.step,
+        }
 
     def reconstruct(self, traffic, progress=None):
         self._check(traffic)
@@ -78,6 +92,15 @@ class SipIt(_RidgeAttack):
             raise ConfigError(f"SipIt order must be 'gradient' or 'ridge', got {self.order!r}")
         obs = traffic.activations
         tol = self.tol_rel * obs.double().norm(dim=-1)
-        res = sipit(client, obs, order, budget, tol, self.round_size, self.chunk_docs, progress,
-                    name=f"SipIt (budget {self.budget})")
+        res = sipit(
+            client,
+            obs,
+            order,
+            budget,
+            tol,
+            self.round_size,
+            self.chunk_docs,
+            progress,
+            name=f"SipIt (budget {self.budget})",
+        )
         return Reconstruction(res.tokens, {"matched": res.matched, "checks": res.checks, "distance": res.distance})

@@ -36,5 +36,7 @@ class Majority(Attack):
         self._check(traffic)
         n, T = traffic.activations.shape[:2]
         if T > len(self.tokens_):
-            raise ConfigError(f"majority control: documents have {T} tokens but calibration documents only {len(self.tokens_)}")
+            raise ConfigError(
+                f"majority control: documents have {T} tokens but calibration documents only {len(self.tokens_)}"
+            )
         return Reconstruction(self.tokens_[:T].repeat(n, 1))

@@ -37,15 +37,29 @@ from splitleak.audit.protocol import Protocol, check_results
 from splitleak.errors import ConfigError, DataError, SplitleakError
 from splitleak.stats import bonferroni_alpha, heldout_rmse, paired_difference_ci, partial_r2_test
 
-ATTACK_FIELDS = ("attack", "k", "budget", "client_copy", "attack_seed", "gradient_noise", "gradient_bits", "inference",
-                 "readout")
+ATTACK_FIELDS = (
+    "attack",
+    "k",
+    "budget",
+    "client_copy",
+    "attack_seed",
+    "gradient_noise",
+    "gradient_bits",
+    "inference",
+    "readout",
+)
 RUN_FIELDS = ("model", "depth", "offload_start", "offload_length", "defence", "data", "victim_seed", "data_seed")
 #: the attacks that take a gradient read-out (attacks.core.READOUTS), from the torch-free registry,
 #: and its default
 READOUT_ATTACKS = readout_attacks()
 DEFAULT_READOUT = "gradient"
-SELECTOR_DEFAULTS = {"defence": "none", "gradient_noise": None, "gradient_bits": None, "inference": False,
-                     "readout": DEFAULT_READOUT}
+SELECTOR_DEFAULTS = {
+    "defence": "none",
+    "gradient_noise": None,
+    "gradient_bits": None,
+    "inference": False,
+    "readout": DEFAULT_READOUT,
+}
 
 
 def effective_readout(r: dict[str, Any]) -> str | None:
@@ -177,12 +191,21 @@ def run_rows_from_results(found: Sequence[tuple[Path, dict[str, Any]]]) -> list[
             continue
         metrics_path = Path(res["run"]["dir"]) / "metrics.json"
         if not metrics_path.is_file():
-            raise SplitleakError(f"result {res['config_hash'][:12]} names run {res['run']['dir']}, which has no "
-                                 "metrics.json; keep the run directories beside their results")
+            raise SplitleakError(
+                f"result {res['config_hash'][:12]} names run {res['run']['dir']}, which has no "
+                "metrics.json; keep the run directories beside their results"
+            )
         m = json.loads(metrics_path.read_text())
-        rows.append({**run_fields(res["run"]["config"]), "attack": res["attack"], "config_hash": res["config_hash"],
-                     "protocol_hash": res.get("protocol_hash"), "leakage_index": res["leakage_index"],
-                     "delta_u": m.get("delta_u")})
+        rows.append(
+            {
+                **run_fields(res["run"]["config"]),
+                "attack": res["attack"],
+                "config_hash": res["config_hash"],
+                "protocol_hash": res.get("protocol_hash"),
+                "leakage_index": res["leakage_index"],
+                "delta_u": m.get("delta_u"),
+            }
+        )
     return rows
 
 
@@ -192,8 +215,9 @@ def select(rows: Sequence[dict[str, Any]], selector: dict[str, Any]) -> list[dic
         raise ConfigError(f"selector names unknown field(s) {sorted(unknown)}; use {ATTACK_FIELDS + RUN_FIELDS}")
     full = {**SELECTOR_DEFAULTS, **selector}
     readout = full.pop("readout")
-    return [r for r in rows if all(_same(r.get(k), v) for k, v in full.items())
-            and effective_readout(r) in (None, readout)]
+    return [
+        r for r in rows if all(_same(r.get(k), v) for k, v in full.items()) and effective_readout(r) in (None, readout)
+    ]
 
 
 def _same(value: Any, wanted: Any) -> bool:
@@ -206,17 +230,35 @@ def score_matrix(rows: Sequence[dict[str, Any]], metric: str) -> tuple[np.ndarra
     """(victim seeds × documents) matrix of a metric, averaged over attack seeds."""
     if metric not in METRICS:
         raise ConfigError(f"unknown metric {metric!r}; use one of {sorted(METRICS)}")
-    configs = {(r["attack"], r.get("k"), r.get("budget"), r.get("client_copy"), r.get("gradient_noise"),
-                r.get("gradient_bits"), r.get("inference"), r.get("depth"), r.get("defence"), r.get("model"),
-                r.get("offload_start"), r.get("offload_length"), r.get("data")) for r in rows}
+    configs = {
+        (
+            r["attack"],
+            r.get("k"),
+            r.get("budget"),
+            r.get("client_copy"),
+            r.get("gradient_noise"),
+            r.get("gradient_bits"),
+            r.get("inference"),
+            r.get("depth"),
+            r.get("defence"),
+            r.get("model"),
+            r.get("offload_start"),
+            r.get("offload_length"),
+            r.get("data"),
+        )
+        for r in rows
+    }
     if len(configs) > 1:
-        raise ConfigError(f"the selector matches {len(configs)} different configurations; name more fields "
-                          f"(e.g. k, client_copy, depth, defence) so that it picks one")
+        raise ConfigError(
+            f"the selector matches {len(configs)} different configurations; name more fields "
+            f"(e.g. k, client_copy, depth, defence) so that it picks one"
+        )
     data_seeds = {r.get("data_seed") for r in rows}
     if len(data_seeds) > 1:
         raise DataError(
             f"the runs drew their documents with different data seeds {sorted(map(str, data_seeds))}, so document j "
-            "is a different text in different runs and cannot be paired; train every victim seed with one --data-seed")
+            "is a different text in different runs and cannot be paired; train every victim seed with one --data-seed"
+        )
     cells: dict[tuple[Any, int], list[float]] = {}
     for r in rows:
         cells.setdefault((r["victim_seed"], int(r["doc_id"])), []).append(METRICS[metric](r))
@@ -228,13 +270,25 @@ def score_matrix(rows: Sequence[dict[str, Any]], metric: str) -> tuple[np.ndarra
     return m, seeds, docs
 
 
-def compare(rows: Sequence[dict[str, Any]], treatment: dict[str, Any], control: dict[str, Any], *,
-            metric: str, alpha: float, mark: float, n_boot: int, seed: int) -> ComparisonResult:
+def compare(
+    rows: Sequence[dict[str, Any]],
+    treatment: dict[str, Any],
+    control: dict[str, Any],
+    *,
+    metric: str,
+    alpha: float,
+    mark: float,
+    n_boot: int,
+    seed: int,
+) -> ComparisonResult:
     """Paired crossed-bootstrap interval of treatment minus control on the models and documents both
     have; passes when its lower end is above ``mark``."""
     t_rows, c_rows = select(rows, treatment), select(rows, control)
-    missing = None if t_rows and c_rows else (
-        "no results for the " + " and ".join(n for n, r in (("treatment", t_rows), ("control", c_rows)) if not r))
+    missing = (
+        None
+        if t_rows and c_rows
+        else ("no results for the " + " and ".join(n for n, r in (("treatment", t_rows), ("control", c_rows)) if not r))
+    )
     if missing:
         return ComparisonResult(treatment, control, metric, None, None, None, alpha, mark, False, 0, 0, missing)
     mt, st, dt = score_matrix(t_rows, metric)
@@ -242,37 +296,88 @@ def compare(rows: Sequence[dict[str, Any]], treatment: dict[str, Any], control: 
     seeds = [s for s in st if s in sc]
     docs = [d for d in dt if d in dc]
     if not seeds or not docs:
-        return ComparisonResult(treatment, control, metric, None, None, None, alpha, mark, False, 0, 0,
-                                "treatment and control share no victim seed or document")
+        return ComparisonResult(
+            treatment,
+            control,
+            metric,
+            None,
+            None,
+            None,
+            alpha,
+            mark,
+            False,
+            0,
+            0,
+            "treatment and control share no victim seed or document",
+        )
     a = mt[np.ix_([st.index(s) for s in seeds], [dt.index(d) for d in docs])]
     b = mc[np.ix_([sc.index(s) for s in seeds], [dc.index(d) for d in docs])]
     if np.isnan(a).any() or np.isnan(b).any():
         raise DataError("some (victim seed, document) cells lack a score; every model must be scored on every document")
     iv = paired_difference_ci(a, b, n_boot=n_boot, alpha=alpha, seed=seed)
-    return ComparisonResult(treatment, control, metric, iv.estimate, iv.low, iv.high, alpha, mark,
-                            bool(iv.low > mark), len(seeds), len(docs))
+    return ComparisonResult(
+        treatment,
+        control,
+        metric,
+        iv.estimate,
+        iv.low,
+        iv.high,
+        alpha,
+        mark,
+        bool(iv.low > mark),
+        len(seeds),
+        len(docs),
+    )
 
 
-def analyse(protocol: Protocol, protocol_hash: str, rows: Sequence[dict[str, Any]],
-            run_rows: Sequence[dict[str, Any]] = ()) -> Analysis:
+def analyse(
+    protocol: Protocol, protocol_hash: str, rows: Sequence[dict[str, Any]], run_rows: Sequence[dict[str, Any]] = ()
+) -> Analysis:
     """Evaluate the protocol's main test, its family and its partial-offloading tests.
 
     Refuses (IntegrityError) any record not written under ``protocol_hash``."""
-    check_results([{"attack": r.get("attack"), "config_hash": r.get("config_hash", "?"),
-                    "protocol_hash": r.get("protocol_hash")} for r in list(rows) + list(run_rows)], protocol_hash)
+    check_results(
+        [
+            {
+                "attack": r.get("attack"),
+                "config_hash": r.get("config_hash", "?"),
+                "protocol_hash": r.get("protocol_hash"),
+            }
+            for r in list(rows) + list(run_rows)
+        ],
+        protocol_hash,
+    )
     main = None
     if protocol.main_test is not None:
         t = protocol.main_test
-        main = compare(rows, t.treatment, t.control, metric=t.metric, alpha=t.alpha, mark=t.pass_mark,
-                       n_boot=t.n_boot, seed=t.bootstrap_seed)
+        main = compare(
+            rows,
+            t.treatment,
+            t.control,
+            metric=t.metric,
+            alpha=t.alpha,
+            mark=t.pass_mark,
+            n_boot=t.n_boot,
+            seed=t.bootstrap_seed,
+        )
     fam_results: list[ComparisonResult] = []
     fam_alpha = fam_pass = None
     if protocol.family is not None and (protocol.family.comparisons or protocol.family.controls):
         f = protocol.family
         fam_alpha = bonferroni_alpha(f.alpha, f.size)
         for i, c in enumerate(f.expand(protocol.main_test)):
-            fam_results.append(compare(rows, c.treatment, c.control, metric=f.metric, alpha=fam_alpha, mark=0.0,
-                                       n_boot=f.n_boot, seed=f.bootstrap_seed + i))
+            fam_results.append(
+                compare(
+                    rows,
+                    c.treatment,
+                    c.control,
+                    metric=f.metric,
+                    alpha=fam_alpha,
+                    mark=0.0,
+                    n_boot=f.n_boot,
+                    seed=f.bootstrap_seed + i,
+                )
+            )
         fam_pass = all(c.passes for c in fam_results)
     po = analyse_partial_offloading(protocol, run_rows) if run_rows else []
     return Analysis(protocol.name, protocol_hash, main, fam_results, fam_alpha, fam_pass, po)
@@ -292,9 +397,20 @@ def analyse_partial_offloading(protocol: Protocol, run_rows: Sequence[dict[str, 
     for i, (model, test) in enumerate((m, t) for m in models for t in protocol.tests):
         if "outcome" not in test or "defence" not in test:
             continue
-        rows = [r for r in run_rows if r.get("defence") == test["defence"] and r.get(test["outcome"]) is not None
-                and r.get("offload_length") is not None and str(r.get("model")) == model]
-        rec: dict[str, Any] = {"model": model, "outcome": test["outcome"], "defence": test["defence"], "runs": len(rows)}
+        rows = [
+            r
+            for r in run_rows
+            if r.get("defence") == test["defence"]
+            and r.get(test["outcome"]) is not None
+            and r.get("offload_length") is not None
+            and str(r.get("model")) == model
+        ]
+        rec: dict[str, Any] = {
+            "model": model,
+            "outcome": test["outcome"],
+            "defence": test["defence"],
+            "runs": len(rows),
+        }
         if len({r["victim_seed"] for r in rows}) < 2:
             rec["missing"] = "fewer than two victim seeds with this defence and outcome"
             out.append(rec)
@@ -304,11 +420,27 @@ def analyse_partial_offloading(protocol: Protocol, run_rows: Sequence[dict[str, 
         b = [int(r["offload_start"]) for r in rows]
         seeds = [r["victim_seed"] for r in rows]
         level = float(th.get("bootstrap_level", 0.9875))
-        pr = partial_r2_test(y, s, b, seeds, n_perm=int(th.get("permutations", 10_000)), seed=i,
-                             alpha_boot=1 - level, n_boot=int(th.get("bootstrap_draws", 10_000)))
-        rec.update({"partial_r2": pr.partial_r2, "p_value": pr.p_value, "low": pr.low, "high": pr.high,
-                    "passes": bool(pr.partial_r2 >= th.get("partial_r2_min", 0.10)
-                                   and pr.p_value < th.get("permutation_p_max", 0.0125))})
+        pr = partial_r2_test(
+            y,
+            s,
+            b,
+            seeds,
+            n_perm=int(th.get("permutations", 10_000)),
+            seed=i,
+            alpha_boot=1 - level,
+            n_boot=int(th.get("bootstrap_draws", 10_000)),
+        )
+        rec.update(
+            {
+                "partial_r2": pr.partial_r2,
+                "p_value": pr.p_value,
+                "low": pr.low,
+                "high": pr.high,
+                "passes": bool(
+                    pr.partial_r2 >= th.get("partial_r2_min", 0.10) and pr.p_value < th.get("permutation_p_max", 0.0125)
+                ),
+            }
+        )
         if set(test_seeds) & set(seeds) and set(seeds) - set(test_seeds):
             try:
                 h = heldout_rmse(y, s, b, seeds, test_seeds, required=th.get("heldout_rmse_reduction", 0.10))
@@ -323,33 +455,53 @@ def analysis_markdown(a: Analysis) -> str:
     def fmt(c: ComparisonResult) -> str:
         if c.missing:
             return f"missing ({c.missing})"
-        return (f"{100 * c.estimate:+.2f} pp, interval [{100 * c.low:+.2f}, {100 * c.high:+.2f}] at α = {c.alpha:.4g}; "
-                f"{'passes' if c.passes else 'fails'} (mark {100 * c.mark:+.2f} pp; {c.n_models} models × {c.n_docs} documents)")
+        return (
+            f"{100 * c.estimate:+.2f} pp, interval [{100 * c.low:+.2f}, {100 * c.high:+.2f}] at α = {c.alpha:.4g}; "
+            f"{'passes' if c.passes else 'fails'} (mark {100 * c.mark:+.2f} pp; {c.n_models} models × {c.n_docs} documents)"
+        )
 
     lines = [f"# Analysis under protocol `{a.protocol}`", "", f"Protocol SHA-256 `{a.protocol_hash}`.", ""]
     if a.main is not None:
         lines += ["## Main test", "", f"{_sel(a.main.treatment)} − {_sel(a.main.control)}: {fmt(a.main)}", ""]
     if a.family:
         n_pass = sum(c.passes for c in a.family)
-        lines += ["## Family", "", f"{n_pass} of {len(a.family)} comparisons pass at α = {a.family_alpha:.4g} each "
-                  "(Bonferroni).", "", "| treatment | control | difference |", "|---|---|---|"]
+        lines += [
+            "## Family",
+            "",
+            f"{n_pass} of {len(a.family)} comparisons pass at α = {a.family_alpha:.4g} each (Bonferroni).",
+            "",
+            "| treatment | control | difference |",
+            "|---|---|---|",
+        ]
         lines += [f"| {_sel(c.treatment)} | {_sel(c.control)} | {fmt(c)} |" for c in a.family]
         lines.append("")
     if a.partial_offloading:
-        lines += ["## Partial offloading", "", "| model | defence | outcome | runs | partial R² | interval | p | passes | "
-                  "held-out RMSE (length → with start) |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Partial offloading",
+            "",
+            "| model | defence | outcome | runs | partial R² | interval | p | passes | "
+            "held-out RMSE (length → with start) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in a.partial_offloading:
             if "missing" in r:
-                lines.append(f"| {r['model']} | {r['defence']} | {r['outcome']} | {r['runs']} | missing: {r['missing']} "
-                             "| | | | |")
+                lines.append(
+                    f"| {r['model']} | {r['defence']} | {r['outcome']} | {r['runs']} | missing: {r['missing']} "
+                    "| | | | |"
+                )
                 continue
             h = r.get("heldout") or {}
-            ht = ("n/a" if not h or "missing" in h else
-                  f"{h['rmse_length']:.4f} → {h['rmse_with_start']:.4f} ({100 * h['reduction']:+.1f} %; "
-                  f"{'≥' if h['passes'] else '<'} {100 * h['required']:.0f} %)")
-            lines.append(f"| {r['model']} | {r['defence']} | {r['outcome']} | {r['runs']} | {r['partial_r2']:.4f} | "
-                         f"[{r['low']:.4f}, {r['high']:.4f}] | {r['p_value']:.4g} | {'yes' if r['passes'] else 'no'} | "
-                         f"{ht} |")
+            ht = (
+                "n/a"
+                if not h or "missing" in h
+                else f"{h['rmse_length']:.4f} → {h['rmse_with_start']:.4f} ({100 * h['reduction']:+.1f} %; "
+                f"{'≥' if h['passes'] else '<'} {100 * h['required']:.0f} %)"
+            )
+            lines.append(
+                f"| {r['model']} | {r['defence']} | {r['outcome']} | {r['runs']} | {r['partial_r2']:.4f} | "
+                f"[{r['low']:.4f}, {r['high']:.4f}] | {r['p_value']:.4g} | {'yes' if r['passes'] else 'no'} | "
+                f"{ht} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

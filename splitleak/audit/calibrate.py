@@ -131,8 +131,9 @@ def dose_order(n_rows: int, seed: int) -> np.ndarray:
     return np.random.default_rng([int(seed), 0xD05E]).permutation(n_rows)
 
 
-def inject_leak(activations: torch.Tensor, reference: torch.Tensor, coverage: float, amplitude: float,
-                order: np.ndarray) -> torch.Tensor:
+def inject_leak(
+    activations: torch.Tensor, reference: torch.Tensor, coverage: float, amplitude: float, order: np.ndarray
+) -> torch.Tensor:
     """Dose a frame: the first round(coverage · rows) rows of ``order`` (rows = documents × positions)
     become ``(1 − amplitude)·row + amplitude·reference``. Returns a new tensor."""
     if activations.shape != reference.shape:
@@ -224,8 +225,10 @@ def calibrate(
     acfg = make_attack_config(attack=attack, client_copy=client_copy, attack_seed=seed, **params)
     att = make_attack(acfg.attack, **acfg.attack_params())
     if attack == "property":
-        raise ConfigError("calibration measures token metrics; the property attack outputs no tokens. "
-                          "Calibrate a token attack (vmi, activation, joint, sipit, ...)")
+        raise ConfigError(
+            "calibration measures token metrics; the property attack outputs no tokens. "
+            "Calibrate a token attack (vmi, activation, joint, sipit, ...)"
+        )
     doses = [Dose(0.0, 1.0)] + [Dose(float(c), float(a)) for a in amplitudes for c in coverages]
     for d in doses:
         if not (0.0 <= d.coverage <= 1.0 and 0.0 < d.amplitude <= 1.0):
@@ -274,24 +277,33 @@ def calibrate(
         right = pred == truth
         ll = probe.log_likelihood(frame, truth_t).numpy()
         ll_mem = probe.log_likelihood(
-            inject_leak(mem_frames, mem_ref, d.coverage, d.amplitude, order_mem), mem_ids).numpy()
-        ll_non = probe.log_likelihood(
-            inject_leak(non_frames, non_ref, d.coverage, d.amplitude, order), truth_t).numpy()
-        per_dose.append({
-            "correct": right.sum(1).astype(float), "rare_correct": (right & rare).sum(1).astype(float),
-            "ce": -ll.mean(1), "mem": ll_mem.mean(1), "non": ll_non.mean(1),
-        })
+            inject_leak(mem_frames, mem_ref, d.coverage, d.amplitude, order_mem), mem_ids
+        ).numpy()
+        ll_non = probe.log_likelihood(inject_leak(non_frames, non_ref, d.coverage, d.amplitude, order), truth_t).numpy()
+        per_dose.append(
+            {
+                "correct": right.sum(1).astype(float),
+                "rare_correct": (right & rare).sum(1).astype(float),
+                "ce": -ll.mean(1),
+                "mem": ll_mem.mean(1),
+                "non": ll_non.mean(1),
+            }
+        )
         labels = np.r_[np.ones(n_mem), np.zeros(n)]
         auc = roc_auc(np.r_[per_dose[-1]["mem"], per_dose[-1]["non"]], labels)
-        rows.append({
-            "coverage": d.coverage, "amplitude": d.amplitude, "dose": d.dose,
-            "dosed_rows": int(round(d.coverage * n * T)) if d.amplitude else 0,
-            "token_top1": float(right.mean()),
-            "rare_token_top1": float((right & rare).sum() / max(1, rare.sum())),
-            "token_cross_entropy": float(-ll.mean()),
-            "membership_auc": float(auc),
-            "gate_G": wilson_upper(int(right.sum()), int(right.size), alpha) - base.rate,
-        })
+        rows.append(
+            {
+                "coverage": d.coverage,
+                "amplitude": d.amplitude,
+                "dose": d.dose,
+                "dosed_rows": int(round(d.coverage * n * T)) if d.amplitude else 0,
+                "token_top1": float(right.mean()),
+                "rare_token_top1": float((right & rare).sum() / max(1, rare.sum())),
+                "token_cross_entropy": float(-ll.mean()),
+                "membership_auc": float(auc),
+                "gate_G": wilson_upper(int(right.sum()), int(right.size), alpha) - base.rate,
+            }
+        )
         progress.advance(task)
 
     progress.finish(task)
@@ -303,11 +315,19 @@ def calibrate(
     z = per_dose[0]
     for row, pd in zip(rows, per_dose):
         effects = {
-            "token_top1": ratio_bootstrap_ci(np.stack([pd["correct"], z["correct"]]),
-                                             np.stack([counted, counted]), alpha=alpha, weights=w),
-            "rare_token_top1": (ratio_bootstrap_ci(np.stack([pd["rare_correct"], z["rare_correct"]]),
-                                                   np.stack([rare_counted, rare_counted]), alpha=alpha, weights=w)
-                                if rare_counted.sum() > 0 else None),
+            "token_top1": ratio_bootstrap_ci(
+                np.stack([pd["correct"], z["correct"]]), np.stack([counted, counted]), alpha=alpha, weights=w
+            ),
+            "rare_token_top1": (
+                ratio_bootstrap_ci(
+                    np.stack([pd["rare_correct"], z["rare_correct"]]),
+                    np.stack([rare_counted, rare_counted]),
+                    alpha=alpha,
+                    weights=w,
+                )
+                if rare_counted.sum() > 0
+                else None
+            ),
             "token_cross_entropy": _interval(w @ (z["ce"] - pd["ce"]) / n, float(np.mean(z["ce"] - pd["ce"])), alpha),
         }
         a_d = _auc_weighted(pd["mem"], pd["non"], wm, w)
@@ -323,8 +343,11 @@ def calibrate(
     for m in METRICS:
         hit = [r for r in rows[1:] if r["effects"][m] is not None and r["effects"][m]["detected"]]
         hit.sort(key=lambda r: (r["dose"], r["coverage"]))
-        onsets[m] = None if not hit else {"coverage": hit[0]["coverage"], "amplitude": hit[0]["amplitude"],
-                                          "dose": hit[0]["dose"]}
+        onsets[m] = (
+            None
+            if not hit
+            else {"coverage": hit[0]["coverage"], "amplitude": hit[0]["amplitude"], "dose": hit[0]["dose"]}
+        )
     gate_hits = sorted((r for r in rows if r["gate_breaks"]), key=lambda r: r["dose"])
     record = {
         "run": {"dir": str(run_dir), "config_hash": manifest["config_hash"], "cut": manifest["split"]["cut"]},
@@ -341,8 +364,9 @@ def calibrate(
         "seed": seed,
         "doses": rows,
         "onsets": onsets,
-        "gate_onset": None if not gate_hits else {"coverage": gate_hits[0]["coverage"],
-                                                   "amplitude": gate_hits[0]["amplitude"]},
+        "gate_onset": None
+        if not gate_hits
+        else {"coverage": gate_hits[0]["coverage"], "amplitude": gate_hits[0]["amplitude"]},
         "zero_dose_detects": [m for m in METRICS if rows[0]["effects"][m] and rows[0]["effects"][m]["detected"]],
     }
     result = CalibrationResult(out_path, record)
@@ -366,14 +390,16 @@ def calibration_table(record: dict[str, Any]) -> tuple[list[str], list[list[str]
             mark = " ✓" if e[m]["detected"] else ""  # noqa: B023
             return f"{value}{mark}"
 
-        rows.append([
-            f"{r['coverage']:g} × {r['amplitude']:g}",
-            cell("token_top1", f"{100 * r['token_top1']:.2f}"),
-            cell("rare_token_top1", f"{100 * r['rare_token_top1']:.2f}"),
-            cell("token_cross_entropy", f"{r['token_cross_entropy']:.3f}"),
-            cell("membership_auc", f"{r['membership_auc']:.3f}"),
-            f"{100 * r['gate_G']:+.2f}" + (" breaks" if r["gate_breaks"] else ""),
-        ])
+        rows.append(
+            [
+                f"{r['coverage']:g} × {r['amplitude']:g}",
+                cell("token_top1", f"{100 * r['token_top1']:.2f}"),
+                cell("rare_token_top1", f"{100 * r['rare_token_top1']:.2f}"),
+                cell("token_cross_entropy", f"{r['token_cross_entropy']:.3f}"),
+                cell("membership_auc", f"{r['membership_auc']:.3f}"),
+                f"{100 * r['gate_G']:+.2f}" + (" breaks" if r["gate_breaks"] else ""),
+            ]
+        )
     return header, rows
 
 
@@ -422,8 +448,11 @@ def calibration_figure(record: dict[str, Any], out_stem: str | Path) -> list[Pat
     amps = sorted({r["amplitude"] for r in record["doses"][1:]})
     for ax, m in zip(axes, METRICS):
         for j, amp in enumerate(amps):
-            pts = [r for r in record["doses"][1:] if r["amplitude"] == amp and r["coverage"] > 0
-                   and r["effects"][m] is not None]
+            pts = [
+                r
+                for r in record["doses"][1:]
+                if r["amplitude"] == amp and r["coverage"] > 0 and r["effects"][m] is not None
+            ]
             if not pts:
                 continue
             x = [r["coverage"] for r in pts]
@@ -433,24 +462,45 @@ def calibration_figure(record: dict[str, Any], out_stem: str | Path) -> list[Pat
             ax.plot(x, y, "-", color=f"C{j}", label=f"amplitude {amp:g}")
             ax.fill_between(x, lo, hi, color=f"C{j}", alpha=0.2)
             det = [r["effects"][m]["detected"] for r in pts]
-            ax.scatter([xi for xi, d in zip(x, det) if d], [yi for yi, d in zip(y, det) if d], color=f"C{j}",
-                       marker="o", zorder=3, label="detected" if j == 0 else None)
-            ax.scatter([xi for xi, d in zip(x, det) if not d], [yi for yi, d in zip(y, det) if not d],
-                       facecolors="white", edgecolors=f"C{j}", marker="o", zorder=3,
-                       label="not detected" if j == 0 else None)
+            ax.scatter(
+                [xi for xi, d in zip(x, det) if d],
+                [yi for yi, d in zip(y, det) if d],
+                color=f"C{j}",
+                marker="o",
+                zorder=3,
+                label="detected" if j == 0 else None,
+            )
+            ax.scatter(
+                [xi for xi, d in zip(x, det) if not d],
+                [yi for yi, d in zip(y, det) if not d],
+                facecolors="white",
+                edgecolors=f"C{j}",
+                marker="o",
+                zorder=3,
+                label="not detected" if j == 0 else None,
+            )
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xscale("log")
         if m == "token_top1":
             ax.axhline(100 * GATE, color="grey", ls="--", lw=0.8)
-            ax.annotate("gate +1.0 pp", (0.98, 100 * GATE), xycoords=("axes fraction", "data"), fontsize=8,
-                        color="grey", va="bottom", ha="right")
+            ax.annotate(
+                "gate +1.0 pp",
+                (0.98, 100 * GATE),
+                xycoords=("axes fraction", "data"),
+                fontsize=8,
+                color="grey",
+                va="bottom",
+                ha="right",
+            )
         ax.set_xlabel("injected coverage (share of rows)")
         ax.set_title(f"{METRIC_TITLES[m]}\n{onset_text(record, m)}", fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, loc="upper left")
-    fig.suptitle(f"dose-response per metric: {record['attack']['attack']} on {Path(record['run']['dir']).name} "
-                 f"({record['documents']} documents; shaded: 95 % interval of the effect against zero dose)",
-                 fontsize=10)
+    fig.suptitle(
+        f"dose-response per metric: {record['attack']['attack']} on {Path(record['run']['dir']).name} "
+        f"({record['documents']} documents; shaded: 95 % interval of the effect against zero dose)",
+        fontsize=10,
+    )
     return save_png_svg(fig, out_stem, dpi=130)
 
 

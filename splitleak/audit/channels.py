@@ -53,8 +53,9 @@ def _captured(run_dir: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def channel_table(run_dir: str | Path, attacks_run: Iterable[dict[str, Any]] | None = None,
-                  calibrated: Iterable[str] = ()) -> list[dict[str, Any]]:
+def channel_table(
+    run_dir: str | Path, attacks_run: Iterable[dict[str, Any]] | None = None, calibrated: Iterable[str] = ()
+) -> list[dict[str, Any]]:
     """One row per declared channel. ``attacks_run``: the audit's results (each with ``attack`` and
     ``channels_read``); ``calibrated``: the channels the audit's calibration doses."""
     run_dir = Path(run_dir)
@@ -78,18 +79,39 @@ def channel_table(run_dir: str | Path, attacks_run: Iterable[dict[str, Any]] | N
             status = "measured" if c.name in calibrated else "no positive control"
         else:
             status = "no attack"
-        rows.append({
-            "channel": c.name, "direction": c.direction, "carries": c.carries, "note": c.note,
-            "links": sorted(cap["links"]) if cap else list(decl.links),
-            "shape": cap["shape"] if cap and cap["shape"] else c.shape,
-            "captured": bool(cap) if c.captured else False,
-            "frames": cap["frames"] if cap else {}, "rows": cap["rows"] if cap else {},
-            "read_by": read_by, "registered_readers": registered, "status": status,
-        })
+        rows.append(
+            {
+                "channel": c.name,
+                "direction": c.direction,
+                "carries": c.carries,
+                "note": c.note,
+                "links": sorted(cap["links"]) if cap else list(decl.links),
+                "shape": cap["shape"] if cap and cap["shape"] else c.shape,
+                "captured": bool(cap) if c.captured else False,
+                "frames": cap["frames"] if cap else {},
+                "rows": cap["rows"] if cap else {},
+                "read_by": read_by,
+                "registered_readers": registered,
+                "status": status,
+            }
+        )
     for name in sorted(set(captured) - decl.names()):  # recorded by an older tap, never declared
-        rows.append({"channel": name, "direction": "?", "carries": "", "note": "undeclared", "links": [],
-                     "shape": captured[name]["shape"], "captured": True, "frames": captured[name]["frames"],
-                     "rows": captured[name]["rows"], "read_by": [], "registered_readers": [], "status": "undeclared"})
+        rows.append(
+            {
+                "channel": name,
+                "direction": "?",
+                "carries": "",
+                "note": "undeclared",
+                "links": [],
+                "shape": captured[name]["shape"],
+                "captured": True,
+                "frames": captured[name]["frames"],
+                "rows": captured[name]["rows"],
+                "read_by": [],
+                "registered_readers": [],
+                "status": "undeclared",
+            }
+        )
     return rows
 
 
@@ -110,14 +132,26 @@ def _fmt_shape(shape) -> str:
 def _fmt_captured(row: dict[str, Any]) -> str:
     if not row["captured"]:
         return "no"
-    parts = [f"{phase} {row['frames'][phase]} frames" + (f" / {row['rows'][phase]} rows" if phase in row["rows"] else "")
-             for phase in row["frames"]]
+    parts = [
+        f"{phase} {row['frames'][phase]} frames" + (f" / {row['rows'][phase]} rows" if phase in row["rows"] else "")
+        for phase in row["frames"]
+    ]
     return "yes: " + "; ".join(parts)
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
-    return [[r["channel"], ", ".join(r["links"]), r["direction"], _fmt_shape(r["shape"]), _fmt_captured(r),
-             ", ".join(r["read_by"]) or "—", r["status"]] for r in rows]
+    return [
+        [
+            r["channel"],
+            ", ".join(r["links"]),
+            r["direction"],
+            _fmt_shape(r["shape"]),
+            _fmt_captured(r),
+            ", ".join(r["read_by"]) or "—",
+            r["status"],
+        ]
+        for r in rows
+    ]
 
 
 def not_attacked(rows: list[dict[str, Any]]) -> list[str]:
@@ -135,5 +169,8 @@ def channels_markdown(rows: list[dict[str, Any]], notes: Iterable[str] = ()) -> 
 
 def channels_json(run_dir: str | Path) -> str:
     rows = channel_table(run_dir)
-    return json.dumps({"run": str(run_dir), "declaration": run_declaration(run_dir).as_dict(), "channels": rows},
-                      indent=2, sort_keys=True)
+    return json.dumps(
+        {"run": str(run_dir), "declaration": run_declaration(run_dir).as_dict(), "channels": rows},
+        indent=2,
+        sort_keys=True,
+    )

@@ -60,9 +60,14 @@ def probe_scores(run_dir: Path, traffic: Traffic, probe_tokens: torch.Tensor, ro
             total += 1
             exposed.add((src_doc, pos))
     n_train_tokens = sum(len(d.token_ids) for d in train.values())
-    return {"scored": True, "rows": total, "token_recovery": correct / max(1, total),
-            "distinct_training_tokens": len(exposed), "training_token_share": len(exposed) / max(1, n_train_tokens),
-            "how": "VMI (ridge map, nearest token) on each probe row; truth from the client's decoy record"}
+    return {
+        "scored": True,
+        "rows": total,
+        "token_recovery": correct / max(1, total),
+        "distinct_training_tokens": len(exposed),
+        "training_token_share": len(exposed) / max(1, n_train_tokens),
+        "how": "VMI (ridge map, nearest token) on each probe row; truth from the client's decoy record",
+    }
 
 
 def _decoder(tokenizer):
@@ -110,10 +115,16 @@ def run_attack(
     if config.inference and attack.uses_gradients:
         raise ConfigError(f"attack {config.attack!r} needs gradients, which inference traffic does not carry")
     if traffic.gradients is not None and (config.gradient_noise is not None or config.gradient_bits is not None):
-        perturb = lambda g: None if g is None else perturb_gradients(  # noqa: E731
-            g, config.gradient_noise, config.gradient_bits, config.attack_seed)
-        traffic = traffic.replace(gradients=perturb(traffic.gradients),
-                                  output_gradients=perturb(traffic.output_gradients))
+        perturb = lambda g: (
+            None
+            if g is None
+            else perturb_gradients(  # noqa: E731
+                g, config.gradient_noise, config.gradient_bits, config.attack_seed
+            )
+        )
+        traffic = traffic.replace(
+            gradients=perturb(traffic.gradients), output_gradients=perturb(traffic.output_gradients)
+        )
     docs_by_id = {d.doc_id: d for d in phase_documents(run_dir, config.phase)}
     docs = [docs_by_id[i] for i in traffic.doc_ids]
 
@@ -127,8 +138,12 @@ def run_attack(
         "config": config.model_dump(mode="json"),
         "config_hash": config.hash(),
         "attack_params": attack.params(),
-        "run": {"dir": str(run_dir), "config_hash": manifest["config_hash"], "config": manifest["config"],
-                "cut": manifest["split"]["cut"]},
+        "run": {
+            "dir": str(run_dir),
+            "config_hash": manifest["config_hash"],
+            "config": manifest["config"],
+            "cut": manifest["split"]["cut"],
+        },
         "protocol_hash": protocol_hash,
         "phase": config.phase,
         "channels_read": list(attack.channels_read()),
@@ -142,7 +157,9 @@ def run_attack(
         result.update(sc.as_dict())
         if "chosen_in_candidates" in rec.extra:
             truth = torch.tensor([list(d.token_ids) for d in docs])
-            result["true_token_in_candidates"] = float((rec.extra["candidates"] == truth.unsqueeze(-1)).any(-1).float().mean())
+            result["true_token_in_candidates"] = float(
+                (rec.extra["candidates"] == truth.unsqueeze(-1)).any(-1).float().mean()
+            )
         if "matched" in rec.extra:
             result["certified_tokens"] = float(rec.extra["matched"].float().mean())
             result["mean_checks_per_token"] = float(rec.extra["checks"].float().mean())
@@ -162,7 +179,8 @@ def run_attack(
             result["weights"] = (
                 f"each frame was produced by the client weights after as many training steps as its step number "
                 f"(0 … {max(steps)}); the attacker's copy is the {config.client_copy} one "
-                f"({'pretrained' if config.client_copy == 'public' else 'after the last step'})")
+                f"({'pretrained' if config.client_copy == 'public' else 'after the last step'})"
+            )
     else:
         scores = rec.extra["scores"]
         props = property_scores(scores, rec.extra["property_tokens"], docs)
@@ -172,9 +190,17 @@ def run_attack(
         a_vmi = float((vmi == truth).float().mean())
         a_ctl = float((maj == truth).float().mean())
         aucs = [p["auc"] for p in props if p["auc"] is not None]
-        result.update({"properties": props, "vmi_token_recovery": a_vmi, "majority_token_recovery": a_ctl,
-                       "leakage_index": leakage_index(a_vmi, a_ctl, aucs),
-                       "token_recovery": None, "doc_recovery": None, "span_recovery": None})
+        result.update(
+            {
+                "properties": props,
+                "vmi_token_recovery": a_vmi,
+                "majority_token_recovery": a_ctl,
+                "leakage_index": leakage_index(a_vmi, a_ctl, aucs),
+                "token_recovery": None,
+                "doc_recovery": None,
+                "span_recovery": None,
+            }
+        )
         per_doc_rows = [{"doc_id": int(i), "score": float(s)} for i, s in zip(traffic.doc_ids, scores)]
     if out_path is not None:
         write_result(out_path, result, per_doc_rows)

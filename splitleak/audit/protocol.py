@@ -79,8 +79,12 @@ class Family(BaseModel):
             cond = dict(zip(keys, values))
             for ctl in self.controls:
                 c = Comparison(treatment={**cond, **self.treatment}, control={**cond, **ctl})
-                if self.exclude_main_test and main is not None and c.treatment == main.treatment \
-                        and c.control == main.control:
+                if (
+                    self.exclude_main_test
+                    and main is not None
+                    and c.treatment == main.treatment
+                    and c.control == main.control
+                ):
                     continue
                 out.append(c)
         return out
@@ -126,8 +130,10 @@ def parse_protocol(path: str | Path) -> Protocol:
     if fam is not None and (fam.comparisons or fam.controls):
         n = len(fam.expand(proto.main_test))
         if n != fam.size:
-            raise ConfigError(f"{path}: the family lists or generates {n} comparisons but declares size {fam.size}; "
-                              "make them agree (the Bonferroni split uses size)")
+            raise ConfigError(
+                f"{path}: the family lists or generates {n} comparisons but declares size {fam.size}; "
+                "make them agree (the Bonferroni split uses size)"
+            )
     return proto
 
 
@@ -145,9 +151,17 @@ def freeze_protocol(path: str | Path) -> str:
                 "A frozen protocol cannot be changed; write a new protocol file under a new name"
             )
         return digest
-    rec.write_text(json.dumps({"file": path.name, "sha256": digest,
-                               "frozen_at": datetime.now(timezone.utc).isoformat(timespec="seconds")},
-                              indent=2) + "\n")
+    rec.write_text(
+        json.dumps(
+            {
+                "file": path.name,
+                "sha256": digest,
+                "frozen_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return digest
 
 
@@ -177,7 +191,8 @@ def check_results(results: Iterable[dict[str, Any]], protocol_hash: str) -> None
     if bad:
         raise IntegrityError(
             f"{len(bad)} result(s) were not written under the protocol with sha256 {protocol_hash}: "
-            + "; ".join(bad[:5]) + ("" if len(bad) <= 5 else f"; and {len(bad) - 5} more")
+            + "; ".join(bad[:5])
+            + ("" if len(bad) <= 5 else f"; and {len(bad) - 5} more")
         )
 
 

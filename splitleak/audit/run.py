@@ -57,9 +57,7 @@ ARM_BOOT = 10_000
 
 
 #: defence-aware attacks the audit adds when the traffic carries the channel they read
-CONDITIONAL_ATTACKS = (
-    ("probe_activations", "mixup-unmix", {"k": 32}),
-)
+CONDITIONAL_ATTACKS = (("probe_activations", "mixup-unmix", {"k": 32}),)
 #: the channels the audit's injected-leak calibration doses (its positive control)
 CALIBRATED_CHANNELS = ("activations",)
 
@@ -137,9 +135,17 @@ def run_audit(
         if depth != DEFAULT_DEPTH:
             say(f"depth: {depth} ({model} has only {n_blocks} blocks; the default depth {DEFAULT_DEPTH} does not fit)")
     cfg = make_train_config(
-        model=model, model_path=model_path, depth=depth, defences=defences or [{"name": "none"}],
-        data=data, data_path=data_path, seed=seed, steps=steps,
-        n_calib=n_calib, n_train=n_train, n_eval=n_eval,
+        model=model,
+        model_path=model_path,
+        depth=depth,
+        defences=defences or [{"name": "none"}],
+        data=data,
+        data_path=data_path,
+        seed=seed,
+        steps=steps,
+        n_calib=n_calib,
+        n_train=n_train,
+        n_eval=n_eval,
     )
     if force and out.exists():
         shutil.rmtree(out)
@@ -156,17 +162,33 @@ def run_audit(
     predictions = {}
     for name, params in audit_attacks(traffic):
         acfg = make_attack_config(attack=name, client_copy="public", attack_seed=seed, **params)
-        res = run_attack(out / "run", acfg, out=out / "attacks" / f"{name}.json", knowledge=knowledge,
-                         traffic=traffic, progress=progress, force=force)
+        res = run_attack(
+            out / "run",
+            acfg,
+            out=out / "attacks" / f"{name}.json",
+            knowledge=knowledge,
+            traffic=traffic,
+            progress=progress,
+            force=force,
+        )
         predictions[attack_label(res)] = [row["predicted"] for row in res.pop("per_doc")]
         results.append(res)
     truth = eval_token_ids(out / "run", traffic.doc_ids)
     base, arms = arm_effects(predictions, truth, n_boot=ARM_BOOT, seed=seed)
     probe_arms = [a for a in arms if not a.name.startswith("majority")]
     gate = arm_gate(probe_arms, base)
-    cal = calibrate(out / "run", CALIBRATION_ATTACK, out=out / "calibration", coverages=CALIBRATION_COVERAGES,
-                    n_docs=min(CALIBRATION_DOCS, len(traffic)), seed=seed, force=force, progress=progress,
-                    knowledge=knowledge, traffic=traffic)
+    cal = calibrate(
+        out / "run",
+        CALIBRATION_ATTACK,
+        out=out / "calibration",
+        coverages=CALIBRATION_COVERAGES,
+        n_docs=min(CALIBRATION_DOCS, len(traffic)),
+        seed=seed,
+        force=force,
+        progress=progress,
+        knowledge=knowledge,
+        traffic=traffic,
+    )
     for res in results:
         arm = next(a for a in arms if a.name == attack_label(res))
         res["arm"] = arm.as_dict()
@@ -176,16 +198,30 @@ def run_audit(
         say("training the undefended twin (same model, split, data and seed) for the cost of the defence")
         twin_cfg = make_train_config(**{**cfg.as_dict(), "defences": [{"name": "none"}], "all_local_baseline": False})
         t = run_training(twin_cfg, out / "twin", device=device, threads=threads, progress=progress)
-        cost = {"twin_dir": "twin", "twin_config_hash": twin_cfg.hash(), "twin_heldout_ce": t.metrics["heldout_ce"],
-                "twin_perplexity": t.metrics["perplexity"],
-                "rel_ppl_change": m["perplexity"] / t.metrics["perplexity"] - 1.0,
-                "ce_change": m["heldout_ce"] - t.metrics["heldout_ce"]}
-    verdicts = {"constant_baseline": {"token_id": base.token_id, "rate": base.rate},
-                "gate": {"G": gate.G, "breaks": gate.breaks, "alpha_bonf": gate.alpha_bonf, "gate": gate.gate,
-                         "arms": [a.name for a in probe_arms]},
-                "calibration": {"attack": CALIBRATION_ATTACK, "onsets": cal.onsets,
-                                "documents": cal.record["documents"],
-                                "zero_dose": {k: cal.record["doses"][0][k] for k in cal.onsets}}}
+        cost = {
+            "twin_dir": "twin",
+            "twin_config_hash": twin_cfg.hash(),
+            "twin_heldout_ce": t.metrics["heldout_ce"],
+            "twin_perplexity": t.metrics["perplexity"],
+            "rel_ppl_change": m["perplexity"] / t.metrics["perplexity"] - 1.0,
+            "ce_change": m["heldout_ce"] - t.metrics["heldout_ce"],
+        }
+    verdicts = {
+        "constant_baseline": {"token_id": base.token_id, "rate": base.rate},
+        "gate": {
+            "G": gate.G,
+            "breaks": gate.breaks,
+            "alpha_bonf": gate.alpha_bonf,
+            "gate": gate.gate,
+            "arms": [a.name for a in probe_arms],
+        },
+        "calibration": {
+            "attack": CALIBRATION_ATTACK,
+            "onsets": cal.onsets,
+            "documents": cal.record["documents"],
+            "zero_dose": {k: cal.record["doses"][0][k] for k in cal.onsets},
+        },
+    }
     channels = channel_table(out / "run", results, calibrated=CALIBRATED_CHANNELS)
     verdict = verdict_line(results, arms, probe_arms, gate, cal.record) + " " + channels_sentence(channels)
     summary = (
@@ -195,13 +231,25 @@ def run_audit(
         f"{cap['tokens_per_document']} tokens × width {cap['width']}; run verified ({ver.message})."
     )
     if cost is not None:
-        summary += (f" Cost of the defence: perplexity {m['perplexity']:.2f} against {cost['twin_perplexity']:.2f} "
-                    f"undefended ({100 * cost['rel_ppl_change']:+.2f} %).")
-    report = {"config": cfg.as_dict(), "config_hash": cfg.hash(), "metrics": m, "capture": cap,
-              "verify": ver.message, "attacks": results, "verdict": verdict, "verdicts": verdicts,
-              "summary": summary, "cost": cost, "channels": channels,
-              "channel_notes": list(run_declaration(out / "run").notes),
-              "torch_threads": torch.get_num_threads()}
+        summary += (
+            f" Cost of the defence: perplexity {m['perplexity']:.2f} against {cost['twin_perplexity']:.2f} "
+            f"undefended ({100 * cost['rel_ppl_change']:+.2f} %)."
+        )
+    report = {
+        "config": cfg.as_dict(),
+        "config_hash": cfg.hash(),
+        "metrics": m,
+        "capture": cap,
+        "verify": ver.message,
+        "attacks": results,
+        "verdict": verdict,
+        "verdicts": verdicts,
+        "summary": summary,
+        "cost": cost,
+        "channels": channels,
+        "channel_notes": list(run_declaration(out / "run").notes),
+        "torch_threads": torch.get_num_threads(),
+    }
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=json_default) + "\n")
     (out / "report.md").write_text(report_markdown(report))
     return AuditResult(out, run, cap, summary, results, verdict)
@@ -212,7 +260,7 @@ def channels_sentence(channels: list[dict[str, Any]]) -> str:
     without a positive control."""
     missed = not_attacked(channels)
     uncal = [c["channel"] for c in channels if c["status"] == "no positive control"]
-    out = (f"Channels not attacked: {', '.join(missed)}." if missed else "Every declared channel was attacked.")
+    out = f"Channels not attacked: {', '.join(missed)}." if missed else "Every declared channel was attacked."
     if uncal:
         out += f" Attacked without a positive control: {', '.join(uncal)}."
     return out
@@ -232,41 +280,54 @@ def verdict_line(results: list[dict[str, Any]], arms, probe_arms, gate, calibrat
     evidence of absence and the verdict says UNCALIBRATED."""
     faults = [a.name for a in arms if a.control_verdict == "detected"]
     if faults:
-        return (f"INSTRUMENT FAULT: the shuffled-label negative control of {', '.join(faults)} reads above the "
-                "constant baseline, so the scoring pairs predictions with labels it should not; no verdict.")
+        return (
+            f"INSTRUMENT FAULT: the shuffled-label negative control of {', '.join(faults)} reads above the "
+            "constant baseline, so the scoring pairs predictions with labels it should not; no verdict."
+        )
     onset = calibration["onsets"].get("token_top1")
     zero = calibration["doses"][0]["token_top1"]
-    cal = (f"calibration: injected into {calibration['documents']} captured documents, a leak is detected from "
-           f"coverage {onset['coverage']:g} × amplitude {onset['amplitude']:g}" if onset else
-           f"calibration: no injected dose raised token top-1 above its zero-dose reading of {fmt_pct(zero)} %")
+    cal = (
+        f"calibration: injected into {calibration['documents']} captured documents, a leak is detected from "
+        f"coverage {onset['coverage']:g} × amplitude {onset['amplitude']:g}"
+        if onset
+        else f"calibration: no injected dose raised token top-1 above its zero-dose reading of {fmt_pct(zero)} %"
+    )
     detected = [a for a in probe_arms if a.verdict == "detected"]
     if not detected and onset is None:
-        return ("UNCALIBRATED: no attack arm reads above the constant baseline, but the token top-1 metric did not "
-                "detect even the largest injected leak on this capture, so its silence is no evidence of absence; "
-                f"no verdict ({cal}).")
+        return (
+            "UNCALIBRATED: no attack arm reads above the constant baseline, but the token top-1 metric did not "
+            "detect even the largest injected leak on this capture, so its silence is no evidence of absence; "
+            f"no verdict ({cal})."
+        )
     best = max(probe_arms, key=lambda a: a.effect.estimate)
     scored = [r for r in results if r["attack"] != "majority" and r.get("doc_recovery") is not None]
     best_doc = max(scored, key=lambda r: (r["doc_recovery"], r["token_recovery"]))
     gate_words = f"gate G = {100 * gate.G:+.2f} pp {'breaks the gate' if gate.breaks else 'holds the gate'} (+1.00 pp)"
     if detected:
-        return (f"LEAKS: {len(detected)} of {len(probe_arms)} attack arms detected above the constant baseline; "
-                f"best {best.name} recovers {fmt_pct(best.accuracy)} % of tokens (+{100 * best.effect.estimate:.2f} pp, "
-                f"95 % interval [{100 * best.effect.low:+.2f}, {100 * best.effect.high:+.2f}]) and "
-                f"{fmt_pct(best_doc['doc_recovery'])} % of whole documents ({attack_label(best_doc)}); {gate_words}; "
-                f"no shuffled-label control detected; {cal}.")
-    return (f"AT FLOOR: no attack arm reads above the constant baseline (best {best.name}, "
-            f"{100 * best.effect.estimate:+.2f} pp, interval [{100 * best.effect.low:+.2f}, "
-            f"{100 * best.effect.high:+.2f}]); {gate_words}; no shuffled-label control detected; {cal}, so a "
-            "leak of that size would have been seen.")
+        return (
+            f"LEAKS: {len(detected)} of {len(probe_arms)} attack arms detected above the constant baseline; "
+            f"best {best.name} recovers {fmt_pct(best.accuracy)} % of tokens (+{100 * best.effect.estimate:.2f} pp, "
+            f"95 % interval [{100 * best.effect.low:+.2f}, {100 * best.effect.high:+.2f}]) and "
+            f"{fmt_pct(best_doc['doc_recovery'])} % of whole documents ({attack_label(best_doc)}); {gate_words}; "
+            f"no shuffled-label control detected; {cal}."
+        )
+    return (
+        f"AT FLOOR: no attack arm reads above the constant baseline (best {best.name}, "
+        f"{100 * best.effect.estimate:+.2f} pp, interval [{100 * best.effect.low:+.2f}, "
+        f"{100 * best.effect.high:+.2f}]); {gate_words}; no shuffled-label control detected; {cal}, so a "
+        "leak of that size would have been seen."
+    )
 
 
 def attack_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for r in results:
         spans = r.get("span_recovery") or {}
-        rows.append([attack_label(r), fmt_pct(r["token_recovery"]), fmt_pct(r["doc_recovery"])]
-                    + ["n/a" if spans.get(c) is None else fmt_pct(spans[c]) for c in LABELS]
-                    + [f"{r['seconds']:.0f}"])
+        rows.append(
+            [attack_label(r), fmt_pct(r["token_recovery"]), fmt_pct(r["doc_recovery"])]
+            + ["n/a" if spans.get(c) is None else fmt_pct(spans[c]) for c in LABELS]
+            + [f"{r['seconds']:.0f}"]
+        )
     return rows
 
 
@@ -279,15 +340,25 @@ def arm_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     for r in results:
         a = r["arm"]
         e, n = a["effect"], a["control"]
-        rows.append([attack_label(r), fmt_pct(a["accuracy"]),
-                     f"{100 * e['estimate']:+.2f} [{100 * e['low']:+.2f}, {100 * e['high']:+.2f}]", a["verdict"],
-                     f"{100 * n['estimate']:+.2f} [{100 * n['low']:+.2f}, {100 * n['high']:+.2f}]",
-                     a["control_verdict"]])
+        rows.append(
+            [
+                attack_label(r),
+                fmt_pct(a["accuracy"]),
+                f"{100 * e['estimate']:+.2f} [{100 * e['low']:+.2f}, {100 * e['high']:+.2f}]",
+                a["verdict"],
+                f"{100 * n['estimate']:+.2f} [{100 * n['low']:+.2f}, {100 * n['high']:+.2f}]",
+                a["control_verdict"],
+            ]
+        )
     return rows
 
 
 def _onset(o: dict[str, float] | None) -> str:
-    return "not detected at any dose" if o is None else f"first detects at coverage {o['coverage']:g} × amplitude {o['amplitude']:g}"
+    return (
+        "not detected at any dose"
+        if o is None
+        else f"first detects at coverage {o['coverage']:g} × amplitude {o['amplitude']:g}"
+    )
 
 
 def report_markdown(report: dict[str, Any]) -> str:
@@ -336,9 +407,11 @@ def report_markdown(report: dict[str, Any]) -> str:
         "captured documents with a known leak injected at rising coverage (see `calibration/calibration.md` and "
         "`calibration/calibration.png`):",
         "",
-        *[f"- {m.replace('_', ' ')} (zero-dose reading {report['verdicts']['calibration']['zero_dose'][m]:.4g}): "
-          f"{_onset(report['verdicts']['calibration']['onsets'].get(m))}"
-          for m in ("token_top1", "rare_token_top1", "token_cross_entropy", "membership_auc")],
+        *[
+            f"- {m.replace('_', ' ')} (zero-dose reading {report['verdicts']['calibration']['zero_dose'][m]:.4g}): "
+            f"{_onset(report['verdicts']['calibration']['onsets'].get(m))}"
+            for m in ("token_top1", "rare_token_top1", "token_cross_entropy", "membership_auc")
+        ],
         "",
         "## Channels (Politis & Pappas 2026, §3)",
         "",
@@ -357,11 +430,15 @@ def report_markdown(report: dict[str, Any]) -> str:
         f"| all-local cross-entropy | {m['all_local_ce']:.4f} |",
         f"| ΔU = L_split − L_all-local | {m['delta_u']:+.4f} |",
         f"| pretrained cross-entropy | {m['pretrained_ce']:.4f} |",
-        *([] if not report.get("cost") else [
-            f"| undefended twin: held-out cross-entropy | {report['cost']['twin_heldout_ce']:.4f} |",
-            f"| undefended twin: perplexity | {report['cost']['twin_perplexity']:.2f} |",
-            f"| relative perplexity change against the twin | {100 * report['cost']['rel_ppl_change']:+.2f} % |",
-        ]),
+        *(
+            []
+            if not report.get("cost")
+            else [
+                f"| undefended twin: held-out cross-entropy | {report['cost']['twin_heldout_ce']:.4f} |",
+                f"| undefended twin: perplexity | {report['cost']['twin_perplexity']:.2f} |",
+                f"| relative perplexity change against the twin | {100 * report['cost']['rel_ppl_change']:+.2f} % |",
+            ]
+        ),
         "",
         f"Run directory verified: {report['verify']}.",
         "",

@@ -116,13 +116,15 @@ def arm_effects(
         right = pred == truth
         a = _interval(right.mean(axis=1) - const_acc, w, alpha)
         n = _interval((pred == shuffled).mean(axis=1) - const_acc_shuffled, w, alpha)
-        out.append(ArmEffect(name, float(right.mean()), int(right.sum()), int(right.size), a, n,
-                             effect_verdict(a), effect_verdict(n)))
+        out.append(
+            ArmEffect(
+                name, float(right.mean()), int(right.sum()), int(right.size), a, n, effect_verdict(a), effect_verdict(n)
+            )
+        )
     return base, out
 
 
-def arm_gate(arms: Sequence[ArmEffect], base: ConstantBaseline, alpha: float = 0.05,
-             gate: float = GATE) -> GateResult:
+def arm_gate(arms: Sequence[ArmEffect], base: ConstantBaseline, alpha: float = 0.05, gate: float = GATE) -> GateResult:
     """Politis & Pappas 2026, Eq. (1) over the given arms: Bonferroni over arms, Wilson upper bound, minus p_const."""
     if not arms:
         raise DataError("no arms to form the gate statistic over")

@@ -67,9 +67,7 @@ def load_documents(
             )
         from splitleak.data.synthetic import synthetic_passages
 
-        passages = synthetic_passages(
-            tokenizer, seed=seed, count=sum(counts.values()), doc_len=doc_len
-        )
+        passages = synthetic_passages(tokenizer, seed=seed, count=sum(counts.values()), doc_len=doc_len)
         encodings = encode(tokenizer, [p.text for p in passages])
         pool = cut_windows(encodings, doc_len, first_only=True)
         where = "synthetic-pii texts"

@@ -59,9 +59,7 @@ class Span:
 
     def __post_init__(self) -> None:
         if self.label not in LABELS:
-            raise DataError(
-                f"span label {self.label!r} is unknown; use one of {', '.join(LABELS)}"
-            )
+            raise DataError(f"span label {self.label!r} is unknown; use one of {', '.join(LABELS)}")
         if not (0 <= self.char_start < self.char_end and 0 <= self.token_start < self.token_end):
             raise DataError(
                 f"span {self.text!r} has an empty or negative range (chars "
@@ -94,7 +92,7 @@ class Document:
                 raise DataError(
                     f"document {self.doc_id}: span text {span.text!r} differs from the "
                     f"document text at {span.char_start}-{span.char_end} "
-                    f"({self.text[span.char_start:span.char_end]!r}); set Span.text to "
+                    f"({self.text[span.char_start : span.char_end]!r}); set Span.text to "
                     "Document.text[char_start:char_end]"
                 )
 
@@ -122,8 +120,7 @@ class DocumentSets:
                 )
             if doc.doc_id in seen:
                 raise DataError(
-                    f"doc_id {doc.doc_id} occurs twice; give every document of the three sets "
-                    "its own doc_id"
+                    f"doc_id {doc.doc_id} occurs twice; give every document of the three sets its own doc_id"
                 )
             seen.add(doc.doc_id)
 
@@ -192,9 +189,7 @@ class DocumentSets:
                 )
                 for name in ("calibration", "train", "evaluation")
             }
-            return cls(
-                **sets, source=str(d["source"]), seed=int(d["seed"]), doc_len=int(d["doc_len"])
-            )
+            return cls(**sets, source=str(d["source"]), seed=int(d["seed"]), doc_len=int(d["doc_len"]))
         except DataError:
             raise
         except (KeyError, TypeError, ValueError) as exc:
@@ -205,9 +200,7 @@ class DocumentSets:
 
     def fingerprint(self) -> str:
         """sha256 hex digest of the canonical JSON (sorted keys, no spaces, UTF-8)."""
-        blob = json.dumps(
-            self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False
-        )
+        blob = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
@@ -227,9 +220,7 @@ class Passage:
 Encoding = tuple[list[int], list[tuple[int, int]]]
 
 
-def check_request(
-    *, seed: int, n_calib: int, n_train: int, n_eval: int, doc_len: int
-) -> None:
+def check_request(*, seed: int, n_calib: int, n_train: int, n_eval: int, doc_len: int) -> None:
     """Raise DataError unless seed and counts are ints >= 0 and doc_len is an int >= 2."""
     for name, value in (
         ("seed", seed),
@@ -254,8 +245,7 @@ def check_tokenizer(tokenizer: Any) -> None:
     )
     if getattr(tokenizer, "is_fast", True) is False:
         raise DataError(
-            f"tokenizer {type(tokenizer).__name__} is not a fast tokenizer and gives no "
-            f"character offsets; {fix}"
+            f"tokenizer {type(tokenizer).__name__} is not a fast tokenizer and gives no character offsets; {fix}"
         )
     try:
         probe = tokenizer("a b", add_special_tokens=False, return_offsets_mapping=True)
@@ -263,13 +253,11 @@ def check_tokenizer(tokenizer: Any) -> None:
         ids = probe["input_ids"]
     except (NotImplementedError, TypeError, ValueError, KeyError, AttributeError) as exc:
         raise DataError(
-            f"tokenizer {type(tokenizer).__name__} cannot return offsets "
-            f"({type(exc).__name__}: {exc}); {fix}"
+            f"tokenizer {type(tokenizer).__name__} cannot return offsets ({type(exc).__name__}: {exc}); {fix}"
         ) from exc
     if len(offsets) != len(ids) or not ids:
         raise DataError(
-            f"tokenizer {type(tokenizer).__name__} returned {len(ids)} ids but "
-            f"{len(offsets)} offsets for 'a b'; {fix}"
+            f"tokenizer {type(tokenizer).__name__} returned {len(ids)} ids but {len(offsets)} offsets for 'a b'; {fix}"
         )
 
 
@@ -277,18 +265,14 @@ def encode(tokenizer: Any, texts: Sequence[str]) -> list[Encoding]:
     """Token ids and character offsets of each text, without special tokens."""
     if not texts:
         return []
-    enc = tokenizer(
-        list(texts), add_special_tokens=False, return_offsets_mapping=True, verbose=False
-    )
+    enc = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     return [
         (list(ids), [(int(a), int(b)) for a, b in offs])
         for ids, offs in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
     ]
 
 
-def cut_windows(
-    encodings: Sequence[Encoding], doc_len: int, *, first_only: bool = False
-) -> list[tuple[int, int]]:
+def cut_windows(encodings: Sequence[Encoding], doc_len: int, *, first_only: bool = False) -> list[tuple[int, int]]:
     """Pool of ``(passage index, first token)`` for every full window, in passage order.
 
     ``first_only`` keeps only the window at token 0 of each passage.

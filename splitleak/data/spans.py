@@ -53,36 +53,35 @@ MONTHS_AND_DAYS = frozenset(
 
 TITLES = frozenset("Mr Mrs Ms Miss Dr Prof St Mt Jr Sr Gen Col Lt Capt Sgt Rev Hon".split())
 
-STOPWORDS = frozenset(
-    (
-        "The A An This That These Those There Here Its It He She They We You Him Her His Their "
-        "Our My Your Them Us Me In On At Of For By With From To As Into Onto Upon Under Over "
-        "After Before During Since Until Through Throughout Between Among Against About Around "
-        "Following According Despite Although Though While When Whereas Where Whether Which Who "
-        "Whom Whose What Why How If Unless Because So But And Or Nor Yet Also Then Thus Hence "
-        "Therefore However Moreover Furthermore Meanwhile Nevertheless Later Earlier Finally "
-        "Eventually Initially Originally Today Tomorrow Yesterday Once Some Many Most Much More "
-        "Several Few All Both Each Every Either Neither No Not None One Two Three Four Five Six "
-        "Seven Eight Nine Ten First Second Third Last Next Other Another Such Only Even Still "
-        "Only Just Now Please Dear Hi Hello Yes Oh"
-    ).split()
-) | TITLES
+STOPWORDS = (
+    frozenset(
+        (
+            "The A An This That These Those There Here Its It He She They We You Him Her His Their "
+            "Our My Your Them Us Me In On At Of For By With From To As Into Onto Upon Under Over "
+            "After Before During Since Until Through Throughout Between Among Against About Around "
+            "Following According Despite Although Though While When Whereas Where Whether Which Who "
+            "Whom Whose What Why How If Unless Because So But And Or Nor Yet Also Then Thus Hence "
+            "Therefore However Moreover Furthermore Meanwhile Nevertheless Later Earlier Finally "
+            "Eventually Initially Originally Today Tomorrow Yesterday Once Some Many Most Much More "
+            "Several Few All Both Each Every Either Neither No Not None One Two Three Four Five Six "
+            "Seven Eight Nine Ten First Second Third Last Next Other Another Such Only Even Still "
+            "Only Just Now Please Dear Hi Hello Yes Oh"
+        ).split()
+    )
+    | TITLES
+)
 
 _WORD = re.compile(r"(?<![\w'’])[^\W\d_]+(?:['’][^\W\d_]+)*(?![\w])")
 _JOINERS = (" ", "-", " @-@ ")
 _SENTENCE_END = ".!?:"
 _OPENERS = "\"'“‘([{"
 
-_ISBN = re.compile(
-    r"\b(?:ISBN|ISSN)(?:(?:-| @-@ )1[03])?\s*:?\s+(\d[\dX]*(?:(?:-| @-@ )[\dX]+)*)(?![\w])"
-)
+_ISBN = re.compile(r"\b(?:ISBN|ISSN)(?:(?:-| @-@ )1[03])?\s*:?\s+(\d[\dX]*(?:(?:-| @-@ )[\dX]+)*)(?![\w])")
 _CODE = re.compile(r"(?<![\w@])[A-Z][A-Z0-9]*(?:(?:-| @-@ )[A-Z0-9]+)+(?![\w])")
 _MIXED = re.compile(r"(?<![A-Za-z0-9_])[A-Za-z0-9]+(?![A-Za-z0-9_])")
 _ORDINAL_OR_DECADE = re.compile(r"\d+(?:st|nd|rd|th|s)")
 _UNIT = re.compile(r"(?:km|mi|m|cm|mm|ft|in|sq)[23]")
-_NUMBER = re.compile(
-    r"(?<![\w@.,])\d+(?:(?:[.,]| @[.,]@ )\d+)*(?:st|nd|rd|th|s)?(?![\w])"
-)
+_NUMBER = re.compile(r"(?<![\w@.,])\d+(?:(?:[.,]| @[.,]@ )\d+)*(?:st|nd|rd|th|s)?(?![\w])")
 
 
 def annotate(text: str) -> list[tuple[str, int, int]]:
@@ -103,12 +102,7 @@ def annotate(text: str) -> list[tuple[str, int, int]]:
         word = m.group()
         has_digit = any(c.isdigit() for c in word)
         has_alpha = any(c.isalpha() for c in word)
-        if (
-            has_digit
-            and has_alpha
-            and not _ORDINAL_OR_DECADE.fullmatch(word)
-            and not _UNIT.fullmatch(word)
-        ):
+        if has_digit and has_alpha and not _ORDINAL_OR_DECADE.fullmatch(word) and not _UNIT.fullmatch(word):
             claim("identifier", m.start(), m.end())
     for m in _NUMBER.finditer(text):
         claim("number", m.start(), m.end())

@@ -102,8 +102,7 @@ CONTINUATIONS: dict[str, tuple[str, ...]] = {
 }
 
 PERSONS = frozenset(
-    "patient doctor doctor2 doctor3 holder payee payee2 officer sender recipient employee "
-    "manager".split()
+    "patient doctor doctor2 doctor3 holder payee payee2 officer sender recipient employee manager".split()
 )
 
 _PHONE_FORMATS = ("(###) ###-####", "###-###-####", "###.###.####", "+1 ###-###-####")
@@ -228,9 +227,7 @@ def _append(
     return length
 
 
-def generate_text(
-    fake: Any, seed: int, index: int, long_enough: Callable[[str], bool] | None = None
-) -> Passage:
+def generate_text(fake: Any, seed: int, index: int, long_enough: Callable[[str], bool] | None = None) -> Passage:
     """Text ``index`` for ``seed``, lengthened until ``long_enough(text)`` holds."""
     fake.seed_instance(faker_seed(seed, index))
     family = FAMILIES[index % len(FAMILIES)]

@@ -39,8 +39,7 @@ def read_text_files(data_path: str | Path | None) -> tuple[list[Passage], str]:
     """Passages of a file or of a folder's ``*.txt`` files, and a description of them."""
     if data_path is None:
         raise DataError(
-            "source 'text' needs data_path (--data-path PATH): a UTF-8 text file or a folder "
-            "of *.txt files"
+            "source 'text' needs data_path (--data-path PATH): a UTF-8 text file or a folder of *.txt files"
         )
     path = Path(data_path)
     if not path.exists():
@@ -52,8 +51,7 @@ def read_text_files(data_path: str | Path | None) -> tuple[list[Passage], str]:
         files = sorted(p for p in path.glob("*.txt") if p.is_file())
         if not files:
             raise DataError(
-                f"no *.txt files in folder {path}; put UTF-8 text files named *.txt there or "
-                "pass one file as data_path"
+                f"no *.txt files in folder {path}; put UTF-8 text files named *.txt there or pass one file as data_path"
             )
         where = f"{len(files)} *.txt file(s) in {path}"
     else:
@@ -63,8 +61,6 @@ def read_text_files(data_path: str | Path | None) -> tuple[list[Passage], str]:
     for f in files:
         text = read_utf8(f, "convert it to UTF-8 or remove it from the folder")
         if not text.strip():
-            raise DataError(
-                f"text file {f} is empty; add text to it or remove it from data_path"
-            )
+            raise DataError(f"text file {f} is empty; add text to it or remove it from data_path")
         passages.extend(paragraphs(text, f.name))
     return passages, where

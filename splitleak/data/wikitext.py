@@ -73,10 +73,7 @@ def read_wikitext(data_path: str | Path | None) -> tuple[list[Passage], str]:
 
 
 def _from_hub() -> list[Passage]:
-    fix = (
-        "or pass data_path (--data-path DIR) with a folder of wiki.*.raw files from "
-        "wikitext-2-raw-v1"
-    )
+    fix = "or pass data_path (--data-path DIR) with a folder of wiki.*.raw files from wikitext-2-raw-v1"
     try:
         datasets = importlib.import_module("datasets")
     except ImportError as exc:

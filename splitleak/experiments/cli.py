@@ -25,8 +25,11 @@ err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, widt
 
 SpecArg = typer.Argument(..., help="a spec YAML file, or a shipped name (paper_main, partial_offloading)")
 ProfileOpt = typer.Option(None, "--profile", help="a profile of the spec (quick, full, ...); default full when defined")
-OverrideOpt = typer.Option([], "--override", help="KEY=VALUE applied last; dotted keys, YAML values "
-                           "(model=tiny-gpt2, documents.n_eval=8, depths=[3,6])")
+OverrideOpt = typer.Option(
+    [],
+    "--override",
+    help="KEY=VALUE applied last; dotted keys, YAML values (model=tiny-gpt2, documents.n_eval=8, depths=[3,6])",
+)
 StoreOpt = typer.Option(None, "--store", help="results store folder (default: <spec stem>-results/ beside the spec)")
 
 
@@ -50,14 +53,20 @@ def run_cmd(
     profile: Optional[str] = ProfileOpt,
     override: list[str] = OverrideOpt,
     executor: str = typer.Option("local", "--executor", help="local (process pool here) or ray"),
-    workers: Optional[int] = typer.Option(None, "--workers", help="jobs at once (local default: half the cores; "
-                                          "ray default: what the cluster holds)"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads per job (local default: cores // workers; ray: 1)"),
-    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster to join (default: start a local instance)"),
+    workers: Optional[int] = typer.Option(
+        None, "--workers", help="jobs at once (local default: half the cores; ray default: what the cluster holds)"
+    ),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", help="torch threads per job (local default: cores // workers; ray: 1)"
+    ),
+    address: Optional[str] = typer.Option(
+        None, "--address", help="Ray cluster to join (default: start a local instance)"
+    ),
     store: Optional[Path] = StoreOpt,
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda (ray: auto = cuda when the task got a GPU)"),
-    gpus_per_job: Optional[float] = typer.Option(None, "--gpus-per-job", help="ray: GPUs declared per job "
-                                                 "(default 1 when the cluster has GPUs, else 0)"),
+    gpus_per_job: Optional[float] = typer.Option(
+        None, "--gpus-per-job", help="ray: GPUs declared per job (default 1 when the cluster has GPUs, else 0)"
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="no progress output"),
 ) -> None:
     """Run every job of SPEC that the store does not hold yet (resumes after a kill); exit 1 when a job failed."""
@@ -71,9 +80,19 @@ def run_cmd(
             reporter = RichReporter(console)
         else:
             reporter = PlainReporter(lambda s: console.print(s, highlight=False, markup=False, soft_wrap=True))
-        res = run_grid(spec, profile=profile, overrides=override, executor=executor, workers=workers,
-                       threads=threads, address=address, store=store, device=device, gpus_per_job=gpus_per_job,
-                       reporter=reporter)
+        res = run_grid(
+            spec,
+            profile=profile,
+            overrides=override,
+            executor=executor,
+            workers=workers,
+            threads=threads,
+            address=address,
+            store=store,
+            device=device,
+            gpus_per_job=gpus_per_job,
+            reporter=reporter,
+        )
     n = len(res.grid.jobs)
     console.print(
         f"{res.ran} job(s) ran, {res.reused} reused, {res.done_before} were already done, "
@@ -81,15 +100,21 @@ def run_cmd(
         highlight=False,
     )
     if len(res.nodes) > 1:
-        console.print("jobs per node: " + ", ".join(f"{n}: {c}" for n, c in sorted(res.nodes.items())),
-                      highlight=False)
+        console.print("jobs per node: " + ", ".join(f"{n}: {c}" for n, c in sorted(res.nodes.items())), highlight=False)
     if res.failures:
         err.print(f"[bold red]{len(res.failures)} job(s) did not finish:[/]", highlight=False)
         for f in res.failures:
-            err.print(f"  {f.key[:12]}  {f.kind:<6} {f.summary}: {f.error_type}: {_first_line(f.error)}",
-                      highlight=False, markup=False, soft_wrap=True)
-        err.print(f"details: `splitleak experiment status {spec}` (tracebacks in {res.store}/failed/)", highlight=False,
-                  markup=False)
+            err.print(
+                f"  {f.key[:12]}  {f.kind:<6} {f.summary}: {f.error_type}: {_first_line(f.error)}",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
+            )
+        err.print(
+            f"details: `splitleak experiment status {spec}` (tracebacks in {res.store}/failed/)",
+            highlight=False,
+            markup=False,
+        )
         raise typer.Exit(1)
 
 
@@ -118,11 +143,19 @@ def status_cmd(
     for key, state in st.states.items():
         if state == "running":
             c = st.claims[key]
-            console.print(f"running  {key[:12]}  {st.grid.by_key[key].summary} (pid {c.get('pid')} on {c.get('host')}, "
-                          f"since {c.get('started')})", highlight=False, markup=False)
+            console.print(
+                f"running  {key[:12]}  {st.grid.by_key[key].summary} (pid {c.get('pid')} on {c.get('host')}, "
+                f"since {c.get('started')})",
+                highlight=False,
+                markup=False,
+            )
     for key, f in st.failures.items():
-        console.print(f"failed   {key[:12]}  {f['summary']}: {f['error_type']}: {_first_line(f['error'])}",
-                      highlight=False, markup=False, soft_wrap=True)
+        console.print(
+            f"failed   {key[:12]}  {f['summary']}: {f['error_type']}: {_first_line(f['error'])}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
 
 
 @app.command("plan")
@@ -141,7 +174,9 @@ def plan_cmd(
     console.print(
         f"{grid.loaded.name} (profile {grid.loaded.profile or 'base'}): {len(grid.jobs)} jobs: {c['train']} train, "
         f"{c['attack']} attack, {c['reuse']} reused for the inference setting; protocol "
-        f"{grid.loaded.protocol_path} (sha256 {grid.protocol_hash[:12]})", highlight=False)
+        f"{grid.loaded.protocol_path} (sha256 {grid.protocol_hash[:12]})",
+        highlight=False,
+    )
     if jobs:
         for j in grid.jobs:
             console.print(f"{j.key[:12]}  {j.kind:<6} {j.summary}", highlight=False, markup=False, soft_wrap=True)
@@ -154,8 +189,12 @@ def report_cmd(
     override: list[str] = OverrideOpt,
     store: Optional[Path] = StoreOpt,
     out: Path = typer.Option(..., "--out", help="folder for report.md, report.html and the figures (PNG + SVG)"),
-    n_boot: Optional[int] = typer.Option(None, "--n-boot", help="bootstrap replicates for the protocol's tests, "
-                                         "for a quick look (the report says so; the protocol's count is what counts)"),
+    n_boot: Optional[int] = typer.Option(
+        None,
+        "--n-boot",
+        help="bootstrap replicates for the protocol's tests, "
+        "for a quick look (the report says so; the protocol's count is what counts)",
+    ),
 ) -> None:
     """Write the report of SPEC's grid from its store: main test, family, recovery tables, figures."""
     from splitleak.report.grid import grid_report
@@ -165,5 +204,9 @@ def report_cmd(
     for p in rep.paths:
         console.print(str(p), highlight=False, markup=False, soft_wrap=True)
     if rep.analysis_error:
-        err.print(f"note: the protocol's tests could not be evaluated: {rep.analysis_error}", highlight=False,
-                  markup=False, soft_wrap=True)
+        err.print(
+            f"note: the protocol's tests could not be evaluated: {rep.analysis_error}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )

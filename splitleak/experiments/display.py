@@ -65,8 +65,15 @@ class RichReporter(SilentReporter):
         )
 
         self.console = console or Console()
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False)
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
         self.grid = None
         self.jobs: dict[str, Any] = {}
         self.finished: set[str] = set()
@@ -90,8 +97,9 @@ class RichReporter(SilentReporter):
             self.jobs[key] = self.progress.add_task(label, total=None)
         task = self.jobs[key]
         if kind == "start":
-            self.progress.update(task, description=f"{label} · {escape(str(event[3]))}", total=max(1, event[4]),
-                                 completed=0)
+            self.progress.update(
+                task, description=f"{label} · {escape(str(event[3]))}", total=max(1, event[4]), completed=0
+            )
         elif kind == "advance":
             self.progress.advance(task, event[3])
 
@@ -105,8 +113,9 @@ class RichReporter(SilentReporter):
         if status != "done" and status != "reused":
             from rich.markup import escape
 
-            self.progress.console.print(f"[red]{status}[/] {key[:12]} {escape(summary)}: {escape(str(error))}",
-                                        highlight=False)
+            self.progress.console.print(
+                f"[red]{status}[/] {key[:12]} {escape(summary)}: {escape(str(error))}", highlight=False
+            )
 
     def end(self) -> None:
         self.progress.stop()

@@ -61,8 +61,12 @@ class LocalExecutor:
         self._pool = self._new_pool()
 
     def _new_pool(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(max_workers=self.workers, mp_context=self._ctx, initializer=init_worker,
-                                   initargs=(self._queue, self.threads))
+        return ProcessPoolExecutor(
+            max_workers=self.workers,
+            mp_context=self._ctx,
+            initializer=init_worker,
+            initargs=(self._queue, self.threads),
+        )
 
     def describe(self) -> str:
         return f"local process pool, {self.workers} worker(s) x {self.threads} thread(s), device {self.device}"
@@ -80,7 +84,9 @@ class LocalExecutor:
         try:
             return handle.result()
         except BrokenProcessPool as exc:
-            raise WorkerDied(f"a worker process died while this job ran (killed, out of memory or crashed): {exc}") from None
+            raise WorkerDied(
+                f"a worker process died while this job ran (killed, out of memory or crashed): {exc}"
+            ) from None
 
     def recover(self) -> None:
         """Replace a pool broken by a dead worker."""
@@ -122,8 +128,15 @@ class RayExecutor:
 
     name = "ray"
 
-    def __init__(self, workers: int | None, threads: int, device: str, driver: dict[str, Any],
-                 address: str | None = None, gpus_per_job: float | None = None):
+    def __init__(
+        self,
+        workers: int | None,
+        threads: int,
+        device: str,
+        driver: dict[str, Any],
+        address: str | None = None,
+        gpus_per_job: float | None = None,
+    ):
         ray = import_ray()
         self.ray = ray
         self.threads, self.driver = threads, driver
@@ -135,8 +148,11 @@ class RayExecutor:
                     ray.init(address=address, log_to_driver=False)
                     self._started = True  # this driver's connection: disconnected again in close()
                 else:
-                    ray.init(num_cpus=(workers or max(1, cpu_count() // threads)) * threads, include_dashboard=False,
-                             log_to_driver=False)
+                    ray.init(
+                        num_cpus=(workers or max(1, cpu_count() // threads)) * threads,
+                        include_dashboard=False,
+                        log_to_driver=False,
+                    )
                     self._started = True
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 where = f"join the Ray cluster at {address}" if address else "start a local Ray instance"
@@ -160,13 +176,16 @@ class RayExecutor:
 
     def describe(self) -> str:
         where = f"cluster {self._address}" if self._address else "local Ray instance"
-        return (f"Ray ({where}), up to {self.capacity} task(s) at once, {self.threads} CPU(s)"
-                f"{f' and {self.gpus_per_job:g} GPU(s)' if self.gpus_per_job else ''} per task")
+        return (
+            f"Ray ({where}), up to {self.capacity} task(s) at once, {self.threads} CPU(s)"
+            f"{f' and {self.gpus_per_job:g} GPU(s)' if self.gpus_per_job else ''} per task"
+        )
 
     def submit(self, job: dict[str, Any], store_root: str):
         task_device = "auto" if self.device in ("auto", "cuda") else self.device
         return self._task.options(num_cpus=self.threads, num_gpus=self.gpus_per_job).remote(
-            job, store_root, self.threads, self._queue, self.driver, task_device)
+            job, store_root, self.threads, self._queue, self.driver, task_device
+        )
 
     def wait(self, handles: list, timeout: float) -> list:
         if not handles:

@@ -45,9 +45,16 @@ class Job:
     run_config: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "kind": self.kind, "config": self.config, "fields": self.fields,
-                "summary": self.summary, "train_key": self.train_key, "reuse_of": self.reuse_of,
-                "run_config": self.run_config}
+        return {
+            "key": self.key,
+            "kind": self.kind,
+            "config": self.config,
+            "fields": self.fields,
+            "summary": self.summary,
+            "train_key": self.train_key,
+            "reuse_of": self.reuse_of,
+            "run_config": self.run_config,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Job":
@@ -81,10 +88,20 @@ class Grid:
 
 def _train_fields(cfg: dict[str, Any], label: str, names: str) -> dict[str, Any]:
     return {
-        "model": cfg["model"], "precision": cfg["precision"], "depth": cfg["depth"],
-        "offload_start": cfg["offload_start"], "offload_length": cfg["offload_length"],
-        "defence": label, "defence_name": names, "victim_seed": cfg["seed"], "data": cfg["data"], "steps": cfg["steps"],
-        "n_calib": cfg["n_calib"], "n_train": cfg["n_train"], "n_eval": cfg["n_eval"], "doc_len": cfg["doc_len"],
+        "model": cfg["model"],
+        "precision": cfg["precision"],
+        "depth": cfg["depth"],
+        "offload_start": cfg["offload_start"],
+        "offload_length": cfg["offload_length"],
+        "defence": label,
+        "defence_name": names,
+        "victim_seed": cfg["seed"],
+        "data": cfg["data"],
+        "steps": cfg["steps"],
+        "n_calib": cfg["n_calib"],
+        "n_train": cfg["n_train"],
+        "n_eval": cfg["n_eval"],
+        "doc_len": cfg["doc_len"],
         "data_seed": cfg["data_seed"],
     }
 
@@ -97,10 +114,16 @@ def _train_summary(f: dict[str, Any]) -> str:
 def _attack_fields(acfg: dict[str, Any], perturbation: str) -> dict[str, Any]:
     budget = acfg["budget"]
     return {
-        "attack": acfg["attack"], "k": acfg["k"], "budget": None if budget is None else str(budget),
-        "client_copy": acfg["client_copy"], "attack_seed": acfg["attack_seed"], "perturbation": perturbation,
-        "gradient_noise": acfg["gradient_noise"], "gradient_bits": acfg["gradient_bits"],
-        "inference": acfg["inference"], "readout": acfg.get("readout"),
+        "attack": acfg["attack"],
+        "k": acfg["k"],
+        "budget": None if budget is None else str(budget),
+        "client_copy": acfg["client_copy"],
+        "attack_seed": acfg["attack_seed"],
+        "perturbation": perturbation,
+        "gradient_noise": acfg["gradient_noise"],
+        "gradient_bits": acfg["gradient_bits"],
+        "inference": acfg["inference"],
+        "readout": acfg.get("readout"),
         "params": json.dumps(acfg["params"], sort_keys=True) if acfg.get("params") else None,
     }
 
@@ -127,7 +150,9 @@ def _attack_summary(f: dict[str, Any]) -> str:
 
 
 def _splits(spec: ExperimentSpec) -> list[dict[str, int | None]]:
-    out: list[dict[str, int | None]] = [{"depth": d, "offload_start": None, "offload_length": None} for d in spec.depths]
+    out: list[dict[str, int | None]] = [
+        {"depth": d, "offload_start": None, "offload_length": None} for d in spec.depths
+    ]
     if spec.placements is not None:
         for s in spec.placements.lengths:
             for b in spec.placements.starts:
@@ -170,10 +195,16 @@ def _attack_configs(entry: AttackEntry, spec: ExperimentSpec, index: int) -> lis
                     for seed in entry.attack_seeds or spec.attack_seeds:
                         try:
                             cfg = make_attack_config(
-                                attack=entry.attack, k=k, budget=budget, readout=readout, client_copy=copy_,
+                                attack=entry.attack,
+                                k=k,
+                                budget=budget,
+                                readout=readout,
+                                client_copy=copy_,
                                 attack_seed=seed,
-                                gradient_noise=pert.gradient_noise, gradient_bits=pert.gradient_bits,
-                                inference=entry.inference == "only", params=extra,
+                                gradient_noise=pert.gradient_noise,
+                                gradient_bits=pert.gradient_bits,
+                                inference=entry.inference == "only",
+                                params=extra,
                             )
                         except ConfigError as exc:
                             raise ConfigError(f"{where}: {exc}") from None
@@ -212,12 +243,17 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
 
     def add(job: Job) -> None:
         if job.key in seen:
-            raise ConfigError(f"{loaded.path}: the job {job.summary!r} is listed twice (e.g. two attack entries overlap)")
+            raise ConfigError(
+                f"{loaded.path}: the job {job.summary!r} is listed twice (e.g. two attack entries overlap)"
+            )
         seen[job.key] = job.summary
         jobs.append(job)
 
-    plain_only = [lab for lab, chain in chains  # unknown names are refused below, with the defence named
-                  if any(d.name in DEFENCES and "u-shape" not in DEFENCES[d.name].split_modes for d in chain)]
+    plain_only = [
+        lab
+        for lab, chain in chains  # unknown names are refused below, with the defence named
+        if any(d.name in DEFENCES and "u-shape" not in DEFENCES[d.name].split_modes for d in chain)
+    ]
     if plain_only and spec.placements is not None:
         raise ConfigError(
             f"{loaded.path}: the defence {plain_only[0]!r} is implemented for the plain split only, not for "
@@ -229,15 +265,23 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
             for label, chain in chains:
                 for seed in spec.victim_seeds:
                     common = dict(
-                        model=model, precision=spec.precision_of(model), **split,
-                        defences=[d.model_dump() for d in chain], data=spec.data.source, seed=seed,
-                        steps=spec.steps, lr=spec.lr, capture_batch=spec.capture_batch,
-                        all_local_baseline=spec.all_local_baseline, **spec.documents.train_config_fields(),
+                        model=model,
+                        precision=spec.precision_of(model),
+                        **split,
+                        defences=[d.model_dump() for d in chain],
+                        data=spec.data.source,
+                        seed=seed,
+                        steps=spec.steps,
+                        lr=spec.lr,
+                        capture_batch=spec.capture_batch,
+                        all_local_baseline=spec.all_local_baseline,
+                        **spec.documents.train_config_fields(),
                     )
                     try:
                         key_cfg = make_train_config(**common, data_path=spec.data.path, model_path=spec.model_path)
                         run_cfg = make_train_config(
-                            **common, data_path=str(loaded.data_path) if loaded.data_path else None,
+                            **common,
+                            data_path=str(loaded.data_path) if loaded.data_path else None,
                             model_path=str(loaded.model_path) if loaded.model_path else None,
                         )
                     except ConfigError as exc:
@@ -249,12 +293,20 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
                     tsum = _train_summary(tf)
                     add(Job(tkey, "train", config, tf, tsum, run_config=run_cfg.as_dict()))
                     for entry, cfgs in attack_cfgs:
-                        if entry.defences is not None and label not in entry.defences \
-                                and defence_names(chain) not in entry.defences:
+                        if (
+                            entry.defences is not None
+                            and label not in entry.defences
+                            and defence_names(chain) not in entry.defences
+                        ):
                             continue
                         for acfg, pert, also_inference in cfgs:
-                            aconf = {"schema": SCHEMA, "kind": "attack", "train_key": tkey, "attack": acfg,
-                                     "protocol_hash": protocol_hash}
+                            aconf = {
+                                "schema": SCHEMA,
+                                "kind": "attack",
+                                "train_key": tkey,
+                                "attack": acfg,
+                                "protocol_hash": protocol_hash,
+                            }
                             akey = config_hash(aconf)
                             af = {**tf, **_attack_fields(acfg, pert)}
                             add(Job(akey, "attack", aconf, af, f"{tsum} | {_attack_summary(af)}", train_key=tkey))
@@ -263,6 +315,15 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
                                 iconf = {**aconf, "attack": icfg}
                                 ikey = config_hash(iconf)
                                 fi = {**tf, **_attack_fields(icfg, pert)}
-                                add(Job(ikey, "reuse", iconf, fi, f"{tsum} | {_attack_summary(fi)} (reuses {akey[:12]})",
-                                        train_key=tkey, reuse_of=akey))
+                                add(
+                                    Job(
+                                        ikey,
+                                        "reuse",
+                                        iconf,
+                                        fi,
+                                        f"{tsum} | {_attack_summary(fi)} (reuses {akey[:12]})",
+                                        train_key=tkey,
+                                        reuse_of=akey,
+                                    )
+                                )
     return Grid(loaded, protocol_hash, jobs)

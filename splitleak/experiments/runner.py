@@ -109,8 +109,9 @@ def store_of(loaded: LoadedSpec, store: str | Path | None) -> Path:
     return (Path(store) if store is not None else loaded.default_store()).resolve()
 
 
-def grid_status(spec: str | Path | LoadedSpec, *, profile: str | None = None, overrides=(),
-                store: str | Path | None = None) -> GridStatus:
+def grid_status(
+    spec: str | Path | LoadedSpec, *, profile: str | None = None, overrides=(), store: str | Path | None = None
+) -> GridStatus:
     """Where a grid stands in its store: done / running / failed / pending per job. A claim left by
     a killed process (its PID is gone) counts as pending."""
     loaded = _load(spec, profile, overrides)
@@ -187,14 +188,29 @@ def run_grid(
     rs = ResultsStore(store_of(loaded, store))
     with rs.lock():
         rs.clear_stale()
-        rs.write_json("grid.json", {
-            "spec": str(loaded.path), "name": loaded.name, "profile": loaded.profile,
-            "overrides": list(loaded.overrides), "protocol": str(loaded.protocol_path),
-            "protocol_hash": protocol_hash, "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "counts": grid.counts(),
-            "jobs": [{"key": j.key, "kind": j.kind, "summary": j.summary, "train_key": j.train_key,
-                      "reuse_of": j.reuse_of} for j in grid.jobs],
-        })
+        rs.write_json(
+            "grid.json",
+            {
+                "spec": str(loaded.path),
+                "name": loaded.name,
+                "profile": loaded.profile,
+                "overrides": list(loaded.overrides),
+                "protocol": str(loaded.protocol_path),
+                "protocol_hash": protocol_hash,
+                "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "counts": grid.counts(),
+                "jobs": [
+                    {
+                        "key": j.key,
+                        "kind": j.kind,
+                        "summary": j.summary,
+                        "train_key": j.train_key,
+                        "reuse_of": j.reuse_of,
+                    }
+                    for j in grid.jobs
+                ],
+            },
+        )
         done = rs.done_keys()
         _recheck_train_runs(grid, rs, done, reporter)
         result = GridRun(grid, rs.root, executor, done_before=sum(1 for j in grid.jobs if j.key in done))
@@ -209,7 +225,8 @@ def run_grid(
             f"({counts['train']} train, {counts['attack']} attack, {counts['reuse']} reused for inference); "
             f"{result.done_before} already in {rs.root}; protocol {loaded.protocol_path.name} "
             f"sha256 {protocol_hash[:12]}; {ex.describe()}",
-            len(grid.jobs), result.done_before,
+            len(grid.jobs),
+            result.done_before,
         )
         try:
             _schedule(grid, rs, ex, done, result, reporter)
@@ -232,8 +249,9 @@ def _recheck_train_runs(grid: Grid, rs: ResultsStore, done: set[str], reporter) 
             continue
         v = verify_run(rs.run_dir(job.key))
         if not v.ok or v.status != "complete":
-            reporter.note(f"train job {job.key[:12]} ({job.summary}): its run directory does not verify "
-                          f"({v.message}); redoing it")
+            reporter.note(
+                f"train job {job.key[:12]} ({job.summary}): its run directory does not verify ({v.message}); redoing it"
+            )
             rs.remove("train", job.key)
             done.discard(job.key)
 

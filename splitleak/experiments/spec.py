@@ -142,7 +142,9 @@ class AttackEntry(BaseModel):
     # any other hyperparameter of the attack's class, by name; a list expands like k does
     params: dict[str, list[Any]] = Field(default_factory=dict)
 
-    @field_validator("k", "budget", "readout", "client_copy", "perturbations", "defences", "attack_seeds", mode="before")
+    @field_validator(
+        "k", "budget", "readout", "client_copy", "perturbations", "defences", "attack_seeds", mode="before"
+    )
     @classmethod
     def _listify(cls, v):
         return _as_list(v)
@@ -165,8 +167,13 @@ class Documents(BaseModel):
     seed: int = 0
 
     def train_config_fields(self) -> dict[str, int]:
-        return {"n_calib": self.n_calib, "n_train": self.n_train, "n_eval": self.n_eval, "doc_len": self.doc_len,
-                "data_seed": self.seed}
+        return {
+            "n_calib": self.n_calib,
+            "n_train": self.n_train,
+            "n_eval": self.n_eval,
+            "doc_len": self.doc_len,
+            "data_seed": self.seed,
+        }
 
 
 class DataSpec(BaseModel):
@@ -442,7 +449,9 @@ _TYPE_TAGS = {"int", "str", "float", "bool", "dict", "list", "none"}
 
 def _user_loc(loc: tuple) -> tuple:
     """The error location without pydantic's union-member tags (``int``, ``literal['exhaustive']``)."""
-    return tuple(x for x in loc if not (isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or "-" in x and "function" in x)))
+    return tuple(
+        x for x in loc if not (isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or "-" in x and "function" in x))
+    )
 
 
 def _explain(exc: ValidationError, path: Path, layers: list[tuple[str, dict[str, Any]]]) -> str:
@@ -451,8 +460,10 @@ def _explain(exc: ValidationError, path: Path, layers: list[tuple[str, dict[str,
     for e in exc.errors():
         loc = _user_loc(tuple(e["loc"]))
         if loc in seen and e["type"] != "extra_forbidden":  # one line per place; union members joined by "or"
-            msgs[seen[loc]] += f", or {str(e.get('ctx', {}).get('error', e['msg']))[0].lower()}" \
-                               f"{str(e.get('ctx', {}).get('error', e['msg']))[1:]}"
+            msgs[seen[loc]] += (
+                f", or {str(e.get('ctx', {}).get('error', e['msg']))[0].lower()}"
+                f"{str(e.get('ctx', {}).get('error', e['msg']))[1:]}"
+            )
             continue
         seen[loc] = len(msgs)
         dotted = ".".join(str(x) for x in loc) or "spec"

@@ -39,52 +39,99 @@ from splitleak.wire.store import write_atomic
 KIND_DIRS = {"attack": "attacks", "train": "train", "failed": "failed"}
 
 _JOB = [
-    ("key", pa.string()), ("kind", pa.string()),
-    ("model", pa.string()), ("precision", pa.string()), ("depth", pa.int64()),
-    ("offload_start", pa.int64()), ("offload_length", pa.int64()), ("cut", pa.int64()),
-    ("defence", pa.string()), ("defence_name", pa.string()), ("victim_seed", pa.int64()), ("data", pa.string()), ("steps", pa.int64()),
-    ("n_calib", pa.int64()), ("n_train", pa.int64()), ("n_eval", pa.int64()), ("doc_len", pa.int64()),
+    ("key", pa.string()),
+    ("kind", pa.string()),
+    ("model", pa.string()),
+    ("precision", pa.string()),
+    ("depth", pa.int64()),
+    ("offload_start", pa.int64()),
+    ("offload_length", pa.int64()),
+    ("cut", pa.int64()),
+    ("defence", pa.string()),
+    ("defence_name", pa.string()),
+    ("victim_seed", pa.int64()),
+    ("data", pa.string()),
+    ("steps", pa.int64()),
+    ("n_calib", pa.int64()),
+    ("n_train", pa.int64()),
+    ("n_eval", pa.int64()),
+    ("doc_len", pa.int64()),
     ("data_seed", pa.int64()),
 ]
 
 ATTACK_SCHEMA = pa.schema(
-    _JOB[:2] + [("train_key", pa.string()), ("reuse_of", pa.string()), ("protocol_hash", pa.string())] + _JOB[2:] + [
-        ("attack", pa.string()), ("k", pa.int64()), ("budget", pa.string()), ("client_copy", pa.string()),
-        ("attack_seed", pa.int64()), ("perturbation", pa.string()), ("gradient_noise", pa.float64()),
-        ("gradient_bits", pa.int64()), ("inference", pa.bool_()), ("readout", pa.string()),
+    _JOB[:2]
+    + [("train_key", pa.string()), ("reuse_of", pa.string()), ("protocol_hash", pa.string())]
+    + _JOB[2:]
+    + [
+        ("attack", pa.string()),
+        ("k", pa.int64()),
+        ("budget", pa.string()),
+        ("client_copy", pa.string()),
+        ("attack_seed", pa.int64()),
+        ("perturbation", pa.string()),
+        ("gradient_noise", pa.float64()),
+        ("gradient_bits", pa.int64()),
+        ("inference", pa.bool_()),
+        ("readout", pa.string()),
         ("params", pa.string()),  # the attack's other hyperparameters as canonical JSON (null in older stores)
-        ("doc_id", pa.int64()), ("token_correct", pa.int64()), ("token_counted", pa.int64()), ("exact", pa.bool_()),
+        ("doc_id", pa.int64()),
+        ("token_correct", pa.int64()),
+        ("token_counted", pa.int64()),
+        ("exact", pa.bool_()),
     ]
     + [(f"span_hits_{lab}", pa.int64()) for lab in LABELS]
     + [(f"span_counts_{lab}", pa.int64()) for lab in LABELS]
     + [
         ("predicted", pa.list_(pa.int64())),
-        ("property_score", pa.float64()), ("leakage_index", pa.float64()),
-        ("vmi_token_recovery", pa.float64()), ("majority_token_recovery", pa.float64()),
-        ("n_docs", pa.int64()), ("seconds", pa.float64()),
-        ("train_config", pa.string()), ("attack_config", pa.string()), ("job_config", pa.string()),
+        ("property_score", pa.float64()),
+        ("leakage_index", pa.float64()),
+        ("vmi_token_recovery", pa.float64()),
+        ("majority_token_recovery", pa.float64()),
+        ("n_docs", pa.int64()),
+        ("seconds", pa.float64()),
+        ("train_config", pa.string()),
+        ("attack_config", pa.string()),
+        ("job_config", pa.string()),
         ("result_json", pa.string()),
     ]
 )
 
 TRAIN_SCHEMA = pa.schema(
-    _JOB + [
+    _JOB
+    + [
         ("u_shape", pa.bool_()),
-        ("heldout_ce", pa.float64()), ("perplexity", pa.float64()),
-        ("all_local_ce", pa.float64()), ("all_local_perplexity", pa.float64()), ("delta_u", pa.float64()),
-        ("pretrained_ce", pa.float64()), ("pretrained_perplexity", pa.float64()),
-        ("wire_bytes_client_to_server", pa.float64()), ("wire_bytes_server_to_client", pa.float64()),
-        ("train_tokens_per_second", pa.float64()), ("seconds", pa.float64()),
-        ("run_dir", pa.string()), ("train_config", pa.string()), ("job_config", pa.string()),
+        ("heldout_ce", pa.float64()),
+        ("perplexity", pa.float64()),
+        ("all_local_ce", pa.float64()),
+        ("all_local_perplexity", pa.float64()),
+        ("delta_u", pa.float64()),
+        ("pretrained_ce", pa.float64()),
+        ("pretrained_perplexity", pa.float64()),
+        ("wire_bytes_client_to_server", pa.float64()),
+        ("wire_bytes_server_to_client", pa.float64()),
+        ("train_tokens_per_second", pa.float64()),
+        ("seconds", pa.float64()),
+        ("run_dir", pa.string()),
+        ("train_config", pa.string()),
+        ("job_config", pa.string()),
         ("metrics_json", pa.string()),
     ]
 )
 
-FAILED_SCHEMA = pa.schema([
-    ("key", pa.string()), ("kind", pa.string()), ("train_key", pa.string()), ("summary", pa.string()),
-    ("error_type", pa.string()), ("error", pa.string()), ("traceback", pa.string()), ("time", pa.string()),
-    ("job_config", pa.string()),
-])
+FAILED_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("kind", pa.string()),
+        ("train_key", pa.string()),
+        ("summary", pa.string()),
+        ("error_type", pa.string()),
+        ("error", pa.string()),
+        ("traceback", pa.string()),
+        ("time", pa.string()),
+        ("job_config", pa.string()),
+    ]
+)
 
 SCHEMAS = {"attack": ATTACK_SCHEMA, "train": TRAIN_SCHEMA, "failed": FAILED_SCHEMA}
 
@@ -117,19 +164,36 @@ def table_bytes(rows: list[dict[str, Any]], schema: pa.Schema) -> bytes:
 # ------------------------------------------------------------------ rows
 
 
-def train_row(job: dict[str, Any], metrics: dict[str, Any], manifest: dict[str, Any], run_dir_rel: str,
-              seconds: float) -> dict[str, Any]:
+def train_row(
+    job: dict[str, Any], metrics: dict[str, Any], manifest: dict[str, Any], run_dir_rel: str, seconds: float
+) -> dict[str, Any]:
     """The one utility row of a finished train job."""
     wire = metrics.get("wire_bytes_per_step") or {}
     return {
-        "key": job["key"], "kind": "train", **job["fields"],
-        "cut": manifest["split"]["cut"], "u_shape": bool(manifest["split"].get("u_shape", False)),
-        **{k: metrics.get(k) for k in ("heldout_ce", "perplexity", "all_local_ce", "all_local_perplexity", "delta_u",
-                                       "pretrained_ce", "pretrained_perplexity", "train_tokens_per_second")},
+        "key": job["key"],
+        "kind": "train",
+        **job["fields"],
+        "cut": manifest["split"]["cut"],
+        "u_shape": bool(manifest["split"].get("u_shape", False)),
+        **{
+            k: metrics.get(k)
+            for k in (
+                "heldout_ce",
+                "perplexity",
+                "all_local_ce",
+                "all_local_perplexity",
+                "delta_u",
+                "pretrained_ce",
+                "pretrained_perplexity",
+                "train_tokens_per_second",
+            )
+        },
         "wire_bytes_client_to_server": wire.get("client_to_server"),
         "wire_bytes_server_to_client": wire.get("server_to_client"),
-        "seconds": seconds, "run_dir": run_dir_rel,
-        "train_config": _json(job["config"]["train"]), "job_config": _json(job["config"]),
+        "seconds": seconds,
+        "run_dir": run_dir_rel,
+        "train_config": _json(job["config"]["train"]),
+        "job_config": _json(job["config"]),
         "metrics_json": _json(metrics),
     }
 
@@ -138,22 +202,34 @@ def attack_rows(job: dict[str, Any], result: dict[str, Any], cut: int) -> list[d
     """One row per evaluation document of a finished attack job (``result`` from ``run_attack``)."""
     summary = {k: v for k, v in result.items() if k not in ("per_doc", "run")}
     base = {
-        "key": job["key"], "kind": job["kind"], "train_key": job["train_key"], "reuse_of": job["reuse_of"],
-        "protocol_hash": result.get("protocol_hash"), **job["fields"], "cut": cut,
-        "n_docs": result.get("n_docs"), "seconds": result.get("seconds"),
+        "key": job["key"],
+        "kind": job["kind"],
+        "train_key": job["train_key"],
+        "reuse_of": job["reuse_of"],
+        "protocol_hash": result.get("protocol_hash"),
+        **job["fields"],
+        "cut": cut,
+        "n_docs": result.get("n_docs"),
+        "seconds": result.get("seconds"),
         "leakage_index": result.get("leakage_index"),
         "vmi_token_recovery": result.get("vmi_token_recovery"),
         "majority_token_recovery": result.get("majority_token_recovery"),
-        "train_config": _json(result["run"]["config"]), "attack_config": _json(job["config"]["attack"]),
-        "job_config": _json(job["config"]), "result_json": _json(summary),
+        "train_config": _json(result["run"]["config"]),
+        "attack_config": _json(job["config"]["attack"]),
+        "job_config": _json(job["config"]),
+        "result_json": _json(summary),
     }
     rows = []
     for d in result["per_doc"]:
         row = dict(base)
         row["doc_id"] = d["doc_id"]
         if "token_correct" in d:
-            row.update(token_correct=d["token_correct"], token_counted=d["token_counted"], exact=d["exact"],
-                       predicted=d.get("predicted"))
+            row.update(
+                token_correct=d["token_correct"],
+                token_counted=d["token_counted"],
+                exact=d["exact"],
+                predicted=d.get("predicted"),
+            )
             for lab in LABELS:
                 row[f"span_hits_{lab}"] = d["span_hits"][lab]
                 row[f"span_counts_{lab}"] = d["span_counts"][lab]
@@ -167,8 +243,14 @@ def reuse_rows(job: dict[str, Any], source: pa.Table) -> list[dict[str, Any]]:
     """The inference-setting rows of a reuse job: the source measurement, relabelled."""
     rows = source.to_pylist()
     for r in rows:
-        r.update(key=job["key"], kind="reuse", reuse_of=job["reuse_of"], **job["fields"],
-                 attack_config=_json(job["config"]["attack"]), job_config=_json(job["config"]))
+        r.update(
+            key=job["key"],
+            kind="reuse",
+            reuse_of=job["reuse_of"],
+            **job["fields"],
+            attack_config=_json(job["config"]["attack"]),
+            job_config=_json(job["config"]),
+        )
     return rows
 
 
@@ -196,7 +278,9 @@ class ResultsStore:
         d = self.root / KIND_DIRS[kind]
         if not d.is_dir():
             return set()
-        return {p.name[: -len(".parquet")] for p in d.iterdir() if p.suffix == ".parquet" and not p.name.startswith(".")}
+        return {
+            p.name[: -len(".parquet")] for p in d.iterdir() if p.suffix == ".parquet" and not p.name.startswith(".")
+        }
 
     def done_keys(self) -> set[str]:
         return self.keys("attack") | self.keys("train")
@@ -222,9 +306,17 @@ class ResultsStore:
             pass
 
     def record_failure(self, job: dict[str, Any], error: str, error_type: str, traceback: str = "") -> None:
-        row = {"key": job["key"], "kind": job["kind"], "train_key": job.get("train_key"), "summary": job["summary"],
-               "error_type": error_type, "error": error, "traceback": traceback, "time": _now(),
-               "job_config": _json(job["config"])}
+        row = {
+            "key": job["key"],
+            "kind": job["kind"],
+            "train_key": job.get("train_key"),
+            "summary": job["summary"],
+            "error_type": error_type,
+            "error": error,
+            "traceback": traceback,
+            "time": _now(),
+            "job_config": _json(job["config"]),
+        }
         self.write_rows("failed", job["key"], [row])
 
     def failures(self) -> dict[str, dict[str, Any]]:
@@ -291,7 +383,12 @@ class ResultsStore:
                     old = json.loads(path.read_text())
                 except (OSError, json.JSONDecodeError):
                     old = {}
-                if old.get("host") == info["host"] and old.get("pid") and pid_alive(old["pid"]) and old["pid"] != os.getpid():
+                if (
+                    old.get("host") == info["host"]
+                    and old.get("pid")
+                    and pid_alive(old["pid"])
+                    and old["pid"] != os.getpid()
+                ):
                     raise SplitleakError(
                         f"another `splitleak experiment run` (pid {old['pid']}, started {old.get('started')}) is using "
                         f"the store {self.root}; wait for it, or stop it first"
@@ -312,7 +409,9 @@ class ResultsStore:
             path.unlink(missing_ok=True)
 
     def write_json(self, name: str, obj: Any) -> None:
-        write_atomic(self.root / name, (json.dumps(obj, indent=1, sort_keys=True, default=json_default) + "\n").encode())
+        write_atomic(
+            self.root / name, (json.dumps(obj, indent=1, sort_keys=True, default=json_default) + "\n").encode()
+        )
 
 
 def read_results(store: str | Path, kind: str = "attack", *, as_rows: bool = False) -> pa.Table | list[dict[str, Any]]:

@@ -122,8 +122,9 @@ def cached_model(name: str, precision: str, seed: int, model_path: str | None):
                 _MODELS.popitem(last=False)
         else:
             _MODELS.move_to_end(key)
-        return LoadedModel(lm.name, copy.deepcopy(lm.model), lm.tokenizer, lm.precision, lm.source,
-                           copy.deepcopy(lm.info))
+        return LoadedModel(
+            lm.name, copy.deepcopy(lm.model), lm.tokenizer, lm.precision, lm.source, copy.deepcopy(lm.info)
+        )
 
 
 def _train(job: dict[str, Any], store, device: str, threads: int | None, progress) -> None:
@@ -163,8 +164,14 @@ def _attack(job: dict[str, Any], store, device: str, progress) -> None:
     cfg = make_attack_config(**job["config"]["attack"])
     lm = cached_model(m["model"], m["precision"], m["seed"], m.get("model_path"))
     knowledge = load_knowledge(run_dir, cfg.client_copy, lm=lm)
-    result = run_attack(run_dir, cfg, knowledge=knowledge, progress=progress, device=device,
-                        protocol_hash=job["config"]["protocol_hash"])
+    result = run_attack(
+        run_dir,
+        cfg,
+        knowledge=knowledge,
+        progress=progress,
+        device=device,
+        protocol_hash=job["config"]["protocol_hash"],
+    )
     store.write_rows("attack", job["key"], attack_rows(job, result, manifest["split"]["cut"]))
 
 
@@ -197,8 +204,10 @@ def _flop_counter():
     aten = torch.ops.aten
     # the CPU kernels of scaled-dot-product attention are missing from torch's formula table (the
     # CUDA ones are there); count them with its own attention formulas so CPU and GPU counts agree
-    cpu_sdpa = {aten._scaled_dot_product_flash_attention_for_cpu: _as_is(fc.sdpa_flop),
-                aten._scaled_dot_product_flash_attention_for_cpu_backward: _as_is(fc.sdpa_backward_flop)}
+    cpu_sdpa = {
+        aten._scaled_dot_product_flash_attention_for_cpu: _as_is(fc.sdpa_flop),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _as_is(fc.sdpa_backward_flop),
+    }
     counter = fc.FlopCounterMode(display=False, custom_mapping=cpu_sdpa)
     # torch's module tracker hooks backward passes in a way that autograd.grad on a leaf tensor (the
     # server returning the gradient of its input) rejects; a job's total needs no per-module split
@@ -210,13 +219,25 @@ def _write_flops(folder: Path, job: dict[str, Any], counter, seconds: float, dev
     from splitleak.wire.store import write_atomic
 
     by_op = {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}
-    record = {"key": job["key"], "kind": job["kind"], "flops": int(counter.get_total_flops()),
-              "seconds": seconds, "device": device, "by_op": by_op}
+    record = {
+        "key": job["key"],
+        "kind": job["kind"],
+        "flops": int(counter.get_total_flops()),
+        "seconds": seconds,
+        "device": device,
+        "by_op": by_op,
+    }
     write_atomic(folder / f"{job['key']}.json", json.dumps(record, indent=1).encode())
 
 
-def execute_job(job: dict[str, Any], store_root: str, device: str = "cpu", threads: int | None = None,
-                driver: dict[str, Any] | None = None, node: str | None = None) -> dict[str, Any]:
+def execute_job(
+    job: dict[str, Any],
+    store_root: str,
+    device: str = "cpu",
+    threads: int | None = None,
+    driver: dict[str, Any] | None = None,
+    node: str | None = None,
+) -> dict[str, Any]:
     """Run one train or attack job and write its result into the store. Never raises: the
     returned dict has ``status`` ``done`` or ``failed`` (with ``error``, ``error_type``, ``traceback``)
     and ``node``, where it ran (the host name, or what the caller passed)."""
@@ -250,14 +271,28 @@ def execute_job(job: dict[str, Any], store_root: str, device: str = "cpu", threa
         return {"key": key, "status": "done", "seconds": seconds, "device": device, "node": node}
     except Exception as exc:  # noqa: BLE001 - every failure is recorded, none stops the grid
         etype, msg, trace = format_error(exc)
-        return {"key": key, "status": "failed", "error_type": etype, "error": msg, "traceback": trace,
-                "seconds": time.perf_counter() - t0, "device": device, "node": node}
+        return {
+            "key": key,
+            "status": "failed",
+            "error_type": etype,
+            "error": msg,
+            "traceback": trace,
+            "seconds": time.perf_counter() - t0,
+            "device": device,
+            "node": node,
+        }
     finally:
         store.release(key)
 
 
-def ray_execute_job(job: dict[str, Any], store_root: str, threads: int | None, queue: Any,
-                    driver: dict[str, Any] | None, device: str = "auto") -> dict[str, Any]:
+def ray_execute_job(
+    job: dict[str, Any],
+    store_root: str,
+    threads: int | None,
+    queue: Any,
+    driver: dict[str, Any] | None,
+    device: str = "auto",
+) -> dict[str, Any]:
     """A Ray task: ``cuda`` when Ray gave this task a GPU, else ``cpu`` (unless ``device`` is set)."""
     global _QUEUE
     import ray

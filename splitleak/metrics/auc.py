@@ -37,9 +37,7 @@ def roc_auc(scores: Any, labels: Any) -> float:
         raise DataError(f"scores have dtype {s.dtype}; pass numeric scores")
     s = s.astype(np.float64)
     if not np.isfinite(s).all():
-        raise DataError(
-            f"{int((~np.isfinite(s)).sum())} score(s) are NaN or infinite; pass finite scores"
-        )
+        raise DataError(f"{int((~np.isfinite(s)).sum())} score(s) are NaN or infinite; pass finite scores")
     if y.dtype.kind not in "biuf":
         raise DataError(f"labels have dtype {y.dtype}; pass labels as 0/1 integers or bools")
     values = set(np.unique(y).tolist())
@@ -52,10 +50,7 @@ def roc_auc(scores: Any, labels: Any) -> float:
     n1 = int(pos.sum())
     n0 = int(pos.size - n1)
     if n1 == 0 or n0 == 0:
-        raise DataError(
-            f"labels hold {n1} positive(s) and {n0} negative(s); the AUC needs at least one "
-            "of each"
-        )
+        raise DataError(f"labels hold {n1} positive(s) and {n0} negative(s); the AUC needs at least one of each")
     ranks = rankdata(s, method="average")
     u = float(ranks[pos].sum()) - n1 * (n1 + 1) / 2.0
     return u / (n1 * n0)
@@ -67,10 +62,7 @@ def _unit(name: str, v: Any) -> float:
     except (TypeError, ValueError) as exc:
         raise DataError(f"{name} is {v!r}; pass a number in [0, 1]") from exc
     if not (math.isfinite(f) and 0.0 <= f <= 1.0):
-        raise DataError(
-            f"{name} is {v!r}; pass a share in [0, 1] (a recovery rate or an AUC, not a "
-            "percentage)"
-        )
+        raise DataError(f"{name} is {v!r}; pass a share in [0, 1] (a recovery rate or an AUC, not a percentage)")
     return f
 
 

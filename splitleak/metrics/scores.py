@@ -52,14 +52,10 @@ class ScoreResult:
             "n_tokens": int(self.n_tokens),
             "token_recovery": float(self.token_recovery),
             "doc_recovery": float(self.doc_recovery),
-            "span_recovery": {
-                k: (None if v is None else float(v)) for k, v in self.span_recovery.items()
-            },
+            "span_recovery": {k: (None if v is None else float(v)) for k, v in self.span_recovery.items()},
             "span_counts": {k: int(v) for k, v in self.span_counts.items()},
             "span_hits": {k: int(v) for k, v in self.span_hits.items()},
-            "leading_space_errors": (
-                None if self.leading_space_errors is None else int(self.leading_space_errors)
-            ),
+            "leading_space_errors": (None if self.leading_space_errors is None else int(self.leading_space_errors)),
             "wrong_tokens": int(self.wrong_tokens),
         }
 
@@ -77,12 +73,8 @@ class ScoreResult:
                     "token_correct": int(self.per_doc_token_correct[i]),
                     "token_counted": int(self.per_doc_token_counted[i]),
                     "exact": bool(self.per_doc_exact[i]),
-                    "span_hits": {
-                        lab: int(self.per_doc_span_hits[i, j]) for j, lab in enumerate(LABELS)
-                    },
-                    "span_counts": {
-                        lab: int(self.per_doc_span_counts[i, j]) for j, lab in enumerate(LABELS)
-                    },
+                    "span_hits": {lab: int(self.per_doc_span_hits[i, j]) for j, lab in enumerate(LABELS)},
+                    "span_counts": {lab: int(self.per_doc_span_counts[i, j]) for j, lab in enumerate(LABELS)},
                 }
             )
         return out
@@ -110,9 +102,7 @@ def _check_pred(pred: Any, truth: np.ndarray) -> np.ndarray:
             f"pred cannot be read as an array ({type(exc).__name__}: {exc}); pass a "
             f"rectangular [n_docs, T] = [{n}, {t}] array of token ids"
         ) from exc
-    if arr.dtype == object or not (
-        np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_
-    ):
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
         raise DataError(
             f"pred has dtype {arr.dtype}; pass token ids as integers, e.g. "
             "np.asarray(pred, dtype=np.int64) after checking they are whole numbers"
@@ -140,21 +130,13 @@ def _check_mask(mask: Any, shape: tuple[int, int]) -> np.ndarray:
         return np.ones(shape, dtype=bool)
     m = np.asarray(mask)
     if m.dtype != np.bool_:
-        raise DataError(
-            f"mask has dtype {m.dtype}; pass a boolean [n_docs, T] array (True = the "
-            "position counts)"
-        )
+        raise DataError(f"mask has dtype {m.dtype}; pass a boolean [n_docs, T] array (True = the position counts)")
     if m.shape != shape:
-        raise DataError(
-            f"mask has shape {m.shape} but pred has shape {shape}; pass one boolean per "
-            "predicted position"
-        )
+        raise DataError(f"mask has shape {m.shape} but pred has shape {shape}; pass one boolean per predicted position")
     return m
 
 
-def position_recovery(
-    pred: Any, docs: Sequence[Document], *, mask: Any = None
-) -> np.ndarray:
+def position_recovery(pred: Any, docs: Sequence[Document], *, mask: Any = None) -> np.ndarray:
     """Share of documents whose token at each position is right: float64 ``[T]``.
 
     With ``mask``, position ``t`` is scored over the documents where ``mask[:, t]`` is True;
@@ -240,10 +222,7 @@ def score_reconstruction(
             return cache[token]
 
         wrong = np.argwhere(~right & m)
-        leading = sum(
-            _differs_by_leading_space(text(int(p[i, t])), text(int(truth[i, t])))
-            for i, t in wrong
-        )
+        leading = sum(_differs_by_leading_space(text(int(p[i, t])), text(int(truth[i, t]))) for i, t in wrong)
 
     for arr in (per_doc_correct, counted, per_doc_exact, span_hits_arr, span_counts_arr):
         arr.setflags(write=False)

@@ -85,9 +85,7 @@ def resolve_precision(precision: str) -> torch.dtype:
     try:
         return PRECISIONS[precision]
     except KeyError:
-        raise ConfigError(
-            f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}"
-        ) from None
+        raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}") from None
 
 
 # --------------------------------------------------------------------------- tiny-gpt2
@@ -115,9 +113,7 @@ def tiny_tokenizer():
         show_progress=False,
     )
     tok.train_from_iterator(corpus.splitlines(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
     _TINY_TOKENIZER_CACHE[TINY_VOCAB] = fast
     return fast
 
@@ -168,8 +164,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     for mod in ("gguf", "accelerate"):
         if importlib.util.find_spec(mod) is None:
             raise ModelError(
-                f"loading {path.name} needs the Python package {mod!r}; install it with "
-                f"`pip install gguf accelerate`"
+                f"loading {path.name} needs the Python package {mod!r}; install it with `pip install gguf accelerate`"
             )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -292,9 +287,7 @@ def find_final_norm(owner: torch.nn.Module) -> torch.nn.Module:
         mod = getattr(owner, name, None)
         if isinstance(mod, torch.nn.Module):
             return mod
-    raise ModelError(
-        f"cannot find the final norm of {type(owner).__name__} (looked for {', '.join(_NORM_NAMES)})"
-    )
+    raise ModelError(f"cannot find the final norm of {type(owner).__name__} (looked for {', '.join(_NORM_NAMES)})")
 
 
 def preset_available(name: str) -> tuple[bool, str]:

@@ -82,8 +82,7 @@ def make_spec(
             raise ConfigError("give --depth L (plain split) or --offload-start b --offload-length s")
         if not 1 <= depth < n_blocks:
             raise ConfigError(
-                f"depth {depth} is out of range for a model with {n_blocks} blocks; "
-                f"choose 1 <= depth <= {n_blocks - 1}"
+                f"depth {depth} is out of range for a model with {n_blocks} blocks; choose 1 <= depth <= {n_blocks - 1}"
             )
         return SplitSpec(n_blocks, depth, depth, n_blocks, 0, False)
     if offload_start is None or offload_length is None:
@@ -151,11 +150,7 @@ class SplitModel:
 
     def embedding_modules(self) -> list[nn.Module]:
         """Children of the base model other than the blocks and the final norm (wte, wpe, rotary...)."""
-        return [
-            m
-            for name, m in self.owner.named_children()
-            if name != self._blocks_attr and m is not self.norm
-        ]
+        return [m for name, m in self.owner.named_children() if name != self._blocks_attr and m is not self.norm]
 
     def bottom_parameters(self) -> list[nn.Parameter]:
         ps = [p for m in self.embedding_modules() for p in m.parameters()]
@@ -198,9 +193,7 @@ class SplitModel:
     # ------------------------------------------------------------------ forward pieces
     def _trace(self, input_ids=None, inputs_embeds=None, attention_mask=None) -> BlockContext:
         ctx = BlockContext()
-        recorders = nn.ModuleList(
-            [_Recorder(i, ctx, len(self.blocks) - 1, b) for i, b in enumerate(self.blocks)]
-        )
+        recorders = nn.ModuleList([_Recorder(i, ctx, len(self.blocks) - 1, b) for i, b in enumerate(self.blocks)])
         setattr(self.owner, self._blocks_attr, recorders)
         try:
             self.owner(
@@ -229,7 +222,9 @@ class SplitModel:
         ctx.embedded = None
         return ctx
 
-    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, BlockContext]:
+    def embed(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, BlockContext]:
         """Input of block 0 (with gradient to the embeddings) and the block arguments."""
         ctx = self._trace(input_ids=input_ids, attention_mask=attention_mask)
         assert ctx.embedded is not None

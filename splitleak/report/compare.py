@@ -44,8 +44,17 @@ class RunSummary:
 
     def key(self) -> tuple:
         c = self.config
-        return (c["model"], c["data"], c["depth"], c.get("offload_start"), c.get("offload_length"), c["seed"],
-                c["n_train"], c["n_eval"], c.get("steps"))
+        return (
+            c["model"],
+            c["data"],
+            c["depth"],
+            c.get("offload_start"),
+            c.get("offload_length"),
+            c["seed"],
+            c["n_train"],
+            c["n_eval"],
+            c.get("steps"),
+        )
 
     def strongest(self, what: str) -> float | None:
         """The best reading of any attack run against this run (the majority control excluded): what
@@ -87,14 +96,33 @@ def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
     """Long format: one row per (run, attack); the utility columns repeat for each attack of a run."""
     from splitleak.metrics import fmt_pct
 
-    header = ["run", "defence", "depth", "seed", "held-out CE", "perplexity", "ΔU", "Δ ppl vs none",
-              "attack", "token %", "document %", "name %", "number %", "identifier %"]
+    header = [
+        "run",
+        "defence",
+        "depth",
+        "seed",
+        "held-out CE",
+        "perplexity",
+        "ΔU",
+        "Δ ppl vs none",
+        "attack",
+        "token %",
+        "document %",
+        "name %",
+        "number %",
+        "identifier %",
+    ]
     rows = []
     for r in runs:
         m = r.metrics
         util = [
-            str(r.path), r.defence, r.depth, str(r.config["seed"]), f"{m['heldout_ce']:.4f}",
-            f"{m['perplexity']:.2f}", "n/a" if m.get("delta_u") is None else f"{m['delta_u']:+.4f}",
+            str(r.path),
+            r.defence,
+            r.depth,
+            str(r.config["seed"]),
+            f"{m['heldout_ce']:.4f}",
+            f"{m['perplexity']:.2f}",
+            "n/a" if m.get("delta_u") is None else f"{m['delta_u']:+.4f}",
             "n/a" if r.rel_ppl_change is None else f"{100 * r.rel_ppl_change:+.2f} %",
         ]
         scored = [a for a in r.attacks if a.get("token_recovery") is not None]
@@ -102,8 +130,11 @@ def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
             rows.append(util + ["(no attack results)", "", "", "", "", ""])
         for a in scored:
             spans = a.get("span_recovery") or {}
-            rows.append(util + [_label(a), fmt_pct(a["token_recovery"]), fmt_pct(a["doc_recovery"])]
-                        + ["n/a" if spans.get(c) is None else fmt_pct(spans[c]) for c in LABELS])
+            rows.append(
+                util
+                + [_label(a), fmt_pct(a["token_recovery"]), fmt_pct(a["doc_recovery"])]
+                + ["n/a" if spans.get(c) is None else fmt_pct(spans[c]) for c in LABELS]
+            )
     return header, rows
 
 
@@ -120,10 +151,14 @@ def leakage_cost_figure(runs: list[RunSummary], out_stem: str | Path) -> list[Pa
         )
 
     def panel(what: str):
-        return [(100 * r.rel_ppl_change, 100 * r.strongest(what), f"{r.defence}, depth {r.depth}", r.defence == "none")
-                for r in pts]
+        return [
+            (100 * r.rel_ppl_change, 100 * r.strongest(what), f"{r.defence}, depth {r.depth}", r.defence == "none")
+            for r in pts
+        ]
 
-    return recovery_cost_figure({"token recovery": panel("token_recovery"),
-                                 "whole-document recovery": panel("doc_recovery")},
-                                out_stem, xlabel="cost: held-out perplexity change vs. undefended run (%)",
-                                ylabel="{title} (%), strongest attack")
+    return recovery_cost_figure(
+        {"token recovery": panel("token_recovery"), "whole-document recovery": panel("doc_recovery")},
+        out_stem,
+        xlabel="cost: held-out perplexity change vs. undefended run (%)",
+        ylabel="{title} (%), strongest attack",
+    )

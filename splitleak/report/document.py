@@ -123,8 +123,12 @@ def render_markdown(doc: Document) -> str:
                 out += _md_table(b)
             out.append("")
         elif isinstance(b, Figure):
-            out += [f"![{b.alt or b.caption}]({b.png.name})", "",
-                    f"*{b.caption}* (also as [{b.png.with_suffix('.svg').name}]({b.png.with_suffix('.svg').name}))", ""]
+            out += [
+                f"![{b.alt or b.caption}]({b.png.name})",
+                "",
+                f"*{b.caption}* (also as [{b.png.with_suffix('.svg').name}]({b.png.with_suffix('.svg').name}))",
+                "",
+            ]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -202,8 +206,9 @@ def render_html(doc: Document) -> str:
             cls = {"note": ' class="note"', "caption": ' class="caption"'}.get(b.kind, "")
             body.append(f"<p{cls}>{_inline(b.text)}</p>")
         elif isinstance(b, Contents):
-            items = "".join(f'<li><a href="#{html.escape(h.anchor)}">{_inline(h.text)}</a></li>'
-                            for h in doc.sections())
+            items = "".join(
+                f'<li><a href="#{html.escape(h.anchor)}">{_inline(h.text)}</a></li>' for h in doc.sections()
+            )
             body.append(f'<nav class="toc"><strong>Contents</strong><ol>{items}</ol></nav>')
         elif isinstance(b, Table):
             body.append(_html_table(b))
@@ -214,10 +219,11 @@ def render_html(doc: Document) -> str:
                 f"<figcaption>{_inline(b.caption)}</figcaption></figure>"
             )
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
         f"<title>{html.escape(doc.title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n<main>\n"
-        + "\n".join(body) + "\n</main>\n</body>\n</html>\n"
+        + "\n".join(body)
+        + "\n</main>\n</body>\n</html>\n"
     )
 
 
@@ -230,14 +236,17 @@ def _td_class(cell: str, numeric: bool) -> str:
 def _html_table(t: Table) -> str:
     numeric = _guess_numeric(t)
     cap = f'<div class="table-caption">{_inline(t.caption)}</div>' if t.caption else ""
-    head = "".join(f'<th{_td_class(h, n)}>{_inline(h)}</th>' for h, n in zip(t.header, numeric))
+    head = "".join(f"<th{_td_class(h, n)}>{_inline(h)}</th>" for h, n in zip(t.header, numeric))
     if t.kv:
         body = "".join(f'<tr><th class="nw" scope="row">{_inline(k)}</th><td>{_inline(v)}</td></tr>' for k, v in t.rows)
         return f'{cap}<div class="table-wrap"><table class="kv"><tbody>{body}</tbody></table></div>'
     rows = []
     for r in t.rows:
         cells = list(r) + [""] * (len(t.header) - len(r))
-        rows.append("<tr>" + "".join(f'<td{_td_class(c, n)}>{_inline(c)}</td>' for c, n in zip(cells, numeric))
-                    + "</tr>")
-    return (f'{cap}<div class="table-wrap"><table><thead><tr>{head}</tr></thead>'
-            f'<tbody>{"".join(rows)}</tbody></table></div>')
+        rows.append(
+            "<tr>" + "".join(f"<td{_td_class(c, n)}>{_inline(c)}</td>" for c, n in zip(cells, numeric)) + "</tr>"
+        )
+    return (
+        f'{cap}<div class="table-wrap"><table><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table></div>"
+    )

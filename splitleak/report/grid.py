@@ -65,22 +65,38 @@ def analysis_rows(attack_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]
     for r in attack_rows:
         if r.get("token_counted") is None:
             continue
-        out.append({
-            "attack": r["attack"], "k": r.get("k"), "budget": _budget(r.get("budget")),
-            "client_copy": r.get("client_copy"), "attack_seed": r.get("attack_seed"),
-            "gradient_noise": r.get("gradient_noise"), "gradient_bits": r.get("gradient_bits"),
-            "inference": bool(r.get("inference")), "readout": r.get("readout"),
-            "model": r.get("model"), "depth": r.get("depth"),
-            "offload_start": r.get("offload_start"), "offload_length": r.get("offload_length"),
-            "defence": r.get("defence_name") or "none", "data": r.get("data"), "victim_seed": r.get("victim_seed"),
-            "doc_id": r["doc_id"], "token_correct": r["token_correct"], "token_counted": r["token_counted"],
-            "exact": bool(r["exact"]), "protocol_hash": r.get("protocol_hash"), "config_hash": r["key"],
-        })
+        out.append(
+            {
+                "attack": r["attack"],
+                "k": r.get("k"),
+                "budget": _budget(r.get("budget")),
+                "client_copy": r.get("client_copy"),
+                "attack_seed": r.get("attack_seed"),
+                "gradient_noise": r.get("gradient_noise"),
+                "gradient_bits": r.get("gradient_bits"),
+                "inference": bool(r.get("inference")),
+                "readout": r.get("readout"),
+                "model": r.get("model"),
+                "depth": r.get("depth"),
+                "offload_start": r.get("offload_start"),
+                "offload_length": r.get("offload_length"),
+                "defence": r.get("defence_name") or "none",
+                "data": r.get("data"),
+                "victim_seed": r.get("victim_seed"),
+                "doc_id": r["doc_id"],
+                "token_correct": r["token_correct"],
+                "token_counted": r["token_counted"],
+                "exact": bool(r["exact"]),
+                "protocol_hash": r.get("protocol_hash"),
+                "config_hash": r["key"],
+            }
+        )
     return out
 
 
-def offload_run_rows(attack_rows: Sequence[dict[str, Any]], train_rows: Sequence[dict[str, Any]],
-                     protocol_hash: str) -> list[dict[str, Any]]:
+def offload_run_rows(
+    attack_rows: Sequence[dict[str, Any]], train_rows: Sequence[dict[str, Any]], protocol_hash: str
+) -> list[dict[str, Any]]:
     """One record per partial-offloading train job for ``analyse``'s partial-offloading tests:
     defence (names), victim seed, start, length, ``delta_u`` and perplexity from the train table, and
     ``leakage_index`` and ``vmi_excess`` (VMI minus majority-control token recovery) from the
@@ -98,16 +114,27 @@ def offload_run_rows(attack_rows: Sequence[dict[str, Any]], train_rows: Sequence
             continue
         jobs = list(prop.get(t["key"], {}).values())
         li = [j["leakage_index"] for j in jobs]
-        vmi = [j["vmi_token_recovery"] - j["majority_token_recovery"] for j in jobs
-               if j.get("vmi_token_recovery") is not None and j.get("majority_token_recovery") is not None]
-        out.append({
-            "model": t.get("model"), "defence": t.get("defence_name") or "none", "victim_seed": t["victim_seed"],
-            "offload_start": t["offload_start"], "offload_length": t["offload_length"],
-            "delta_u": t.get("delta_u"), "perplexity": t.get("perplexity"),
-            "leakage_index": sum(li) / len(li) if li else None, "vmi_excess": sum(vmi) / len(vmi) if vmi else None,
-            "attack": "property", "config_hash": jobs[0]["key"] if jobs else t["key"],
-            "protocol_hash": jobs[0]["protocol_hash"] if jobs else protocol_hash,
-        })
+        vmi = [
+            j["vmi_token_recovery"] - j["majority_token_recovery"]
+            for j in jobs
+            if j.get("vmi_token_recovery") is not None and j.get("majority_token_recovery") is not None
+        ]
+        out.append(
+            {
+                "model": t.get("model"),
+                "defence": t.get("defence_name") or "none",
+                "victim_seed": t["victim_seed"],
+                "offload_start": t["offload_start"],
+                "offload_length": t["offload_length"],
+                "delta_u": t.get("delta_u"),
+                "perplexity": t.get("perplexity"),
+                "leakage_index": sum(li) / len(li) if li else None,
+                "vmi_excess": sum(vmi) / len(vmi) if vmi else None,
+                "attack": "property",
+                "config_hash": jobs[0]["key"] if jobs else t["key"],
+                "protocol_hash": jobs[0]["protocol_hash"] if jobs else protocol_hash,
+            }
+        )
     return out
 
 
@@ -118,8 +145,10 @@ def check_protocol(attack_rows: Sequence[dict[str, Any]], protocol_hash: str, st
     for r in attack_rows:
         if r["key"] not in jobs:
             split = split_text(r.get("depth"), r.get("offload_start"), r.get("offload_length"))
-            what = (f"{r.get('model')} {split} {r.get('defence')} seed {r.get('victim_seed')} | "
-                    f"{Config.of(r).attack_text()} {r.get('client_copy')} a{r.get('attack_seed')}")
+            what = (
+                f"{r.get('model')} {split} {r.get('defence')} seed {r.get('victim_seed')} | "
+                f"{Config.of(r).attack_text()} {r.get('client_copy')} a{r.get('attack_seed')}"
+            )
             jobs[r["key"]] = {"attack": what, "config_hash": r["key"], "protocol_hash": r.get("protocol_hash")}
     try:
         check_results(jobs.values(), protocol_hash)
@@ -134,9 +163,17 @@ def check_protocol(attack_rows: Sequence[dict[str, Any]], protocol_hash: str, st
 # ------------------------------------------------------------------ entry points
 
 
-def grid_report(spec: str | Path, *, out: str | Path, profile: str | None = None, overrides: Sequence[str] = (),
-                store: str | Path | None = None, n_boot: int | None = None,
-                descriptive_boot: int = DESCRIPTIVE_BOOT, date: str | None = None) -> GridReport:
+def grid_report(
+    spec: str | Path,
+    *,
+    out: str | Path,
+    profile: str | None = None,
+    overrides: Sequence[str] = (),
+    store: str | Path | None = None,
+    n_boot: int | None = None,
+    descriptive_boot: int = DESCRIPTIVE_BOOT,
+    date: str | None = None,
+) -> GridReport:
     """Write the report of a grid (spec, profile, overrides) from its results store into ``out``.
 
     Only the grid's own jobs are reported; attack results on the grid's trained models written under
@@ -159,17 +196,39 @@ def grid_report(spec: str | Path, *, out: str | Path, profile: str | None = None
     counts = status.counts()
     header = {
         "title": f"Experiment report: {loaded.name}" + (f" (profile {loaded.profile})" if loaded.profile else ""),
-        "spec": str(loaded.path), "spec_sha256": file_sha256(loaded.path), "profile": loaded.profile,
-        "overrides": list(loaded.overrides), "store": str(status.store), "jobs": counts,
+        "spec": str(loaded.path),
+        "spec_sha256": file_sha256(loaded.path),
+        "profile": loaded.profile,
+        "overrides": list(loaded.overrides),
+        "store": str(status.store),
+        "jobs": counts,
         "other_rows": len({r["key"] for r in attack_all}) - len({r["key"] for r in attack_rows}),
         "failures": [{"key": k, **f} for k, f in status.failures.items()],
     }
-    return build_report(protocol, phash, loaded.protocol_path, attack_rows, train_rows, out, header=header,
-                        n_boot=n_boot, descriptive_boot=descriptive_boot, date=date)
+    return build_report(
+        protocol,
+        phash,
+        loaded.protocol_path,
+        attack_rows,
+        train_rows,
+        out,
+        header=header,
+        n_boot=n_boot,
+        descriptive_boot=descriptive_boot,
+        date=date,
+    )
 
 
-def store_report(store: str | Path, protocol_path: str | Path, *, out: str | Path, n_boot: int | None = None,
-                 descriptive_boot: int = DESCRIPTIVE_BOOT, date: str | None = None, title: str | None = None) -> GridReport:
+def store_report(
+    store: str | Path,
+    protocol_path: str | Path,
+    *,
+    out: str | Path,
+    n_boot: int | None = None,
+    descriptive_boot: int = DESCRIPTIVE_BOOT,
+    date: str | None = None,
+    title: str | None = None,
+) -> GridReport:
     """Write the report of everything in a results store under a frozen protocol (no spec: the
     header counts jobs done and failed, not pending). Refuses results under another protocol hash."""
     from splitleak.experiments import read_results
@@ -186,10 +245,24 @@ def store_report(store: str | Path, protocol_path: str | Path, *, out: str | Pat
     for f in rs.failures().values():
         k = f["kind"] if f["kind"] in counts else "attack"
         counts[k]["failed"] = counts[k].get("failed", 0) + 1
-    header = {"title": title or f"Results store report: {rs.root.name}", "store": str(rs.root), "jobs": counts,
-              "failures": [{"key": k, **f} for k, f in rs.failures().items()]}
-    return build_report(protocol, phash, Path(protocol_path), attack_rows, train_rows, out, header=header,
-                        n_boot=n_boot, descriptive_boot=descriptive_boot, date=date)
+    header = {
+        "title": title or f"Results store report: {rs.root.name}",
+        "store": str(rs.root),
+        "jobs": counts,
+        "failures": [{"key": k, **f} for k, f in rs.failures().items()],
+    }
+    return build_report(
+        protocol,
+        phash,
+        Path(protocol_path),
+        attack_rows,
+        train_rows,
+        out,
+        header=header,
+        n_boot=n_boot,
+        descriptive_boot=descriptive_boot,
+        date=date,
+    )
 
 
 def _with_n_boot(protocol: Protocol, n: int) -> Protocol:
@@ -203,10 +276,19 @@ def _with_n_boot(protocol: Protocol, n: int) -> Protocol:
     return protocol.model_copy(update=upd)
 
 
-def build_report(protocol: Protocol, protocol_hash: str, protocol_path: Path, attack_rows: Sequence[dict[str, Any]],
-                 train_rows: Sequence[dict[str, Any]], out: str | Path, *, header: dict[str, Any],
-                 n_boot: int | None = None, descriptive_boot: int = DESCRIPTIVE_BOOT,
-                 date: str | None = None) -> GridReport:
+def build_report(
+    protocol: Protocol,
+    protocol_hash: str,
+    protocol_path: Path,
+    attack_rows: Sequence[dict[str, Any]],
+    train_rows: Sequence[dict[str, Any]],
+    out: str | Path,
+    *,
+    header: dict[str, Any],
+    n_boot: int | None = None,
+    descriptive_boot: int = DESCRIPTIVE_BOOT,
+    date: str | None = None,
+) -> GridReport:
     """Analyse store rows under a protocol and write the report (Markdown, HTML, figures) into ``out``."""
     check_protocol(attack_rows, protocol_hash)
     if n_boot is not None and (isinstance(n_boot, bool) or int(n_boot) < 1):

@@ -35,39 +35,78 @@ def perturbation_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Pat
     conds = sorted({c.condition for c in joint}, key=lambda c: c.sort_key())
     splits = sorted({c.split for c in conds}, key=lambda s: next(c.sort_key() for c in conds if c.split == s))
     copies = sorted({c.copy for c in conds}, key=lambda x: (x != "public", x))
-    pert = sorted({(c.config.gradient_noise, c.config.gradient_bits) for c in joint}, key=lambda p: perturbation_rank(*p))
+    pert = sorted(
+        {(c.config.gradient_noise, c.config.gradient_bits) for c in joint}, key=lambda p: perturbation_rank(*p)
+    )
     ctl = [a for a in CONTROLS if any(c.config.attack == a and c.config.defence == "none" for c in cells)]
     xlabels = [perturbation_text(*p) for p in pert] + [CONTROLS[a] for a in ctl]
     ks = sorted({c.config.k for c in joint}, key=lambda k: (k is None, k or 0))
     panel_w = min(5.4, max(3.6, 0.75 * len(xlabels) + 1.2))
-    fig, axes = plt.subplots(len(splits), len(copies), figsize=(panel_w * len(copies) + 0.6, 3.3 * len(splits) + 0.9),
-                             squeeze=False, sharey=True, constrained_layout=True)
+    fig, axes = plt.subplots(
+        len(splits),
+        len(copies),
+        figsize=(panel_w * len(copies) + 0.6, 3.3 * len(splits) + 0.9),
+        squeeze=False,
+        sharey=True,
+        constrained_layout=True,
+    )
     width = 0.75 / max(1, len(ks))
     for i, split in enumerate(splits):
         for j, copy in enumerate(copies):
             ax = axes[i][j]
-            here = [c for c in cells if c.condition.split == split and c.condition.copy == copy and c.config.defence == "none"
-                    and not c.config.inference]
+            here = [
+                c
+                for c in cells
+                if c.condition.split == split
+                and c.condition.copy == copy
+                and c.config.defence == "none"
+                and not c.config.inference
+            ]
             for n, k in enumerate(ks):
                 colour = f"C{n}"
-                joint_pts = [(x, next((c for c in here if c.config.attack == "joint" and c.config.k == k
-                                       and (c.config.gradient_noise, c.config.gradient_bits) == p), None))
-                             for x, p in enumerate(pert)]
-                ctl_pts = [(x, next((c for c in here if c.config.attack == a and c.config.k == k), None))
-                           for x, a in enumerate(ctl, start=len(pert))]
+                joint_pts = [
+                    (
+                        x,
+                        next(
+                            (
+                                c
+                                for c in here
+                                if c.config.attack == "joint"
+                                and c.config.k == k
+                                and (c.config.gradient_noise, c.config.gradient_bits) == p
+                            ),
+                            None,
+                        ),
+                    )
+                    for x, p in enumerate(pert)
+                ]
+                ctl_pts = [
+                    (x, next((c for c in here if c.config.attack == a and c.config.k == k), None))
+                    for x, a in enumerate(ctl, start=len(pert))
+                ]
                 offset = (n - (len(ks) - 1) / 2) * width
                 for pts, hollow in ((joint_pts, False), (ctl_pts, True)):
                     pts = [(x, c) for x, c in pts if c is not None]
                     if not pts:
                         continue
                     y = np.array([100 * c.token.estimate for _, c in pts])
-                    err = np.array([[y[i] - 100 * c.token.low, 100 * c.token.high - y[i]] for i, (_, c) in enumerate(pts)]).T
-                    ax.errorbar(np.array([x for x, _ in pts]) + offset, y, yerr=err, fmt="o", color=colour, capsize=3,
-                                ms=5, mfc="white" if hollow else colour, label=None if hollow else f"joint k={k}")
+                    err = np.array(
+                        [[y[i] - 100 * c.token.low, 100 * c.token.high - y[i]] for i, (_, c) in enumerate(pts)]
+                    ).T
+                    ax.errorbar(
+                        np.array([x for x, _ in pts]) + offset,
+                        y,
+                        yerr=err,
+                        fmt="o",
+                        color=colour,
+                        capsize=3,
+                        ms=5,
+                        mfc="white" if hollow else colour,
+                        label=None if hollow else f"joint k={k}",
+                    )
                 act = next((c for c in here if c.config.attack == "activation" and c.config.k == k), None)
                 if act is not None:
-                    ax.axhline(100 * act.token.estimate, color=colour, ls="--", lw=1,
-                               label=f"activation-only k={k}")
+                    ax.axhline(100 * act.token.estimate, color=colour, ls="--", lw=1, label=f"activation-only k={k}")
             ax.set_xticks(range(len(xlabels)), xlabels, rotation=25, ha="right")
             ax.set_xlim(-0.6, len(xlabels) - 0.4)
             ax.set_title(f"{split}, {copy} copy")
@@ -81,8 +120,14 @@ def perturbation_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Pat
             items.setdefault(lab, h)
     labels = [lab for k in ks for lab in (f"joint k={k}", f"activation-only k={k}") if lab in items]
     if labels:
-        fig.legend([items[lab] for lab in labels], labels, loc="outside lower center", ncols=max(1, len(ks)),
-                   fontsize=9, frameon=False)
+        fig.legend(
+            [items[lab] for lab in labels],
+            labels,
+            loc="outside lower center",
+            ncols=max(1, len(ks)),
+            fontsize=9,
+            frameon=False,
+        )
     return save_png_svg(fig, out_stem, dpi=130)
 
 
@@ -95,12 +140,22 @@ def cost_figure(points: Sequence[CostPoint], out_stem: str | Path) -> list[Path]
     models = len({p.model for p in pts})
 
     def panel(what: str):
-        return [(100 * p.rel_ppl_change, 100 * getattr(p, what),
-                 f"{p.defence}, {p.split}" + (f" ({p.model})" if models > 1 else ""), p.defence == "none")
-                for p in pts]
+        return [
+            (
+                100 * p.rel_ppl_change,
+                100 * getattr(p, what),
+                f"{p.defence}, {p.split}" + (f" ({p.model})" if models > 1 else ""),
+                p.defence == "none",
+            )
+            for p in pts
+        ]
 
-    return recovery_cost_figure({"token recovery": panel("token"), "whole-document recovery": panel("doc")},
-                                out_stem, xlabel="cost: held-out perplexity change vs. undefended (%)", dpi=130)
+    return recovery_cost_figure(
+        {"token recovery": panel("token"), "whole-document recovery": panel("doc")},
+        out_stem,
+        xlabel="cost: held-out perplexity change vs. undefended (%)",
+        dpi=130,
+    )
 
 
 def heatmap_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Path]:
@@ -126,8 +181,9 @@ def heatmap_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Path]:
         for j in range(m.shape[1]):
             v = m[i, j]
             txt = "n/a" if np.isnan(v) else f"{v:.1f}"
-            ax.text(j, i, txt, ha="center", va="center", fontsize=8.5,
-                    color="black" if np.isnan(v) or v > 60 else "white")
+            ax.text(
+                j, i, txt, ha="center", va="center", fontsize=8.5, color="black" if np.isnan(v) or v > 60 else "white"
+            )
     ax.set_xticks(range(len(conds)), [c.text() for c in conds])
     ax.xaxis.tick_top()
     ax.set_yticks(range(len(configs)), labels, fontsize=9)

@@ -52,9 +52,19 @@ class Config:
 
     @classmethod
     def of(cls, r: dict[str, Any]) -> "Config":
-        return cls(r.get("model"), r.get("data"), r.get("defence") or "none", r["attack"], r.get("k"),
-                   r.get("budget"), r.get("gradient_noise"), r.get("gradient_bits"), bool(r.get("inference")),
-                   effective_readout(r), r.get("params"))
+        return cls(
+            r.get("model"),
+            r.get("data"),
+            r.get("defence") or "none",
+            r["attack"],
+            r.get("k"),
+            r.get("budget"),
+            r.get("gradient_noise"),
+            r.get("gradient_bits"),
+            bool(r.get("inference")),
+            effective_readout(r),
+            r.get("params"),
+        )
 
     @property
     def perturbation(self) -> str:
@@ -80,9 +90,20 @@ class Config:
     def sort_key(self) -> tuple:
         a = ATTACK_ORDER.index(self.attack) if self.attack in ATTACK_ORDER else len(ATTACK_ORDER)
         budget = -1 if self.budget is None else (10**9 if self.budget == "exhaustive" else int(self.budget))
-        return (self.model or "", self.data or "", self.defence != "none", self.defence, a, self.attack,
-                self.k or 0, budget, self.readout or "", self.params or "",
-                perturbation_rank(self.gradient_noise, self.gradient_bits), self.inference)
+        return (
+            self.model or "",
+            self.data or "",
+            self.defence != "none",
+            self.defence,
+            a,
+            self.attack,
+            self.k or 0,
+            budget,
+            self.readout or "",
+            self.params or "",
+            perturbation_rank(self.gradient_noise, self.gradient_bits),
+            self.inference,
+        )
 
 
 @dataclass(frozen=True)
@@ -106,8 +127,14 @@ class Condition:
         return f"{self.split} {self.copy}"
 
     def sort_key(self) -> tuple:
-        return (self.depth is None, self.depth or 0, self.offload_length or 0, self.offload_start or 0,
-                self.copy != "public", self.copy)
+        return (
+            self.depth is None,
+            self.depth or 0,
+            self.offload_length or 0,
+            self.offload_start or 0,
+            self.copy != "public",
+            self.copy,
+        )
 
 
 def split_text(depth, offload_start, offload_length) -> str:
@@ -196,7 +223,10 @@ def ratio_ci(num: np.ndarray, den: np.ndarray, n_boot: int, seed: int = 0, alpha
     if is_crossed(num):
         rn, rd = crossed_replicates(num, n_boot, seed), crossed_replicates(den, n_boot, seed)
     else:
-        rn, rd = hierarchical_replicates(_groups(num), n_boot, seed), hierarchical_replicates(_groups(den), n_boot, seed)
+        rn, rd = (
+            hierarchical_replicates(_groups(num), n_boot, seed),
+            hierarchical_replicates(_groups(den), n_boot, seed),
+        )
     with np.errstate(invalid="ignore", divide="ignore"):
         reps = rn / rd
     reps = reps[np.isfinite(reps)]
@@ -249,19 +279,41 @@ def recovery_cells(rows: Sequence[dict[str, Any]], n_boot: int = 2000, seed: int
     for (cfg, cond), rs in groups.items():
         ms, n_as = seed_doc_matrices(rs, values)
         spans = {lab: ratio_ci(ms[f"hits_{lab}"], ms[f"counts_{lab}"], n_boot, seed) for lab in LABELS}
-        out.append(Cell(
-            cfg, cond, mean_ci(ms["token"], n_boot, seed), mean_ci(ms["doc"], n_boot, seed), spans,
-            {lab: float(np.nansum(ms[f"counts_{lab}"])) for lab in LABELS},
-            len(rs), ms["token"].shape[0], n_as, ms["token"].shape[1], is_crossed(ms["token"]),
-        ))
+        out.append(
+            Cell(
+                cfg,
+                cond,
+                mean_ci(ms["token"], n_boot, seed),
+                mean_ci(ms["doc"], n_boot, seed),
+                spans,
+                {lab: float(np.nansum(ms[f"counts_{lab}"])) for lab in LABELS},
+                len(rs),
+                ms["token"].shape[0],
+                n_as,
+                ms["token"].shape[1],
+                is_crossed(ms["token"]),
+            )
+        )
     out.sort(key=lambda c: (c.config.sort_key(), c.condition.sort_key()))
     return out
 
 
 # ------------------------------------------------------------------ leakage against cost
 
-TWIN_FIELDS = ("model", "precision", "depth", "offload_start", "offload_length", "victim_seed", "data", "steps",
-               "n_calib", "n_train", "n_eval", "doc_len")
+TWIN_FIELDS = (
+    "model",
+    "precision",
+    "depth",
+    "offload_start",
+    "offload_length",
+    "victim_seed",
+    "data",
+    "steps",
+    "n_calib",
+    "n_train",
+    "n_eval",
+    "doc_len",
+)
 
 
 @dataclass
@@ -290,7 +342,9 @@ def _mean(xs: Iterable[float | None]) -> float | None:
     return sum(v) / len(v) if v else None
 
 
-def cost_points(attack_rows: Sequence[dict[str, Any]], train_rows: Sequence[dict[str, Any]]) -> tuple[list[CostPoint], str]:
+def cost_points(
+    attack_rows: Sequence[dict[str, Any]], train_rows: Sequence[dict[str, Any]]
+) -> tuple[list[CostPoint], str]:
     """Leakage (token and whole-document recovery) against the relative perplexity change of every
     defence, per model and split, and a sentence saying which attack configurations were pooled.
 
@@ -305,8 +359,10 @@ def cost_points(attack_rows: Sequence[dict[str, Any]], train_rows: Sequence[dict
         by_train.setdefault(r["train_key"], []).append(r)
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for t in train_rows:
-        groups.setdefault((t["model"], split_text(t["depth"], t["offload_start"], t["offload_length"]),
-                           t.get("defence") or "none"), []).append(t)
+        groups.setdefault(
+            (t["model"], split_text(t["depth"], t["offload_start"], t["offload_length"]), t.get("defence") or "none"),
+            [],
+        ).append(t)
 
     def cfg_of(r):
         return (Config.of(r).attack_text(), r.get("client_copy"))
@@ -336,18 +392,32 @@ def cost_points(attack_rows: Sequence[dict[str, Any]], train_rows: Sequence[dict
                 rels.append(t["perplexity"] / ref - 1.0)
                 refs.append(ref)
                 kinds.add(kind)
-        points.append(CostPoint(
-            model, split, defence, sorted({t["victim_seed"] for t in ts}), _mean(t.get("perplexity") for t in ts),
-            _mean(refs), " / ".join(sorted(kinds)) or "none", _mean(rels), _mean(t.get("delta_u") for t in ts),
-            _mean(t.get("all_local_perplexity") for t in ts),
-            _mean(token_rate(r) for r in rows) if rows else None,
-            _mean(float(bool(r["exact"])) for r in rows) if rows else None,
-            len({cfg_of(r) for r in rows}), len(rows), sorted({f"{a} ({c})" for a, c in {cfg_of(r) for r in rows}}),
-        ))
+        points.append(
+            CostPoint(
+                model,
+                split,
+                defence,
+                sorted({t["victim_seed"] for t in ts}),
+                _mean(t.get("perplexity") for t in ts),
+                _mean(refs),
+                " / ".join(sorted(kinds)) or "none",
+                _mean(rels),
+                _mean(t.get("delta_u") for t in ts),
+                _mean(t.get("all_local_perplexity") for t in ts),
+                _mean(token_rate(r) for r in rows) if rows else None,
+                _mean(float(bool(r["exact"])) for r in rows) if rows else None,
+                len({cfg_of(r) for r in rows}),
+                len(rows),
+                sorted({f"{a} ({c})" for a, c in {cfg_of(r) for r in rows}}),
+            )
+        )
     points.sort(key=lambda p: (p.model, p.split, p.defence != "none", p.defence))
     if fallback:
-        note = ("no attack configuration was run against every defence at " + ", ".join(f"{m} {s}" for m, s in fallback)
-                + "; there each point pools all attacks run against that defence, so points are not like for like")
+        note = (
+            "no attack configuration was run against every defence at "
+            + ", ".join(f"{m} {s}" for m, s in fallback)
+            + "; there each point pools all attacks run against that defence, so points are not like for like"
+        )
     else:
         note = "each point pools the attack configurations (with copy) run against every defence at that split"
     return points, note
@@ -374,10 +444,22 @@ def placement_means(run_rows: Sequence[dict[str, Any]]) -> list[PlacementMean]:
     the VMI excess (VMI token recovery minus the majority control)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in run_rows:
-        groups.setdefault((r.get("model"), r["defence"], int(r["offload_length"]), int(r["offload_start"])), []).append(r)
-    out = [PlacementMean(m, d, s, b, len({r["victim_seed"] for r in rs}), _mean(r.get("delta_u") for r in rs),
-                         _mean(r.get("leakage_index") for r in rs), _mean(r.get("vmi_excess") for r in rs),
-                         _mean(r.get("perplexity") for r in rs))
-           for (m, d, s, b), rs in groups.items()]
+        groups.setdefault((r.get("model"), r["defence"], int(r["offload_length"]), int(r["offload_start"])), []).append(
+            r
+        )
+    out = [
+        PlacementMean(
+            m,
+            d,
+            s,
+            b,
+            len({r["victim_seed"] for r in rs}),
+            _mean(r.get("delta_u") for r in rs),
+            _mean(r.get("leakage_index") for r in rs),
+            _mean(r.get("vmi_excess") for r in rs),
+            _mean(r.get("perplexity") for r in rs),
+        )
+        for (m, d, s, b), rs in groups.items()
+    ]
     out.sort(key=lambda p: (p.model or "", p.defence, p.length, p.start))
     return out

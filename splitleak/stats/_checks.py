@@ -26,9 +26,7 @@ def make_rng(seed: Any) -> np.random.Generator:
     if isinstance(seed, np.random.Generator):
         return seed
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or int(seed) < 0:
-        raise ConfigError(
-            f"seed is {seed!r}; pass a non-negative integer or a numpy.random.Generator"
-        )
+        raise ConfigError(f"seed is {seed!r}; pass a non-negative integer or a numpy.random.Generator")
     return np.random.default_rng(int(seed))
 
 

@@ -96,9 +96,7 @@ def gate_statistic(
     if len(ns) == 1:
         ns = ns * len(ks)
     if len(ns) != len(ks):
-        raise DataError(
-            f"n holds {len(ns)} counts for {len(ks)} arms; pass one common n or one per arm"
-        )
+        raise DataError(f"n holds {len(ns)} counts for {len(ks)} arms; pass one common n or one per arm")
     if (
         isinstance(constant_rate, bool)
         or not isinstance(constant_rate, numbers.Real)
@@ -123,5 +121,5 @@ def effect_verdict(interval: Interval) -> str:
 
 
 def gate_verdict(result: GateResult) -> str:
-    """"breaks the gate" when ``result.breaks``, else "holds the gate"."""
+    """ "breaks the gate" when ``result.breaks``, else "holds the gate"."""
     return "breaks the gate" if result.breaks else "holds the gate"

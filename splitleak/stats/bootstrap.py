@@ -57,9 +57,7 @@ def crossed_replicates(scores: Any, n_boot: int, seed: Any = 0) -> np.ndarray:
     return out
 
 
-def crossed_bootstrap_ci(
-    scores: Any, n_boot: int = 100_000, alpha: float = 0.05, seed: Any = 0
-) -> Interval:
+def crossed_bootstrap_ci(scores: Any, n_boot: int = 100_000, alpha: float = 0.05, seed: Any = 0) -> Interval:
     """Percentile crossed-bootstrap interval for the mean of a (models x documents) matrix.
 
     ``scores[i, j]`` is model i's score on document j (already averaged over attack seeds).
@@ -72,9 +70,7 @@ def crossed_bootstrap_ci(
     return Interval(float(s.mean()), low, high, int(n_boot), alpha)
 
 
-def paired_difference_ci(
-    a: Any, b: Any, n_boot: int = 100_000, alpha: float = 0.05, seed: Any = 0
-) -> Interval:
+def paired_difference_ci(a: Any, b: Any, n_boot: int = 100_000, alpha: float = 0.05, seed: Any = 0) -> Interval:
     """Crossed-bootstrap interval for mean(a) - mean(b), two (models x documents) matrices
     of equal shape scored on the same models and documents (the pairing is kept)."""
     x = finite_array(a, "a", ndim=2)
@@ -87,9 +83,7 @@ def paired_difference_ci(
     return crossed_bootstrap_ci(x - y, n_boot=n_boot, alpha=alpha, seed=seed)
 
 
-def hierarchical_replicates(
-    values_by_seed: Sequence[Any], n_boot: int, seed: Any = 0
-) -> np.ndarray:
+def hierarchical_replicates(values_by_seed: Sequence[Any], n_boot: int, seed: Any = 0) -> np.ndarray:
     """Replicates of the mean over seeds of per-seed frame means, seeds resampled (outer)
     and then frames resampled within each drawn seed (inner, independently per copy).
 
@@ -132,10 +126,7 @@ def hierarchical_bootstrap_ci(
 
 def _seed_groups(values_by_seed: Sequence[Any]) -> list[np.ndarray]:
     if isinstance(values_by_seed, np.ndarray) and values_by_seed.ndim == 1:
-        raise DataError(
-            "values_by_seed is a single 1-D array; pass a list with one 1-D array of frame "
-            "values per seed"
-        )
+        raise DataError("values_by_seed is a single 1-D array; pass a list with one 1-D array of frame values per seed")
     groups = [finite_array(v, f"values_by_seed[{i}]", ndim=1) for i, v in enumerate(values_by_seed)]
     if not groups:
         raise DataError("values_by_seed is empty; pass one array of frame values per seed")

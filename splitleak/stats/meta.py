@@ -33,9 +33,7 @@ def random_effects(estimates: Any, variances: Any, alpha: float = 0.05) -> Rando
     y = finite_array(estimates, "estimates", ndim=1)
     v = finite_array(variances, "variances", ndim=1)
     if y.shape != v.shape:
-        raise DataError(
-            f"estimates have {y.size} values and variances {v.size}; pass one variance per estimate"
-        )
+        raise DataError(f"estimates have {y.size} values and variances {v.size}; pass one variance per estimate")
     if y.size < 2:
         raise DataError("random_effects needs at least 2 estimates; pass two or more studies")
     if (v <= 0).any():

@@ -163,8 +163,9 @@ class HeldoutRMSE:
     n_test: int
 
 
-def _design(length: np.ndarray, start: np.ndarray | None, mean: np.ndarray | None = None,
-            scale: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _design(
+    length: np.ndarray, start: np.ndarray | None, mean: np.ndarray | None = None, scale: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     cols = [length] if start is None else [length, start, length * start]
     x = np.stack(cols, axis=1).astype(np.float64)
     if mean is None:
@@ -220,5 +221,12 @@ def heldout_rmse(
         pred = _ridge_predict(x_tr, y[~test], x_te, float(ridge))
         rm.append(float(np.sqrt(np.mean((y[test] - pred) ** 2))))
     reduction = (rm[0] - rm[1]) / rm[0] if rm[0] > 0 else 0.0
-    return HeldoutRMSE(rm[0], rm[1], float(reduction), float(required), bool(reduction >= required),
-                       int((~test).sum()), int(test.sum()))
+    return HeldoutRMSE(
+        rm[0],
+        rm[1],
+        float(reduction),
+        float(required),
+        bool(reduction >= required),
+        int((~test).sum()),
+        int(test.sum()),
+    )

@@ -167,8 +167,14 @@ def train_all_local(
 
 
 @torch.no_grad()
-def evaluate_ce(split: SplitModel, docs: Sequence[Document], batch: int = 32, progress: Progress | None = None,
-                name: str = "held-out loss", server_logits=None) -> np.ndarray:
+def evaluate_ce(
+    split: SplitModel,
+    docs: Sequence[Document],
+    batch: int = 32,
+    progress: Progress | None = None,
+    name: str = "held-out loss",
+    server_logits=None,
+) -> np.ndarray:
     """Per-document mean next-token cross-entropy (nats) of the uncut model; with
     ``server_logits`` (hidden at the cut -> logits), of the client bottom followed by that."""
     progress = progress or Silent()

@@ -42,8 +42,11 @@ def make_replicas(split: SplitModel, k: int, scale: float, seed: int) -> list[Sp
     for _ in range(1, k):
         lm = split.lm
         model = copy.deepcopy(lm.model)
-        replicas.append(SplitModel(LoadedModel(lm.name, model, lm.tokenizer, lm.precision, lm.source, dict(lm.info)),
-                                   depth=spec.cut))
+        replicas.append(
+            SplitModel(
+                LoadedModel(lm.name, model, lm.tokenizer, lm.precision, lm.source, dict(lm.info)), depth=spec.cut
+            )
+        )
     for r, rep in enumerate(replicas):
         perturb_server(rep, scale, seed, r)
     return replicas
@@ -54,8 +57,14 @@ class ReplicaMedianLink:
     forward frame on each, the coordinate-wise median of the K replies. Use it as the client's
     channel; ``channels`` are the per-copy links (each with its taps and ledger)."""
 
-    def __init__(self, replicas: list[SplitModel], chain: DefenceChain, lr: float, threshold: float = 0.02,
-                 taps: list[Tap] | None = None):
+    def __init__(
+        self,
+        replicas: list[SplitModel],
+        chain: DefenceChain,
+        lr: float,
+        threshold: float = 0.02,
+        taps: list[Tap] | None = None,
+    ):
         self.replicas = replicas
         self.roles = [ServerRole(rep, chain, lr) for rep in replicas]
         self.channels = [InProcessChannel(role.handle, taps, link=f"replica-{r}") for r, role in enumerate(self.roles)]
@@ -77,8 +86,9 @@ class ReplicaMedianLink:
         if all(x is not None for x in losses):
             self.last_losses = torch.tensor(losses).median(dim=0).values.tolist()
         # the median is the client's own: it does not cross, so it is not a frame on any channel
-        return Frame("backward", frame.step, frame.doc_ids, med, frame.mask, frame.phase,
-                     payload_bits=replies[0].payload_bits)
+        return Frame(
+            "backward", frame.step, frame.doc_ids, med, frame.mask, frame.phase, payload_bits=replies[0].payload_bits
+        )
 
     def set_taps(self, taps: list[Tap] | None) -> None:
         for ch in self.channels:

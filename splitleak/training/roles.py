@@ -69,8 +69,9 @@ class ServerRole:
             self._ctx_cache[(b, t)] = self.split.context(b, t)
         return self._ctx_cache[(b, t)]
 
-    def _return_gradient(self, frame: Frame, h_in: torch.Tensor, out: torch.Tensor, grad_out,
-                         probe: torch.Tensor | None = None) -> Frame:
+    def _return_gradient(
+        self, frame: Frame, h_in: torch.Tensor, out: torch.Tensor, grad_out, probe: torch.Tensor | None = None
+    ) -> Frame:
         if probe is not None:  # probe rows: their gradient is returned, never trained on
             (g_probe,) = torch.autograd.grad(probe, h_in, retain_graph=True)
         if frame.phase == "train":
@@ -87,7 +88,12 @@ class ServerRole:
             self.opt.zero_grad(set_to_none=False)  # keep the buffers: no re-allocation per step
         g = self.chain.backward(g.detach(), frame.phase, frame.step, frame.doc_ids)
         return Frame(
-            "backward", frame.step, frame.doc_ids, g, frame.mask, frame.phase,
+            "backward",
+            frame.step,
+            frame.doc_ids,
+            g,
+            frame.mask,
+            frame.phase,
             payload_bits=self.chain.payload_bits("backward", 8 * g.element_size()),
         )
 
@@ -101,7 +107,12 @@ class ServerRole:
                 h_out = self.split.trunk(h_in, ctx)
                 self._pending[frame.step] = (h_in, h_out)
                 return Frame(
-                    "forward-return", frame.step, frame.doc_ids, h_out.detach(), frame.mask, frame.phase,
+                    "forward-return",
+                    frame.step,
+                    frame.doc_ids,
+                    h_out.detach(),
+                    frame.mask,
+                    frame.phase,
                     payload_bits=8 * h_out.element_size(),
                 )
             logits = self.split.head_logits(self.split.trunk(h_in, ctx), ctx)
@@ -147,8 +158,15 @@ class ClientRole:
         x = self.chain.forward(rows, phase, step, row_ids)
         bits = self.chain.payload_bits("forward", 8 * x.element_size())
         fwd = Frame(
-            "forward", step, row_ids, x, mask, phase,
-            labels=None if split.spec.u_shape else labels.cpu(), payload_bits=bits, meta=meta,
+            "forward",
+            step,
+            row_ids,
+            x,
+            mask,
+            phase,
+            labels=None if split.spec.u_shape else labels.cpu(),
+            payload_bits=bits,
+            meta=meta,
         )
         reply = self.channel.request(fwd)
         self.last_losses = None
@@ -166,7 +184,15 @@ class ClientRole:
             self.last_losses = [float(v) for v in per_doc.detach()]  # logged here; the loss never crosses
             top_mask = torch.ones(input_ids.shape, dtype=torch.int64)
             reply = self.channel.request(
-                Frame("backward-top", step, doc_ids, g_top.detach(), top_mask, phase, payload_bits=8 * h_ret.element_size())
+                Frame(
+                    "backward-top",
+                    step,
+                    doc_ids,
+                    g_top.detach(),
+                    top_mask,
+                    phase,
+                    payload_bits=8 * h_ret.element_size(),
+                )
             )
         g = reply.tensor.to(split.device)
         _finite(g, "returned gradient", step)

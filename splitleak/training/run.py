@@ -102,7 +102,9 @@ def run_training(
     lm.model.to(dev)
     docs = _documents(config, lm.tokenizer)
     split = SplitModel(lm, config.depth, config.offload_start, config.offload_length)
-    if config.doc_len > getattr(lm.model.config, "max_position_embeddings", getattr(lm.model.config, "n_positions", 10**9)):
+    if config.doc_len > getattr(
+        lm.model.config, "max_position_embeddings", getattr(lm.model.config, "n_positions", 10**9)
+    ):
         raise ConfigError(f"--doc-len {config.doc_len} exceeds the model's context length")
     chain_client.check_split_mode(split.spec.u_shape)
     chain_client.check_run(config.n_steps)
@@ -146,8 +148,17 @@ def run_training(
     log = TrainLog()
     try:
         train_split(
-            split, docs.train, chain_client, chain_server, seed=config.seed, steps=config.n_steps, lr=config.lr,
-            progress=progress, log=log, server=server, taps=[train_tap],
+            split,
+            docs.train,
+            chain_client,
+            chain_server,
+            seed=config.seed,
+            steps=config.n_steps,
+            lr=config.lr,
+            progress=progress,
+            log=log,
+            server=server,
+            taps=[train_tap],
         )
     except (NonFiniteError, UndeclaredChannelError) as exc:
         log.error = str(exc)
@@ -164,8 +175,16 @@ def run_training(
 
     capture_tap = WireRecorder(store, "capture", declaration)
     try:
-        cap, ledgers = capture_traffic(split, docs.evaluation, chain_client, chain_server, batch=config.capture_batch,
-                                       taps=[capture_tap], progress=progress, server=server)
+        cap, ledgers = capture_traffic(
+            split,
+            docs.evaluation,
+            chain_client,
+            chain_server,
+            batch=config.capture_batch,
+            taps=[capture_tap],
+            progress=progress,
+            server=server,
+        )
     except (NonFiniteError, UndeclaredChannelError) as exc:
         store.close(False, {"error": str(exc), "stage": "capture"})
         raise
@@ -176,8 +195,11 @@ def run_training(
             rel, obj = record()
             store.add_json("client-record", rel, obj)
     store.add_tensors(
-        "client-layers", "client_layers.safetensors", split.client_state_dict(),
-        {"cut": split.spec.cut}, metadata={"model": lm.name, "cut": str(split.spec.cut)},
+        "client-layers",
+        "client_layers.safetensors",
+        split.client_state_dict(),
+        {"cut": split.spec.cut},
+        metadata={"model": lm.name, "cut": str(split.spec.cut)},
     )
 
     metrics: dict[str, Any] = {
@@ -196,8 +218,9 @@ def run_training(
         del split
         base_lm = LoadedModel(lm.name, pristine, lm.tokenizer, lm.precision, lm.source, dict(lm.info))
         base = SplitModel(base_lm, depth=1)  # the cut is irrelevant: the whole model trains locally
-        local_log = train_all_local(base, docs.train, seed=config.seed, steps=config.n_steps,
-                                    lr=config.lr, progress=progress)
+        local_log = train_all_local(
+            base, docs.train, seed=config.seed, steps=config.n_steps, lr=config.lr, progress=progress
+        )
         local = utility(evaluate_ce(base, docs.evaluation, progress=progress, name="all-local loss"))
         metrics.update(
             {

@@ -83,7 +83,9 @@ def load_capture(run_dir: str | Path, phase: str = "capture", link: str | None =
     if not exs:
         raise IntegrityError(f"{run_dir} recorded no forward frame on link {link} in phase {phase}")
     n_docs = [ex.forward.header["channels"]["activations"][1] for ex in exs]
-    doc_ids = torch.tensor([i for ex, n in zip(exs, n_docs) for i in ex.forward.header["row_ids"][:n]], dtype=torch.long)
+    doc_ids = torch.tensor(
+        [i for ex, n in zip(exs, n_docs) for i in ex.forward.header["row_ids"][:n]], dtype=torch.long
+    )
     steps = torch.tensor([ex.forward.header["step"] for ex, n in zip(exs, n_docs) for _ in range(n)], dtype=torch.long)
     mask = torch.cat([ex.forward.frame.mask[:n] for ex, n in zip(exs, n_docs)])
     act, _ = stack_channel(exs, "forward", "activations", n_docs)

@@ -54,8 +54,13 @@ class Channel(Protocol):
 class InProcessChannel:
     """Client and server in one process; frames still go through the byte codec."""
 
-    def __init__(self, handler: Callable[[Frame], Frame], taps: list[Tap] | None = None, serialize: bool = True,
-                 link: str = MAIN_LINK):
+    def __init__(
+        self,
+        handler: Callable[[Frame], Frame],
+        taps: list[Tap] | None = None,
+        serialize: bool = True,
+        link: str = MAIN_LINK,
+    ):
         self.handler = handler
         self.taps: list[Tap] = list(taps or [])
         self.serialize = serialize
@@ -72,8 +77,17 @@ class InProcessChannel:
         self.frames_by_kind[frame.kind] += 1
         digest = hashlib.sha256(blob).hexdigest()
         crossing = Crossing(len(self.ledger), self.link, direction_of(frame.kind), out, digest, len(blob))
-        self.ledger.append({"seq": crossing.seq, "link": self.link, "direction": crossing.direction,
-                            "kind": frame.kind, "phase": frame.phase, "blob_sha256": digest, "blob_bytes": len(blob)})
+        self.ledger.append(
+            {
+                "seq": crossing.seq,
+                "link": self.link,
+                "direction": crossing.direction,
+                "kind": frame.kind,
+                "phase": frame.phase,
+                "blob_sha256": digest,
+                "blob_bytes": len(blob),
+            }
+        )
         for tap in self.taps:
             tap(crossing)
         return out

@@ -68,29 +68,66 @@ def declare_channels(*, u_shape: bool, defences: Iterable[Any] = ()) -> Declarat
     U-shape (partial offloading: the trunk's output comes back, the output gradient goes out), plus
     what each defence adds (``Defence.declare(channels)``) and the links (``Defence.links``)."""
     ch: list[ChannelDecl] = [
-        ChannelDecl("activations", "client->server", "activations at the observation point, one row per token of "
-                    "each document (after the forward defences)", "[docs, tokens, width]"),
-        ChannelDecl("gradient", "server->client", "gradient of the loss with respect to the activations it received "
-                    "(after the backward defences)", "[docs, tokens, width]"),
-        ChannelDecl("row-ids", "both", "the document id of every row in the frame header; they link the rows of "
-                    "one document across frames and steps", "[rows]"),
-        ChannelDecl("shapes", "both", "frame kind, phase, step, tensor shape and dtype, the attention mask and the "
-                    "bits per element", "header"),
-        ChannelDecl("timing", "both", "when each message crosses and how long the other side takes",
-                    "per message", captured=False, note="not recorded by the tap"),
+        ChannelDecl(
+            "activations",
+            "client->server",
+            "activations at the observation point, one row per token of each document (after the forward defences)",
+            "[docs, tokens, width]",
+        ),
+        ChannelDecl(
+            "gradient",
+            "server->client",
+            "gradient of the loss with respect to the activations it received (after the backward defences)",
+            "[docs, tokens, width]",
+        ),
+        ChannelDecl(
+            "row-ids",
+            "both",
+            "the document id of every row in the frame header; they link the rows of "
+            "one document across frames and steps",
+            "[rows]",
+        ),
+        ChannelDecl(
+            "shapes",
+            "both",
+            "frame kind, phase, step, tensor shape and dtype, the attention mask and the bits per element",
+            "header",
+        ),
+        ChannelDecl(
+            "timing",
+            "both",
+            "when each message crosses and how long the other side takes",
+            "per message",
+            captured=False,
+            note="not recorded by the tap",
+        ),
     ]
     if u_shape:
         ch += [
-            ChannelDecl("trunk-output", "server->client", "the offloaded run's output, returned to the client's "
-                        "top blocks (the U-shape's second crossing)", "[docs, tokens, width]"),
-            ChannelDecl("output-gradient", "client->server", "gradient of the client's loss with respect to the "
-                        "trunk output (sits next to the loss)", "[docs, tokens, width]"),
+            ChannelDecl(
+                "trunk-output",
+                "server->client",
+                "the offloaded run's output, returned to the client's top blocks (the U-shape's second crossing)",
+                "[docs, tokens, width]",
+            ),
+            ChannelDecl(
+                "output-gradient",
+                "client->server",
+                "gradient of the client's loss with respect to the trunk output (sits next to the loss)",
+                "[docs, tokens, width]",
+            ),
         ]
     else:
-        ch.append(ChannelDecl("labels", "client->server", "the next-token labels for the server's loss: the "
-                              "document's token ids", "[docs, tokens]",
-                              note="the text itself; outside the observer view of What Gradients Add §3, read verbatim by the "
-                                   "server that computes the loss"))
+        ch.append(
+            ChannelDecl(
+                "labels",
+                "client->server",
+                "the next-token labels for the server's loss: the document's token ids",
+                "[docs, tokens]",
+                note="the text itself; outside the observer view of What Gradients Add §3, read verbatim by the "
+                "server that computes the loss",
+            )
+        )
     links: tuple[str, ...] = ("main",)
     notes: list[str] = []
     for d in defences:
@@ -116,8 +153,9 @@ def frame_channels(frame: Frame, probe_rows: int | None = None) -> dict[str, Any
     out: dict[str, Any] = {main: (0, rows - n_probe)}
     if n_probe:
         if probe is None:
-            raise UndeclaredChannelError(f"a {frame.kind!r} frame carries {n_probe} probe rows, which that frame kind "
-                                         "has no channel for")
+            raise UndeclaredChannelError(
+                f"a {frame.kind!r} frame carries {n_probe} probe rows, which that frame kind has no channel for"
+            )
         out[probe] = (rows - n_probe, rows)
     out["row-ids"] = None
     out["shapes"] = None
@@ -134,11 +172,13 @@ def check_declared(frame: Frame, declaration: Declaration, link: str, probe_rows
     if link not in declaration.links:
         raise UndeclaredChannelError(
             f"a {frame.kind!r} frame crossed on link {link!r}, which the split mode and its defences do not declare "
-            f"(declared links: {', '.join(declaration.links)}); declare it, or stop sending on it")
+            f"(declared links: {', '.join(declaration.links)}); declare it, or stop sending on it"
+        )
     missing = sorted(set(found) - declaration.names())
     if missing:
         raise UndeclaredChannelError(
             f"a {frame.kind!r} frame at step {frame.step} ({frame.phase}) carries undeclared channel(s) "
             f"{', '.join(missing)}; every crossing must be declared (splitleak.wire.declare) so that the audit "
-            "measures it — declare the channel where the defence or split mode adds it, or stop sending it")
+            "measures it — declare the channel where the defence or split mode adds it, or stop sending it"
+        )
     return found

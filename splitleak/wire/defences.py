@@ -198,8 +198,11 @@ class ClipNoise(Defence):
         return {"clip": self.clip, "sigma": self.sigma, "where": self.where}
 
     def roles(self):
-        return {"forward": ("client-forward",), "backward": ("return-wire",),
-                "both": ("client-forward", "return-wire")}[self.where]
+        return {
+            "forward": ("client-forward",),
+            "backward": ("return-wire",),
+            "both": ("client-forward", "return-wire"),
+        }[self.where]
 
     def _apply(self, x, ctx, direction):
         return gaussian_rows(clip_rows(x, self.clip), self.sigma * self.clip, ctx, direction)
@@ -250,8 +253,13 @@ def gaussian_mechanism_epsilon(noise_multiplier: float, delta: float, releases: 
         raise ConfigError("dp-forward's privacy report needs the package opacus (`pip install opacus`)") from exc
     acc = RDPAccountant()
     acc.history = [(float(noise_multiplier), 1.0, int(releases))]
-    return {"epsilon": float(acc.get_epsilon(delta)), "delta": float(delta), "releases": int(releases),
-            "noise_multiplier": float(noise_multiplier), "accountant": "opacus RDP"}
+    return {
+        "epsilon": float(acc.get_epsilon(delta)),
+        "delta": float(delta),
+        "releases": int(releases),
+        "noise_multiplier": float(noise_multiplier),
+        "accountant": "opacus RDP",
+    }
 
 
 def decoy_generator(seed: int, chunk: int) -> torch.Generator:
@@ -308,8 +316,10 @@ class SecretMixup(Defence):
         pool_rows = kw.pop("pool_rows", 8192)
         correction = kw.pop("correction", "probe")
         if kw:
-            raise ConfigError(f"defence 'mixup' does not take argument(s) {sorted(kw)}; it takes lambda, warmup, "
-                              "pool_rows, correction")
+            raise ConfigError(
+                f"defence 'mixup' does not take argument(s) {sorted(kw)}; it takes lambda, warmup, "
+                "pool_rows, correction"
+            )
         if not (isinstance(lam, (int, float)) and 0 < lam <= 1):
             raise ConfigError(f"mixup: lambda must be in (0, 1], got {lam!r}")
         if not (isinstance(warmup, int) and warmup >= 1):
@@ -335,19 +345,30 @@ class SecretMixup(Defence):
             from splitleak.wire.declare import ChannelDecl
 
             out += [
-                ChannelDecl("probe-activations", "client->server", "mixup's decoy rows alone, after the document rows: "
-                            "clean activations of earlier training documents, paired by position with the mixed rows",
-                            "[docs, tokens, width]"),
-                ChannelDecl("probe-gradient", "server->client", "the gradient of the probe rows, returned untrained on",
-                            "[docs, tokens, width]"),
-                ChannelDecl("meta:probe_rows", "client->server", "how many rows of the frame are probes",
-                            "integer per frame"),
+                ChannelDecl(
+                    "probe-activations",
+                    "client->server",
+                    "mixup's decoy rows alone, after the document rows: "
+                    "clean activations of earlier training documents, paired by position with the mixed rows",
+                    "[docs, tokens, width]",
+                ),
+                ChannelDecl(
+                    "probe-gradient",
+                    "server->client",
+                    "the gradient of the probe rows, returned untrained on",
+                    "[docs, tokens, width]",
+                ),
+                ChannelDecl(
+                    "meta:probe_rows", "client->server", "how many rows of the frame are probes", "integer per frame"
+                ),
             ]
         return out
 
     def channel_note(self) -> str:
-        return (f"mixup: the first {self.warmup} training step(s) cross unmixed (they fill the decoy pool); "
-                f"correction={self.correction}")
+        return (
+            f"mixup: the first {self.warmup} training step(s) cross unmixed (they fill the decoy pool); "
+            f"correction={self.correction}"
+        )
 
     # ---------------------------------------------------------------- pool
     def remember(self, h: torch.Tensor, doc_ids, step: int, gradient: torch.Tensor | None = None) -> None:
@@ -370,8 +391,9 @@ class SecretMixup(Defence):
         replacement."""
         return self.steps_seen >= self.warmup and self.pool_size() >= tokens
 
-    def mix(self, x: torch.Tensor, doc_ids=(), step: int = -1, phase: str = "train"
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def mix(
+        self, x: torch.Tensor, doc_ids=(), step: int = -1, phase: str = "train"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(mixed activations, decoys, the decoys' cached gradients or None), shaped like x
         [docs, tokens, width]. One chunk is one document's rows: each document's decoys are drawn
         without replacement from the pool with the generator of the next chunk index."""
@@ -383,8 +405,15 @@ class SecretMixup(Defence):
         decoys, cached = [], []
         for i in range(x.shape[0]):
             idx = draw_decoy_indices(pool.shape[0], x.shape[1], self.seed, self.chunk)
-            self.draw_log.append({"phase": phase, "step": step, "doc_id": int(doc_ids[i]) if len(doc_ids) else None,
-                                  "chunk": self.chunk, "sources": prov[idx].tolist()})
+            self.draw_log.append(
+                {
+                    "phase": phase,
+                    "step": step,
+                    "doc_id": int(doc_ids[i]) if len(doc_ids) else None,
+                    "chunk": self.chunk,
+                    "sources": prov[idx].tolist(),
+                }
+            )
             self.chunk += 1
             decoys.append(pool[idx])
             if grads is not None:
@@ -399,8 +428,10 @@ class SecretMixup(Defence):
 
     def check_run(self, steps: int) -> None:
         if steps < self.warmup:
-            raise ConfigError(f"mixup sends its first {self.warmup} training step(s) unmixed to fill the decoy pool, "
-                              f"but the run has only {steps} step(s); lower the defence argument warmup or train longer")
+            raise ConfigError(
+                f"mixup sends its first {self.warmup} training step(s) unmixed to fill the decoy pool, "
+                f"but the run has only {steps} step(s); lower the defence argument warmup or train longer"
+            )
 
     def prepare(self, h: torch.Tensor, input_ids: torch.Tensor, doc_ids, step: int, phase: str):
         """What the client sends instead of its rows h: (rows, row ids, labels, meta, state), or None
@@ -459,7 +490,9 @@ class ReplicaMedian(Defence):
 
     def __init__(self, k: int = 3, perturbation: float = 1e-4, threshold: float = 0.02):
         if not (isinstance(k, int) and k >= 3):
-            raise ConfigError(f"replica-median: k must be an integer >= 3 (a median of fewer copies cannot outvote a liar), got {k!r}")
+            raise ConfigError(
+                f"replica-median: k must be an integer >= 3 (a median of fewer copies cannot outvote a liar), got {k!r}"
+            )
         if not perturbation >= 0:
             raise ConfigError(f"replica-median: perturbation must be >= 0, got {perturbation}")
         if not threshold > 0:
@@ -474,13 +507,14 @@ class ReplicaMedian(Defence):
         return [f"replica-{r}" for r in range(self.k)]
 
     def channel_note(self) -> str:
-        return (f"replica-median: the activations cross to each of {self.k} server copies and each copy returns "
-                "its own gradient; the median is taken on the client and never crosses")
+        return (
+            f"replica-median: the activations cross to each of {self.k} server copies and each copy returns "
+            "its own gradient; the median is taken on the client and never crosses"
+        )
 
 
 DEFENCES: dict[str, type[Defence]] = {
-    cls.name: cls
-    for cls in (NoDefence, Quant, Quant4, Quant4Noisy, ClipNoise, DPForward, SecretMixup, ReplicaMedian)
+    cls.name: cls for cls in (NoDefence, Quant, Quant4, Quant4Noisy, ClipNoise, DPForward, SecretMixup, ReplicaMedian)
 }
 
 
@@ -532,8 +566,10 @@ class DefenceChain:
         if len({d.name for d in acting}) < len(acting):
             raise ConfigError(f"{acting[0].name} can appear once in a defence chain")
         if len(acting) > 1:
-            raise ConfigError(f"{' and '.join(d.name for d in acting)} both act on the {role.replace('-', ' ')}; "
-                              "a chain takes one of them")
+            raise ConfigError(
+                f"{' and '.join(d.name for d in acting)} both act on the {role.replace('-', ' ')}; "
+                "a chain takes one of them"
+            )
         return acting[0] if acting else None
 
     def check_split_mode(self, u_shape: bool) -> None:
@@ -541,8 +577,9 @@ class DefenceChain:
         mode = "u-shape" if u_shape else "plain"
         for d in self.defences:
             if mode not in d.split_modes:
-                raise ConfigError(f"{d.name} is implemented for the plain split only, not for partial offloading; "
-                                  "use --depth")
+                raise ConfigError(
+                    f"{d.name} is implemented for the plain split only, not for partial offloading; use --depth"
+                )
 
     def check_run(self, steps: int) -> None:
         for d in self.defences:

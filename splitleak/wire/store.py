@@ -126,7 +126,11 @@ class RunStore:
         return self.add(kind, {rel: json.dumps(obj, indent=2, sort_keys=True).encode() + b"\n"}, info)
 
     def add_tensors(
-        self, kind: str, rel: str, tensors: dict[str, torch.Tensor], info: dict[str, Any] | None = None,
+        self,
+        kind: str,
+        rel: str,
+        tensors: dict[str, torch.Tensor],
+        info: dict[str, Any] | None = None,
         metadata: dict[str, str] | None = None,
     ) -> dict:
         blob = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=metadata)
@@ -163,7 +167,9 @@ def verify_run(root: str | Path) -> VerifyResult:
     if lines and lines[-1] == b"":
         lines.pop()
     else:
-        return VerifyResult(False, f"{JOURNAL}: the last line is incomplete (no newline); the journal was cut or edited")
+        return VerifyResult(
+            False, f"{JOURNAL}: the last line is incomplete (no newline); the journal was cut or edited"
+        )
     prev = GENESIS
     recorded: dict[str, str] = {}
     status = ""
@@ -177,15 +183,21 @@ def verify_run(root: str | Path) -> VerifyResult:
             return VerifyResult(False, f"{where}: not in canonical form; the entry was edited", n)
         if entry.get("seq") != n:
             return VerifyResult(
-                False, f"{where}: sequence number {entry.get('seq')} where {n} was expected; an entry was removed or reordered", n
+                False,
+                f"{where}: sequence number {entry.get('seq')} where {n} was expected; an entry was removed or reordered",
+                n,
             )
         if entry.get("prev") != prev:
             return VerifyResult(
-                False, f"{where} (entry {n}, {entry.get('kind')}): hash of the previous entry does not match; "
-                "an entry before it was removed or changed", n
+                False,
+                f"{where} (entry {n}, {entry.get('kind')}): hash of the previous entry does not match; "
+                "an entry before it was removed or changed",
+                n,
             )
         if status:
-            return VerifyResult(False, f"{where}: entry after the closing '{status}' entry; the journal was appended to", n)
+            return VerifyResult(
+                False, f"{where}: entry after the closing '{status}' entry; the journal was appended to", n
+            )
         for rel, digest in entry.get("files", {}).items():
             path = root / rel
             if rel in recorded:
@@ -193,7 +205,9 @@ def verify_run(root: str | Path) -> VerifyResult:
             if not path.is_file():
                 return VerifyResult(False, f"{rel}: recorded in {where} but missing", n)
             if sha256_file(path) != digest:
-                return VerifyResult(False, f"{rel}: content differs from the sha256 recorded in {where}; the file was changed", n)
+                return VerifyResult(
+                    False, f"{rel}: content differs from the sha256 recorded in {where}; the file was changed", n
+                )
             recorded[rel] = digest
         if entry.get("kind") in CLOSING:
             status = entry["kind"]
@@ -205,22 +219,33 @@ def verify_run(root: str | Path) -> VerifyResult:
             rel = path.relative_to(root).as_posix()
             if rel != JOURNAL and rel not in recorded:
                 return VerifyResult(
-                    False, f"{rel}: present but not recorded in the journal (an entry was removed, or the file was added later)",
-                    len(lines), len(recorded),
+                    False,
+                    f"{rel}: present but not recorded in the journal (an entry was removed, or the file was added later)",
+                    len(lines),
+                    len(recorded),
                 )
     if not status:
         return VerifyResult(
             False,
             f"{JOURNAL} ends without a closing entry after {len(lines)} entries: the last entry was removed, "
             "or the run was killed before it finished",
-            len(lines), len(recorded),
+            len(lines),
+            len(recorded),
         )
     manifest = root / "manifest.json"
     if "manifest.json" in recorded:
         m = json.loads(manifest.read_text())
         if "config" in m and m.get("config_hash") != config_hash(m["config"]):
-            return VerifyResult(False, "manifest.json: config_hash does not match its config", len(lines), len(recorded))
-    return VerifyResult(True, f"intact: {len(lines)} journal entries, {len(recorded)} files, run {status}", len(lines), len(recorded), status)
+            return VerifyResult(
+                False, "manifest.json: config_hash does not match its config", len(lines), len(recorded)
+            )
+    return VerifyResult(
+        True,
+        f"intact: {len(lines)} journal entries, {len(recorded)} files, run {status}",
+        len(lines),
+        len(recorded),
+        status,
+    )
 
 
 def recorded_digest(root: str | Path, rel: str) -> str | None:
@@ -231,7 +256,9 @@ def recorded_digest(root: str | Path, rel: str) -> str | None:
         try:
             entry = json.loads(raw)
         except json.JSONDecodeError:
-            raise IntegrityError(f"{root / JOURNAL} has a line that is not JSON; run `splitleak verify {root}`") from None
+            raise IntegrityError(
+                f"{root / JOURNAL} has a line that is not JSON; run `splitleak verify {root}`"
+            ) from None
         if rel in entry.get("files", {}):
             expected = entry["files"][rel]
     return expected

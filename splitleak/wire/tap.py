@@ -69,10 +69,17 @@ class WireRecorder:
         probe = self._probe_rows.get(crossing.link, 0) if frame.kind == "backward" else None
         channels = check_declared(frame, self.declaration, crossing.link, probe)
         header = {
-            "seq": crossing.seq, "link": crossing.link, "direction": crossing.direction, "kind": frame.kind,
-            "step": frame.step, "phase": frame.phase, "row_ids": list(frame.doc_ids),
-            "payload_bits": frame.payload_bits, "meta": frame.meta,
-            "blob_sha256": crossing.blob_sha256, "blob_bytes": crossing.blob_bytes,
+            "seq": crossing.seq,
+            "link": crossing.link,
+            "direction": crossing.direction,
+            "kind": frame.kind,
+            "step": frame.step,
+            "phase": frame.phase,
+            "row_ids": list(frame.doc_ids),
+            "payload_bits": frame.payload_bits,
+            "meta": frame.meta,
+            "blob_sha256": crossing.blob_sha256,
+            "blob_bytes": crossing.blob_bytes,
             "channels": {k: (list(v) if v is not None else None) for k, v in channels.items()},
         }
         self.frames += 1
@@ -128,7 +135,9 @@ def _journal_files(root: Path, kind: str) -> dict[str, str]:
         try:
             entry = json.loads(raw)
         except json.JSONDecodeError:
-            raise IntegrityError(f"{root / JOURNAL} has a line that is not JSON; run `splitleak verify {root}`") from None
+            raise IntegrityError(
+                f"{root / JOURNAL} has a line that is not JSON; run `splitleak verify {root}`"
+            ) from None
         if entry.get("kind") == kind:
             out.update(entry.get("files", {}))
     return out
@@ -162,8 +171,17 @@ def read_wire(run_dir: str | Path, phase: str) -> list[WireRecord]:
         headers = json.loads(_metadata(blob)["frames"])
         for i, h in enumerate(headers):
             key = f"{i:06d}"
-            frame = Frame(h["kind"], h["step"], tuple(h["row_ids"]), tensors[f"{key}/tensor"], tensors[f"{key}/mask"],
-                          h["phase"], labels=tensors.get(f"{key}/labels"), payload_bits=h["payload_bits"], meta=h["meta"])
+            frame = Frame(
+                h["kind"],
+                h["step"],
+                tuple(h["row_ids"]),
+                tensors[f"{key}/tensor"],
+                tensors[f"{key}/mask"],
+                h["phase"],
+                labels=tensors.get(f"{key}/labels"),
+                payload_bits=h["payload_bits"],
+                meta=h["meta"],
+            )
             records.append(WireRecord(h, frame))
     records.sort(key=lambda r: (r.header["link"], r.header["seq"]))
     return records
@@ -174,7 +192,9 @@ def read_ledger(run_dir: str | Path, phase: str) -> list[dict]:
     files = _journal_files(root, LEDGER_KIND)
     rel = ledger_name(phase)
     if rel not in files:
-        raise IntegrityError(f"{root} records no wire ledger for phase {phase!r}; the run stopped before it was written")
+        raise IntegrityError(
+            f"{root} records no wire ledger for phase {phase!r}; the run stopped before it was written"
+        )
     if sha256_file(root / rel) != files[rel]:
         raise IntegrityError(f"{rel} does not match its recorded sha256; run `splitleak verify {root}` for details")
     return json.loads((root / rel).read_text())
@@ -195,17 +215,23 @@ def check_wire(run_dir: str | Path, phase: str) -> dict[str, Any]:
         seen.add(key)
         entry = by_key.get(key)
         if entry is None:
-            raise IntegrityError(f"{where} is in the capture but not in the channel's ledger: nothing of that kind crossed")
+            raise IntegrityError(
+                f"{where} is in the capture but not in the channel's ledger: nothing of that kind crossed"
+            )
         digest = hashlib.sha256(encode(rec.frame)).hexdigest()
         if digest != entry["blob_sha256"] or digest != rec.header["blob_sha256"]:
-            raise IntegrityError(f"{where}: the recorded frame does not re-encode to the bytes that crossed "
-                                 "(a row, the header or the metadata differs)")
+            raise IntegrityError(
+                f"{where}: the recorded frame does not re-encode to the bytes that crossed "
+                "(a row, the header or the metadata differs)"
+            )
     missing = [k for k in by_key if k not in seen]
     if missing:
         link, seq = missing[0]
         e = by_key[(link, seq)]
-        raise IntegrityError(f"{len(missing)} {phase} frame(s) crossed but are not in the capture; the first: "
-                             f"frame {seq} on link {link} ({e['kind']})")
+        raise IntegrityError(
+            f"{len(missing)} {phase} frame(s) crossed but are not in the capture; the first: "
+            f"frame {seq} on link {link} ({e['kind']})"
+        )
     return {"frames": len(records), "bytes": sum(e["blob_bytes"] for e in ledger)}
 
 
@@ -253,8 +279,9 @@ def links_of(records: list[WireRecord]) -> list[str]:
     return sorted({r.header["link"] for r in records})
 
 
-def stack_channel(exs: list[Exchange], kind: str, channel: str,
-                  rows_per_exchange: list[int] | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def stack_channel(
+    exs: list[Exchange], kind: str, channel: str, rows_per_exchange: list[int] | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One channel's rows concatenated over exchanges, and a bool mask of the exchanges' rows that
     carry it. Where an exchange does not carry the channel (mixup's unmixed warm-up steps carry no
     probe rows) its rows are zero and the mask False; ``rows_per_exchange`` gives their count (the
@@ -269,14 +296,18 @@ def stack_channel(exs: list[Exchange], kind: str, channel: str,
             present.append(torch.zeros(n, dtype=torch.bool))
             continue
         if rows.shape[0] != n:
-            raise IntegrityError(f"channel {channel} carries {rows.shape[0]} rows in an exchange of {n} documents; "
-                                 "its rows cannot be paired with the documents by position")
+            raise IntegrityError(
+                f"channel {channel} carries {rows.shape[0]} rows in an exchange of {n} documents; "
+                "its rows cannot be paired with the documents by position"
+            )
         any_found = True
         parts.append(rows)
         present.append(torch.ones(n, dtype=torch.bool))
     if not any_found:
         return None, None
     like = next(p for p in parts if p is not None)
-    full = [p if p is not None else like.new_zeros((n, *like.shape[1:]))
-            for p, n in zip(parts, [m.numel() for m in present])]
+    full = [
+        p if p is not None else like.new_zeros((n, *like.shape[1:]))
+        for p, n in zip(parts, [m.numel() for m in present])
+    ]
     return torch.cat(full), torch.cat(present)
