@@ -350,7 +350,12 @@ def test_audit_on_smollm2_with_wikitext(tmp_path, smollm2, wikitext_dir):
     # the public copy barely differs from the client layers after 4 steps: VMI and the beam attacker
     # read most of the text, far above the majority control
     assert by_name["activation"]["token_recovery"] > by_name["majority"]["token_recovery"] + 0.3
+    from splitleak.report.audit import write_audit_report
+
+    assert not (tmp_path / "audit" / "report.md").exists()  # rendering is a separate step
+    write_audit_report(tmp_path / "audit")
     assert (tmp_path / "audit" / "report.md").read_text().count("|") > 20
+    assert "data:image/png;base64," in (tmp_path / "audit" / "report.html").read_text()
     assert res.run.metrics["all_local_ce"] is not None
 
 

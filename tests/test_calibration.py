@@ -1,6 +1,7 @@
 """Injected-leak calibration, shuffled-label controls, verdict words, and the protocol analysis."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -14,6 +15,8 @@ from splitleak.audit.protocol import freeze_protocol, load_protocol, parse_proto
 from splitleak.audit.verdicts import arm_effects, arm_gate, shuffled_labels
 from splitleak.cli import app
 from splitleak.errors import ConfigError, IntegrityError, SplitleakError
+from splitleak.report.audit import write_audit_report
+from splitleak.report.calibration import write_calibration_report
 from splitleak.stats import gate_statistic, heldout_rmse, ratio_bootstrap_ci
 from splitleak.training import make_train_config, run_training
 
@@ -84,8 +87,13 @@ def test_dose_ladder_detects_a_large_leak_and_nothing_at_zero_dose(noisy_run):
     # the gate breaks by the full dose, not at zero dose
     assert not zero["gate_breaks"] and doses[-1]["gate_breaks"]
     assert read_calibration(out)["onsets"] == res.onsets
+    assert not (out / "calibration.md").exists()  # measuring writes the record only
+    written = write_calibration_report(out)
+    assert {p.name for p in written} >= {"calibration.md", "calibration.html", "calibration.png", "calibration.svg"}
     assert (out / "calibration.png").stat().st_size > 10_000 and (out / "calibration.svg").is_file()
-    assert "| 0.02 × 1 |" in (out / "calibration.md").read_text()
+    md = (out / "calibration.md").read_text()
+    assert re.search(r"^\| 0\.02 × 1 +\|", md, re.M) and "![" in md and "(calibration.png)" in md
+    assert "data:image/png;base64," in (out / "calibration.html").read_text()
 
 
 def test_calibrate_refuses_bad_input_and_keeps_what_exists(noisy_run, tmp_path):
@@ -208,6 +216,14 @@ def test_audit_under_heavy_noise_reads_at_floor_with_a_calibrated_metric(tmp_pat
     assert (out / "calibration" / "calibration.json").is_file()
     md = (out / "report.md").read_text()
     assert "## Instrument calibration" in md and "relative perplexity change against the twin" in md
+    assert "(calibration/calibration.png)" in md and (out / "calibration" / "calibration.png").is_file()
+    page = (out / "report.html").read_text()
+    assert rep["verdict"].split(":")[0] in page and "data:image/png;base64," in page
+    # the report is a pure rendering of the JSON: rendering again gives the same bytes
+    write_audit_report(out)
+    assert (out / "report.md").read_text() == md
+    with pytest.raises(SplitleakError, match="report.json does not exist"):
+        write_audit_report(tmp_path / "nowhere")
     # the cost of the defence: an undefended twin with the same model, split, data and seed
     twin = json.loads((out / "twin" / "manifest.json").read_text())
     assert twin["defences"] == [{"name": "none", "args": {}}] and twin["config"]["seed"] == 1

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -105,7 +106,7 @@ def test_audit_on_tiny_model(tmp_path):
     # on the tiny model at depth 2 the activation attacker beats the majority control by far
     assert by_name["activation"]["token_recovery"] > by_name["majority"]["token_recovery"] + 0.5
     md = (out / "report.md").read_text()
-    assert "| activation k=32 |" in md and report["verdict"] in md
+    assert re.search(r"^\| activation k=32 +\|", md, re.M) and report["verdict"] in md
     # verdict words: the activation arms are detected, no shuffled-label control is, the gate breaks
     arms = {a["attack"]: a["arm"] for a in report["attacks"]}
     assert arms["activation"]["verdict"] == "detected" and arms["activation"]["effect"]["low"] > 0.3
@@ -120,7 +121,9 @@ def test_audit_on_tiny_model(tmp_path):
     assert {"joint k=32"} <= set(channels["gradient"]["read_by"])
     assert channels["labels"]["status"] == "no attack" and channels["timing"]["status"] == "not captured"
     assert "Channels not attacked: row-ids, shapes, timing, labels." in report["verdict"]
-    assert "## Channels (Politis & Pappas 2026, §3)" in md and "| labels | main | client->server |" in md
+    assert "## Channels (Politis & Pappas 2026, §3)" in md
+    assert re.search(r"^\| labels +\| main +\| client->server +\|", md, re.M)
+    assert "client-&gt;server" in (out / "report.html").read_text()  # escaped in HTML
     assert runner.invoke(app, ["verify", str(out / "run")]).exit_code == 0
 
 

@@ -211,7 +211,8 @@ def calibrate(
     traffic: Traffic | None = None,
 ) -> CalibrationResult:
     """Sweep the dose ladder (every coverage × every amplitude, plus zero dose) with one attack and
-    write ``calibration.json``, ``calibration.md`` and ``calibration.png`` / ``.svg`` to ``out``."""
+    write ``calibration.json`` to ``out``; ``splitleak.report.calibration.write_calibration_report``
+    renders it (``calibration.md``, ``calibration.png`` / ``.svg``)."""
     progress = progress or Silent()
     run_dir = Path(run_dir)
     out_path = Path(out) if out is not None else None
@@ -378,132 +379,6 @@ def calibrate(
 # ------------------------------------------------------------------ output
 
 
-def calibration_table(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    header = ["coverage × amplitude", "token top-1 %", "rare top-1 %", "CE (nats)", "membership AUC", "gate G (pp)"]
-    rows = []
-    for r in record["doses"]:
-        e = r["effects"]
-
-        def cell(m: str, value: str) -> str:  # called within this iteration only
-            if e[m] is None:  # noqa: B023
-                return f"{value} (n/a)"
-            mark = " ✓" if e[m]["detected"] else ""  # noqa: B023
-            return f"{value}{mark}"
-
-        rows.append(
-            [
-                f"{r['coverage']:g} × {r['amplitude']:g}",
-                cell("token_top1", f"{100 * r['token_top1']:.2f}"),
-                cell("rare_token_top1", f"{100 * r['rare_token_top1']:.2f}"),
-                cell("token_cross_entropy", f"{r['token_cross_entropy']:.3f}"),
-                cell("membership_auc", f"{r['membership_auc']:.3f}"),
-                f"{100 * r['gate_G']:+.2f}" + (" breaks" if r["gate_breaks"] else ""),
-            ]
-        )
-    return header, rows
-
-
-def onset_text(record: dict[str, Any], metric: str) -> str:
-    o = record["onsets"].get(metric)
-    if o is None:
-        return "not detected at any dose"
-    return f"first detects at coverage {o['coverage']:g} × amplitude {o['amplitude']:g}"
-
-
-def calibration_markdown(record: dict[str, Any]) -> str:
-    header, rows = calibration_table(record)
-    a = record["attack"]
-    lines = [
-        f"# Injected-leak calibration: {a['attack']} ({a['client_copy']} copy)",
-        "",
-        f"Run `{record['run']['dir']}` (configuration `{record['run']['config_hash'][:16]}`, cut after "
-        f"{record['run']['cut']} blocks); {record['documents']} documents, {record['tokens']} tokens "
-        f"({record['rare_tokens']} rare), {record['members']} member documents; constant baseline "
-        f"{100 * record['constant_baseline']['rate']:.2f} %.",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *["| " + " | ".join(r) + " |" for r in rows],
-        "",
-        "✓: detected (the lower end of the 95 % document-bootstrap interval of the effect against zero dose is",
-        "above 0). Gate G: Wilson upper-95 of token top-1 minus the constant baseline; breaks above +1.00 pp.",
-        "",
-        "## Onsets",
-        "",
-        *[f"- {METRIC_TITLES[m].split(' (')[0]}: {onset_text(record, m)}" for m in METRICS],
-        "",
-        "A metric that detects no dose cannot stand behind a verdict of absence.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def calibration_figure(record: dict[str, Any], out_stem: str | Path) -> list[Path]:
-    from splitleak.figures import pyplot, save_png_svg
-
-    plt = pyplot()
-
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(4.2 * len(METRICS), 3.8), constrained_layout=True)
-    scale = {"token_top1": 100, "rare_token_top1": 100, "token_cross_entropy": 1, "membership_auc": 1}
-    amps = sorted({r["amplitude"] for r in record["doses"][1:]})
-    for ax, m in zip(axes, METRICS):
-        for j, amp in enumerate(amps):
-            pts = [
-                r
-                for r in record["doses"][1:]
-                if r["amplitude"] == amp and r["coverage"] > 0 and r["effects"][m] is not None
-            ]
-            if not pts:
-                continue
-            x = [r["coverage"] for r in pts]
-            y = [scale[m] * r["effects"][m]["effect"] for r in pts]
-            lo = [scale[m] * r["effects"][m]["low"] for r in pts]
-            hi = [scale[m] * r["effects"][m]["high"] for r in pts]
-            ax.plot(x, y, "-", color=f"C{j}", label=f"amplitude {amp:g}")
-            ax.fill_between(x, lo, hi, color=f"C{j}", alpha=0.2)
-            det = [r["effects"][m]["detected"] for r in pts]
-            ax.scatter(
-                [xi for xi, d in zip(x, det) if d],
-                [yi for yi, d in zip(y, det) if d],
-                color=f"C{j}",
-                marker="o",
-                zorder=3,
-                label="detected" if j == 0 else None,
-            )
-            ax.scatter(
-                [xi for xi, d in zip(x, det) if not d],
-                [yi for yi, d in zip(y, det) if not d],
-                facecolors="white",
-                edgecolors=f"C{j}",
-                marker="o",
-                zorder=3,
-                label="not detected" if j == 0 else None,
-            )
-        ax.axhline(0, color="black", lw=0.8)
-        ax.set_xscale("log")
-        if m == "token_top1":
-            ax.axhline(100 * GATE, color="grey", ls="--", lw=0.8)
-            ax.annotate(
-                "gate +1.0 pp",
-                (0.98, 100 * GATE),
-                xycoords=("axes fraction", "data"),
-                fontsize=8,
-                color="grey",
-                va="bottom",
-                ha="right",
-            )
-        ax.set_xlabel("injected coverage (share of rows)")
-        ax.set_title(f"{METRIC_TITLES[m]}\n{onset_text(record, m)}", fontsize=9)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8, loc="upper left")
-    fig.suptitle(
-        f"dose-response per metric: {record['attack']['attack']} on {Path(record['run']['dir']).name} "
-        f"({record['documents']} documents; shaded: 95 % interval of the effect against zero dose)",
-        fontsize=10,
-    )
-    return save_png_svg(fig, out_stem, dpi=130)
-
-
 def write_calibration(out: Path, record: dict[str, Any], force: bool = False) -> None:
     if out.exists() and force:
         shutil.rmtree(out)
@@ -511,8 +386,6 @@ def write_calibration(out: Path, record: dict[str, Any], force: bool = False) ->
     tmp = out / ".calibration.json.tmp"
     tmp.write_text(json.dumps(record, indent=2, sort_keys=True, default=_num) + "\n")
     tmp.replace(out / "calibration.json")
-    (out / "calibration.md").write_text(calibration_markdown(record))
-    calibration_figure(record, out / "calibration")
 
 
 def _num(o):

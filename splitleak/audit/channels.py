@@ -21,6 +21,7 @@ from typing import Any, Iterable
 
 from splitleak.attacks.knowledge import read_manifest
 from splitleak.attacks.registry import attacks_reading
+from splitleak.audit.evaluate import attack_label
 from splitleak.wire.declare import Declaration, declare_channels
 from splitleak.wire.defences import DefenceChain
 from splitleak.wire.tap import read_wire, wire_phases
@@ -70,7 +71,7 @@ def channel_table(
         if ran is None:
             read_by = registered
         else:
-            read_by = sorted({_label(r) for r in ran if c.name in r.get("channels_read", ())})
+            read_by = sorted({attack_label(r) for r in ran if c.name in r.get("channels_read", ())})
         if not c.captured:
             status = "not captured"
         elif ran is None:
@@ -115,12 +116,6 @@ def channel_table(
     return rows
 
 
-def _label(result: dict[str, Any]) -> str:
-    p = result.get("attack_params", {})
-    extra = f" k={p['k']}" if "k" in p else (f" budget={p['budget']}" if "budget" in p else "")
-    return f"{result['attack']}{extra}"
-
-
 def _fmt_shape(shape) -> str:
     """The first frame's shape per phase (``train [1, 32, 64]; capture [16, 32, 64]``), or the
     declaration's words."""
@@ -156,15 +151,6 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
 
 def not_attacked(rows: list[dict[str, Any]]) -> list[str]:
     return [r["channel"] for r in rows if r["status"] in ("no attack", "not captured", "not measured", "undeclared")]
-
-
-def channels_markdown(rows: list[dict[str, Any]], notes: Iterable[str] = ()) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in table_rows(rows)]
-    extra = [f"- {r['channel']}: {r['note']}" for r in rows if r["note"]] + [f"- {n}" for n in notes]
-    if extra:
-        lines += ["", *extra]
-    return "\n".join(lines) + "\n"
 
 
 def channels_json(run_dir: str | Path) -> str:

@@ -34,6 +34,13 @@ from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
 from splitleak.progress import Progress, Silent
 
 
+def attack_label(result: dict[str, Any]) -> str:
+    """An attack result's short name with its main hyperparameter (``activation k=32``, ``sipit budget=32``)."""
+    p = result.get("attack_params", {})
+    extra = f" k={p['k']}" if "k" in p else (f" budget={p['budget']}" if "budget" in p else "")
+    return f"{result['attack']}{extra}"
+
+
 def probe_scores(run_dir: Path, traffic: Traffic, probe_tokens: torch.Tensor, rows: list[int]) -> dict[str, Any]:
     """What an attack read of mixup's probe rows, scored against the client's own record of where each
     decoy came from (``client/mixup_decoys.json``; it never crossed): per row, the token of the

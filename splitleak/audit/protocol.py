@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from splitleak.errors import ConfigError, IntegrityError
 
+#: the protocols shipped with splitleak; each ships frozen (its FILE.frozen.json is package data), so a
+#: grid under a shipped protocol never writes into the installed package
 SHIPPED = Path(__file__).parent / "protocols"
 
 

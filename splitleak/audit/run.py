@@ -2,7 +2,8 @@
 
 Layout of the output folder: ``run/`` is the verifiable run directory (see ``splitleak.wire.store``),
 ``attacks/`` one RESULT.json + Parquet per attack, ``calibration/`` the injected-leak dose ladder
-(``splitleak.audit.calibrate``), ``report.md`` and ``report.json`` the summary.
+(``splitleak.audit.calibrate``), ``report.json`` the summary; ``splitleak.report.audit`` renders it as
+``report.md`` and ``report.html``.
 
 The verdict uses the words of Politis & Pappas 2026, §3 (``splitleak.audit.verdicts``): each attack arm's token top-1
 accuracy is read as a paired effect over the constant baseline with a document-bootstrap interval
@@ -25,10 +26,10 @@ import torch
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
 from splitleak.attacks.knowledge import eval_token_ids
 from splitleak.audit.calibrate import calibrate
-from splitleak.audit.channels import channel_table, channels_markdown, not_attacked, run_declaration
-from splitleak.audit.evaluate import run_attack
+from splitleak.audit.channels import channel_table, not_attacked, run_declaration
+from splitleak.audit.evaluate import attack_label, run_attack
 from splitleak.audit.verdicts import arm_effects, arm_gate
-from splitleak.data import LABELS, N_CALIB, N_EVAL, N_TRAIN
+from splitleak.data import N_CALIB, N_EVAL, N_TRAIN
 from splitleak.errors import SplitleakError
 from splitleak.files import json_default
 from splitleak.metrics import fmt_pct
@@ -251,7 +252,6 @@ def run_audit(
         "torch_threads": torch.get_num_threads(),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=json_default) + "\n")
-    (out / "report.md").write_text(report_markdown(report))
     return AuditResult(out, run, cap, summary, results, verdict)
 
 
@@ -264,12 +264,6 @@ def channels_sentence(channels: list[dict[str, Any]]) -> str:
     if uncal:
         out += f" Attacked without a positive control: {', '.join(uncal)}."
     return out
-
-
-def attack_label(res: dict[str, Any]) -> str:
-    p = res["attack_params"]
-    extra = f" k={p['k']}" if "k" in p else (f" budget={p['budget']}" if "budget" in p else "")
-    return f"{res['attack']}{extra}"
 
 
 def verdict_line(results: list[dict[str, Any]], arms, probe_arms, gate, calibration: dict[str, Any]) -> str:
@@ -317,130 +311,3 @@ def verdict_line(results: list[dict[str, Any]], arms, probe_arms, gate, calibrat
         f"{100 * best.effect.high:+.2f}]); {gate_words}; no shuffled-label control detected; {cal}, so a "
         "leak of that size would have been seen."
     )
-
-
-def attack_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
-    rows = []
-    for r in results:
-        spans = r.get("span_recovery") or {}
-        rows.append(
-            [attack_label(r), fmt_pct(r["token_recovery"]), fmt_pct(r["doc_recovery"])]
-            + ["n/a" if spans.get(c) is None else fmt_pct(spans[c]) for c in LABELS]
-            + [f"{r['seconds']:.0f}"]
-        )
-    return rows
-
-
-ATTACK_HEADER = ["attack", "token %", "document %", "name spans %", "number spans %", "identifier spans %", "seconds"]
-ARM_HEADER = ["attack", "token top-1 %", "A over constant (pp)", "verdict", "shuffled-label N (pp)", "control"]
-
-
-def arm_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
-    rows = []
-    for r in results:
-        a = r["arm"]
-        e, n = a["effect"], a["control"]
-        rows.append(
-            [
-                attack_label(r),
-                fmt_pct(a["accuracy"]),
-                f"{100 * e['estimate']:+.2f} [{100 * e['low']:+.2f}, {100 * e['high']:+.2f}]",
-                a["verdict"],
-                f"{100 * n['estimate']:+.2f} [{100 * n['low']:+.2f}, {100 * n['high']:+.2f}]",
-                a["control_verdict"],
-            ]
-        )
-    return rows
-
-
-def _onset(o: dict[str, float] | None) -> str:
-    return (
-        "not detected at any dose"
-        if o is None
-        else f"first detects at coverage {o['coverage']:g} × amplitude {o['amplitude']:g}"
-    )
-
-
-def report_markdown(report: dict[str, Any]) -> str:
-    m, cfg = report["metrics"], report["config"]
-    lines = [
-        "# splitleak audit",
-        "",
-        f"**{report['verdict']}**",
-        "",
-        f"Model `{cfg['model']}`, cut after {cfg['depth']} blocks, defence "
-        f"`{'+'.join(d['name'] for d in cfg['defences'])}`, data `{cfg['data']}` (seed {cfg['seed']}; "
-        f"{cfg['n_calib']} calibration / {cfg['n_train']} training / {cfg['n_eval']} evaluation documents of "
-        f"{cfg['doc_len']} tokens). Configuration hash `{report['config_hash'][:16]}`.",
-        "",
-        "## Leakage (public copy of the client layers, evaluation documents)",
-        "",
-        "| " + " | ".join(ATTACK_HEADER) + " |",
-        "|" + "---|" * len(ATTACK_HEADER),
-    ]
-    lines += ["| " + " | ".join(row) + " |" for row in attack_table_rows(report["attacks"])]
-    lines += [
-        "",
-        "Percentages are rounded half-up to two decimals. Span recovery counts a span only when all its",
-        "tokens are right. `majority` is the control that guesses the calibration documents' most",
-        "frequent token at every position.",
-        "",
-        "## Verdict words (Politis & Pappas 2026, §3)",
-        "",
-        "| " + " | ".join(ARM_HEADER) + " |",
-        "|" + "---|" * len(ARM_HEADER),
-        *["| " + " | ".join(row) + " |" for row in arm_table_rows(report["attacks"])],
-        "",
-        f"Constant baseline: always guess token {report['verdicts']['constant_baseline']['token_id']}, the most "
-        f"frequent evaluation token ({fmt_pct(report['verdicts']['constant_baseline']['rate'])} %). A is the mean "
-        "over documents of the arm's accuracy minus the baseline's, with a 95 % document-bootstrap interval; "
-        "**detected** when its lower end is above 0, **at floor** when it includes 0, *below floor* when it lies "
-        "below 0. N is the same statistic against labels permuted across all positions (the shuffled-label "
-        "negative control); it must not be detected (chance agreement of varied predictions reads below floor). "
-        f"Gate (Politis & Pappas 2026, Eq. 1) over {', '.join(report['verdicts']['gate']['arms'])}: G = max Bonferroni–Wilson "
-        f"upper-95 − baseline = {100 * report['verdicts']['gate']['G']:+.2f} pp, "
-        f"{'breaks the gate' if report['verdicts']['gate']['breaks'] else 'holds the gate'} (+1.00 pp).",
-        "",
-        "## Instrument calibration (Politis & Pappas 2026, §4)",
-        "",
-        f"`{report['verdicts']['calibration']['attack']}` on the first {report['verdicts']['calibration']['documents']} "
-        "captured documents with a known leak injected at rising coverage (see `calibration/calibration.md` and "
-        "`calibration/calibration.png`):",
-        "",
-        *[
-            f"- {m.replace('_', ' ')} (zero-dose reading {report['verdicts']['calibration']['zero_dose'][m]:.4g}): "
-            f"{_onset(report['verdicts']['calibration']['onsets'].get(m))}"
-            for m in ("token_top1", "rare_token_top1", "token_cross_entropy", "membership_auc")
-        ],
-        "",
-        "## Channels (Politis & Pappas 2026, §3)",
-        "",
-        "Every channel the split mode and its defences declare, whether the tap captured it, which attacks of this "
-        "audit read it, and its status: **measured** (attacked, and the injected-leak calibration doses it), "
-        "**no positive control** (attacked, not calibrated), **no attack** (no attack of this audit read it; "
-        "the verdict above says nothing about it).",
-        "",
-        channels_markdown(report.get("channels", []), report.get("channel_notes", [])),
-        "## Utility",
-        "",
-        "| measure | value |",
-        "|---|---|",
-        f"| held-out cross-entropy (nats) | {m['heldout_ce']:.4f} |",
-        f"| held-out perplexity (geometric mean) | {m['perplexity']:.2f} |",
-        f"| all-local cross-entropy | {m['all_local_ce']:.4f} |",
-        f"| ΔU = L_split − L_all-local | {m['delta_u']:+.4f} |",
-        f"| pretrained cross-entropy | {m['pretrained_ce']:.4f} |",
-        *(
-            []
-            if not report.get("cost")
-            else [
-                f"| undefended twin: held-out cross-entropy | {report['cost']['twin_heldout_ce']:.4f} |",
-                f"| undefended twin: perplexity | {report['cost']['twin_perplexity']:.2f} |",
-                f"| relative perplexity change against the twin | {100 * report['cost']['rel_ppl_change']:+.2f} % |",
-            ]
-        ),
-        "",
-        f"Run directory verified: {report['verify']}.",
-        "",
-    ]
-    return "\n".join(lines)

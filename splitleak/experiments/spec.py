@@ -274,32 +274,38 @@ class LoadedSpec:
         return self.spec.name or self.path.stem
 
     def default_store(self) -> Path:
-        """``<spec stem>-results/`` beside the spec file."""
+        """``<spec stem>-results/`` beside the spec file; for a shipped spec (which lies inside the
+        installed package), in the current directory."""
+        if is_shipped(self.path):
+            return Path.cwd() / f"{self.path.stem}-results"
         return self.path.with_name(f"{self.path.stem}-results")
 
 
 # ------------------------------------------------------------------ finding files
 
 
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+#: the specs shipped with the package (package data, so a wheel install finds them too)
+SHIPPED_SPECS = Path(__file__).parent / "specs"
 
 
 def shipped_specs() -> list[Path]:
-    """The spec files shipped with the checkout (``experiments/*.yaml`` at the repository root)."""
-    d = repo_root() / "experiments"
-    return sorted(p for p in d.glob("*.yaml")) if d.is_dir() else []
+    """The spec files shipped with splitleak (``splitleak/experiments/specs/*.yaml``)."""
+    return sorted(SHIPPED_SPECS.glob("*.yaml"))
+
+
+def is_shipped(path: Path) -> bool:
+    return path.resolve().parent == SHIPPED_SPECS.resolve()
 
 
 def resolve_spec_path(name: str | Path) -> Path:
     """A spec file from a path, or from a short name (``paper_main``) looked up in ``./experiments/``
-    and in the checkout's ``experiments/`` folder."""
+    (your own specs) and then among the shipped ones."""
     p = Path(name)
     if p.is_file():
         return p.resolve()
     tried = [p]
     if p.suffix not in SPEC_SUFFIXES and len(p.parts) == 1:
-        for folder in (Path.cwd() / "experiments", repo_root() / "experiments"):
+        for folder in (Path.cwd() / "experiments", SHIPPED_SPECS):
             for suffix in SPEC_SUFFIXES:
                 cand = folder / f"{p.name}{suffix}"
                 tried.append(cand)

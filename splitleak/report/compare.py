@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from splitleak.audit.run import attack_label as _label
+from splitleak.audit.evaluate import attack_label as _label
 from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
 
@@ -141,7 +141,7 @@ def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
 def leakage_cost_figure(runs: list[RunSummary], out_stem: str | Path) -> list[Path]:
     """Token and whole-document recovery of the strongest attack against the perplexity change, one
     labelled point per run; writes OUT.png and OUT.svg."""
-    from splitleak.figures import recovery_cost_figure
+    from splitleak.report.figures import recovery_cost_figure
 
     pts = [r for r in runs if r.rel_ppl_change is not None and r.strongest("token_recovery") is not None]
     if not pts:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import html
+import os
 import re
 import unicodedata
 from dataclasses import dataclass, field
@@ -97,8 +98,9 @@ def _md_cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def render_markdown(doc: Document) -> str:
-    """The document as Markdown; tables padded so that their columns line up in a terminal."""
+def render_markdown(doc: Document, base: Path | None = None) -> str:
+    """The document as Markdown; tables padded so that their columns line up in a terminal. Figures
+    are linked by name (they lie beside the report), or relative to ``base``, the report's folder."""
     out: list[str] = []
     for b in doc.blocks:
         if isinstance(b, Heading):
@@ -123,10 +125,12 @@ def render_markdown(doc: Document) -> str:
                 out += _md_table(b)
             out.append("")
         elif isinstance(b, Figure):
+            png = b.png.name if base is None else Path(os.path.relpath(b.png, base)).as_posix()
+            svg = png[: -len(b.png.suffix)] + ".svg"
             out += [
-                f"![{b.alt or b.caption}]({b.png.name})",
+                f"![{b.alt or b.caption}]({png})",
                 "",
-                f"*{b.caption}* (also as [{b.png.with_suffix('.svg').name}]({b.png.with_suffix('.svg').name}))",
+                f"*{b.caption}* (also as [{b.png.with_suffix('.svg').name}]({svg}))",
                 "",
             ]
     return "\n".join(out).rstrip() + "\n"

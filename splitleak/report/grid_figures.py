@@ -28,7 +28,7 @@ def perturbation_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Pat
     """Token recovery of the joint attacker per gradient condition (true gradient, noise σ, b-bit
     rounding, and the two controls when present), one panel per split and copy, one series per k,
     95 % interval bars; dashed lines: the activation-only attacker at the same k."""
-    from splitleak.figures import pyplot, save_png_svg
+    from splitleak.report.figures import pyplot, save_png_svg
 
     plt = pyplot()
     joint = perturbation_cells(cells)
@@ -134,7 +134,7 @@ def perturbation_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Pat
 def cost_figure(points: Sequence[CostPoint], out_stem: str | Path) -> list[Path]:
     """Token and whole-document recovery against the relative perplexity change, one labelled point
     per (model, split, defence) (the same figure as ``splitleak compare`` draws)."""
-    from splitleak.figures import recovery_cost_figure
+    from splitleak.report.figures import recovery_cost_figure
 
     pts = [p for p in points if p.rel_ppl_change is not None and p.token is not None]
     models = len({p.model for p in pts})
@@ -160,7 +160,7 @@ def cost_figure(points: Sequence[CostPoint], out_stem: str | Path) -> list[Path]
 
 def heatmap_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Path]:
     """Token recovery (%) per attack configuration (rows) and (split, copy) (columns), annotated."""
-    from splitleak.figures import pyplot, save_png_svg
+    from splitleak.report.figures import pyplot, save_png_svg
 
     plt = pyplot()
     configs = sorted({c.config for c in cells}, key=lambda c: c.sort_key())

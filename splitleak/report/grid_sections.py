@@ -17,6 +17,7 @@ from splitleak.audit.protocol import Protocol
 from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
 from splitleak.metrics import fmt_pct
+from splitleak.report.analysis import selection_text
 from splitleak.report.document import Contents, Document, Figure, Heading, Para, Table
 from splitleak.report.grid_stats import Cell, cost_points, placement_means
 
@@ -99,10 +100,6 @@ def _count(n: int, word: str) -> str:
 def _first_line(text: str | None, limit: int = 200) -> str:
     line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
     return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-def _sel(s: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in s.items()) or "(all)"
 
 
 def _level(alpha: float) -> str:
@@ -250,8 +247,8 @@ def main_section(doc: Document, ctx: Ctx, rows, analysis: Analysis | None, error
             Table(
                 ["", "value"],
                 [
-                    ["treatment", f"`{_sel(c.treatment)}`"],
-                    ["control", f"`{_sel(c.control)}`"],
+                    ["treatment", f"`{selection_text(c.treatment)}`"],
+                    ["control", f"`{selection_text(c.control)}`"],
                     [f"treatment {metric} (%)", _arm_rate(rows, c.treatment, t.metric)],
                     [f"control {metric} (%)", _arm_rate(rows, c.control, t.metric)],
                     ["difference, treatment − control (pp)", _pp(c.estimate)],

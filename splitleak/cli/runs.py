@@ -1,146 +1,19 @@
-"""The command line: parses, then calls the same functions a Python user would."""
+"""``splitleak models|train|verify|channels|attack``: models, split runs and their captures, attacks."""
 
 from __future__ import annotations
 
-import sys
-from contextlib import contextmanager
-from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from splitleak.attacks.registry import help_text as attack_help
-from splitleak.audit.defaults import DEFAULT_COVERAGES
+from splitleak.cli.common import DeviceOpt, ThreadsOpt, app, console, err, parse_defences, progress, user_errors
 from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
-from splitleak.errors import ConfigError, SplitleakError
-
-app = typer.Typer(
-    help="splitleak: split learning of language models, what crosses the split, and what it gives away.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-console = Console() if sys.stdout.isatty() else Console(width=120)  # wide tables in plain logs
-err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=120)
+from splitleak.errors import ConfigError
 
 
-@contextmanager
-def _user_errors():
-    try:
-        yield
-    except SplitleakError as exc:
-        err.print(f"[bold red]error:[/] {exc}", highlight=False)
-        raise typer.Exit(2) from None
-
-
-# ------------------------------------------------------------------ shared options
-DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present), cpu or cuda")
-ThreadsOpt = typer.Option(None, "--threads", help="torch intra-op threads (default: torch's choice)")
-
-
-def parse_defences(names: list[str], args: list[str]) -> list[dict[str, Any]]:
-    """``--defence quant4-noisy --defence-arg clip=1.0`` or ``--defence quant4-noisy:clip=1.0,noise=0.1``;
-    with several defences, ``--defence-arg NAME.KEY=VALUE``. Applied in the order given."""
-    from splitleak.wire.defences import parse_defence_args
-
-    specs: list[dict[str, Any]] = []
-    for raw in names or ["none"]:
-        name, _, inline = raw.partition(":")
-        specs.append({"name": name.strip(), "args": parse_defence_args([x for x in inline.split(",") if x])})
-    for item in args or []:
-        key, _, _ = item.partition("=")
-        if "." in key:
-            target, _, rest = item.partition(".")
-            matches = [s for s in specs if s["name"] == target]
-            if not matches:
-                raise ConfigError(f"--defence-arg {item}: no defence named {target!r} was given with --defence")
-            matches[0]["args"].update(parse_defence_args([rest]))
-        elif len(specs) == 1:
-            specs[0]["args"].update(parse_defence_args([item]))
-        else:
-            raise ConfigError(f"--defence-arg {item} is ambiguous with {len(specs)} defences; write NAME.{item}")
-    return specs
-
-
-def _progress(quiet: bool):
-    from splitleak.progress import Silent, rich_progress
-
-    if quiet:
-
-        @contextmanager
-        def silent():
-            yield Silent()
-
-        return silent()
-    return rich_progress()
-
-
-protocol_app = typer.Typer(help="Protocols fixed before the runs: freeze, show, analyse.", no_args_is_help=True)
-app.add_typer(protocol_app, name="protocol")
-
-
-@protocol_app.command("freeze")
-def protocol_freeze_cmd(file: Path = typer.Argument(..., help="protocol YAML file")) -> None:
-    """Validate FILE and record its SHA-256 in FILE.frozen.json; results written under it carry the hash."""
-    from splitleak.audit.protocol import freeze_protocol
-
-    with _user_errors():
-        digest = freeze_protocol(file)
-        console.print(f"frozen {file}: sha256 {digest}")
-
-
-@protocol_app.command("analyse")
-def protocol_analyse_cmd(
-    file: Path = typer.Argument(..., help="the frozen protocol file"),
-    results: list[Path] = typer.Argument(
-        ..., help="attack RESULT.json files, or folders holding them (searched recursively)"
-    ),
-    out: Optional[Path] = typer.Option(None, "--out", help="write the analysis as OUT.json and OUT.md"),
-) -> None:
-    """Apply a frozen protocol to results: the main test against its pass mark, the Bonferroni family,
-    and the partial-offloading tests. Results not written under the protocol's hash are refused."""
-    import json as _json
-
-    from splitleak.audit.analysis import (
-        analyse,
-        analysis_markdown,
-        find_results,
-        rows_from_results,
-        run_rows_from_results,
-    )
-    from splitleak.audit.protocol import load_protocol
-
-    with _user_errors():
-        proto, digest = load_protocol(file)
-        found = find_results(results)
-        a = analyse(proto, digest, rows_from_results(found), run_rows_from_results(found))
-        md = analysis_markdown(a)
-        console.print(md, markup=False, highlight=False)
-        if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.with_suffix(".json").write_text(_json.dumps(a.as_dict(), indent=2) + "\n")
-            out.with_suffix(".md").write_text(md)
-            console.print(f"analysis: {out.with_suffix('.json')}")
-        if a.main is not None and not a.main.passes:
-            raise typer.Exit(1)
-
-
-@protocol_app.command("show")
-def protocol_show_cmd(file: Path = typer.Argument(..., help="protocol YAML file")) -> None:
-    """Check that FILE is frozen and unchanged, and print its hypotheses and hash."""
-    from splitleak.audit.protocol import load_protocol
-
-    with _user_errors():
-        proto, digest = load_protocol(file)
-        console.print(f"{proto.name} ({proto.source}) sha256 {digest}")
-        for h in proto.hypotheses:
-            console.print(f"- {h}")
-
-
-# ------------------------------------------------------------------ commands
 @app.command("models")
 def models_cmd() -> None:
     """List the model presets and whether each loads offline here."""
@@ -210,7 +83,7 @@ def train_cmd(
     """Split-train a model over the wire, measure utility and capture the traffic into OUT."""
     from splitleak.training import run_training
 
-    with _user_errors():
+    with user_errors():
         options = dict(
             model=model,
             model_path=model_path,
@@ -239,9 +112,9 @@ def train_cmd(
                     "were both given; put the whole configuration in the YAML file, or use options only"
                 )
             cfg = load_train_yaml(config)
-            with _progress(quiet) as prog:
+            with progress(quiet) as prog:
                 res = run_training(cfg, out, force=force, device=device, threads=threads, progress=prog)
-            _print_summary(res)
+            print_summary(res)
             return
         if depth is None and offload_start is None and offload_length is None:
             raise ConfigError("give --depth L (plain split) or --offload-start b --offload-length s")
@@ -264,9 +137,9 @@ def train_cmd(
             doc_len=doc_len,
             all_local_baseline=not no_baseline,
         )
-        with _progress(quiet) as prog:
+        with progress(quiet) as prog:
             res = run_training(cfg, out, force=force, device=device, threads=threads, progress=prog)
-        _print_summary(res)
+        print_summary(res)
 
 
 _TRAIN_DEFAULTS = dict(
@@ -299,7 +172,7 @@ def load_train_yaml(path: Path):
     return _train_config(**data)
 
 
-def _print_summary(res) -> None:
+def print_summary(res) -> None:
     m = res.metrics
     t = Table(title=f"run {res.run_dir}")
     t.add_column("measure")
@@ -352,7 +225,7 @@ def channels_cmd(
     tap captured it, which registered attacks read it, and its status."""
     from splitleak.audit.channels import HEADER, channel_table, channels_json, run_declaration, table_rows
 
-    with _user_errors():
+    with user_errors():
         if as_json:
             print(channels_json(run_dir))
             return
@@ -424,7 +297,7 @@ def attack_cmd(
     from splitleak.audit.evaluate import run_attack
     from splitleak.training.run import apply_threads, resolve_device
 
-    with _user_errors():
+    with user_errors():
         apply_threads(threads)
         dev = resolve_device(device)
         b: int | str | None = budget
@@ -452,7 +325,7 @@ def attack_cmd(
             from splitleak.audit.protocol import load_protocol
 
             _, protocol_hash = load_protocol(protocol)
-        with _progress(quiet) as prog:
+        with progress(quiet) as prog:
             res = run_attack(
                 run_dir, cfg, out=out, force=force, progress=prog, device=str(dev), protocol_hash=protocol_hash
             )
@@ -485,171 +358,3 @@ def attack_cmd(
             t.add_row("leakage index I", f"{res['leakage_index']:.4f}")
         t.add_row("seconds", f"{res['seconds']:.1f}")
         console.print(t)
-
-
-@app.command("calibrate")
-def calibrate_cmd(
-    run_dir: Path = typer.Argument(..., help="a run directory written by `splitleak train`"),
-    attack: str = typer.Option(
-        ..., "--attack", help="the token attack to calibrate (vmi, activation, joint, sipit, ...)"
-    ),
-    out: Optional[Path] = typer.Option(
-        None, "--out", help="output folder (default: RUN_DIR's parent / calibration-ATTACK)"
-    ),
-    coverage: list[float] = typer.Option(
-        list(DEFAULT_COVERAGES), "--coverage", help="share of rows dosed; repeat for a ladder"
-    ),
-    amplitude: list[float] = typer.Option(
-        [1.0], "--amplitude", help="strength of the planted signal in (0, 1]; repeat"
-    ),
-    copy: str = typer.Option("public", "--copy", help="the attacker's copy of the client layers: public or trained"),
-    k: Optional[int] = typer.Option(None, "--k"),
-    budget: Optional[int] = typer.Option(None, "--budget"),
-    n_docs: Optional[int] = typer.Option(None, "--n-docs", help="calibrate on the first N captured documents"),
-    seed: int = typer.Option(0, "--seed"),
-    n_boot: int = typer.Option(2000, "--n-boot"),
-    force: bool = typer.Option(False, "--force"),
-    threads: Optional[int] = ThreadsOpt,
-    quiet: bool = typer.Option(False, "--quiet"),
-) -> None:
-    """Inject a known token leak into the capture at rising dose and record where each metric (token
-    top-1, rare-token top-1, cross-entropy, membership AUC) first detects it (Politis & Pappas 2026, §4)."""
-    from splitleak.audit.calibrate import calibration_table, onset_text
-    from splitleak.training.run import apply_threads
-
-    with _user_errors():
-        apply_threads(threads)
-        from splitleak.audit.calibrate import METRICS, calibrate
-
-        target = out if out is not None else run_dir.parent / f"calibration-{attack}"
-        with _progress(quiet) as prog:
-            res = calibrate(
-                run_dir,
-                attack,
-                out=target,
-                coverages=coverage,
-                amplitudes=amplitude,
-                client_copy=copy,
-                k=k,
-                budget=budget,
-                n_docs=n_docs,
-                seed=seed,
-                n_boot=n_boot,
-                force=force,
-                progress=prog,
-            )
-        header, rows = calibration_table(res.record)
-        t = Table(title=f"dose-response of {attack} on {run_dir} (✓ detected)")
-        for i, col in enumerate(header):
-            t.add_column(col, justify="left" if i == 0 else "right")
-        for row in rows:
-            t.add_row(*row)
-        console.print(t)
-        for m in METRICS:
-            console.print(f"{m}: {onset_text(res.record, m)}")
-        console.print(f"calibration: {target / 'calibration.json'} (table .md, figure .png/.svg)")
-
-
-@app.command("compare")
-def compare_cmd(
-    runs: list[Path] = typer.Argument(..., help="run directories or audit folders"),
-    figure: Optional[Path] = typer.Option(
-        None, "--figure", help="write the leakage-against-cost figure as FIGURE.png and FIGURE.svg"
-    ),
-) -> None:
-    """One table of the runs (defence, depth, utility, and recovery per attack, one line per attack),
-    and the leakage-against-cost figure."""
-    from splitleak.report.compare import compare_runs, leakage_cost_figure, table_rows
-
-    with _user_errors():
-        summaries = compare_runs(runs)
-        header, rows = table_rows(summaries)
-        t = Table(title="leakage and cost per run")
-        for i, col in enumerate(header):
-            t.add_column(col, justify="left" if i in (0, 1, 2, 8) else "right")
-        for row in rows:
-            t.add_row(*row)
-        console.print(t)
-        if figure is not None:
-            for p in leakage_cost_figure(summaries, figure):
-                console.print(f"figure: {p}")
-
-
-@app.command("audit")
-def audit_cmd(
-    out: Optional[Path] = typer.Option(None, "--out", help="output folder (default: runs/audit-<time>)"),
-    model: Optional[str] = typer.Option(None, "--model", help="default: smollm2-135m when installed, else tiny-gpt2"),
-    model_path: Optional[Path] = typer.Option(None, "--model-path"),
-    depth: Optional[int] = typer.Option(None, "--depth", help="default 6 (capped for models with fewer blocks)"),
-    defence: list[str] = typer.Option(["none"], "--defence"),
-    defence_arg: list[str] = typer.Option([], "--defence-arg"),
-    data: str = typer.Option("synthetic-pii", "--data"),
-    data_path: Optional[Path] = typer.Option(None, "--data-path"),
-    seed: int = typer.Option(0, "--seed"),
-    steps: Optional[int] = typer.Option(None, "--steps"),
-    n_calib: int = typer.Option(N_CALIB, "--n-calib"),
-    n_train: int = typer.Option(N_TRAIN, "--n-train"),
-    n_eval: int = typer.Option(N_EVAL, "--n-eval"),
-    force: bool = typer.Option(False, "--force"),
-    device: str = DeviceOpt,
-    threads: Optional[int] = ThreadsOpt,
-    quiet: bool = typer.Option(False, "--quiet"),
-    no_twin: bool = typer.Option(
-        False, "--no-twin", help="with a defence, skip the undefended twin run (and the relative perplexity cost)"
-    ),
-) -> None:
-    """The main job: train and capture on embedded defaults, attack the traffic, write a report."""
-    from splitleak.audit.run import choose_default_model, run_audit
-
-    with _user_errors():
-        if model is None:
-            model, why = choose_default_model()
-            console.print(f"model: [bold]{model}[/] ({why})")
-        if out is None:
-            out = Path("runs") / f"audit-{datetime.now():%Y%m%d-%H%M%S}"
-        with _progress(quiet) as prog:
-            res = run_audit(
-                out,
-                model=model,
-                model_path=str(model_path) if model_path else None,
-                depth=depth,
-                defences=parse_defences(defence, defence_arg),
-                data=data,
-                data_path=str(data_path) if data_path else None,
-                seed=seed,
-                steps=steps,
-                n_calib=n_calib,
-                n_train=n_train,
-                n_eval=n_eval,
-                force=force,
-                device=device,
-                threads=threads,
-                progress=prog,
-                say=console.print,
-                twin=not no_twin,
-            )
-        _print_summary(res.run)
-        from splitleak.audit.run import ATTACK_HEADER, attack_table_rows
-
-        t = Table(title="leakage (public copy of the client layers)")
-        for i, col in enumerate(ATTACK_HEADER):
-            t.add_column(col, justify="left" if i == 0 else "right")
-        for row in attack_table_rows(res.attacks):
-            t.add_row(*row)
-        console.print(t)
-        console.print(res.summary)
-        console.print(f"[bold]{res.verdict}[/]")
-        console.print(f"report: {res.out / 'report.md'}")
-
-
-from splitleak.experiments.cli import app as experiment_app  # noqa: E402
-
-app.add_typer(experiment_app, name="experiment")
-
-
-def main() -> None:  # console-script entry point
-    app()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,27 +1,20 @@
-"""``splitleak experiment run|status|plan``: parses, then calls ``splitleak.experiments``."""
+"""``splitleak experiment run|status|plan|report``: parses, then calls ``splitleak.experiments``."""
 
 from __future__ import annotations
 
-import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from splitleak.errors import SplitleakError
+from splitleak.cli.common import app, console, err, first_line, user_errors
 
-app = typer.Typer(
+experiment_app = typer.Typer(
     help="Experiment grids: expand a spec into jobs, run them locally or on Ray, resume, show status.",
     no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
 )
-console = Console() if sys.stdout.isatty() else Console(width=160)
-err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=160)
+app.add_typer(experiment_app, name="experiment")
 
 SpecArg = typer.Argument(..., help="a spec YAML file, or a shipped name (paper_main, partial_offloading)")
 ProfileOpt = typer.Option(None, "--profile", help="a profile of the spec (quick, full, ...); default full when defined")
@@ -33,21 +26,7 @@ OverrideOpt = typer.Option(
 StoreOpt = typer.Option(None, "--store", help="results store folder (default: <spec stem>-results/ beside the spec)")
 
 
-@contextmanager
-def _user_errors():
-    try:
-        yield
-    except SplitleakError as exc:
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2) from None
-
-
-def _first_line(text: str, limit: int = 300) -> str:
-    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
-    return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-@app.command("run")
+@experiment_app.command("run")
 def run_cmd(
     spec: str = SpecArg,
     profile: Optional[str] = ProfileOpt,
@@ -73,7 +52,7 @@ def run_cmd(
     from splitleak.experiments import run_grid
     from splitleak.experiments.display import PlainReporter, RichReporter, SilentReporter
 
-    with _user_errors():
+    with user_errors():
         if quiet:
             reporter = SilentReporter()
         elif console.is_terminal:
@@ -105,7 +84,7 @@ def run_cmd(
         err.print(f"[bold red]{len(res.failures)} job(s) did not finish:[/]", highlight=False)
         for f in res.failures:
             err.print(
-                f"  {f.key[:12]}  {f.kind:<6} {f.summary}: {f.error_type}: {_first_line(f.error)}",
+                f"  {f.key[:12]}  {f.kind:<6} {f.summary}: {f.error_type}: {first_line(f.error)}",
                 highlight=False,
                 markup=False,
                 soft_wrap=True,
@@ -118,7 +97,7 @@ def run_cmd(
         raise typer.Exit(1)
 
 
-@app.command("status")
+@experiment_app.command("status")
 def status_cmd(
     spec: str = SpecArg,
     profile: Optional[str] = ProfileOpt,
@@ -128,7 +107,7 @@ def status_cmd(
     """Count done / running / failed / pending jobs of SPEC in its store and list the failed ones."""
     from splitleak.experiments import grid_status
 
-    with _user_errors():
+    with user_errors():
         st = grid_status(spec, profile=profile, overrides=override, store=store)
     counts = st.counts()
     t = Table(title=f"{st.grid.loaded.name} (profile {st.grid.loaded.profile or 'base'}) in {st.store}")
@@ -151,14 +130,14 @@ def status_cmd(
             )
     for key, f in st.failures.items():
         console.print(
-            f"failed   {key[:12]}  {f['summary']}: {f['error_type']}: {_first_line(f['error'])}",
+            f"failed   {key[:12]}  {f['summary']}: {f['error_type']}: {first_line(f['error'])}",
             highlight=False,
             markup=False,
             soft_wrap=True,
         )
 
 
-@app.command("plan")
+@experiment_app.command("plan")
 def plan_cmd(
     spec: str = SpecArg,
     profile: Optional[str] = ProfileOpt,
@@ -168,7 +147,7 @@ def plan_cmd(
     """Expand SPEC into its jobs and print how many of each kind; writes nothing."""
     from splitleak.experiments import plan_grid
 
-    with _user_errors():
+    with user_errors():
         grid = plan_grid(spec, profile=profile, overrides=override)
     c = grid.counts()
     console.print(
@@ -182,7 +161,7 @@ def plan_cmd(
             console.print(f"{j.key[:12]}  {j.kind:<6} {j.summary}", highlight=False, markup=False, soft_wrap=True)
 
 
-@app.command("report")
+@experiment_app.command("report")
 def report_cmd(
     spec: str = SpecArg,
     profile: Optional[str] = ProfileOpt,
@@ -199,7 +178,7 @@ def report_cmd(
     """Write the report of SPEC's grid from its store: main test, family, recovery tables, figures."""
     from splitleak.report.grid import grid_report
 
-    with _user_errors():
+    with user_errors():
         rep = grid_report(spec, profile=profile, overrides=override, store=store, out=out, n_boot=n_boot)
     for p in rep.paths:
         console.print(str(p), highlight=False, markup=False, soft_wrap=True)

@@ -1,0 +1,20 @@
+"""The command line: parses, then calls the same functions a Python user would.
+
+One module per group of commands; importing this package registers them all on ``app``."""
+
+from __future__ import annotations
+
+import sys
+
+from splitleak.cli import audit, experiment, protocol, runs  # noqa: F401  (each registers its commands)
+from splitleak.cli.common import app, parse_defences
+
+__all__ = ["app", "main", "parse_defences"]
+
+
+def main() -> None:  # console-script entry point
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

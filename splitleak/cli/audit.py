@@ -1,0 +1,175 @@
+"""``splitleak calibrate|compare|audit``: the instrument's calibration, runs side by side, the main job."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from splitleak.audit.defaults import DEFAULT_COVERAGES
+from splitleak.cli.common import DeviceOpt, ThreadsOpt, app, console, parse_defences, progress, user_errors
+from splitleak.cli.runs import print_summary
+from splitleak.data import N_CALIB, N_EVAL, N_TRAIN
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    run_dir: Path = typer.Argument(..., help="a run directory written by `splitleak train`"),
+    attack: str = typer.Option(
+        ..., "--attack", help="the token attack to calibrate (vmi, activation, joint, sipit, ...)"
+    ),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="output folder (default: RUN_DIR's parent / calibration-ATTACK)"
+    ),
+    coverage: list[float] = typer.Option(
+        list(DEFAULT_COVERAGES), "--coverage", help="share of rows dosed; repeat for a ladder"
+    ),
+    amplitude: list[float] = typer.Option(
+        [1.0], "--amplitude", help="strength of the planted signal in (0, 1]; repeat"
+    ),
+    copy: str = typer.Option("public", "--copy", help="the attacker's copy of the client layers: public or trained"),
+    k: Optional[int] = typer.Option(None, "--k"),
+    budget: Optional[int] = typer.Option(None, "--budget"),
+    n_docs: Optional[int] = typer.Option(None, "--n-docs", help="calibrate on the first N captured documents"),
+    seed: int = typer.Option(0, "--seed"),
+    n_boot: int = typer.Option(2000, "--n-boot"),
+    force: bool = typer.Option(False, "--force"),
+    threads: Optional[int] = ThreadsOpt,
+    quiet: bool = typer.Option(False, "--quiet"),
+) -> None:
+    """Inject a known token leak into the capture at rising dose and record where each metric (token
+    top-1, rare-token top-1, cross-entropy, membership AUC) first detects it (Politis & Pappas 2026, §4)."""
+    from splitleak.report.calibration import calibration_table, onset_text, write_calibration_report
+    from splitleak.training.run import apply_threads
+
+    with user_errors():
+        apply_threads(threads)
+        from splitleak.audit.calibrate import METRICS, calibrate
+
+        target = out if out is not None else run_dir.parent / f"calibration-{attack}"
+        with progress(quiet) as prog:
+            res = calibrate(
+                run_dir,
+                attack,
+                out=target,
+                coverages=coverage,
+                amplitudes=amplitude,
+                client_copy=copy,
+                k=k,
+                budget=budget,
+                n_docs=n_docs,
+                seed=seed,
+                n_boot=n_boot,
+                force=force,
+                progress=prog,
+            )
+        header, rows = calibration_table(res.record)
+        t = Table(title=f"dose-response of {attack} on {run_dir} (✓ detected)")
+        for i, col in enumerate(header):
+            t.add_column(col, justify="left" if i == 0 else "right")
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+        for m in METRICS:
+            console.print(f"{m}: {onset_text(res.record, m)}")
+        console.print(f"calibration: {target / 'calibration.json'}")
+        for p in write_calibration_report(target):
+            console.print(f"report: {p}", highlight=False)
+
+
+@app.command("compare")
+def compare_cmd(
+    runs: list[Path] = typer.Argument(..., help="run directories or audit folders"),
+    figure: Optional[Path] = typer.Option(
+        None, "--figure", help="write the leakage-against-cost figure as FIGURE.png and FIGURE.svg"
+    ),
+) -> None:
+    """One table of the runs (defence, depth, utility, and recovery per attack, one line per attack),
+    and the leakage-against-cost figure."""
+    from splitleak.report.compare import compare_runs, leakage_cost_figure, table_rows
+
+    with user_errors():
+        summaries = compare_runs(runs)
+        header, rows = table_rows(summaries)
+        t = Table(title="leakage and cost per run")
+        for i, col in enumerate(header):
+            t.add_column(col, justify="left" if i in (0, 1, 2, 8) else "right")
+        for row in rows:
+            t.add_row(*row)
+        console.print(t)
+        if figure is not None:
+            for p in leakage_cost_figure(summaries, figure):
+                console.print(f"figure: {p}")
+
+
+@app.command("audit")
+def audit_cmd(
+    out: Optional[Path] = typer.Option(None, "--out", help="output folder (default: runs/audit-<time>)"),
+    model: Optional[str] = typer.Option(None, "--model", help="default: smollm2-135m when installed, else tiny-gpt2"),
+    model_path: Optional[Path] = typer.Option(None, "--model-path"),
+    depth: Optional[int] = typer.Option(None, "--depth", help="default 6 (capped for models with fewer blocks)"),
+    defence: list[str] = typer.Option(["none"], "--defence"),
+    defence_arg: list[str] = typer.Option([], "--defence-arg"),
+    data: str = typer.Option("synthetic-pii", "--data"),
+    data_path: Optional[Path] = typer.Option(None, "--data-path"),
+    seed: int = typer.Option(0, "--seed"),
+    steps: Optional[int] = typer.Option(None, "--steps"),
+    n_calib: int = typer.Option(N_CALIB, "--n-calib"),
+    n_train: int = typer.Option(N_TRAIN, "--n-train"),
+    n_eval: int = typer.Option(N_EVAL, "--n-eval"),
+    force: bool = typer.Option(False, "--force"),
+    device: str = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
+    quiet: bool = typer.Option(False, "--quiet"),
+    no_twin: bool = typer.Option(
+        False, "--no-twin", help="with a defence, skip the undefended twin run (and the relative perplexity cost)"
+    ),
+) -> None:
+    """The main job: train and capture on embedded defaults, attack the traffic, write a report."""
+    from splitleak.audit.run import choose_default_model, run_audit
+
+    with user_errors():
+        if model is None:
+            model, why = choose_default_model()
+            console.print(f"model: [bold]{model}[/] ({why})")
+        if out is None:
+            out = Path("runs") / f"audit-{datetime.now():%Y%m%d-%H%M%S}"
+        with progress(quiet) as prog:
+            res = run_audit(
+                out,
+                model=model,
+                model_path=str(model_path) if model_path else None,
+                depth=depth,
+                defences=parse_defences(defence, defence_arg),
+                data=data,
+                data_path=str(data_path) if data_path else None,
+                seed=seed,
+                steps=steps,
+                n_calib=n_calib,
+                n_train=n_train,
+                n_eval=n_eval,
+                force=force,
+                device=device,
+                threads=threads,
+                progress=prog,
+                say=console.print,
+                twin=not no_twin,
+            )
+        print_summary(res.run)
+        from splitleak.report.audit import ATTACK_HEADER, attack_table_rows, write_audit_report
+
+        written = write_audit_report(res.out)
+
+        t = Table(title="leakage (public copy of the client layers)")
+        for i, col in enumerate(ATTACK_HEADER):
+            t.add_column(col, justify="left" if i == 0 else "right")
+        for row in attack_table_rows(res.attacks):
+            t.add_row(*row)
+        console.print(t)
+        console.print(res.summary)
+        console.print(f"[bold]{res.verdict}[/]")
+        for p in written[:2]:
+            console.print(f"report: {p}", highlight=False)

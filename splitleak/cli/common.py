@@ -1,0 +1,79 @@
+"""What every command shares: the application, the consoles, the error guard, the common options."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from splitleak.errors import ConfigError, SplitleakError
+
+app = typer.Typer(
+    help="splitleak: split learning of language models, what crosses the split, and what it gives away.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console() if sys.stdout.isatty() else Console(width=160)  # wide tables in plain logs
+err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=160)
+
+
+@contextmanager
+def user_errors():
+    """The project's own errors become one red line on stderr and exit status 2, no traceback."""
+    try:
+        yield
+    except SplitleakError as exc:
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+def first_line(text: str, limit: int = 300) -> str:
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+# ------------------------------------------------------------------ shared options
+DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present), cpu or cuda")
+ThreadsOpt = typer.Option(None, "--threads", help="torch intra-op threads (default: torch's choice)")
+
+
+def parse_defences(names: list[str], args: list[str]) -> list[dict[str, Any]]:
+    """``--defence quant4-noisy --defence-arg clip=1.0`` or ``--defence quant4-noisy:clip=1.0,noise=0.1``;
+    with several defences, ``--defence-arg NAME.KEY=VALUE``. Applied in the order given."""
+    from splitleak.wire.defences import parse_defence_args
+
+    specs: list[dict[str, Any]] = []
+    for raw in names or ["none"]:
+        name, _, inline = raw.partition(":")
+        specs.append({"name": name.strip(), "args": parse_defence_args([x for x in inline.split(",") if x])})
+    for item in args or []:
+        key, _, _ = item.partition("=")
+        if "." in key:
+            target, _, rest = item.partition(".")
+            matches = [s for s in specs if s["name"] == target]
+            if not matches:
+                raise ConfigError(f"--defence-arg {item}: no defence named {target!r} was given with --defence")
+            matches[0]["args"].update(parse_defence_args([rest]))
+        elif len(specs) == 1:
+            specs[0]["args"].update(parse_defence_args([item]))
+        else:
+            raise ConfigError(f"--defence-arg {item} is ambiguous with {len(specs)} defences; write NAME.{item}")
+    return specs
+
+
+def progress(quiet: bool):
+    from splitleak.progress import Silent, rich_progress
+
+    if quiet:
+
+        @contextmanager
+        def silent():
+            yield Silent()
+
+        return silent()
+    return rich_progress()

@@ -1,0 +1,69 @@
+"""``splitleak protocol freeze|analyse|show``: protocols fixed before the runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from splitleak.cli.common import app, console, user_errors
+
+protocol_app = typer.Typer(help="Protocols fixed before the runs: freeze, show, analyse.", no_args_is_help=True)
+app.add_typer(protocol_app, name="protocol")
+
+
+@protocol_app.command("freeze")
+def protocol_freeze_cmd(file: Path = typer.Argument(..., help="protocol YAML file")) -> None:
+    """Validate FILE and record its SHA-256 in FILE.frozen.json; results written under it carry the hash."""
+    from splitleak.audit.protocol import freeze_protocol
+
+    with user_errors():
+        digest = freeze_protocol(file)
+        console.print(f"frozen {file}: sha256 {digest}")
+
+
+@protocol_app.command("analyse")
+def protocol_analyse_cmd(
+    file: Path = typer.Argument(..., help="the frozen protocol file"),
+    results: list[Path] = typer.Argument(
+        ..., help="attack RESULT.json files, or folders holding them (searched recursively)"
+    ),
+    out: Optional[Path] = typer.Option(None, "--out", help="write the analysis as OUT.json and OUT.md"),
+) -> None:
+    """Apply a frozen protocol to results: the main test against its pass mark, the Bonferroni family,
+    and the partial-offloading tests. Results not written under the protocol's hash are refused."""
+    import json as _json
+
+    from splitleak.audit.analysis import analyse, find_results, rows_from_results, run_rows_from_results
+    from splitleak.audit.protocol import load_protocol
+    from splitleak.report.analysis import analysis_markdown
+
+    with user_errors():
+        proto, digest = load_protocol(file)
+        found = find_results(results)
+        a = analyse(proto, digest, rows_from_results(found), run_rows_from_results(found))
+        md = analysis_markdown(a)
+        console.print(md, markup=False, highlight=False)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.with_suffix(".json").write_text(_json.dumps(a.as_dict(), indent=2) + "\n")
+            out.with_suffix(".md").write_text(md)
+            console.print(f"analysis: {out.with_suffix('.json')}")
+        if a.main is not None and not a.main.passes:
+            raise typer.Exit(1)
+
+
+@protocol_app.command("show")
+def protocol_show_cmd(file: Path = typer.Argument(..., help="protocol YAML file")) -> None:
+    """Check that FILE is frozen and unchanged, and print its hypotheses and hash."""
+    from splitleak.audit.protocol import load_protocol
+
+    with user_errors():
+        proto, digest = load_protocol(file)
+        console.print(f"{proto.name} ({proto.source}) sha256 {digest}")
+        for h in proto.hypotheses:
+            console.print(f"- {h}")
+
+
+# ------------------------------------------------------------------ commands

@@ -1,0 +1,73 @@
+"""A protocol analysis (``splitleak.audit.analysis``) as Markdown: the main test, the Bonferroni
+family and the partial-offloading tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitleak.audit.analysis import Analysis, ComparisonResult
+
+
+def analysis_markdown(a: Analysis) -> str:
+    def fmt(c: ComparisonResult) -> str:
+        if c.missing:
+            return f"missing ({c.missing})"
+        return (
+            f"{100 * c.estimate:+.2f} pp, interval [{100 * c.low:+.2f}, {100 * c.high:+.2f}] at α = {c.alpha:.4g}; "
+            f"{'passes' if c.passes else 'fails'} (mark {100 * c.mark:+.2f} pp; {c.n_models} models × {c.n_docs} documents)"
+        )
+
+    lines = [f"# Analysis under protocol `{a.protocol}`", "", f"Protocol SHA-256 `{a.protocol_hash}`.", ""]
+    if a.main is not None:
+        lines += [
+            "## Main test",
+            "",
+            f"{selection_text(a.main.treatment)} − {selection_text(a.main.control)}: {fmt(a.main)}",
+            "",
+        ]
+    if a.family:
+        n_pass = sum(c.passes for c in a.family)
+        lines += [
+            "## Family",
+            "",
+            f"{n_pass} of {len(a.family)} comparisons pass at α = {a.family_alpha:.4g} each (Bonferroni).",
+            "",
+            "| treatment | control | difference |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {selection_text(c.treatment)} | {selection_text(c.control)} | {fmt(c)} |" for c in a.family]
+        lines.append("")
+    if a.partial_offloading:
+        lines += [
+            "## Partial offloading",
+            "",
+            "| model | defence | outcome | runs | partial R² | interval | p | passes | "
+            "held-out RMSE (length → with start) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in a.partial_offloading:
+            if "missing" in r:
+                lines.append(
+                    f"| {r['model']} | {r['defence']} | {r['outcome']} | {r['runs']} | missing: {r['missing']} "
+                    "| | | | |"
+                )
+                continue
+            h = r.get("heldout") or {}
+            ht = (
+                "n/a"
+                if not h or "missing" in h
+                else f"{h['rmse_length']:.4f} → {h['rmse_with_start']:.4f} ({100 * h['reduction']:+.1f} %; "
+                f"{'≥' if h['passes'] else '<'} {100 * h['required']:.0f} %)"
+            )
+            lines.append(
+                f"| {r['model']} | {r['defence']} | {r['outcome']} | {r['runs']} | {r['partial_r2']:.4f} | "
+                f"[{r['low']:.4f}, {r['high']:.4f}] | {r['p_value']:.4g} | {'yes' if r['passes'] else 'no'} | "
+                f"{ht} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def selection_text(s: dict[str, Any]) -> str:
+    """A selector of results as ``key=value, ...`` (``(all)`` when it selects everything)."""
+    return ", ".join(f"{k}={v}" for k, v in s.items()) or "(all)"

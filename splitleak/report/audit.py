@@ -1,0 +1,180 @@
+"""The audit as a person reads it: the verdict, the leakage per attack, the verdict words per arm,
+the instrument's calibration, the channel table and the utility, rendered from the audit's
+``report.json`` (``splitleak.audit.run``) as ``report.md`` and a self-contained ``report.html``.
+
+Rendering is separate from measuring: ``write_audit_report(OUT)`` re-renders an audit folder from
+its JSON at any time, without rerunning anything.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from splitleak.audit.channels import HEADER as CHANNEL_HEADER
+from splitleak.audit.channels import table_rows as channel_rows
+from splitleak.audit.evaluate import attack_label
+from splitleak.audit.verdicts import GATE
+from splitleak.data import LABELS
+from splitleak.errors import SplitleakError
+from splitleak.metrics import fmt_pct
+from splitleak.report.calibration import write_calibration_report
+from splitleak.report.document import Document, Figure, Heading, Para, Table, render_html, render_markdown
+
+ATTACK_HEADER = ["attack", "token %", "document %", "name spans %", "number spans %", "identifier spans %", "seconds"]
+ARM_HEADER = ["attack", "token top-1 %", "A over constant (pp)", "verdict", "shuffled-label N (pp)", "control"]
+CALIBRATION_METRICS = ("token_top1", "rare_token_top1", "token_cross_entropy", "membership_auc")
+
+
+def attack_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in results:
+        spans = r.get("span_recovery") or {}
+        rows.append(
+            [attack_label(r), fmt_pct(r["token_recovery"]), fmt_pct(r["doc_recovery"])]
+            + ["n/a" if spans.get(c) is None else fmt_pct(spans[c]) for c in LABELS]
+            + [f"{r['seconds']:.0f}"]
+        )
+    return rows
+
+
+def arm_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in results:
+        a = r["arm"]
+        e, n = a["effect"], a["control"]
+        rows.append(
+            [
+                attack_label(r),
+                fmt_pct(a["accuracy"]),
+                f"{100 * e['estimate']:+.2f} [{100 * e['low']:+.2f}, {100 * e['high']:+.2f}]",
+                a["verdict"],
+                f"{100 * n['estimate']:+.2f} [{100 * n['low']:+.2f}, {100 * n['high']:+.2f}]",
+                a["control_verdict"],
+            ]
+        )
+    return rows
+
+
+def channel_table(rows: list[dict[str, Any]], notes: list[str] | tuple[str, ...] = ()) -> list[Table | Para]:
+    """The channel table, and one line per channel note and declaration note."""
+    blocks: list[Table | Para] = [Table(CHANNEL_HEADER, channel_rows(rows))]
+    extra = [f"{r['channel']}: {r['note']}" for r in rows if r["note"]] + list(notes)
+    blocks += [Para(line, kind="caption") for line in extra]
+    return blocks
+
+
+def _onset(o: dict[str, float] | None) -> str:
+    if o is None:
+        return "not detected at any dose"
+    return f"first detects at coverage {o['coverage']:g} × amplitude {o['amplitude']:g}"
+
+
+def audit_document(report: dict[str, Any], calibration_figure: Path | None = None) -> Document:
+    m, cfg, v = report["metrics"], report["config"], report["verdicts"]
+    defence = "+".join(d["name"] for d in cfg["defences"])
+    doc = Document("splitleak audit")
+    doc.add(
+        Heading(1, "splitleak audit"),
+        Para(f"**{report['verdict']}**"),
+        Para(
+            f"Model `{cfg['model']}`, cut after {cfg['depth']} blocks, defence `{defence}`, data `{cfg['data']}` "
+            f"(seed {cfg['seed']}; {cfg['n_calib']} calibration / {cfg['n_train']} training / {cfg['n_eval']} "
+            f"evaluation documents of {cfg['doc_len']} tokens). Configuration hash `{report['config_hash'][:16]}`."
+        ),
+        Heading(2, "Leakage (public copy of the client layers, evaluation documents)"),
+        Table(ATTACK_HEADER, attack_table_rows(report["attacks"])),
+        Para(
+            "Percentages are rounded half-up to two decimals. Span recovery counts a span only when all its "
+            "tokens are right. `majority` is the control that guesses the calibration documents' most frequent "
+            "token at every position."
+        ),
+        Heading(2, "Verdict words (Politis & Pappas 2026, §3)"),
+        Table(ARM_HEADER, arm_table_rows(report["attacks"])),
+        Para(
+            f"Constant baseline: always guess token {v['constant_baseline']['token_id']}, the most frequent "
+            f"evaluation token ({fmt_pct(v['constant_baseline']['rate'])} %). A is the mean over documents of the "
+            "arm's accuracy minus the baseline's, with a 95 % document-bootstrap interval; **detected** when its "
+            "lower end is above 0, **at floor** when it includes 0, *below floor* when it lies below 0. N is the "
+            "same statistic against labels permuted across all positions (the shuffled-label negative control); "
+            "it must not be detected (chance agreement of varied predictions reads below floor). Gate (Politis & "
+            f"Pappas 2026, Eq. 1) over {', '.join(v['gate']['arms'])}: G = max Bonferroni–Wilson upper-95 − "
+            f"baseline = {100 * v['gate']['G']:+.2f} pp, "
+            f"{'breaks the gate' if v['gate']['breaks'] else 'holds the gate'} (+{100 * GATE:.2f} pp)."
+        ),
+        Heading(2, "Instrument calibration (Politis & Pappas 2026, §4)"),
+        Para(
+            f"`{v['calibration']['attack']}` on the first {v['calibration']['documents']} captured documents with "
+            "a known leak injected at rising coverage (see `calibration/calibration.md`):"
+        ),
+        Table(
+            ["metric", "zero-dose reading and onset"],
+            [
+                [
+                    name.replace("_", " "),
+                    f"zero dose {v['calibration']['zero_dose'][name]:.4g}; "
+                    f"{_onset(v['calibration']['onsets'].get(name))}",
+                ]
+                for name in CALIBRATION_METRICS
+            ],
+            kv=True,
+        ),
+    )
+    if calibration_figure is not None:
+        doc.add(Figure(calibration_figure, "Dose-response of the calibration attack per metric."))
+    doc.add(
+        Heading(2, "Channels (Politis & Pappas 2026, §3)"),
+        Para(
+            "Every channel the split mode and its defences declare, whether the tap captured it, which attacks of "
+            "this audit read it, and its status: **measured** (attacked, and the injected-leak calibration doses "
+            "it), **no positive control** (attacked, not calibrated), **no attack** (no attack of this audit read "
+            "it; the verdict above says nothing about it)."
+        ),
+        *channel_table(report.get("channels", []), report.get("channel_notes", [])),
+        Heading(2, "Utility"),
+    )
+    utility = [
+        ["held-out cross-entropy (nats)", f"{m['heldout_ce']:.4f}"],
+        ["held-out perplexity (geometric mean)", f"{m['perplexity']:.2f}"],
+        ["all-local cross-entropy", f"{m['all_local_ce']:.4f}"],
+        ["ΔU = L_split − L_all-local", f"{m['delta_u']:+.4f}"],
+        ["pretrained cross-entropy", f"{m['pretrained_ce']:.4f}"],
+    ]
+    cost = report.get("cost")
+    if cost:
+        utility += [
+            ["undefended twin: held-out cross-entropy", f"{cost['twin_heldout_ce']:.4f}"],
+            ["undefended twin: perplexity", f"{cost['twin_perplexity']:.2f}"],
+            ["relative perplexity change against the twin", f"{100 * cost['rel_ppl_change']:+.2f} %"],
+        ]
+    doc.add(Table(["measure", "value"], utility), Para(f"Run directory verified: {report['verify']}."))
+    return doc
+
+
+def read_audit_report(out: str | Path) -> dict[str, Any]:
+    p = Path(out) / "report.json"
+    if not p.is_file():
+        raise SplitleakError(f"{p} does not exist; run `splitleak audit --out {Path(out)}` first")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise SplitleakError(f"{p} is not valid JSON ({exc.msg}, line {exc.lineno}); rerun the audit") from None
+
+
+def write_audit_report(out: str | Path) -> list[Path]:
+    """Render the audit folder ``out`` (its ``report.json``, and ``calibration/calibration.json`` when
+    present) as ``report.md`` and ``report.html``; return the paths written."""
+    out = Path(out)
+    report = read_audit_report(out)
+    written: list[Path] = []
+    figure = None
+    if (out / "calibration" / "calibration.json").is_file():
+        cal = write_calibration_report(out / "calibration")
+        written += cal
+        figure = next(p for p in cal if p.suffix == ".png")
+    doc = audit_document(report, calibration_figure=figure)
+    md, page = out / "report.md", out / "report.html"
+    md.write_text(render_markdown(doc, base=out), encoding="utf-8")
+    page.write_text(render_html(doc), encoding="utf-8")
+    return [md, page, *written]
