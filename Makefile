@@ -35,12 +35,13 @@ test: install
 check: $(VENV)/.installed
 	$(PY) -m pytest -m "not slow and not e2e" -q
 
-# pyflakes, bugbear, import order and formatting (configured in pyproject.toml); CI runs it before the tests.
-# `make format` rewrites the files in place.
+# pyflakes, bugbear, import order and formatting, then mypy over the package (all configured in
+# pyproject.toml); CI runs it before the tests. `make format` rewrites the files in place.
 LINTED := splitleak tests benchmarks experiments
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
 
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff format $(LINTED)

@@ -23,6 +23,8 @@ Neither uses labels, server layers or evaluation text.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 import torch
 
@@ -170,6 +172,7 @@ class _GradientReader:
       ``output-gradient``), which sits next to the loss, as the server-side gradient of What Gradients Add's
       main split does (only the client's top blocks lie between it and the loss)."""
 
+    name: ClassVar[str]  # declared only: the attack this is mixed into names itself (Attack.name)
     gradient_source: str = DEFAULT_GRADIENT_SOURCE
 
     def observed_gradients(self, traffic: Traffic) -> torch.Tensor:

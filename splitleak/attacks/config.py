@@ -87,7 +87,8 @@ class AttackConfig(BaseModel):
     def __getattr__(self, name: str):  # cfg.k, cfg.budget, ...: the legacy names read from params
         if name in LEGACY_PARAMS:
             return self.params.get(name)
-        return super().__getattr__(name)
+        # pydantic defines BaseModel.__getattr__ under `if not TYPE_CHECKING`, so the checker does not see it
+        return super().__getattr__(name)  # type: ignore[misc]
 
     @model_serializer(mode="plain")
     def _dump(self) -> dict[str, Any]:

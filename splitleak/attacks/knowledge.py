@@ -186,7 +186,7 @@ class Traffic:
 
     def subset(self, rows: Sequence[int]) -> "Traffic":
         rows = list(rows)
-        picked = {k: (None if getattr(self, k) is None else getattr(self, k)[rows]) for k in self._ROWS}
+        picked: dict[str, Any] = {k: (None if getattr(self, k) is None else getattr(self, k)[rows]) for k in self._ROWS}
         return Traffic(
             tuple(self.doc_ids[i] for i in rows),
             **picked,

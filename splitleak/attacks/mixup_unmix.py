@@ -22,6 +22,7 @@ from splitleak.attacks.beam import ActivationBeam
 from splitleak.attacks.knowledge import Traffic
 from splitleak.attacks.ridge import cosine_topk
 from splitleak.errors import ConfigError
+from splitleak.progress import Progress
 
 
 class MixupUnmix(ActivationBeam):
@@ -48,6 +49,7 @@ class MixupUnmix(ActivationBeam):
         estimates 1 − λ. The median over coordinates resists the few coordinates with massive
         activations that would dominate a pooled fit."""
         rows = self._probed_rows(traffic)
+        assert traffic.probe_activations is not None  # _probed_rows refuses traffic without probe rows
         width = traffic.activations.shape[-1]
         x = traffic.activations[rows].double().reshape(-1, width)
         d = traffic.probe_activations[rows].double().reshape(-1, width)
@@ -79,14 +81,16 @@ class MixupUnmix(ActivationBeam):
 
     def unmix(self, traffic: Traffic, lam: float) -> Traffic:
         rows = self._probed_rows(traffic)
+        assert traffic.probe_activations is not None  # _probed_rows refuses traffic without probe rows
         act = traffic.activations.clone()
         x, d = act[rows], traffic.probe_activations[rows].to(act.dtype)
         act[rows] = (x - (1 - lam) * d) / lam
         return traffic.replace(activations=act)
 
-    def reconstruct(self, traffic, progress=None):
+    def reconstruct(self, traffic: Traffic, progress: Progress | None = None) -> Reconstruction:
         self._check(traffic)
         rows = self._probed_rows(traffic)
+        assert traffic.probe_activations is not None  # _probed_rows refuses traffic without probe rows
         lam = float(self.lam) if self.lam is not None else self.estimate_lambda(traffic)
         if not 0 < lam <= 1:
             raise ConfigError(f"mixup-unmix: lam must be in (0, 1], got {lam}")

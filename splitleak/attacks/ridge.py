@@ -37,7 +37,7 @@ class RidgeMap:
         u, s, vh = torch.linalg.svd(xc, full_matrices=False)
         uty = u.T @ yc  # [r, d_out]
         s2 = s**2
-        best = None
+        best: tuple[float, float] | None = None  # (leave-one-out MSE, lambda)
         n = x.shape[0]
         for rel in grid:
             lam = float(rel * s2.max())
@@ -48,6 +48,7 @@ class RidgeMap:
             mse = float(resid.pow(2).mean())
             if best is None or mse < best[0]:
                 best = (mse, lam)
+        assert best is not None  # the grid is not empty
         mse, lam = best
         w = vh.T @ ((s / (s2 + lam))[:, None] * uty)
         return cls(w.to(dtype), xm.to(dtype), ym.to(dtype), lam, mse)

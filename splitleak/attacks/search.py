@@ -107,7 +107,7 @@ def beam_search_naive(
     for i in range(n):
         obs = observed[i].to(client.device, client.dtype)
         # a beam: (tokens, per-position distances, cumulative distance as a 0-d tensor)
-        beams = [([], [], torch.zeros((), dtype=client.dtype))]
+        beams: list[tuple[list[int], list[float], torch.Tensor]] = [([], [], torch.zeros((), dtype=client.dtype))]
         for t in range(T):
             texts, steps, totals = [], [], []
             for prefix, ds, cum in beams:

@@ -91,11 +91,12 @@ class TokenProbe:
         self.embedding_ = emb
         cos = self._cosine(first(x[half:].reshape(-1, d)))
         truth = ids[half:].reshape(-1).to(cos.device)
-        best = None
+        best: tuple[float, float] | None = None  # (cross-entropy, tau)
         for tau in _TAUS:
             ce = float(-self._mix(torch.log_softmax(cos.double() / tau, dim=-1).gather(1, truth[:, None])).mean())
             if best is None or ce < best[0]:
                 best = (ce, float(tau))
+        assert best is not None  # _TAUS is not empty
         self.tau_ = best[1]
         self.ridge_ = RidgeMap.fit(x.reshape(-1, d), emb[ids.reshape(-1).to(client.device)])
         return self
@@ -274,7 +275,9 @@ def calibrate(
     for d in doses:
         frame = inject_leak(traffic.activations, reference, d.coverage, d.amplitude, order)
         dosed = traffic.replace(activations=frame)
-        pred = att.reconstruct(dosed).tokens.numpy()
+        tokens = att.reconstruct(dosed).tokens
+        assert tokens is not None  # a token attack: the property attack was refused above
+        pred = tokens.numpy()
         right = pred == truth
         ll = probe.log_likelihood(frame, truth_t).numpy()
         ll_mem = probe.log_likelihood(

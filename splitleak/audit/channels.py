@@ -50,6 +50,7 @@ def _captured(run_dir: Path) -> dict[str, dict[str, Any]]:
                     c["rows"][phase] = c["rows"].get(phase, 0) + span[1] - span[0]
                     c["shape"].setdefault(phase, [span[1] - span[0], *rec.frame.tensor.shape[1:]])
                 elif name == "labels":
+                    assert rec.frame.labels is not None  # frame_channels names labels only when the frame has them
                     c["shape"].setdefault(phase, list(rec.frame.labels.shape))
     return out
 

@@ -183,9 +183,10 @@ def run_attack(
                 row["step"] = step
             per_doc_rows.append(row)
         if config.phase == "train":
+            assert traffic.steps is not None  # training-phase traffic records each frame's step
             result["weights"] = (
                 f"each frame was produced by the client weights after as many training steps as its step number "
-                f"(0 … {max(steps)}); the attacker's copy is the {config.client_copy} one "
+                f"(0 … {max(traffic.steps)}); the attacker's copy is the {config.client_copy} one "
                 f"({'pretrained' if config.client_copy == 'public' else 'after the last step'})"
             )
     else:
@@ -193,6 +194,7 @@ def run_attack(
         props = property_scores(scores, rec.extra["property_tokens"], docs)
         vmi = VMI(seed=config.attack_seed).fit(knowledge).reconstruct(traffic).tokens
         maj = Majority().fit(knowledge).reconstruct(traffic).tokens
+        assert vmi is not None and maj is not None  # token attacks
         truth = torch.tensor([list(d.token_ids) for d in docs])
         a_vmi = float((vmi == truth).float().mean())
         a_ctl = float((maj == truth).float().mean())

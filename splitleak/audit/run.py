@@ -42,7 +42,7 @@ DEFAULT_MODEL = "smollm2-135m"
 FALLBACK_MODEL = "tiny-gpt2"
 DEFAULT_DEPTH = 6
 #: the attacks the audit runs, with the main setting of What Gradients Add (k = 32; SipIt with 32 checks per token)
-AUDIT_ATTACKS = (
+AUDIT_ATTACKS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("majority", {}),
     ("vmi", {}),
     ("activation", {"k": 32}),

@@ -23,9 +23,10 @@ includes zero (and *below floor* when it lies wholly below zero, which Politis &
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from splitleak.errors import DataError
 from splitleak.stats import (
@@ -89,7 +90,7 @@ def _interval(per_frame: np.ndarray, w: np.ndarray, alpha: float) -> Interval:
 
 
 def arm_effects(
-    predictions: dict[str, np.ndarray],
+    predictions: Mapping[str, ArrayLike],
     truth: np.ndarray,
     *,
     n_boot: int = 10_000,

@@ -4,8 +4,6 @@ One module per group of commands; importing this package registers them all on `
 
 from __future__ import annotations
 
-import sys
-
 from splitleak.cli import audit, experiment, protocol, runs  # noqa: F401  (each registers its commands)
 from splitleak.cli.common import app, parse_defences
 
@@ -17,4 +15,4 @@ def main() -> None:  # console-script entry point
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

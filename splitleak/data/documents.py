@@ -294,7 +294,8 @@ def _token_ranges(
     out = []
     for label, s, e in spans:
         j = bisect_right(ends, s) if monotone else 0
-        first = last = None
+        first: int | None = None
+        last: int | None = None
         while j < len(offsets) and (not monotone or offsets[j][0] < e):
             a, b = offsets[j]
             if a < b and a < e and b > s:
@@ -302,6 +303,7 @@ def _token_ranges(
                 last = j
             j += 1
         if first is not None:
+            assert last is not None  # set together with first
             out.append((label, s, e, first, last + 1))
     return out
 

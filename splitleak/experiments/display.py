@@ -4,7 +4,10 @@ line per finished job."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 
 class SilentReporter:
@@ -53,7 +56,7 @@ class PlainReporter(SilentReporter):
 class RichReporter(SilentReporter):
     """rich: a bar for the grid and one bar per running job, showing the job's current stage."""
 
-    def __init__(self, console=None):
+    def __init__(self, console: Any = None) -> None:
         from rich.console import Console
         from rich.progress import (
             BarColumn,
@@ -74,7 +77,7 @@ class RichReporter(SilentReporter):
             console=self.console,
             transient=False,
         )
-        self.grid = None
+        self.grid: TaskID | None = None  # the grid bar, from begin()
         self.jobs: dict[str, Any] = {}
         self.finished: set[str] = set()
 

@@ -188,8 +188,12 @@ def _attack_configs(entry: AttackEntry, spec: ExperimentSpec, index: int) -> lis
     names = sorted(entry.params)
     combos = [dict(zip(names, values)) for values in itertools.product(*(entry.params[n] for n in names))]
     out = []
-    for k in entry.k or [None]:
-        for budget, readout, extra in itertools.product(entry.budget or [None], entry.readout or [None], combos):
+    # None: the entry leaves the list out (or gives it empty), and the attack's default applies
+    ks: list[int | None] = [*entry.k] if entry.k else [None]
+    budgets: list[int | str | None] = [*entry.budget] if entry.budget else [None]
+    readouts: list[str | None] = [*entry.readout] if entry.readout else [None]
+    for k in ks:
+        for budget, readout, extra in itertools.product(budgets, readouts, combos):
             for pert in entry.perturbations:
                 for copy_ in entry.client_copy or spec.client_copies:
                     for seed in entry.attack_seeds or spec.attack_seeds:

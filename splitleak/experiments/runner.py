@@ -216,6 +216,7 @@ def run_grid(
         result = GridRun(grid, rs.root, executor, done_before=sum(1 for j in grid.jobs if j.key in done))
         driver = {"driver_pid": os.getpid(), "driver_host": socket.gethostname()}
         if executor == "local":
+            assert workers is not None  # plan_workers chose it above
             ex: Any = LocalExecutor(workers, threads, dev, driver)
         else:
             ex = RayExecutor(workers, threads, dev, driver, address=address, gpus_per_job=gpus_per_job)
@@ -283,6 +284,7 @@ def _schedule(grid: Grid, rs: ResultsStore, ex, done: set[str], result: GridRun,
 
     def reuse(job: Job) -> None:
         try:
+            assert job.reuse_of is not None  # a reuse job names the measurement it copies
             rows = reuse_rows(job.to_dict(), rs.read_job("attack", job.reuse_of))
             rs.write_rows("attack", job.key, rows)
         except Exception as exc:  # noqa: BLE001 - recorded like any failure
@@ -318,9 +320,9 @@ def _schedule(grid: Grid, rs: ResultsStore, ex, done: set[str], result: GridRun,
             inflight[ex.submit(job.to_dict(), store_root)] = job
         finished_handles = ex.wait(list(inflight), timeout=0.2)
         for ev in ex.events():
-            j = grid.by_key.get(ev[1]) if len(ev) > 1 else None
-            if j is not None:
-                reporter.job_event(ev, j.summary)
+            ev_job = grid.by_key.get(ev[1]) if len(ev) > 1 else None
+            if ev_job is not None:
+                reporter.job_event(ev, ev_job.summary)
         broken = False
         for h in finished_handles:
             job = inflight.pop(h)

@@ -182,6 +182,11 @@ class DataSpec(BaseModel):
     path: str | None = None  # relative to the spec file
 
 
+def _public_copy() -> list[Copy]:
+    """The default client copy of a spec: the public pretrained weights."""
+    return ["public"]
+
+
 class ExperimentSpec(BaseModel):
     """The typed content of a spec after its profile and overrides are applied."""
 
@@ -198,7 +203,7 @@ class ExperimentSpec(BaseModel):
     defences: list[list[DefenceItem]] = Field(default_factory=lambda: [[DefenceItem(name="none")]])
     victim_seeds: list[int] = Field(min_length=1)
     attack_seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
-    client_copies: list[Copy] = Field(default_factory=lambda: ["public"], min_length=1)
+    client_copies: list[Copy] = Field(default_factory=_public_copy, min_length=1)
     attacks: list[AttackEntry] = Field(default_factory=list)
     documents: Documents = Field(default_factory=Documents)
     steps: int | None = Field(None, ge=1)  # None: one pass over the training documents

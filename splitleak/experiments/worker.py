@@ -29,7 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 _QUEUE: Any = None  # progress queue, set by init_worker (local pool) or per Ray task
 _MODELS: "OrderedDict[tuple, Any]" = OrderedDict()
@@ -91,7 +91,7 @@ class QueueProgress:
         return self._n
 
     def advance(self, task: object, n: int = 1) -> None:
-        t = int(task)  # type: ignore[arg-type]
+        t = int(task)  # type: ignore[call-overload]  # the int start() returned; Progress types handles as object
         self._pending[t] = self._pending.get(t, 0) + n
         now = time.monotonic()
         if now - self._last.get(t, 0.0) >= PROGRESS_INTERVAL_S:
@@ -100,7 +100,7 @@ class QueueProgress:
             self._last[t] = now
 
     def finish(self, task: object) -> None:
-        t = int(task)  # type: ignore[arg-type]
+        t = int(task)  # type: ignore[call-overload]  # the int start() returned; Progress types handles as object
         self._put(("finish", self.key, t))
         self._pending.pop(t, None)
 
@@ -187,13 +187,13 @@ class _GlobalOnly:
         return None
 
 
-def _as_is(formula):
+def _as_is(formula: Callable[..., Any]) -> Callable[..., Any]:
     """A formula torch already wrapped (tensors to shapes), marked so it is not wrapped twice."""
 
     def f(*args, **kwargs):
         return formula(*args, **kwargs)
 
-    f._get_raw = True  # type: ignore[attr-defined]
+    f._get_raw = True  # type: ignore[attr-defined]  # a marker attribute on a function object
     return f
 
 

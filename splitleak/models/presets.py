@@ -138,7 +138,8 @@ def _load_tiny(seed: int, dtype: torch.dtype) -> LoadedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT2LMHeadModel(config)
-    model = model.to(dtype)
+    # transformers wraps PreTrainedModel.to with functools.wraps, which its stubs bind as if self were the dtype
+    model = model.to(dtype)  # type: ignore[arg-type]
     return LoadedModel("tiny-gpt2", model, tok, "", "random init, seed %d" % seed, {"init_seed": seed})
 
 
@@ -231,7 +232,13 @@ def load_model(
         model, tok = _load_gguf(path, dtype)
         lm = LoadedModel(name, model, tok, "", str(path))
     else:
-        ref = str(model_path) if model_path is not None else (preset.hf_id if preset else name)
+        if model_path is not None:
+            ref = str(model_path)
+        elif preset is not None:
+            assert preset.hf_id is not None  # the tiny and gguf presets are handled above; a hub preset names its id
+            ref = preset.hf_id
+        else:
+            ref = name
         model, tok, source = _load_pretrained(ref, dtype, preset)
         lm = LoadedModel(name, model, tok, "", source)
     lm.precision = precision
@@ -264,10 +271,11 @@ _BLOCK_PATHS = (("transformer", "h"), ("model", "layers"), ("gpt_neox", "layers"
 _NORM_NAMES = ("ln_f", "norm", "final_layernorm", "final_layer_norm")
 
 
-def find_blocks(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList, str]:
-    """(the module that owns the block list, the list, the attribute name) or a ModelError."""
+def find_blocks(model: torch.nn.Module) -> tuple[Any, torch.nn.ModuleList, str]:
+    """(the module that owns the block list, the list, the attribute name) or a ModelError. The owner
+    is the transformers base model (``get_input_embeddings``, ``config``), reached by attribute path."""
     for path in _BLOCK_PATHS:
-        owner = model
+        owner: Any = model
         ok = True
         for part in path[:-1]:
             owner = getattr(owner, part, None)
@@ -303,6 +311,7 @@ def preset_available(name: str) -> tuple[bool, str]:
         if missing:
             return False, f"needs `pip install {' '.join(missing)}`"
         return True, str(path)
+    assert preset.hf_id is not None  # the remaining kind, hub, names its Hugging Face id
     try:
         from huggingface_hub import try_to_load_from_cache
 

@@ -12,6 +12,7 @@ def analysis_markdown(a: Analysis) -> str:
     def fmt(c: ComparisonResult) -> str:
         if c.missing:
             return f"missing ({c.missing})"
+        assert c.estimate is not None and c.low is not None and c.high is not None  # set unless missing
         return (
             f"{100 * c.estimate:+.2f} pp, interval [{100 * c.low:+.2f}, {100 * c.high:+.2f}] at α = {c.alpha:.4g}; "
             f"{'passes' if c.passes else 'fails'} (mark {100 * c.mark:+.2f} pp; {c.n_models} models × {c.n_docs} documents)"

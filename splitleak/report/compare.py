@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from splitleak.audit.evaluate import attack_label as _label
 from splitleak.data import LABELS
@@ -82,7 +82,7 @@ def load_summary(path: str | Path) -> RunSummary:
     return RunSummary(path, manifest["config"], metrics, attacks)
 
 
-def compare_runs(paths: list[str | Path]) -> list[RunSummary]:
+def compare_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
     runs = [load_summary(p) for p in paths]
     base = {r.key(): r for r in runs if r.defence == "none"}
     for r in runs:
@@ -150,11 +150,14 @@ def leakage_cost_figure(runs: list[RunSummary], out_stem: str | Path) -> list[Pa
             "data, split and seed among the arguments, and attack results beside the runs (audit folders)"
         )
 
-    def panel(what: str):
-        return [
-            (100 * r.rel_ppl_change, 100 * r.strongest(what), f"{r.defence}, depth {r.depth}", r.defence == "none")
-            for r in pts
-        ]
+    def panel(what: str) -> list[tuple[float, float, str, bool]]:
+        out = []
+        for r in pts:
+            cost, leak = r.rel_ppl_change, r.strongest(what)
+            # pts keeps runs with a cost and a token recovery; an attack scores doc and token recovery together
+            assert cost is not None and leak is not None
+            out.append((100 * cost, 100 * leak, f"{r.defence}, depth {r.depth}", r.defence == "none"))
+        return out
 
     return recovery_cost_figure(
         {"token recovery": panel("token_recovery"), "whole-document recovery": panel("doc_recovery")},

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -86,15 +86,15 @@ def perturbation_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Pat
                 ]
                 offset = (n - (len(ks) - 1) / 2) * width
                 for pts, hollow in ((joint_pts, False), (ctl_pts, True)):
-                    pts = [(x, c) for x, c in pts if c is not None]
-                    if not pts:
+                    found = [(x, c) for x, c in pts if c is not None]
+                    if not found:
                         continue
-                    y = np.array([100 * c.token.estimate for _, c in pts])
+                    y = np.array([100 * c.token.estimate for _, c in found])
                     err = np.array(
-                        [[y[i] - 100 * c.token.low, 100 * c.token.high - y[i]] for i, (_, c) in enumerate(pts)]
+                        [[y[i] - 100 * c.token.low, 100 * c.token.high - y[i]] for i, (_, c) in enumerate(found)]
                     ).T
                     ax.errorbar(
-                        np.array([x for x, _ in pts]) + offset,
+                        np.array([x for x, _ in found]) + offset,
                         y,
                         yerr=err,
                         fmt="o",
@@ -114,7 +114,7 @@ def perturbation_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Pat
             if j == 0:
                 ax.set_ylabel("token recovery (%)")
     # one legend column per k (filled column by column): the joint attacker above its activation-only line
-    items = {}
+    items: dict[str, Any] = {}  # legend label -> artist
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             items.setdefault(lab, h)
@@ -139,16 +139,19 @@ def cost_figure(points: Sequence[CostPoint], out_stem: str | Path) -> list[Path]
     pts = [p for p in points if p.rel_ppl_change is not None and p.token is not None]
     models = len({p.model for p in pts})
 
-    def panel(what: str):
-        return [
-            (
-                100 * p.rel_ppl_change,
-                100 * getattr(p, what),
-                f"{p.defence}, {p.split}" + (f" ({p.model})" if models > 1 else ""),
-                p.defence == "none",
+    def panel(what: str) -> list[tuple[float, float, str, bool]]:
+        out = []
+        for p in pts:
+            assert p.rel_ppl_change is not None  # pts keeps the points with a cost
+            out.append(
+                (
+                    100 * p.rel_ppl_change,
+                    100 * getattr(p, what),
+                    f"{p.defence}, {p.split}" + (f" ({p.model})" if models > 1 else ""),
+                    p.defence == "none",
+                )
             )
-            for p in pts
-        ]
+        return out
 
     return recovery_cost_figure(
         {"token recovery": panel("token"), "whole-document recovery": panel("doc")},

@@ -232,9 +232,10 @@ def main_section(doc: Document, ctx: Ctx, rows, analysis: Analysis | None, error
         doc.add(Para(f"The protocol's tests could not be evaluated on this store: {error}", "note"))
         return
     assert analysis is not None
+    fixed = ctx.protocol.main_test  # ``used`` is this protocol with n_boot overridden: it has a main test iff this has
     boot_note = (
-        f" (overridden with --n-boot; the protocol fixes {ctx.protocol.main_test.n_boot:,})"
-        if ctx.n_boot is not None and p.main_test is not None
+        f" (overridden with --n-boot; the protocol fixes {fixed.n_boot:,})"
+        if ctx.n_boot is not None and fixed is not None
         else ""
     )
     if p.main_test is not None and analysis.main is not None:
@@ -277,6 +278,7 @@ def main_section(doc: Document, ctx: Ctx, rows, analysis: Analysis | None, error
         doc.add(Para("The protocol defines no comparison family.", "caption"))
         return
     fam = analysis.family
+    assert analysis.family_alpha is not None  # analyse sets it whenever the protocol has a family
     doc.add(Heading(3, "Comparison family (Bonferroni)"))
     n_pass = sum(x.passes for x in fam)
     n_missing = sum(1 for x in fam if x.missing)
@@ -368,7 +370,7 @@ def _wide_table(cells: Sequence[Cell], what: str) -> Table:
     header = (["model"] if models else []) + ["defence", "attack"] + [f"{c.text()} (%)" for c in conds]
     rows = []
     for cfg in configs:
-        r = ([cfg.model] if models else []) + [cfg.defence, cfg.attack_text()]
+        r = ([cfg.model or ""] if models else []) + [cfg.defence, cfg.attack_text()]
         for cond in conds:
             c = by.get((cfg, cond))
             e = getattr(c, what) if c is not None else None
@@ -387,7 +389,7 @@ def _span_table(cells: Sequence[Cell]) -> Table:
     )
     rows = []
     for c in cells:
-        r = ([c.config.model] if models else []) + [
+        r = ([c.config.model or ""] if models else []) + [
             c.config.defence,
             c.config.attack_text(),
             c.condition.split,

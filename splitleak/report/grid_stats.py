@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -38,8 +38,8 @@ ATTACK_ORDER = tuple(attack_names())
 class Config:
     """An attack configuration against one kind of trained model (the rows of the tables)."""
 
-    model: str
-    data: str
+    model: str | None  # None: a row that does not say (sort_key orders it first)
+    data: str | None
     defence: str
     attack: str
     k: int | None
@@ -271,7 +271,7 @@ def recovery_cells(rows: Sequence[dict[str, Any]], n_boot: int = 2000, seed: int
     groups: dict[tuple[Config, Condition], list[dict[str, Any]]] = {}
     for r in scored(rows):
         groups.setdefault((Config.of(r), Condition.of(r)), []).append(r)
-    values = {"token": token_rate, "doc": lambda r: float(bool(r["exact"]))}
+    values: dict[str, Callable[..., float]] = {"token": token_rate, "doc": lambda r: float(bool(r["exact"]))}
     for lab in LABELS:
         values[f"hits_{lab}"] = lambda r, lab=lab: r.get(f"span_hits_{lab}") or 0
         values[f"counts_{lab}"] = lambda r, lab=lab: r.get(f"span_counts_{lab}") or 0
@@ -324,7 +324,7 @@ class CostPoint:
     split: str
     defence: str
     seeds: list[Any]
-    perplexity: float
+    perplexity: float | None  # mean over seeds; None when no run reports one
     reference_perplexity: float | None
     reference: str  # "undefended run", "all-local twin" or "none"
     rel_ppl_change: float | None  # mean over seeds of perplexity / reference - 1
@@ -354,7 +354,7 @@ def cost_points(
     stands in. Leakage pools, for each model and split, the attack configurations (with client
     copy) run against every defence there, so that each point averages the same attacks."""
     twins = {tuple(t.get(f) for f in TWIN_FIELDS): t for t in train_rows if (t.get("defence_name") or "none") == "none"}
-    by_train = {}
+    by_train: dict[str, list[dict[str, Any]]] = {}
     for r in scored(attack_rows):
         by_train.setdefault(r["train_key"], []).append(r)
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}

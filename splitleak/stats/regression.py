@@ -171,6 +171,7 @@ def _design(
     if mean is None:
         mean, scale = x.mean(0), x.std(0)
         scale = np.where(scale > 0, scale, 1.0)
+    assert scale is not None  # a caller that passes the training mean passes its scale too
     return (x - mean) / scale, mean, scale
 
 

@@ -16,6 +16,8 @@ the document they are paired with.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from splitleak.errors import NonFiniteError
@@ -77,6 +79,7 @@ class ServerRole:
         if frame.phase == "train":
             out.backward(grad_out)
             g = h_in.grad
+            assert g is not None  # h_in requires grad and out was computed from it
         else:  # capture: the gradient only, parameters untouched
             (g,) = torch.autograd.grad(out, h_in, grad_outputs=grad_out)
         if probe is not None:
@@ -116,6 +119,7 @@ class ServerRole:
                     payload_bits=8 * h_out.element_size(),
                 )
             logits = self.split.head_logits(self.split.trunk(h_in, ctx), ctx)
+            assert frame.labels is not None  # a plain split's forward frame carries the labels
             per_doc = next_token_loss(logits, frame.labels.to(dev), reduction="per_doc")
             _finite(per_doc, "next-token loss", frame.step)
             n_main = len(per_doc) - int(frame.meta.get("probe_rows", 0))
@@ -150,6 +154,7 @@ class ClientRole:
             h = split.bottom(input_ids)
         transform = self.chain.client_transform  # a defence acting on what the client sends and receives
         prepared = transform.prepare(h.detach(), input_ids, doc_ids, step, phase) if transform is not None else None
+        meta: dict[str, Any]
         if prepared is None:
             rows, row_ids, labels, meta, state = h.detach(), tuple(doc_ids), input_ids, {}, None
         else:
@@ -179,6 +184,7 @@ class ClientRole:
             if train:
                 per_doc.sum().backward()
                 g_top = h_ret.grad
+                assert g_top is not None  # h_ret requires grad and the loss was computed from it
             else:
                 (g_top,) = torch.autograd.grad(per_doc.sum(), h_ret)
             self.last_losses = [float(v) for v in per_doc.detach()]  # logged here; the loss never crosses
@@ -197,6 +203,7 @@ class ClientRole:
         g = reply.tensor.to(split.device)
         _finite(g, "returned gradient", step)
         if prepared is not None:
+            assert transform is not None  # only a client transform prepares a frame
             g = transform.receive(g, len(doc_ids), state)
         if train and transform is not None:
             transform.after_step(h.detach(), doc_ids, step, g)

@@ -89,8 +89,9 @@ def load_capture(run_dir: str | Path, phase: str = "capture", link: str | None =
     steps = torch.tensor([ex.forward.header["step"] for ex, n in zip(exs, n_docs) for _ in range(n)], dtype=torch.long)
     mask = torch.cat([ex.forward.frame.mask[:n] for ex, n in zip(exs, n_docs)])
     act, _ = stack_channel(exs, "forward", "activations", n_docs)
+    assert act is not None  # every forward frame carries the activations channel
     grad, have_grad = stack_channel(exs, "backward", "gradient", n_docs)
-    if grad is None or not bool(have_grad.all()):
+    if grad is None or have_grad is None or not bool(have_grad.all()):
         raise IntegrityError(f"{run_dir}: a forward frame on link {link} ({phase}) has no returned gradient")
     probe, present = stack_channel(exs, "forward", "probe-activations", n_docs)
     probe_g, _ = stack_channel(exs, "backward", "probe-gradient", n_docs)

@@ -44,7 +44,7 @@ class WireContext:
 #: - ``return-wire``: transforms the gradient the server returns at the observation point (``backward``);
 #: - ``server``: changes the server side itself (``build_server``);
 #: - ``client-after-receipt``: changes what the client does with what it sent and received, with state
-#:   of its own across steps (``ClientTransform``);
+#:   of its own across steps (``prepare``, ``receive``, ``after_step``);
 #: - ``backward-wire``: the gradient the client returns in a U-shape (no defence acts there yet).
 ROLES = ("client-forward", "return-wire", "server", "client-after-receipt", "backward-wire")
 SPLIT_MODES = ("plain", "u-shape")
@@ -73,6 +73,22 @@ class Defence:
 
     def backward(self, g: torch.Tensor, ctx: WireContext) -> torch.Tensor:
         return g
+
+    # ``client-after-receipt``: what the client does around a crossing (``ClientRole.exchange``). A defence
+    # acting there overrides these; the defaults change nothing.
+    def prepare(
+        self, h: torch.Tensor, input_ids: torch.Tensor, doc_ids: tuple[int, ...], step: int, phase: str
+    ) -> tuple[torch.Tensor, tuple[int, ...], torch.Tensor, dict[str, Any], Any] | None:
+        """What the client sends instead of its rows h: (rows, row ids, labels, meta, state), or None
+        to send h as it is."""
+        return None
+
+    def receive(self, g: torch.Tensor, n: int, state: Any) -> torch.Tensor:
+        """The gradient the client applies to its n document rows, from the reply to a prepared frame."""
+        return g
+
+    def after_step(self, h: torch.Tensor, doc_ids: tuple[int, ...], step: int, g: torch.Tensor) -> None:
+        """After a training step has crossed (h: the rows before ``prepare``, g: the gradient applied)."""
 
     def args(self) -> dict[str, Any]:
         return {}
@@ -240,11 +256,11 @@ class DPForward(Defence):
     def forward(self, x, ctx):
         return gaussian_rows(clip_rows(x, self.clip), self.noise_multiplier * self.clip, ctx, "forward")
 
-    def privacy(self, tokens: int = 1) -> dict[str, float]:
+    def privacy(self, tokens: int = 1) -> dict[str, Any]:
         return gaussian_mechanism_epsilon(self.noise_multiplier, self.delta, releases=tokens)
 
 
-def gaussian_mechanism_epsilon(noise_multiplier: float, delta: float, releases: int = 1) -> dict[str, float]:
+def gaussian_mechanism_epsilon(noise_multiplier: float, delta: float, releases: int = 1) -> dict[str, Any]:
     """(epsilon, delta) of ``releases`` compositions of the Gaussian mechanism with noise multiplier
     ``noise_multiplier`` (sampling rate 1), from Opacus's RDP accountant."""
     try:
@@ -310,7 +326,7 @@ class SecretMixup(Defence):
     def roles(self):
         return ("client-forward", "client-after-receipt")
 
-    def __init__(self, **kw):
+    def __init__(self, **kw: Any) -> None:
         lam = kw.pop("lambda", kw.pop("lam", 0.75))
         warmup = kw.pop("warmup", 4)
         pool_rows = kw.pop("pool_rows", 8192)
@@ -401,7 +417,11 @@ class SecretMixup(Defence):
         prov = torch.cat([p[2] for p in self._pool]) if self._pool else torch.zeros(0, 3, dtype=torch.long)
         grads = None
         if self.correction == "cached":
-            grads = torch.cat([p[1] for p in self._pool])
+            applied = []
+            for _, grad, _ in self._pool:
+                assert grad is not None  # correction=cached: after_step pools every row with its applied gradient
+                applied.append(grad)
+            grads = torch.cat(applied)
         decoys, cached = [], []
         for i in range(x.shape[0]):
             idx = draw_decoy_indices(pool.shape[0], x.shape[1], self.seed, self.chunk)
@@ -467,6 +487,7 @@ class SecretMixup(Defence):
         the mixed rows (and the decoys' gradient: probed, or cached)."""
         if self.correction == "none":
             return self.lam * g
+        assert g_decoy is not None  # probe: the probe rows' gradient; cached: the pooled rows' gradients
         return (g - (1 - self.lam) * g_decoy) / self.lam
 
 

@@ -286,7 +286,9 @@ def stack_channel(
     carry it. Where an exchange does not carry the channel (mixup's unmixed warm-up steps carry no
     probe rows) its rows are zero and the mask False; ``rows_per_exchange`` gives their count (the
     document rows of each exchange). Returns (None, None) when no exchange carries it."""
-    parts, present, any_found = [], [], False
+    parts: list[torch.Tensor | None] = []
+    present: list[torch.Tensor] = []
+    any_found = False
     for i, ex in enumerate(exs):
         rec = ex.forward if kind == "forward" else ex.reply(kind)
         rows = None if rec is None else rec.rows(channel)
