@@ -79,8 +79,13 @@ def train_cmd(
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
     quiet: bool = typer.Option(False, "--quiet", help="no progress bars"),
+    connect: Optional[str] = typer.Option(
+        None, "--connect", help="HOST:PORT of a `splitleak serve` node: run the client (trusted node) only, over TLS"
+    ),
+    tls_dir: Optional[Path] = typer.Option(None, "--tls-dir", help="with --connect: the folder `tls init` wrote"),
 ) -> None:
-    """Split-train a model over the wire, measure utility and capture the traffic into OUT."""
+    """Split-train a model over the wire, measure utility and capture the traffic into OUT. With
+    --connect the server half runs in another process (`splitleak serve`), over mutual TLS."""
     from splitleak.training import run_training
 
     with user_errors():
@@ -113,7 +118,16 @@ def train_cmd(
                 )
             cfg = load_train_yaml(config)
             with progress(quiet) as prog:
-                res = run_training(cfg, out, force=force, device=device, threads=threads, progress=prog)
+                res = run_training(
+                    cfg,
+                    out,
+                    force=force,
+                    device=device,
+                    threads=threads,
+                    progress=prog,
+                    connect=connect,
+                    tls_dir=tls_dir,
+                )
             print_summary(res)
             return
         if depth is None and offload_start is None and offload_length is None:
@@ -138,7 +152,9 @@ def train_cmd(
             all_local_baseline=not no_baseline,
         )
         with progress(quiet) as prog:
-            res = run_training(cfg, out, force=force, device=device, threads=threads, progress=prog)
+            res = run_training(
+                cfg, out, force=force, device=device, threads=threads, progress=prog, connect=connect, tls_dir=tls_dir
+            )
         print_summary(res)
 
 

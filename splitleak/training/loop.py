@@ -50,7 +50,7 @@ def _release_grads(split: SplitModel) -> None:
 
 @dataclass
 class TrainLog:
-    losses: list[float] = field(default_factory=list)
+    losses: list[float | None] = field(default_factory=list)
     doc_ids: list[int] = field(default_factory=list)
     bytes_per_step: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
@@ -72,12 +72,12 @@ class TrainLog:
 
 def connect(split: SplitModel, chain_server: DefenceChain, lr: float, taps: list[Tap] | None, server=None):
     """The client's channel to the server side, with ``taps`` on the wire: one ``ServerRole`` on the
-    ``main`` link, or, given ``server``, that server (a ``ServerRole``, or a ``ReplicaMedianLink``
-    whose copies each have their own link). Returns (channel, server)."""
+    ``main`` link, or, given ``server``, that server (a ``ServerRole``, a ``ReplicaMedianLink``
+    whose copies each have their own link, or a ``RemoteServer`` over TLS). Returns (channel, server)."""
     from splitleak.training.replicas import ReplicaMedianLink
 
-    if isinstance(server, ReplicaMedianLink):
-        server.set_taps(taps)
+    if isinstance(server, ReplicaMedianLink) or getattr(server, "remote", False):
+        server.set_taps(taps)  # a new phase on the same link(s): these taps, a fresh ledger
         return server, server
     server = server if server is not None else ServerRole(split, chain_server, lr)
     return InProcessChannel(server.handle, taps), server
@@ -115,8 +115,8 @@ def train_split(
             ids = ids_tensor([doc], split.device)
             losses = client.exchange(ids, (doc.doc_id,), step, "train")
             if losses is None:
-                losses = server.last_losses
-            log.losses.append(losses[0])
+                losses = server.last_losses  # None over TLS: a plain split's loss stays on the server
+            log.losses.append(None if losses is None else losses[0])
             log.doc_ids.append(doc.doc_id)
             log.tokens += ids.numel()
             progress.advance(task)
@@ -223,6 +223,7 @@ def capture_traffic(
 
     if server is None:
         server = ServerRole(split, chain_server, lr=0.0)
+    remote = bool(getattr(server, "remote", False))
     for role in server.roles if isinstance(server, ReplicaMedianLink) else [server]:
         role.opt = None
     channel, server = connect(split, chain_server, 0.0, list(taps or []) + [last_backward], server)
@@ -232,11 +233,14 @@ def capture_traffic(
     t0 = time.perf_counter()
     zero_rows = zero_rows_early = total_rows = 0
     per_frame: list[float] = []
+    client_losses: list[float] = []
     for s in range(0, len(docs), batch):
         chunk = docs[s : s + batch]
         ids = ids_tensor(chunk, split.device)
         seen.clear()
-        client.exchange(ids, tuple(d.doc_id for d in chunk), -1, "capture")
+        losses = client.exchange(ids, tuple(d.doc_id for d in chunk), -1, "capture")
+        if losses is not None:  # U-shape: the client computes the loss of what it sent
+            client_losses.extend(losses)
         bwd = seen[min(seen)]
         n = len(chunk)  # rows after these are mixup's probe rows
         zero = (bwd.tensor[:n] == 0).all(dim=-1)  # [rows, tokens]: all-zero returned gradient rows
@@ -258,4 +262,8 @@ def capture_traffic(
         "zero_gradient_rows_before_last": zero_rows_early,
         "zero_gradient_row_share_per_frame": per_frame,
     }
+    if remote:
+        # over TLS the client cannot run the uncut model (the server's trained layers stay there); the
+        # utility it can see is split inference itself, the loss of the capture pass when it holds the head
+        stats["client_losses"] = client_losses or None
     return stats, [channel.ledger]

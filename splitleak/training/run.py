@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import splitleak
@@ -28,6 +29,7 @@ from splitleak.wire.declare import declare_channels
 from splitleak.wire.defences import DefenceChain
 from splitleak.wire.store import RunStore
 from splitleak.wire.tap import WireRecorder
+from splitleak.wire.transport import TransportError
 
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic", "faker", "gguf")
 
@@ -88,10 +90,19 @@ def run_training(
     threads: int | None = None,
     progress: Progress | None = None,
     lm: LoadedModel | None = None,
+    connect: str | None = None,
+    tls_dir: str | Path | None = None,
 ) -> RunResult:
     """Train one split run and write its directory (manifest, documents, training log, captures,
     trained client layers, metrics, journal). ``lm`` lets a caller pass a model already loaded
-    with the same name, precision and seed."""
+    with the same name, precision and seed.
+
+    ``connect`` (``HOST:PORT``, with ``tls_dir``): run the trusted node only, against a server
+    started with ``splitleak serve`` (``splitleak.wire.network``). The handshake happens before the
+    run directory is created, so a refused session writes nothing. The client cannot then run the
+    uncut model (the server's trained layers stay there): its held-out utility is the loss of the
+    capture pass, split inference with the defences as deployed, when it holds the head (U-shape);
+    in a plain split the loss stays on the server (the server's ``server_log.json``)."""
     progress = progress or Silent()
     apply_threads(threads)
     dev = resolve_device(device)
@@ -110,6 +121,17 @@ def run_training(
     chain_client.check_run(config.n_steps)
     declaration = declare_channels(u_shape=split.spec.u_shape, defences=chain_client.defences)
     pristine = copy.deepcopy(lm.model) if config.all_local_baseline else None
+    remote = None
+    if connect is not None:
+        from splitleak.wire.network import RemoteServer, hello_for, parse_address
+
+        if tls_dir is None:
+            raise ConfigError("--connect needs --tls-dir (the folder `splitleak tls init` wrote)")
+        if out is not None and Path(out).exists() and any(Path(out).iterdir()) and not force:
+            RunStore.create(out, force=False)  # the same refusal as below, before any connection
+        host, port = parse_address(connect)
+        hello = hello_for(config.as_dict(), lm.fingerprint(), split.spec.as_dict(), chain_client.describe())
+        remote = RemoteServer(host, port, tls_dir, hello)
 
     store = RunStore.create(out, force=force)
     manifest = {
@@ -137,11 +159,13 @@ def run_training(
         "labels_cross_wire": not split.spec.u_shape,
         "channels": declaration.as_dict(),
     }
+    if remote is not None:
+        manifest["transport"] = {"server": remote.where, "kind": "websockets over mutual TLS 1.3"}
     store.add_json("manifest", "manifest.json", manifest)
     store.add_json("documents", "documents.json", docs.to_json())
 
     pre = utility(evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss"))
-    server = chain_server.build_server(split, config.lr)  # None: one ServerRole on the main link
+    server = remote if remote is not None else chain_server.build_server(split, config.lr)  # None: one ServerRole
     server_logits = getattr(server, "median_logits", None)
     # the tap: every frame of the training steps and of the capture pass, recorded as it crossed
     train_tap = WireRecorder(store, "train", declaration)
@@ -160,8 +184,10 @@ def run_training(
             server=server,
             taps=[train_tap],
         )
-    except (NonFiniteError, UndeclaredChannelError) as exc:
+    except (NonFiniteError, UndeclaredChannelError, TransportError) as exc:
         log.error = str(exc)
+        if remote is not None:
+            remote.abort()
         train_tap.close(log.ledgers)
         store.add_json("training", "training.json", log.as_dict())
         store.close(False, {"error": str(exc), "steps_done": len(log.losses)})
@@ -171,7 +197,9 @@ def run_training(
     if server is not None and hasattr(server, "flag_log"):
         train_record["replica_flags"] = list(server.flag_log)
     store.add_json("training", "training.json", train_record)
-    post = utility(evaluate_ce(split, docs.evaluation, progress=progress, server_logits=server_logits))
+    post: dict[str, Any] | None = None
+    if remote is None:
+        post = utility(evaluate_ce(split, docs.evaluation, progress=progress, server_logits=server_logits))
 
     capture_tap = WireRecorder(store, "capture", declaration)
     try:
@@ -185,10 +213,16 @@ def run_training(
             progress=progress,
             server=server,
         )
-    except (NonFiniteError, UndeclaredChannelError) as exc:
+    except (NonFiniteError, UndeclaredChannelError, TransportError) as exc:
+        if remote is not None:
+            remote.abort()
         store.close(False, {"error": str(exc), "stage": "capture"})
         raise
     capture_tap.close(ledgers)
+    if remote is not None:
+        remote.close()  # the server closes its capture
+        client_losses = cap.pop("client_losses")
+        post = None if client_losses is None else utility(np.asarray(client_losses, dtype=np.float64))
     for d in chain_client.defences:
         record = getattr(d, "client_record", None)
         if record is not None:  # the client's own record (mixup: where each decoy came from); it never crosses
@@ -203,8 +237,8 @@ def run_training(
     )
 
     metrics: dict[str, Any] = {
-        "heldout_ce": post["ce"],
-        "perplexity": post["perplexity"],
+        "heldout_ce": None if post is None else post["ce"],
+        "perplexity": None if post is None else post["perplexity"],
         "pretrained_ce": pre["ce"],
         "pretrained_perplexity": pre["perplexity"],
         "wire_bytes_per_step": log.bytes_per_step,
@@ -226,13 +260,19 @@ def run_training(
             {
                 "all_local_ce": local["ce"],
                 "all_local_perplexity": local["perplexity"],
-                "delta_u": post["ce"] - local["ce"],
+                "delta_u": None if post is None else post["ce"] - local["ce"],
                 "all_local_train_tokens_per_second": local_log.as_dict()["tokens_per_second"],
             }
         )
         store.add_json("all-local", "all_local.json", local_log.as_dict())
     else:
         metrics.update({"all_local_ce": None, "all_local_perplexity": None, "delta_u": None})
+    if remote is not None:
+        metrics["heldout_measured"] = (
+            "split inference over TLS (the capture pass, defences as deployed)"
+            if post is not None
+            else "not on the client: in a plain split the loss stays on the server (its server_log.json)"
+        )
     store.add_json("metrics", "metrics.json", metrics)
     store.close(True, {"config_hash": config.hash()})
     return RunResult(Path(out), metrics, config)

@@ -1,0 +1,79 @@
+"""``splitleak tls init`` and ``splitleak serve``: the two-process deployment over mutual TLS."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from splitleak.cli.common import ThreadsOpt, app, console, err, user_errors
+
+tls_app = typer.Typer(help="TLS material for `serve` and `train --connect`: a private CA and two certificates.")
+app.add_typer(tls_app, name="tls")
+
+
+@tls_app.command("init")
+def tls_init_cmd(
+    folder: Path = typer.Argument(..., help="folder to write (created 0700; existing files are never overwritten)"),
+    name: list[str] = typer.Option(
+        ["localhost", "127.0.0.1"], "--name", help="a DNS name or IP address the server certificate is valid for"
+    ),
+    days: int = typer.Option(30, "--days", help="lifetime of the CA and both certificates"),
+    key_type: str = typer.Option("ec", "--key-type", help="ec (ECDSA P-256) or ed25519"),
+) -> None:
+    """Write a private CA (ca.pem, ca.key) and a server and a client certificate signed by it. Give the
+    server ca.pem + server.*, the client ca.pem + client.*; keep the folder out of any repository."""
+    from splitleak.wire.tls import init_tls
+
+    with user_errors():
+        paths = init_tls(folder, names=tuple(name), days=days, key_type=key_type)
+        console.print(f"TLS material in {paths.folder}: ca.pem, server.pem/.key ({', '.join(name)}), client.pem/.key")
+
+
+@app.command("serve")
+def serve_cmd(
+    listen: str = typer.Option("127.0.0.1:8443", "--listen", help="HOST:PORT to bind (port 0: any free port)"),
+    tls_dir: Path = typer.Option(..., "--tls-dir", help="the folder `splitleak tls init` wrote"),
+    capture: Optional[Path] = typer.Option(
+        None, "--capture", help="record every session's traffic here (session-NNNN/, a verifiable capture store)"
+    ),
+    allow_remote: bool = typer.Option(False, "--allow-remote", help="allow binding a non-loopback address"),
+    max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="exit after this many sessions"),
+    idle: float = typer.Option(300.0, "--idle-timeout", help="seconds a session may stay silent"),
+    threads: Optional[int] = ThreadsOpt,
+) -> None:
+    """Run the untrusted node: it receives the run's configuration in the handshake, loads the same
+    preset, trains the layers it is given and answers the client's frames. Prints the port it
+    listens on, then one line per session."""
+    from splitleak.training.run import apply_threads
+    from splitleak.wire.network import ServerNode, parse_address
+
+    logging.basicConfig(level=logging.WARNING, format="serve: %(message)s")
+    with user_errors():
+        apply_threads(threads)
+        host, port = parse_address(listen, what="--listen")
+
+        def report(rec) -> None:
+            line = f"session {rec.index} from {rec.peer}: {rec.status}, {rec.frames} frames"
+            line += f"; {rec.reason}" if rec.reason else ""
+            line += f"; capture {rec.capture}" if rec.capture else ""
+            (console if rec.status == "complete" else err).print(line, highlight=False, markup=False)
+
+        node = ServerNode(
+            tls_dir,
+            host,
+            port,
+            capture=capture,
+            allow_remote=allow_remote,
+            max_sessions=max_sessions,
+            idle_seconds=idle,
+            on_session=report,
+        )
+        bound = node.start()
+        console.print(f"listening on {host}:{bound}", highlight=False)
+        try:
+            node.serve_forever()
+        except KeyboardInterrupt:
+            node.shutdown()

@@ -1,0 +1,524 @@
+"""Client and server as two processes: WebSockets over mutual TLS 1.3, the tap on the server's side.
+
+**Server** (``ServerNode``; ``splitleak serve``): the untrusted node. Each connection is one session
+with its own state. The client's hello names the run's configuration; the server loads the same
+preset, checks the pretrained model's fingerprint, the split and the defence chain against the
+client's, and refuses a mismatch naming both values. It then answers frames with a
+``ServerRole`` (``splitleak.training.roles``), exactly as in one process, and, given a capture
+folder, records everything it receives and sends in a capture store of its own (``session-NNNN/``:
+manifest, ``wire/`` shards and ledgers, the server's trained layers, its loss log, the
+hash-chained journal; ``splitleak verify`` works on it unchanged). A session that ends badly (the
+client vanished, a frame broke the protocol) closes its store as failed at the last whole frame.
+
+**Client** (``RemoteServer``; ``splitleak train --connect``): the trusted node's channel. It sends
+the same encoded frames the in-process channel would, and keeps the same ledger and taps, so the
+client's run directory is the same in one process and over TLS.
+
+Every message is checked before allocation (``splitleak.wire.transport``); a replayed nonce, an
+out-of-window sequence number, a backward with no pending forward, a frame after close, NaN/Inf,
+an unknown kind or a lying header ends the session with the reason logged. Compression is off:
+message sizes must not depend on the content.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from splitleak.errors import ConfigError, NonFiniteError, SplitleakError
+from splitleak.wire.channel import MAIN_LINK, WireLedger
+from splitleak.wire.frames import Frame, decode, encode
+from splitleak.wire.transport import (
+    PROTOCOL_VERSION,
+    Limits,
+    ReplayGuard,
+    TransportError,
+    check_frame_message,
+    frame_header,
+    new_nonce,
+    pack,
+    unpack,
+)
+
+if TYPE_CHECKING:
+    from websockets.sync.server import Server
+
+    from splitleak.training.roles import ServerRole
+    from splitleak.wire.store import RunStore
+    from splitleak.wire.tap import WireRecorder
+
+log = logging.getLogger("splitleak.serve")
+CLIENT_KINDS = ("forward", "backward-top")
+SERVER_KINDS = ("backward", "forward-return")
+MAX_MESSAGE_BYTES = 512 << 20  # the WebSocket layer refuses anything larger before reading it
+IDLE_SECONDS = 300.0
+#: transformers' lazy imports are not thread-safe, and two sessions need not hold two copies at once
+#: while loading: sessions load their model one at a time
+_LOAD_LOCK = threading.Lock()
+
+
+def parse_address(text: str, *, what: str = "--connect") -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"{what} {text!r} is not HOST:PORT (for example 127.0.0.1:8443)")
+    return host.strip("[]"), int(port)
+
+
+def hello_for(config: dict[str, Any], fingerprint: str, split: dict[str, Any], defences: list[dict]) -> dict:
+    return {
+        "type": "hello",
+        "protocol": PROTOCOL_VERSION,
+        "config": config,
+        "fingerprint": fingerprint,
+        "split": split,
+        "defences": defences,
+        "seed": config.get("seed"),
+    }
+
+
+def _mismatch(what: str, mine: Any, theirs: Any) -> str:
+    return f"{what} differs: the server has {mine!r}, the client sent {theirs!r}"
+
+
+# ====================================================================== server
+
+
+@dataclass
+class SessionRecord:
+    index: int
+    peer: str
+    status: str = "open"
+    reason: str = ""
+    frames: int = 0
+    capture: str | None = None
+
+
+class Session:
+    """One client connection: handshake, frames, close. Owns its model, role, ledger and capture."""
+
+    def __init__(self, node: ServerNode, conn, index: int):
+        self.node = node
+        self.conn = conn
+        self.rec = SessionRecord(index, str(getattr(conn, "remote_address", "?")))
+        self.guard = ReplayGuard()
+        self.send_seq = 0
+        self.ledger = WireLedger(link=MAIN_LINK)
+        self.phase: str | None = None
+        self.recorder: WireRecorder | None = None
+        self.store: RunStore | None = None
+        self.role: ServerRole | None = None
+        self.limits: Limits | None = None
+        self.losses: dict[str, list] = {"train": [], "capture": []}
+        self.last_step = -1
+
+    # ------------------------------------------------------------ messages
+    def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        header = {**header, "seq": self.send_seq, "nonce": header.get("nonce") or new_nonce()}
+        self.send_seq += 1
+        self.conn.send(pack(header, payload))
+
+    def _recv(self) -> tuple[dict[str, Any], bytes]:
+        return unpack(self.conn.recv(timeout=self.node.idle_seconds))
+
+    # ------------------------------------------------------------ handshake
+    def _setup(self, hello: dict[str, Any]) -> None:
+        from splitleak.models import SplitModel, load_model
+        from splitleak.training.config import TrainConfig
+        from splitleak.training.loop import set_trainable
+        from splitleak.training.roles import ServerRole
+        from splitleak.wire.declare import declare_channels
+        from splitleak.wire.defences import DefenceChain
+
+        if hello.get("type") != "hello":
+            raise TransportError(f"the first message must be a hello, not {hello.get('type')!r}")
+        if hello.get("protocol") != PROTOCOL_VERSION:
+            raise TransportError(_mismatch("protocol version", PROTOCOL_VERSION, hello.get("protocol")))
+        try:
+            config = TrainConfig(**hello["config"])
+        except Exception as exc:  # noqa: BLE001 (pydantic and type errors alike)
+            raise TransportError(f"the hello's configuration is invalid: {str(exc).splitlines()[0]}") from None
+        if config.model_path is not None and not Path(config.model_path).exists():
+            raise TransportError(
+                f"the client's model path {config.model_path} does not exist on the server; give both nodes the "
+                "same model files"
+            )
+        with _LOAD_LOCK:
+            lm = load_model(config.model, precision=config.precision, seed=config.seed, model_path=config.model_path)
+        fingerprint = lm.fingerprint()
+        if fingerprint != hello.get("fingerprint"):
+            raise TransportError(_mismatch("pretrained model fingerprint", fingerprint, hello.get("fingerprint")))
+        chain = DefenceChain.from_specs([d.model_dump() for d in config.defences], config.seed)
+        split = SplitModel(lm, config.depth, config.offload_start, config.offload_length)
+        if split.spec.as_dict() != hello.get("split"):
+            raise TransportError(_mismatch("split", split.spec.as_dict(), hello.get("split")))
+        if chain.describe() != hello.get("defences"):
+            raise TransportError(_mismatch("defence chain", chain.describe(), hello.get("defences")))
+        if chain.build_server(split, config.lr) is not None:
+            raise TransportError(
+                "this defence chain runs several server copies (replica median); over TLS each copy would be its "
+                "own server, which this version does not deploy. Run it in one process"
+            )
+        chain.check_split_mode(split.spec.u_shape)
+        set_trainable(split)
+        self.split, self.config = split, config
+        self.role = ServerRole(split, chain, config.lr)
+        width = int(split.head.weight.shape[1])  # the hidden size at the cut
+        probe = 2  # mixup may add probe rows: at most as many as the real ones
+        self.limits = Limits(
+            width=width,
+            max_tokens=config.doc_len,
+            max_rows=probe * max(config.capture_batch, 1),
+            float_dtype=str(split.dtype),
+        )
+        self.declaration = declare_channels(u_shape=split.spec.u_shape, defences=chain.defences)
+        if self.node.capture is not None:
+            self._open_store(hello, lm, split, chain)
+
+    def _open_store(self, hello, lm, split, chain) -> None:
+        from splitleak.training.run import package_versions
+        from splitleak.wire.store import RunStore
+
+        assert self.node.capture is not None
+        root = Path(self.node.capture) / f"session-{self.rec.index:04d}"
+        self.store = RunStore.create(root)
+        self.rec.capture = str(root)
+        self.store.add_json(
+            "manifest",
+            "manifest.json",
+            {
+                "role": "server",
+                "session": self.rec.index,
+                "peer": self.rec.peer,
+                "transport": "websockets over mutual TLS 1.3",
+                "protocol": PROTOCOL_VERSION,
+                "config": self.config.as_dict(),
+                "config_hash": self.config.hash(),
+                "model": {"name": lm.name, "source": lm.source, "fingerprint": hello["fingerprint"], **lm.info},
+                "split": split.spec.as_dict(),
+                "defences": chain.describe(),
+                "channels": self.declaration.as_dict(),
+                "labels_cross_wire": not split.spec.u_shape,
+                "packages": package_versions(),
+                "limits": self.limits.as_dict() if self.limits else None,
+            },
+        )
+
+    # ------------------------------------------------------------ frames
+    def _switch_phase(self, phase: str) -> None:
+        from splitleak.wire.tap import WireRecorder
+
+        if phase == self.phase:
+            return
+        self._close_recorder()
+        self.phase = phase
+        if phase == "capture" and self.role is not None:
+            self.role.opt = None  # the capture pass never steps (as in one process)
+        self.recorder = WireRecorder(self.store, phase, self.declaration) if self.store is not None else None
+        self.ledger.set_taps([self.recorder] if self.recorder is not None else [])
+
+    def _close_recorder(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close([self.ledger.ledger])
+            self.recorder = None
+
+    def _frame(self, header: dict[str, Any], payload: bytes) -> None:
+        assert self.limits is not None and self.role is not None
+        self.guard.check(header)
+        check_frame_message(header, payload, self.limits, CLIENT_KINDS)
+        frame = decode(payload)
+        if (frame.kind, frame.step, frame.phase, list(frame.doc_ids)) != (
+            header["kind"],
+            header["step"],
+            header["phase"],
+            header["doc_ids"],
+        ):
+            raise TransportError("the envelope and the frame it carries disagree on kind, step, phase or rows")
+        if not bool(torch.isfinite(frame.tensor).all()):
+            raise NonFiniteError(f"a {frame.kind} frame at step {frame.step} holds NaN or Inf; refused")
+        if frame.kind == "backward-top" and frame.step not in self.role._pending:
+            raise TransportError(f"a backward-top frame for step {frame.step} arrived with no pending forward")
+        if frame.phase == "train" and frame.kind == "forward" and frame.step <= self.last_step:
+            raise TransportError(f"a training forward for step {frame.step} arrived after step {self.last_step}")
+        self._switch_phase(frame.phase)
+        self.ledger.record(frame, payload)
+        reply = self.role.handle(frame)
+        if frame.kind == "forward" and self.role.last_losses is not None and not self.split.spec.u_shape:
+            self.losses[frame.phase].append(
+                {"step": frame.step, "rows": list(frame.doc_ids), "loss": self.role.last_losses}
+            )
+        if frame.phase == "train" and frame.kind == "forward":
+            self.last_step = frame.step
+        blob = encode(reply)
+        self.ledger.record(decode(blob), blob)
+        self._send(frame_header(reply, blob, self.send_seq), blob)
+        self.rec.frames += 1
+
+    def _finish(self, ok: bool, reason: str = "") -> None:
+        self.rec.status = "complete" if ok else "failed"
+        self.rec.reason = reason
+        if self.store is None or self.store.closed:
+            return
+        self._close_recorder()
+        self.store.add_json("server-log", "server_log.json", {"losses": self.losses, "frames": self.rec.frames})
+        if ok and self.role is not None:
+            state = {n: p.detach().cpu().contiguous() for n, p in _server_params(self.split)}
+            self.store.add_tensors("server-layers", "server_layers.safetensors", state, {"session": self.rec.index})
+        self.store.close(ok, {"reason": reason} if reason else {"frames": self.rec.frames})
+
+    def run(self) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            hello, _ = self._recv()
+            self._setup(hello)
+            assert self.limits is not None
+            self._send({"type": "welcome", "protocol": PROTOCOL_VERSION, "limits": self.limits.as_dict()})
+            while True:
+                header, payload = self._recv()
+                kind = header.get("type")
+                if kind == "close":
+                    self._finish(True)
+                    self._send({"type": "bye", "frames": self.rec.frames})
+                    self.conn.close()
+                    return
+                if kind != "frame":
+                    raise TransportError(f"unknown message type {kind!r}")
+                self._frame(header, payload)
+        except (ConnectionClosed, TimeoutError) as exc:
+            where = f"after {self.rec.frames} frames (phase {self.phase}, last training step {self.last_step})"
+            reason = f"the client went away {where}" if isinstance(exc, ConnectionClosed) else f"idle timeout {where}"
+            log.warning("session %d: %s", self.rec.index, reason)
+            self._finish(False, reason)
+        except (SplitleakError, KeyError, ValueError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            log.warning("session %d refused: %s", self.rec.index, reason)
+            try:
+                self._send({"type": "error", "message": str(exc)})
+                self.conn.close()
+            except Exception:  # noqa: BLE001 (the peer may be gone already)
+                pass
+            self._finish(False, reason)
+
+
+def _server_params(split) -> list[tuple[str, torch.nn.Parameter]]:
+    ids = {id(p) for p in split.trainable_parameters()[1]}
+    return [(n, p) for n, p in split.model.named_parameters() if id(p) in ids]
+
+
+@dataclass
+class ServerNode:
+    """``splitleak serve``: listens on ``host:port`` (loopback unless ``allow_remote``) with mutual TLS
+    from ``tls_dir``; one ``Session`` per connection, at most ``max_sessions`` in all (None: no limit)."""
+
+    tls_dir: str | Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    capture: str | Path | None = None
+    allow_remote: bool = False
+    max_sessions: int | None = None
+    idle_seconds: float = IDLE_SECONDS
+    sessions: list[SessionRecord] = field(default_factory=list)
+    on_session: Callable[[SessionRecord], None] | None = None
+
+    def __post_init__(self) -> None:
+        import ipaddress
+
+        try:
+            loopback = self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback and not self.allow_remote:
+            raise ConfigError(
+                f"--listen {self.host} is not a loopback address; pass --allow-remote to serve other machines"
+            )
+        if self.capture is not None:
+            cap = Path(self.capture)
+            if cap.exists() and any(p.name.startswith("session-") for p in cap.iterdir()):
+                raise ConfigError(f"{cap} already holds sessions; choose another --capture folder")
+        self._lock = threading.Lock()
+        self._server: Server | None = None
+        self._count = 0
+
+    def _handler(self, conn) -> None:
+        with self._lock:
+            index = self._count
+            self._count += 1
+            if self.max_sessions is not None and index >= self.max_sessions:
+                conn.close()
+                return
+        session = Session(self, conn, index)
+        self.sessions.append(session.rec)
+        session.run()
+        if self.on_session is not None:
+            self.on_session(session.rec)
+        if self.max_sessions is not None and index + 1 >= self.max_sessions and self._server is not None:
+            threading.Thread(target=self._server.shutdown, daemon=True).start()
+
+    def start(self) -> int:
+        """Bind and return the port (an ephemeral one when ``port`` is 0); serve with ``serve_forever``."""
+        from websockets.sync.server import serve
+
+        from splitleak.wire.tls import server_context
+
+        self._server = serve(
+            self._handler,
+            self.host,
+            self.port,
+            ssl=server_context(self.tls_dir),
+            compression=None,
+            max_size=MAX_MESSAGE_BYTES,
+            ping_interval=None,
+            server_header=None,
+        )
+        self.port = int(self._server.socket.getsockname()[1])
+        return self.port
+
+    def serve_forever(self) -> None:
+        assert self._server is not None, "call start() first"
+        self._server.serve_forever()
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+
+
+# ====================================================================== client
+
+
+class RemoteServer(WireLedger):
+    """The trusted node's channel to a ``ServerNode``: ``request(frame)`` sends the encoded frame and
+    returns the decoded reply; ledger and taps as in one process. ``last_losses`` stays None: in a
+    plain split the loss stays on the server."""
+
+    def __init__(self, host: str, port: int, tls_dir: str | Path, hello: dict[str, Any], timeout: float = 60.0):
+        from websockets.sync.client import connect
+
+        from splitleak.wire.tls import client_context
+
+        super().__init__(link=MAIN_LINK)
+        self.remote = True
+        self.where = f"{host}:{port}"
+        self.timeout = timeout
+        self.last_losses = None
+        self.opt = None
+        self.guard = ReplayGuard()
+        self.seq = 0
+        self.closed = False
+        try:
+            self.conn = connect(
+                f"wss://{host}:{port}/splitleak",
+                ssl=client_context(tls_dir),
+                compression=None,
+                max_size=MAX_MESSAGE_BYTES,
+                open_timeout=timeout,
+                ping_interval=None,
+                proxy=None,
+                close_timeout=5,
+            )
+        except ssl.SSLError as exc:  # before OSError, of which it is one
+            raise TransportError(
+                f"the TLS handshake with {self.where} failed ({exc.reason or exc}): both sides need certificates "
+                "from the same CA (`splitleak tls init`)"
+            ) from None
+        except (OSError, TimeoutError) as exc:
+            raise TransportError(f"cannot reach the server at {self.where}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 (websockets' handshake errors)
+            raise TransportError(f"the TLS/WebSocket handshake with {self.where} failed: {exc}") from None
+        try:
+            self._send(hello)
+            reply, _ = self._recv("the handshake")
+            if reply.get("type") != "welcome":
+                raise TransportError(f"the server at {self.where} refused the session: {reply.get('message', reply)}")
+        except BaseException:
+            self.abort()
+            raise
+        self.limits = Limits(**reply["limits"])
+
+    def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        if self.closed:
+            raise TransportError("the session is closed; no frame may follow")
+        header = {**header, "seq": self.seq, "nonce": header.get("nonce") or new_nonce()}
+        self.seq += 1
+        self.conn.send(pack(header, payload))
+
+    def _recv(self, what: str) -> tuple[dict[str, Any], bytes]:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            message = self.conn.recv(timeout=self.timeout)
+        except ConnectionClosed as exc:
+            raise TransportError(f"the server at {self.where} closed the connection during {what} ({exc})") from None
+        except TimeoutError:
+            raise TransportError(
+                f"the server at {self.where} did not answer within {self.timeout:g} s during {what}"
+            ) from None
+        header, payload = unpack(message)
+        if header.get("type") == "error":
+            raise TransportError(f"the server at {self.where} ended the session during {what}: {header.get('message')}")
+        return header, payload
+
+    def request(self, frame: Frame) -> Frame:
+        from websockets.exceptions import ConnectionClosed
+
+        blob = encode(frame)
+        self.record(decode(blob), blob)
+        what = f"{frame.phase} step {frame.step}" if frame.step >= 0 else f"the {frame.phase} pass"
+        try:
+            self.conn.send(pack(frame_header(frame, blob, self.seq), blob))
+        except ConnectionClosed as exc:
+            raise TransportError(f"the server at {self.where} closed the connection during {what} ({exc})") from None
+        self.seq += 1
+        header, payload = self._recv(what)
+        if header.get("type") != "frame":
+            raise TransportError(f"the server sent a {header.get('type')!r} message during {what}")
+        assert self.limits is not None
+        self.guard.check(header)
+        check_frame_message(header, payload, self.limits, SERVER_KINDS)
+        reply = decode(payload)
+        self.record(reply, payload)
+        return reply
+
+    @property
+    def channel(self) -> RemoteServer:
+        return self
+
+    def abort(self) -> None:
+        """Drop the connection without a goodbye (the server closes its capture as failed)."""
+        self.closed = True
+        try:
+            self.conn.close()
+        except Exception:  # noqa: BLE001 (already gone)
+            pass
+
+    def close(self) -> None:
+        """Tell the server the session is over and wait for its goodbye (its capture is then closed)."""
+        if self.closed:
+            return
+        try:
+            self._send({"type": "close"})
+            self._recv("close")
+        finally:
+            self.closed = True
+            self.conn.close()
+
+
+def wait_port(host: str, port: int, timeout: float = 30.0) -> None:
+    """Block until something listens on host:port (for tests and scripts that start ``serve``)."""
+    import socket
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() - t0 > timeout:
+                raise TransportError(f"nothing listens on {host}:{port} after {timeout:g} s") from None
+            time.sleep(0.05)

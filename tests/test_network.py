@@ -1,0 +1,405 @@
+"""Client and server as two processes over mutual TLS 1.3 on 127.0.0.1: the same bits as one process,
+and every bad message refused before it reaches the model or the capture."""
+
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from splitleak.errors import ConfigError
+from splitleak.training import make_train_config, run_training
+from splitleak.wire import verify_run
+from splitleak.wire.frames import Frame, encode
+from splitleak.wire.network import RemoteServer, ServerNode, hello_for
+from splitleak.wire.tls import client_context, init_tls
+from splitleak.wire.transport import PROTOCOL_VERSION, TransportError, frame_header, new_nonce, pack, unpack
+
+pytestmark = pytest.mark.integration
+SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=6, steps=4, all_local_baseline=False)
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    from splitleak.models import load_model
+
+    # client and server share this test process: resolve transformers' lazy (not thread-safe) imports
+    # once, before threads load models; two real processes do not share them
+    load_model("tiny-gpt2", seed=0)
+    return init_tls(tmp_path_factory.mktemp("tls") / "tls").folder
+
+
+class Served:
+    """A ServerNode on an ephemeral loopback port in a thread; shut down and joined at exit."""
+
+    def __init__(self, tls_dir, capture=None, **kw):
+        self.node = ServerNode(tls_dir, capture=capture, **kw)
+        self.port = self.node.start()
+        self.thread = threading.Thread(target=self.node.serve_forever, daemon=True)
+        self.thread.start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.node.shutdown()
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
+
+    def wait_sessions(self, n: int, timeout: float = 30.0):
+        t0 = time.monotonic()
+        while sum(r.status != "open" for r in self.node.sessions) < n:
+            assert time.monotonic() - t0 < timeout, f"sessions did not end: {self.node.sessions}"
+            time.sleep(0.02)
+        return self.node.sessions
+
+
+def test_tls_init_writes_private_keys_and_never_overwrites(tmp_path):
+    paths = init_tls(tmp_path / "t", names=("localhost", "10.0.0.7"), days=2, key_type="ed25519")
+    for role in ("ca", "server", "client"):
+        assert (paths.folder / f"{role}.key").stat().st_mode & 0o777 == 0o600
+        assert (paths.folder / f"{role}.pem").read_text().startswith("-----BEGIN CERTIFICATE-----")
+    before = (paths.folder / "ca.key").read_bytes()
+    with pytest.raises(ConfigError, match="never overwritten"):
+        init_tls(tmp_path / "t")
+    assert (paths.folder / "ca.key").read_bytes() == before
+    with pytest.raises(ConfigError, match="unknown key type"):
+        init_tls(tmp_path / "u", key_type="rsa")
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((d / "wire").iterdir())}
+
+
+@pytest.mark.parametrize(
+    "split,defences",
+    [
+        ({"depth": 2}, [{"name": "none"}]),
+        ({"depth": 2}, [{"name": "clip-noise", "args": {"sigma": 0.05}}]),
+        ({"offload_start": 1, "offload_length": 2}, [{"name": "quant8"}]),
+    ],
+)
+def test_over_tls_the_same_bits_as_in_one_process(tls, tmp_path, split, defences):
+    cfg = make_train_config(**SMALL, seed=5, defences=defences, **split)
+    local = run_training(cfg, tmp_path / "local", device="cpu")
+    with Served(tls, capture=tmp_path / "server") as srv:
+        remote = run_training(cfg, tmp_path / "remote", device="cpu", connect=f"127.0.0.1:{srv.port}", tls_dir=tls)
+        (rec,) = srv.wait_sessions(1)
+    assert rec.status == "complete", rec.reason
+    session = tmp_path / "server" / "session-0000"
+    # what crossed, frame for frame and byte for byte: the client's tap, the server's tap, one process
+    wire = _files(local.run_dir)
+    assert set(wire) == {
+        "train-00000.safetensors",
+        "train-ledger.json",
+        "capture-00000.safetensors",
+        "capture-ledger.json",
+    }
+    assert _files(remote.run_dir) == wire and _files(session) == wire
+    assert verify_run(remote.run_dir).ok and verify_run(session).ok
+    # the client's trained layers
+    a, b = (
+        load_file(local.run_dir / "client_layers.safetensors"),
+        load_file(remote.run_dir / "client_layers.safetensors"),
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the training losses, logged where they are computed: the server in a plain split, the client in a U-shape
+    local_losses = json.loads((local.run_dir / "training.json").read_text())["losses"]
+    server_log = json.loads((session / "server_log.json").read_text())
+    if "depth" in split:
+        assert [x["loss"][0] for x in server_log["losses"]["train"]] == local_losses
+        assert json.loads((remote.run_dir / "training.json").read_text())["losses"] == [None] * cfg.n_steps
+        assert remote.metrics["heldout_ce"] is None and "stays on the server" in remote.metrics["heldout_measured"]
+    else:
+        assert json.loads((remote.run_dir / "training.json").read_text())["losses"] == local_losses
+        assert server_log["losses"]["train"] == []  # the loss never reached the server
+        assert abs(remote.metrics["heldout_ce"] - local.metrics["heldout_ce"]) < 0.05
+    assert remote.metrics["pretrained_ce"] == local.metrics["pretrained_ce"]
+    # the server trained its layers and recorded them
+    server_layers = load_file(session / "server_layers.safetensors")
+    assert server_layers and all(k.startswith("transformer.") or k.startswith("lm_head") for k in server_layers)
+    manifest = json.loads((session / "manifest.json").read_text())
+    assert manifest["role"] == "server" and manifest["config_hash"] == cfg.hash()
+
+
+def _hello(cfg, **over):
+    from splitleak.models import SplitModel, load_model
+    from splitleak.wire.defences import DefenceChain
+
+    lm = load_model(cfg.model, precision=cfg.precision, seed=cfg.seed)
+    split = SplitModel(lm, cfg.depth, cfg.offload_start, cfg.offload_length)
+    chain = DefenceChain.from_specs([d.model_dump() for d in cfg.defences], cfg.seed)
+    return {**hello_for(cfg.as_dict(), lm.fingerprint(), split.spec.as_dict(), chain.describe()), **over}
+
+
+def test_a_mismatched_handshake_is_refused_naming_both_values(tls, tmp_path):
+    cfg = make_train_config(**SMALL, seed=1, depth=2)
+    with Served(tls, capture=tmp_path / "cap") as srv:
+        with pytest.raises(
+            TransportError, match=f"protocol version differs: the server has {PROTOCOL_VERSION}, the client sent 99"
+        ):
+            RemoteServer("127.0.0.1", srv.port, tls, _hello(cfg, protocol=99))
+        with pytest.raises(
+            TransportError, match="fingerprint differs: the server has '[0-9a-f]{64}', the client sent 'abc'"
+        ):
+            RemoteServer("127.0.0.1", srv.port, tls, _hello(cfg, fingerprint="abc"))
+        with pytest.raises(TransportError, match="split differs"):
+            RemoteServer("127.0.0.1", srv.port, tls, _hello(cfg, split={"cut": 1}))
+        recs = srv.wait_sessions(3)
+    assert [r.status for r in recs] == ["failed"] * 3
+    # a refused handshake leaves no session folder of a run that never happened
+    assert not (tmp_path / "cap").exists() or not any((tmp_path / "cap").iterdir())
+
+
+def test_plaintext_and_a_foreign_ca_are_refused(tls, tmp_path):
+    from websockets.sync.client import connect
+
+    other = init_tls(tmp_path / "other").folder
+    cfg = make_train_config(**SMALL, seed=1, depth=2)
+    with Served(tls) as srv:
+        with pytest.raises(TransportError, match="TLS handshake .* failed .*CERTIFICATE_VERIFY_FAILED"):
+            RemoteServer("127.0.0.1", srv.port, other, _hello(cfg))  # the client pins its CA: a foreign server fails
+        # a client certificate from another CA, presented to the server: refused by the server
+        hybrid = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        hybrid.load_verify_locations(str(Path(tls) / "ca.pem"))
+        hybrid.load_cert_chain(str(Path(other) / "client.pem"), str(Path(other) / "client.key"))
+        with pytest.raises(Exception):  # noqa: B017 (TLS 1.3 reports the refusal on the first read)
+            connect(f"wss://localhost:{srv.port}/", ssl=hybrid, open_timeout=5, proxy=None).recv(timeout=5)
+        with pytest.raises(Exception):  # noqa: B017 (plain WebSocket to a TLS port: any failure will do, but a failure)
+            connect(f"ws://127.0.0.1:{srv.port}/", open_timeout=5, proxy=None).recv(timeout=5)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:  # raw plaintext bytes
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.settimeout(5)
+            try:
+                data = s.recv(100)
+            except (ConnectionResetError, TimeoutError):
+                data = b""
+            assert b"HTTP/1.1 101" not in data
+        # a client without any certificate: TLS 1.3 reports the refusal on the first read
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.load_verify_locations(str(Path(tls) / "ca.pem"))
+        with pytest.raises(Exception):  # noqa: B017
+            connect(f"wss://localhost:{srv.port}/", ssl=ctx, open_timeout=5, proxy=None).recv(timeout=5)
+        # the server still serves a good client afterwards
+        r = RemoteServer("127.0.0.1", srv.port, tls, _hello(cfg))
+        r.close()
+
+
+class RawClient:
+    """A client that completes the handshake and then sends what the test tells it to."""
+
+    def __init__(self, port, tls_dir, hello):
+        from websockets.sync.client import connect
+
+        self.conn = connect(
+            f"wss://127.0.0.1:{port}/", ssl=client_context(tls_dir), compression=None, proxy=None, max_size=None
+        )
+        self.seq = 0
+        self.send({"type": "hello", **hello})
+        self.welcome, _ = unpack(self.conn.recv(timeout=30))
+        assert self.welcome["type"] == "welcome", self.welcome
+
+    def send(self, header, payload=b""):
+        self.conn.send(pack({"seq": self.seq, "nonce": new_nonce(), **header}, payload))
+        self.seq += 1
+
+    def frame(self, frame: Frame, **over):
+        blob = encode(frame)
+        header = {**frame_header(frame, blob, self.seq), **over}
+        self.conn.send(pack(header, blob))
+        self.seq += 1
+        return header
+
+    def reply(self):
+        return unpack(self.conn.recv(timeout=30))
+
+
+def _forward(step=0, rows=1, width=64, tokens=32, fill=0.1):
+    return Frame(
+        "forward",
+        step,
+        tuple(range(rows)),
+        torch.full((rows, tokens, width), fill),
+        torch.ones(rows, tokens, dtype=torch.int64),
+        "train",
+        labels=torch.zeros(rows, tokens, dtype=torch.int64),
+    )
+
+
+BAD = {
+    "replayed nonce": "replayed frame",
+    "truncated": "truncated frame",
+    "lying size": "the header says the payload holds",
+    "2 GB shape": "a header that lies about its payload",
+    "NaN": "NaN or Inf",
+    "unknown kind": "unknown frame kind",
+    "backward-top with no forward": "may not be sent|no pending forward",
+    "after close": "",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_frames_are_refused_and_never_captured(tls, tmp_path, case):
+    cfg = make_train_config(**SMALL, seed=2, depth=2)
+    hello = _hello(cfg)
+    with Served(tls, capture=tmp_path / "cap") as srv:
+        c = RawClient(srv.port, tls, hello)
+        good = c.frame(_forward(step=0))
+        header, _ = c.reply()
+        assert header["type"] == "frame" and header["kind"] == "backward"
+        f = _forward(step=1)
+        blob = encode(f)
+        h = frame_header(f, blob, c.seq)
+        if case == "replayed nonce":
+            c.conn.send(pack({**h, "nonce": good["nonce"]}, blob))
+        elif case == "truncated":
+            c.conn.send(pack({**h, "payload_bytes": len(blob) - 100}, blob[:-100]))
+        elif case == "lying size":
+            c.conn.send(pack({**h, "payload_bytes": len(blob) + 5}, blob))
+        elif case == "2 GB shape":
+            n = int.from_bytes(blob[:8], "little")
+            st = json.loads(blob[8 : 8 + n])
+            st["tensor"]["shape"] = [1, 32, 64 * 250_000]
+            st["tensor"]["data_offsets"] = [0, 4 * 32 * 64 * 250_000]
+            head = json.dumps(st).encode()
+            evil = len(head).to_bytes(8, "little") + head + blob[8 + n :]
+            c.conn.send(pack({**h, "payload_bytes": len(evil)}, evil))
+        elif case == "NaN":
+            c.frame(_forward(step=1, fill=float("nan")))
+        elif case == "unknown kind":
+            c.conn.send(pack({**h, "kind": "exfiltrate"}, blob))
+        elif case == "backward-top with no forward":
+            bt = Frame("backward-top", 7, (0,), torch.zeros(1, 32, 64), torch.ones(1, 32, dtype=torch.int64), "train")
+            c.frame(bt)
+        elif case == "after close":
+            c.send({"type": "close"})
+            bye, _ = c.reply()
+            assert bye["type"] == "bye"
+            with pytest.raises(Exception):  # noqa: B017 (the server closed the connection)
+                c.frame(_forward(step=1))
+                c.reply()
+        if case != "after close":
+            header, _ = c.reply()
+            assert header["type"] == "error"
+            import re
+
+            assert re.search(BAD[case], header["message"]), header["message"]
+        (rec,) = srv.wait_sessions(1)
+    session = tmp_path / "cap" / "session-0000"
+    assert verify_run(session).ok  # closed cleanly at the last whole frame
+    assert rec.status == ("complete" if case == "after close" else "failed")
+    ledger = json.loads((session / "wire" / "train-ledger.json").read_text())
+    assert [e["kind"] for e in ledger] == ["forward", "backward"]  # the refused frame is not in the capture
+
+
+def test_a_vanished_client_leaves_a_verifiable_capture_and_the_server_serves_on(tls, tmp_path):
+    cfg = make_train_config(**SMALL, seed=2, depth=2)
+    with Served(tls, capture=tmp_path / "cap") as srv:
+        c = RawClient(srv.port, tls, _hello(cfg))
+        c.frame(_forward(step=0))
+        assert c.reply()[0]["kind"] == "backward"
+        c.frame(_forward(step=1))
+        c.conn.socket.close()  # gone without a goodbye, mid-exchange
+        (first,) = srv.wait_sessions(1)
+        run = run_training(cfg, tmp_path / "next", device="cpu", connect=f"127.0.0.1:{srv.port}", tls_dir=tls)
+        recs = srv.wait_sessions(2)
+    assert first.status == "failed" and "went away" in first.reason
+    v = verify_run(tmp_path / "cap" / "session-0000")
+    assert v.ok and v.status == "failed"
+    assert recs[1].status == "complete" and verify_run(run.run_dir).ok
+
+
+def test_sessions_do_not_share_state(tls, tmp_path):
+    """Several clients at once against one server: each session's capture holds its own run only."""
+    from splitleak.models import load_model
+
+    cfgs = [make_train_config(**SMALL, seed=s, depth=2) for s in (11, 12, 13)]
+    # the tiny model's seeded initialisation draws from torch's global generator: load the three clients'
+    # models one after another here (in a deployment each client is its own process)
+    models = [load_model(c.model, precision=c.precision, seed=c.seed) for c in cfgs]
+    results = {}
+
+    def client(i, cfg):
+        results[i] = run_training(
+            cfg, tmp_path / f"c{i}", device="cpu", connect=f"127.0.0.1:{port}", tls_dir=tls, lm=models[i]
+        )
+
+    with Served(tls, capture=tmp_path / "cap") as srv:
+        port = srv.port
+        threads = [threading.Thread(target=client, args=(i, c)) for i, c in enumerate(cfgs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=240)
+        assert not any(t.is_alive() for t in threads)
+        recs = srv.wait_sessions(3)
+    assert sorted(r.status for r in recs) == ["complete"] * 3
+    by_hash = {}
+    for r in recs:
+        m = json.loads((Path(r.capture) / "manifest.json").read_text())
+        by_hash[m["config_hash"]] = Path(r.capture)
+    for i, cfg in enumerate(cfgs):
+        # the server's capture of that client's session equals the client's own record, byte for byte
+        assert _files(by_hash[cfg.hash()]) == _files(results[i].run_dir)
+
+
+def test_serve_cli_and_a_killed_server_stops_the_client_with_one_line(tls, tmp_path):
+    from typer.testing import CliRunner
+
+    from splitleak.cli import app
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitleak.cli", "serve", "--listen", "127.0.0.1:0", "--tls-dir", str(tls),
+         "--capture", str(tmp_path / "cap"), "--threads", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("listening on 127.0.0.1:"), line + proc.stderr.read()
+        port = int(line.rsplit(":", 1)[1])
+        killed = {}
+
+        def kill_at_step_2(crossing):
+            if crossing.frame.kind == "forward" and crossing.frame.step == 2 and not killed:
+                os.kill(proc.pid, signal.SIGKILL)
+                killed["t"] = time.monotonic()
+
+        import splitleak.training.loop as loop
+
+        cfg = make_train_config(**{**SMALL, "steps": 6}, seed=4, depth=2)
+        orig = loop.connect
+
+        def connect_with_kill(split, chain, lr, taps, server=None):
+            return orig(split, chain, lr, list(taps or []) + [kill_at_step_2], server)
+
+        loop.connect = connect_with_kill
+        try:
+            with pytest.raises(TransportError, match="closed the connection during train step 2"):
+                run_training(cfg, tmp_path / "run", device="cpu", connect=f"127.0.0.1:{port}", tls_dir=tls)
+        finally:
+            loop.connect = orig
+        assert time.monotonic() - killed["t"] < 10
+        v = verify_run(tmp_path / "run")  # the client's run closed as failed, and intact
+        assert v.ok and v.status == "failed"
+        # nothing answers any more: the CLI says so in one line
+        r = CliRunner().invoke(
+            app,
+            ["train", "--out", str(tmp_path / "run2"), "--depth", "2", "--n-calib", "4", "--n-train", "6",
+             "--n-eval", "6", "--connect", f"127.0.0.1:{port}", "--tls-dir", str(tls), "--quiet"],
+        )  # fmt: skip
+        assert r.exit_code == 2 and "cannot reach the server at 127.0.0.1" in r.output
+        assert not (tmp_path / "run2").exists()  # refused before anything was written
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
