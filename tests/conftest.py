@@ -33,3 +33,63 @@ def smollm2():
     if not ok:
         pytest.skip(f"smollm2-135m unavailable: {why}")
     return True
+
+
+# ------------------------------------------------------------------ test tiers
+
+TIERS = ("unit", "integration", "e2e")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every test sits in exactly one tier (the markers in pyproject.toml), so `-m unit` and
+    `make check` keep meaning what they say; `slow` is a flag on top of a tier. Checked before `-m`
+    deselects anything, so a test without a tier fails every run, not only the runs that select it."""
+    wrong = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            wrong.append(f"  {item.nodeid}: {', '.join(tiers) if tiers else 'no tier'}")
+    if wrong:
+        raise pytest.UsageError(
+            f"{len(wrong)} test(s) need exactly one tier marker of {', '.join(TIERS)}: put "
+            "`pytestmark = pytest.mark.unit` (or integration, e2e) at the top of a file that is one tier, "
+            "or `@pytest.mark.unit` on each test (see the markers in pyproject.toml):\n" + "\n".join(wrong)
+        )
+
+
+# ------------------------------------------------------------------ shared tiny runs
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {p.relative_to(folder).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """Tiny runs trained once per session, shared by every test that asks for the same configuration.
+
+    ``shared_run(config)`` with a TrainConfig, or ``shared_run(**kwargs)`` with make_train_config's
+    arguments, returns the run folder (trained on the CPU). Read only: a test that writes into its run,
+    or trains under a spy or a monkeypatch, trains its own. At the end of the session every shared run
+    must still be what training left, or the session reports which files a test changed."""
+    from splitleak.training import make_train_config, run_training
+
+    runs: dict[str, tuple[Path, dict]] = {}
+
+    def get(config=None, **kwargs) -> Path:
+        if (config is None) == (not kwargs):
+            raise TypeError("shared_run takes either a TrainConfig or make_train_config's arguments")
+        config = config if config is not None else make_train_config(**kwargs)
+        key = config.hash()
+        if key not in runs:
+            path = tmp_path_factory.mktemp(f"shared-{key[:12]}") / "run"
+            run_training(config, path, device="cpu")
+            runs[key] = (path, _listing(path))
+        return runs[key][0]
+
+    yield get
+    for path, trained in runs.values():
+        now = _listing(path)
+        changed = sorted(k for k in trained.keys() | now.keys() if trained.get(k) != now.get(k))
+        assert not changed, f"a test wrote into the shared run {path} (read only; train your own): {changed}"

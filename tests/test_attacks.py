@@ -60,6 +60,7 @@ def _score(run, attack, **kw):
     return run_attack(run, make_attack_config(attack=attack, **kw))
 
 
+@pytest.mark.integration
 def test_ridge_activation_attacker_recovers_most_tokens_at_a_shallow_cut(easy_run):
     act = _score(easy_run, "activation", k=8)
     maj = _score(easy_run, "majority")
@@ -69,6 +70,7 @@ def test_ridge_activation_attacker_recovers_most_tokens_at_a_shallow_cut(easy_ru
     assert act["n_docs"] == 48 and act["n_tokens"] == 48 * 32
 
 
+@pytest.mark.integration
 def test_joint_beats_activation_and_controls_do_not(weak_runs):
     """Where the gradient carries the next token (cut after 3 of 4 blocks: one on the server), the
     joint attacker gains; the controls, which remove the gradient's information, do not beat
@@ -88,6 +90,7 @@ def test_joint_beats_activation_and_controls_do_not(weak_runs):
         assert rand["token_recovery"] <= act["token_recovery"] + 0.01
 
 
+@pytest.mark.integration
 def test_gradient_readout_names_the_next_token_from_the_gradient_alone(weak_runs):
     """The default read-out (cosine of −gradient with the token embeddings) reads the next token
     from each run's own gradient, and from nothing else: another document's gradient reads at
@@ -114,6 +117,7 @@ def test_gradient_readout_names_the_next_token_from_the_gradient_alone(weak_runs
             assert torch.equal(a[:, 1:], b[:, 1:]) != moves, (i, readout)
 
 
+@pytest.mark.unit
 def test_readout_is_part_of_the_config_of_gradient_attacks_only():
     import inspect
 
@@ -150,6 +154,7 @@ def test_readout_is_part_of_the_config_of_gradient_attacks_only():
         make_attack_config(attack="joint", k=8, readout="psychic")
 
 
+@pytest.mark.integration
 def test_backward_only_and_vmi_beat_the_majority_control(weak_runs):
     run = weak_runs[0]
     maj = _score(run, "majority")["token_recovery"]
@@ -157,18 +162,21 @@ def test_backward_only_and_vmi_beat_the_majority_control(weak_runs):
     assert _score(run, "vmi")["token_recovery"] > maj + 0.2
 
 
+@pytest.mark.integration
 def test_exhaustive_sipit_recovers_every_token_with_the_trained_copy(weak_runs):
     res = _score(weak_runs[1], "sipit", budget="exhaustive", client_copy="trained")
     assert res["token_recovery"] == 1.0 and res["doc_recovery"] == 1.0
     assert res["certified_tokens"] == 1.0
 
 
+@pytest.mark.integration
 def test_budgeted_sipit_stops_at_its_budget(weak_runs):
     res = _score(weak_runs[0], "sipit", budget=4, client_copy="public")
     assert 0 < res["mean_checks_per_token"] <= 4
     assert 0 < res["token_recovery"] <= 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("seed", [0, 1])
 def test_batched_and_naive_beam_search_agree_exactly(seed):
     lm = load_model("tiny-gpt2", seed=seed)
@@ -191,6 +199,7 @@ def test_batched_and_naive_beam_search_agree_exactly(seed):
     assert (fast.tokens != ev).any()  # the observations were imperfect enough to make errors
 
 
+@pytest.mark.unit
 def test_merge_candidates_follows_the_rule():
     act = torch.tensor([[[1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15]]])
     grad = torch.tensor([[[11, 20, 21]]])  # for position 1; 11 overlaps the activation half
@@ -199,6 +208,7 @@ def test_merge_candidates_follows_the_rule():
     assert out[0, 1].tolist() == [10, 11, 20, 12]  # k/2 act, new gradient tokens, then refill from act
 
 
+@pytest.mark.unit
 def test_random_fill_and_derangement_are_seeded():
     act = torch.arange(24).view(1, 3, 8)
     a, b = random_fill(act, 8, 100, seed=1), random_fill(act, 8, 100, seed=1)
@@ -209,12 +219,14 @@ def test_random_fill_and_derangement_are_seeded():
     assert sorted(p) == list(range(10)) and (p != np.arange(10)).all()
 
 
+@pytest.mark.unit
 def test_property_tokens_rule():
     calib = np.array([[1, 2, 3], [1, 2, 4], [1, 5, 6], [1, 7, 8]])
     # shares: 1 -> 1.0, 2 -> 0.5, others 0.25 -> picks 2, then the lowest ids among the 0.25s
     assert choose_property_tokens(calib, 3) == [2, 3, 4]
 
 
+@pytest.mark.integration
 def test_property_inference_matches_sklearn_auc_and_index(weak_runs):
     from sklearn.metrics import roc_auc_score
 
@@ -232,6 +244,7 @@ def test_property_inference_matches_sklearn_auc_and_index(weak_runs):
     assert res["leakage_index"] == pytest.approx(expected)
 
 
+@pytest.mark.unit
 def test_gradient_perturbations():
     g = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
     assert torch.equal(perturb_gradients(g, None, 8, 0), quantize_symmetric(g, 8))
@@ -241,12 +254,14 @@ def test_gradient_perturbations():
     assert ((rel > 0.07) & (rel < 0.13)).all()
 
 
+@pytest.mark.integration
 def test_gradient_perturbation_reaches_the_attack(weak_runs):
     base = _score(weak_runs[0], "backward-only")
     noisy = _score(weak_runs[0], "backward-only", gradient_noise=5.0)
     assert noisy["token_recovery"] < base["token_recovery"] - 0.1
 
 
+@pytest.mark.integration
 def test_threat_model_knowledge_holds_no_server_layers_or_eval_text(weak_runs):
     kn = load_knowledge(weak_runs[0], "public")
     assert isinstance(kn, Knowledge)
@@ -257,11 +272,13 @@ def test_threat_model_knowledge_holds_no_server_layers_or_eval_text(weak_runs):
     assert set(vars(kn)) == {"client", "calibration", "copy", "model"}
 
 
+@pytest.mark.integration
 def test_trained_copy_differs_from_public_copy(weak_runs):
     pub, tr = load_knowledge(weak_runs[0], "public"), load_knowledge(weak_runs[0], "trained")
     assert not torch.equal(pub.client.embedding, tr.client.embedding)
 
 
+@pytest.mark.integration
 def test_cli_attack_writes_result_and_parquet(weak_runs, tmp_path):
     from typer.testing import CliRunner
 
@@ -292,6 +309,7 @@ def test_cli_attack_writes_result_and_parquet(weak_runs, tmp_path):
     assert r.exit_code == 2 and "--force" in r.output
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kw,words",
     [
@@ -307,12 +325,14 @@ def test_bad_attack_configs(kw, words):
         make_attack_config(**kw)
 
 
+@pytest.mark.integration
 def test_inference_traffic_refuses_gradient_attacks(weak_runs):
     with pytest.raises(ConfigError, match="needs gradients"):
         _score(weak_runs[0], "joint", k=4, inference=True)
     assert _score(weak_runs[0], "activation", k=4, inference=True)["token_recovery"] > 0.5
 
 
+@pytest.mark.unit
 def test_registry_names_match_cli_contract():
     assert set(ATTACKS) == {
         "vmi",
@@ -328,6 +348,7 @@ def test_registry_names_match_cli_contract():
     }
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_audit_on_smollm2_with_wikitext(tmp_path, smollm2, wikitext_dir):
     from splitleak.audit.run import run_audit
@@ -359,6 +380,7 @@ def test_audit_on_smollm2_with_wikitext(tmp_path, smollm2, wikitext_dir):
     assert res.run.metrics["all_local_ce"] is not None
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("order", ["gradient", "ridge"])
 def test_both_sipit_orders_certify_with_the_trained_copy(weak_runs, order):
     from splitleak.attacks import SipIt, load_knowledge, load_traffic

@@ -26,6 +26,7 @@ runner = CliRunner()
 # ------------------------------------------------------------------ injection
 
 
+@pytest.mark.unit
 def test_injection_doses_exactly_the_first_rows_of_one_order_and_nests():
     g = torch.Generator().manual_seed(0)
     act, ref = torch.randn(5, 8, 3, generator=g), torch.randn(5, 8, 3, generator=g)
@@ -66,6 +67,7 @@ def noisy_run(request, tmp_path_factory):
     return path
 
 
+@pytest.mark.integration
 def test_dose_ladder_detects_a_large_leak_and_nothing_at_zero_dose(noisy_run):
     out = noisy_run.parent / "cal"
     res = calibrate(noisy_run, "vmi", out=out, n_boot=1000, seed=5)
@@ -96,6 +98,7 @@ def test_dose_ladder_detects_a_large_leak_and_nothing_at_zero_dose(noisy_run):
     assert "data:image/png;base64," in (out / "calibration.html").read_text()
 
 
+@pytest.mark.integration
 def test_calibrate_refuses_bad_input_and_keeps_what_exists(noisy_run, tmp_path):
     with pytest.raises(ConfigError, match="property"):
         calibrate(noisy_run, "property")
@@ -157,6 +160,7 @@ def test_calibrate_refuses_bad_input_and_keeps_what_exists(noisy_run, tmp_path):
 # ------------------------------------------------------------------ shuffled controls and verdicts
 
 
+@pytest.mark.unit
 def test_shuffled_control_reads_not_detected_for_honest_arms_and_catches_a_cheat():
     rng = np.random.default_rng(0)
     truth = rng.choice(40, size=(60, 16), p=np.r_[0.2, np.full(39, 0.8 / 39)])
@@ -236,6 +240,7 @@ def test_audit_under_heavy_noise_reads_at_floor_with_a_calibrated_metric(tmp_pat
 # ------------------------------------------------------------------ statistics added for the analysis
 
 
+@pytest.mark.unit
 def test_ratio_bootstrap_is_a_ratio_of_sums_and_pairs_its_difference():
     num = np.array([3.0, 0.0, 5.0, 2.0])
     den = np.array([4.0, 1.0, 5.0, 6.0])
@@ -245,6 +250,7 @@ def test_ratio_bootstrap_is_a_ratio_of_sums_and_pairs_its_difference():
     assert same.estimate == 0 and same.low == 0 and same.high == 0
 
 
+@pytest.mark.unit
 def test_heldout_rmse_matches_scikit_learn_ridge_and_detects_a_start_effect():
     from sklearn.linear_model import Ridge
 
@@ -302,6 +308,7 @@ def _rows(diff, seeds=(1, 2, 3, 4), n_docs=60, attack_seeds=(0, 1), rng_seed=0, 
     return rows
 
 
+@pytest.mark.unit
 def test_main_test_passes_a_large_difference_and_fails_a_small_one():
     t = {"attack": "joint", "k": 32, "client_copy": "public", "depth": 6}
     c = {**t, "attack": "activation"}
@@ -347,6 +354,7 @@ def test_main_test_passes_a_large_difference_and_fails_a_small_one():
     assert not missing.passes and "treatment" in missing.missing
 
 
+@pytest.mark.unit
 def test_analysis_runs_the_shipped_family_and_refuses_foreign_results():
     path = [p for p in shipped_protocols() if p.name == "paper_main.yaml"][0]
     proto = parse_protocol(path)
@@ -366,6 +374,7 @@ def test_analysis_runs_the_shipped_family_and_refuses_foreign_results():
         analyse(quick, "h", _rows(0.06, phash="other"))
 
 
+@pytest.mark.unit
 def test_family_size_must_match_its_comparisons(tmp_path):
     src = [p for p in shipped_protocols() if p.name == "paper_main.yaml"][0]
     bad = tmp_path / "p.yaml"
@@ -374,6 +383,7 @@ def test_family_size_must_match_its_comparisons(tmp_path):
         parse_protocol(bad)
 
 
+@pytest.mark.integration
 def test_protocol_analyse_cli_end_to_end_on_tiny_runs(tmp_path):
     proto = tmp_path / "mini.yaml"
     proto.write_text(

@@ -38,6 +38,7 @@ def runs(tmp_path_factory):
     }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("lam,seed", [(0.75, 1), (0.6, 4)])
 def test_probe_rows_undo_mixup_exactly(tmp_path, lam, seed):
     """With the probe rows that cross, the mixed rows unmix to the trained client's own activations
@@ -60,6 +61,7 @@ def _eval_docs(run, doc_ids):
     return [by_id[i] for i in doc_ids]
 
 
+@pytest.mark.integration
 def test_mixup_unmix_reads_what_the_undefended_run_gives(runs):
     plain = run_attack(runs["none"], make_attack_config(attack="activation", k=8))
     unmixed = run_attack(runs["mixup"], make_attack_config(attack="mixup-unmix", k=8))
@@ -73,6 +75,7 @@ def test_mixup_unmix_reads_what_the_undefended_run_gives(runs):
     assert 0.3 < probe["training_token_share"] <= 1.0
 
 
+@pytest.mark.integration
 def test_mixup_unmix_needs_probe_rows(runs):
     with pytest.raises(ConfigError, match="correction=cached or none"):
         run_attack(runs["cached"], make_attack_config(attack="mixup-unmix", k=8))
@@ -80,6 +83,7 @@ def test_mixup_unmix_needs_probe_rows(runs):
         run_attack(runs["none"], make_attack_config(attack="mixup-unmix", k=8))
 
 
+@pytest.mark.integration
 def test_channels_of_a_mixup_run_and_a_u_shape_run(runs):
     rows = {r["channel"]: r for r in channel_table(runs["mixup"])}
     assert set(rows) == {
@@ -110,6 +114,7 @@ def test_channels_of_a_mixup_run_and_a_u_shape_run(runs):
     assert r.exit_code == 0 and "probe-activations" in r.output and "unmixed" in r.output
 
 
+@pytest.mark.integration
 def test_joint_and_backward_only_read_the_output_gradient_of_a_u_shape(runs):
     cfg = make_attack_config(attack="backward-only", gradient_source="output")
     out = run_attack(runs["u"], cfg)
@@ -129,6 +134,7 @@ def test_joint_and_backward_only_read_the_output_gradient_of_a_u_shape(runs):
         make_attack_config(attack="vmi", gradient_source="output")
 
 
+@pytest.mark.unit
 def test_new_attack_fields_leave_existing_keys_alone():
     a = make_attack_config(attack="joint", k=32)
     b = make_attack_config(attack="joint", k=32, gradient_source="split", phase="capture")
@@ -147,6 +153,7 @@ def test_new_attack_fields_leave_existing_keys_alone():
     assert make_attack_config(attack="joint", k=32, phase="train").hash() != a.hash()
 
 
+@pytest.mark.integration
 def test_attack_reads_the_training_steps(runs):
     res = run_attack(runs["none"], make_attack_config(attack="vmi", client_copy="trained", phase="train"))
     order = json.loads((runs["none"] / "training.json").read_text())["doc_ids"]
@@ -159,6 +166,7 @@ def test_attack_reads_the_training_steps(runs):
     assert r.exit_code == 2 and "phase" in r.output
 
 
+@pytest.mark.unit
 def test_registered_attacks_declare_what_they_read():
     assert make_attack("vmi").channels_read() == ("activations",)
     assert make_attack("majority").channels_read() == ()

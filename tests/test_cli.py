@@ -11,12 +11,14 @@ runner = CliRunner()
 SMALL = ["--n-calib", "4", "--n-train", "6", "--n-eval", "10"]
 
 
+@pytest.mark.unit
 def test_help_on_every_command():
     for cmd in ([], ["models"], ["train"], ["verify"], ["audit"]):
         r = runner.invoke(app, cmd + ["--help"])
         assert r.exit_code == 0 and "Usage" in r.output
 
 
+@pytest.mark.unit
 def test_models_lists_presets_with_availability():
     r = runner.invoke(app, ["models"])
     assert r.exit_code == 0
@@ -24,6 +26,7 @@ def test_models_lists_presets_with_availability():
         assert name in r.output
 
 
+@pytest.mark.integration
 def test_train_then_verify_then_refuse_overwrite(tmp_path):
     out = tmp_path / "run"
     args = [
@@ -59,6 +62,7 @@ def test_train_then_verify_then_refuse_overwrite(tmp_path):
     assert r.exit_code == 0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "extra,words",
     [
@@ -78,11 +82,13 @@ def test_bad_input_gets_a_clear_error_and_writes_nothing(tmp_path, extra, words)
     assert not out.exists()
 
 
+@pytest.mark.unit
 def test_missing_model_names_offline_preset(tmp_path):
     r = runner.invoke(app, ["train", "--model", "gpt2", "--depth", "3", "--out", str(tmp_path / "r"), "--quiet"])
     assert r.exit_code == 2 and "smollm2-135m" in r.output.replace("\n", " ")
 
 
+@pytest.mark.unit
 def test_defence_argument_forms():
     assert parse_defences(["quant4-noisy"], ["clip=2.0"]) == [{"name": "quant4-noisy", "args": {"clip": 2.0}}]
     assert parse_defences(["quant8", "quant4-noisy:noise=0.2"], ["quant4-noisy.clip=0.5"]) == [
@@ -127,6 +133,7 @@ def test_audit_on_tiny_model(tmp_path):
     assert runner.invoke(app, ["verify", str(out / "run")]).exit_code == 0
 
 
+@pytest.mark.integration
 def test_train_from_yaml_with_composed_defences(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(

@@ -81,6 +81,7 @@ def decode(tok, ids) -> str:
 # ---------------------------------------------------------------- determinism and set drawing
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("seed", SEEDS)
 def test_wikitext_same_seed_gives_identical_sets(tok, wiki_cache, seed):
     first = wiki_cache(seed)
@@ -91,6 +92,7 @@ def test_wikitext_same_seed_gives_identical_sets(tok, wiki_cache, seed):
     assert re.fullmatch(r"[0-9a-f]{64}", first.fingerprint())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("seed", SEEDS)
 def test_wikitext_other_seed_gives_other_sets(wiki_cache, seed):
     here = wiki_cache(seed)
@@ -102,6 +104,7 @@ def test_wikitext_other_seed_gives_other_sets(wiki_cache, seed):
     assert len(mine & theirs) < 64
 
 
+@pytest.mark.integration
 def test_wikitext_set_sizes_ids_and_lengths(wiki):
     assert (len(wiki.calibration), len(wiki.train), len(wiki.evaluation)) == (32, 128, 256)
     assert (wiki.source, wiki.seed, wiki.doc_len) == ("wikitext2", 0, 32)
@@ -112,6 +115,7 @@ def test_wikitext_set_sizes_ids_and_lengths(wiki):
     assert all(isinstance(t, int) for d in docs for t in d.token_ids)
 
 
+@pytest.mark.integration
 def test_wikitext_windows_disjoint_and_taken_from_their_line(tok, wiki, wiki_lines):
     used: set[tuple[str, int]] = set()
     for d in all_docs(wiki):
@@ -132,6 +136,7 @@ def test_wikitext_windows_disjoint_and_taken_from_their_line(tok, wiki, wiki_lin
     assert len(used) == 416 * 32
 
 
+@pytest.mark.integration
 def test_wikitext_decode_round_trips_to_text(tok, wiki):
     exact = 0
     for d in all_docs(wiki):
@@ -145,6 +150,7 @@ def test_wikitext_decode_round_trips_to_text(tok, wiki):
     assert exact >= 0.99 * 416
 
 
+@pytest.mark.unit
 def test_windows_never_cross_paragraphs(tok, tmp_path):
     paras = [
         "The first paragraph talks about many things that happen in a small town by the sea.",
@@ -190,6 +196,7 @@ def check_span_tokens(tok, doc: Document) -> None:
         assert s.text not in decode(tok, ids[s.token_start : s.token_end - 1]), (doc.source, s)
 
 
+@pytest.mark.integration
 def test_wikitext_spans_land_on_their_tokens(tok, wiki):
     docs = all_docs(wiki)
     for d in docs:
@@ -201,6 +208,7 @@ def test_wikitext_spans_land_on_their_tokens(tok, wiki):
     assert sum(bool(d.spans) for d in docs) >= 0.8 * len(docs)  # measured 0.89 at seed 0
 
 
+@pytest.mark.integration
 def test_wikitext_spans_are_the_annotators_spans_inside_the_window(wiki, wiki_lines, tok):
     cut = 0
     for d in wiki.evaluation:
@@ -221,6 +229,7 @@ EXAMPLE_1 = "Yesterday Maria Lopez paid 1,250 dollars for the B-52 model kit in 
 EXAMPLE_2 = " The M @-@ 11 left on 4 May 1 @,@ 250 km from Ludwig van Beethoven Hall ."
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("text", "doc_len", "expected"),
     [
@@ -277,6 +286,7 @@ def test_hand_built_text_gives_exact_spans(tok, tmp_path, text, doc_len, expecte
     assert got == expected
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -328,6 +338,7 @@ def test_annotator_rule(text, expected):
 # ---------------------------------------------------------------- synthetic PII
 
 
+@pytest.mark.unit
 def test_synthetic_spans_per_label_and_share(tok, pii):
     docs = all_docs(pii)
     assert len(docs) == 64 and all(len(d.token_ids) == 32 for d in docs)
@@ -348,6 +359,7 @@ def test_synthetic_spans_per_label_and_share(tok, pii):
                 assert re.fullmatch(r"[A-Z][A-Za-z'\-]+( [A-Z][A-Za-z'\-]+)?", s.text), s.text
 
 
+@pytest.mark.unit
 def test_synthetic_is_deterministic_and_seeded(tok, pii):
     again = load_documents("synthetic-pii", tok, seed=0, n_calib=16, n_train=16, n_eval=32)
     assert again == pii and again.fingerprint() == pii.fingerprint()
@@ -355,6 +367,7 @@ def test_synthetic_is_deterministic_and_seeded(tok, pii):
     assert {d.text for d in all_docs(other)}.isdisjoint({d.text for d in all_docs(pii)})
 
 
+@pytest.mark.unit
 def test_synthetic_text_depends_only_on_seed_and_index(tok, pii):
     import faker
 
@@ -366,6 +379,7 @@ def test_synthetic_text_depends_only_on_seed_and_index(tok, pii):
     assert alone.text.startswith(by_index[37].text)
 
 
+@pytest.mark.unit
 def test_synthetic_long_documents_are_lengthened(tok):
     sets = load_documents("synthetic-pii", tok, seed=5, n_calib=1, n_train=1, n_eval=4, doc_len=160)
     for d in all_docs(sets):
@@ -377,7 +391,9 @@ def test_synthetic_long_documents_are_lengthened(tok):
 # ---------------------------------------------------------------- JSON
 
 
-@pytest.mark.parametrize("which", ["wiki", "pii"])
+@pytest.mark.parametrize(
+    "which", [pytest.param("wiki", marks=pytest.mark.integration), pytest.param("pii", marks=pytest.mark.unit)]
+)
 def test_json_round_trip(request, which):
     sets = request.getfixturevalue(which)
     blob = json.dumps(sets.to_json())
@@ -389,6 +405,7 @@ def test_json_round_trip(request, which):
     assert DocumentSets.from_json(changed).fingerprint() != sets.fingerprint()
 
 
+@pytest.mark.unit
 def test_from_json_rejects_other_objects(pii):
     with pytest.raises(DataError, match="to_json"):
         DocumentSets.from_json({"format": "something else"})
@@ -402,6 +419,7 @@ def test_from_json_rejects_other_objects(pii):
         DocumentSets.from_json(wrong)
 
 
+@pytest.mark.unit
 def test_document_sets_validate_fields():
     span = Span("name", 0, 3, 0, 1, "Ann")
     doc = Document(0, (1, 2), "Ann Lee", (span,), "x")
@@ -416,23 +434,27 @@ def test_document_sets_validate_fields():
 # ---------------------------------------------------------------- bad input
 
 
+@pytest.mark.unit
 def test_unknown_source(tok):
     with pytest.raises(DataError, match="choose one of wikitext2, synthetic-pii, text"):
         load_documents("wikitext103", tok, seed=0)
     assert SOURCES == ("wikitext2", "synthetic-pii", "text")
 
 
+@pytest.mark.unit
 def test_missing_folder(tok, tmp_path):
     with pytest.raises(DataError, match=r"does not exist.*--data-path"):
         load_documents("wikitext2", tok, seed=0, data_path=tmp_path / "nope")
 
 
+@pytest.mark.unit
 def test_folder_without_raw_files(tok, tmp_path):
     (tmp_path / "wiki.test.tokens").write_text("x", encoding="utf-8")
     with pytest.raises(DataError, match=r"no wiki\.\*\.raw files.*wiki\.test\.raw"):
         load_documents("wikitext2", tok, seed=0, data_path=tmp_path)
 
 
+@pytest.mark.integration
 def test_pool_too_small(tok):
     with pytest.raises(DataError) as err:
         load_documents("wikitext2", tok, seed=0, n_eval=100000, data_path=WIKI)
@@ -441,12 +463,14 @@ def test_pool_too_small(tok):
     assert "100160 are needed" in msg and "fewer documents" in msg and "more text" in msg
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("doc_len", [1, 0, -3, 2.5, True])
 def test_bad_doc_len(tok, doc_len):
     with pytest.raises(DataError, match=r"doc_len must be an integer >= 2.*doc_len=32"):
         load_documents("synthetic-pii", tok, seed=0, doc_len=doc_len)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("field", ["seed", "n_calib", "n_train", "n_eval"])
 def test_negative_counts_and_seed(tok, field):
     kwargs = {"seed": 0, field: -1}
@@ -454,6 +478,7 @@ def test_negative_counts_and_seed(tok, field):
         load_documents("synthetic-pii", tok, **kwargs)
 
 
+@pytest.mark.unit
 def test_text_source_errors(tok, tmp_path):
     with pytest.raises(DataError, match="needs data_path"):
         load_documents("text", tok, seed=0)
@@ -467,11 +492,13 @@ def test_text_source_errors(tok, tmp_path):
         load_documents("text", tok, seed=0, data_path=tmp_path)
 
 
+@pytest.mark.unit
 def test_synthetic_rejects_data_path(tok, tmp_path):
     with pytest.raises(DataError, match="drop data_path"):
         load_documents("synthetic-pii", tok, seed=0, data_path=tmp_path)
 
 
+@pytest.mark.unit
 def test_tokenizer_without_offsets():
     class Slow:
         is_fast = False
@@ -486,12 +513,14 @@ def test_tokenizer_without_offsets():
         load_documents("synthetic-pii", no_offsets, seed=0)
 
 
+@pytest.mark.unit
 def test_wikitext_without_datasets_library(tok, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(DataError, match=r"'datasets' library.*not installed.*--data-path DIR"):
         load_documents("wikitext2", tok, seed=0)
 
 
+@pytest.mark.unit
 def test_wikitext_hub_unreachable(tok, monkeypatch):
     fake = types.ModuleType("datasets")
 
@@ -504,6 +533,7 @@ def test_wikitext_hub_unreachable(tok, monkeypatch):
         load_documents("wikitext2", tok, seed=0)
 
 
+@pytest.mark.integration
 def test_wikitext_through_datasets_rows(tok, monkeypatch, wiki_lines):
     calls = []
     fake = types.ModuleType("datasets")
@@ -558,6 +588,7 @@ _PIECES = st.sampled_from(
 )
 
 
+@pytest.mark.unit
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_PIECES, max_size=30).map(" ".join) | st.text(max_size=80))
 def test_annotator_spans_are_sorted_disjoint_and_trimmed(text):

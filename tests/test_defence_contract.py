@@ -14,6 +14,7 @@ SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=8, seed=2, all_loca
 NAMES = [n for n in DEFENCES if n != "none"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(DEFENCES))
 def test_each_defence_declares_its_roles_and_split_modes(name):
     d = build_defence(name)
@@ -21,6 +22,7 @@ def test_each_defence_declares_its_roles_and_split_modes(name):
     assert (name == "none") == (d.roles() == ())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", NAMES)
 def test_each_defence_is_deterministic_and_composes_with_quant8(tmp_path, name):
     mode = {"depth": 2} if "plain" in DEFENCES[name].split_modes else {"offload_start": 1, "offload_length": 2}
@@ -37,6 +39,7 @@ def test_each_defence_is_deterministic_and_composes_with_quant8(tmp_path, name):
         assert torch.equal(quantize_symmetric(caps[0].activations, 8), caps[0].activations)  # quant8 applied last
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", [n for n in NAMES if "u-shape" not in DEFENCES[n].split_modes])
 def test_a_defence_refuses_a_split_mode_it_does_not_support(tmp_path, name):
     with pytest.raises(ConfigError, match=f"{name} is implemented for the plain split only"):
@@ -48,6 +51,7 @@ def test_a_defence_refuses_a_split_mode_it_does_not_support(tmp_path, name):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.unit
 def test_a_chain_takes_one_defence_per_exclusive_role():
     with pytest.raises(ConfigError, match="mixup can appear once"):
         DefenceChain([build_defence("mixup"), build_defence("mixup")], 0)
@@ -55,6 +59,7 @@ def test_a_chain_takes_one_defence_per_exclusive_role():
         DefenceChain([build_defence("replica-median"), build_defence("replica-median")], 0)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "name,args,words",
     [

@@ -9,6 +9,7 @@ from splitleak.wire import DefenceChain, Frame, InProcessChannel, build_defence,
 from splitleak.wire.defences import draw_decoy_indices
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("seed,chunk", [(0, 0), (0, 7), (5, 7)])
 def test_decoy_draws_are_reproducible_and_without_replacement(seed, chunk):
     a = draw_decoy_indices(500, 64, seed, chunk)
@@ -20,6 +21,7 @@ def test_decoy_draws_are_reproducible_and_without_replacement(seed, chunk):
         draw_decoy_indices(10, 64, seed, chunk)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("lam", [0.75, 0.4])
 @pytest.mark.parametrize("correction", ["probe", "cached", "none"])
 def test_mixup_corrections_against_a_linear_server(lam, correction):
@@ -65,6 +67,7 @@ def test_mixup_corrections_against_a_linear_server(lam, correction):
     assert all(src[1] in (5, 6) for src in chain.client_transform.draw_log[0]["sources"])
 
 
+@pytest.mark.unit
 def test_mixup_is_not_exact_for_a_nonlinear_server_but_close():
     lm = load_model("tiny-gpt2", seed=2)
     split = SplitModel(lm, depth=2)
@@ -84,7 +87,8 @@ def test_mixup_is_not_exact_for_a_nonlinear_server_but_close():
     assert 1e-6 < diff < 1.0
 
 
-def test_mixup_run_gradients_are_dense_and_deterministic(tmp_path):
+@pytest.mark.integration
+def test_mixup_run_gradients_are_dense_and_deterministic(tmp_path, shared_run):
     cfg = make_train_config(
         model="tiny-gpt2",
         depth=2,
@@ -102,16 +106,11 @@ def test_mixup_run_gradients_are_dense_and_deterministic(tmp_path):
     a, b = load_capture(tmp_path / "a"), load_capture(tmp_path / "b")
     assert torch.equal(a.activations, b.activations) and torch.equal(a.gradients, b.gradients)
     # the wire carries the mix: it differs from the trained client's clean activations
-    plain = run_training(
-        make_train_config(
-            model="tiny-gpt2", depth=2, n_calib=4, n_train=12, n_eval=20, seed=1, all_local_baseline=False
-        ),
-        tmp_path / "c",
-        device="cpu",
-    )
-    assert not torch.allclose(load_capture(plain.run_dir).activations, a.activations)
+    plain = shared_run(model="tiny-gpt2", depth=2, n_calib=4, n_train=12, n_eval=20, seed=1, all_local_baseline=False)
+    assert not torch.allclose(load_capture(plain).activations, a.activations)
 
 
+@pytest.mark.integration
 def test_mixup_composes_with_quant8(tmp_path):
     cfg = make_train_config(
         model="tiny-gpt2",
@@ -130,6 +129,7 @@ def test_mixup_composes_with_quant8(tmp_path):
     assert torch.equal(quantize_symmetric(cap.activations, 8), cap.activations)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "args,words",
     [({"lambda": 0.0}, r"lambda must be in \(0, 1\]"), ({"lambda": 1.5}, "lambda"), ({"k": 3}, "does not take")],
@@ -139,6 +139,7 @@ def test_bad_mixup_arguments_fail_before_training(args, words):
         make_train_config(model="tiny-gpt2", depth=2, defences=[{"name": "mixup", "args": args}])
 
 
+@pytest.mark.integration
 def test_mixup_refuses_partial_offloading(tmp_path):
     cfg = make_train_config(
         model="tiny-gpt2",
@@ -154,6 +155,7 @@ def test_mixup_refuses_partial_offloading(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.unit
 def test_one_lying_replica_is_flagged_and_does_not_move_the_median():
     from splitleak.training.replicas import ReplicaMedianLink, make_replicas
 
@@ -187,6 +189,7 @@ def test_one_lying_replica_is_flagged_and_does_not_move_the_median():
     assert link.flag_log[-1]["flagged"] == []
 
 
+@pytest.mark.integration
 def test_replica_median_run_costs_little(tmp_path):
     cfg = make_train_config(
         model="tiny-gpt2", depth=2, n_calib=4, n_train=12, n_eval=20, seed=1, defences=[{"name": "replica-median"}]
@@ -196,12 +199,14 @@ def test_replica_median_run_costs_little(tmp_path):
     assert abs(m["delta_u"]) < 1e-3
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("args,words", [({"k": 2}, "k must be an integer >= 3"), ({"threshold": 0}, "threshold")])
 def test_bad_replica_arguments(args, words):
     with pytest.raises(ConfigError, match=words):
         make_train_config(model="tiny-gpt2", depth=2, defences=[{"name": "replica-median", "args": args}])
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_mixup_probe_rows_give_the_text_back_on_smollm2(tmp_path, smollm2):
     """What Gradients Add §4.5's mixup as first built (correction=probe) on SmolLM2-135M at depth 6, CI-sized: 8-token

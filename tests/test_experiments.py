@@ -102,6 +102,7 @@ def scores(store, kind="attack"):
 # ------------------------------------------------------------------ specs
 
 
+@pytest.mark.unit
 def test_unknown_keys_are_refused_naming_key_file_and_layer(tmp_path):
     from splitleak.experiments import load_spec
 
@@ -130,6 +131,7 @@ def test_unknown_keys_are_refused_naming_key_file_and_layer(tmp_path):
         load_spec(spec, overrides=["steps"])
 
 
+@pytest.mark.unit
 def test_profile_and_override_precedence(tmp_path):
     from splitleak.experiments import load_spec
 
@@ -150,6 +152,7 @@ def test_profile_and_override_precedence(tmp_path):
     assert load_spec(spec, overrides=["data.source=text"]).spec.data.source == "text"
 
 
+@pytest.mark.unit
 def test_shipped_specs_expand_to_the_papers_sizes():
     from splitleak.experiments import plan_grid
 
@@ -200,6 +203,7 @@ def test_shipped_specs_expand_to_the_papers_sizes():
     assert plan_grid("partial_offloading", profile="quick").counts() == {"train": 24, "attack": 24, "reuse": 0}
 
 
+@pytest.mark.unit
 def test_pilot_profiles_hold_exactly_the_cells_the_protocols_tests_compare():
     """`family` runs every cell that the main test and its 47 comparisons read and nothing else;
     `main-test` runs the main test's two cells; `server-6` its attacks at depth 24."""
@@ -256,6 +260,7 @@ attacks:
 """
 
 
+@pytest.mark.unit
 def test_expansion_counts_keys_and_dependencies(tmp_path):
     from splitleak.experiments import plan_grid
 
@@ -299,6 +304,7 @@ def test_expansion_counts_keys_and_dependencies(tmp_path):
     assert not {j.key for j in g5.of_kind("attack")} & {j.key for j in g.of_kind("attack")}
 
 
+@pytest.mark.unit
 def test_a_readout_list_expands_into_one_attack_job_each(tmp_path):
     from splitleak.experiments import plan_grid
 
@@ -318,6 +324,7 @@ def test_a_readout_list_expands_into_one_attack_job_each(tmp_path):
     assert all(j.fields["readout"] is None and "readout" not in j.config["attack"] for j in others)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "change,words",
     [
@@ -346,6 +353,7 @@ def test_bad_spec_fails_before_anything_is_written(tmp_path, change, words):
     assert not store.exists() and not (tmp_path / "proto.yaml.frozen.json").exists()
 
 
+@pytest.mark.unit
 def test_flop_counter_counts_a_tiny_forward_pass_exactly():
     """2 FLOPs per multiply-add of every matrix product (GPT-2's Conv1D addmm, the tied LM head)
     and torch's attention formula for the CPU attention kernel (4 b h s^2 d_head per layer)."""
@@ -370,6 +378,7 @@ def test_flop_counter_counts_a_tiny_forward_pass_exactly():
         )
 
 
+@pytest.mark.integration
 def test_worker_counts_job_flops_only_when_asked_and_without_changing_results(tmp_path, monkeypatch):
     import torch
 
@@ -408,6 +417,7 @@ def test_worker_counts_job_flops_only_when_asked_and_without_changing_results(tm
     assert read_results(tmp_path / "store-True", "failed").num_rows == 0
 
 
+@pytest.mark.unit
 def test_missing_ray_names_the_extra_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     spec = write_spec(tmp_path)
@@ -416,6 +426,7 @@ def test_missing_ray_names_the_extra_to_install(tmp_path, monkeypatch):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.unit
 def test_missing_spec_names_the_shipped_ones(tmp_path):
     r = runner.invoke(app, ["experiment", "run", "paper_mian", "--store", str(tmp_path / "s")])
     assert r.exit_code == 2 and "paper_main" in r.output and "partial_offloading" in r.output
@@ -477,6 +488,7 @@ def test_grid_store_has_one_row_per_job_and_document(tiny_grid):
         assert verify_run(store / "runs" / j.key[:16]).ok
 
 
+@pytest.mark.e2e
 def test_grid_scores_equal_run_attack_on_the_same_run(tiny_grid):
     from splitleak.attacks import make_attack_config
     from splitleak.audit.evaluate import run_attack
@@ -510,6 +522,7 @@ def test_grid_scores_equal_run_attack_on_the_same_run(tiny_grid):
             assert all(r["inference"] and r["reuse_of"] == job.reuse_of for r in mine.values())
 
 
+@pytest.mark.e2e
 def test_status_counts_done_running_failed_pending(tiny_grid, tmp_path):
     from splitleak.experiments import plan_grid
     from splitleak.experiments.store import ResultsStore

@@ -8,6 +8,8 @@ from splitleak.cli import app
 from splitleak.errors import ConfigError
 from splitleak.files import read_yaml
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     "text,words",

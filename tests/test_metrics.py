@@ -19,6 +19,8 @@ from splitleak.metrics import (
     score_reconstruction,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _span(text: str, label: str, sub: str, token_start: int, token_end: int) -> Span:
     start = text.index(sub)

@@ -51,6 +51,7 @@ def _tiny_gpt2(seed=0):
 BUILDERS = {"gpt2": _tiny_gpt2, "llama": _tiny_llama, "qwen3-sliding": _tiny_qwen3}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("arch", sorted(BUILDERS))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_split_equals_uncut_model(arch, seed):
@@ -71,6 +72,7 @@ def test_split_equals_uncut_model(arch, seed):
         assert (logits - ref.logits).abs().max().item() <= 1e-5
 
 
+@pytest.mark.unit
 def test_split_with_padding_mask_matches_uncut():
     lm = _tiny_llama(3)
     ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(3))
@@ -87,6 +89,7 @@ def test_split_with_padding_mask_matches_uncut():
     assert (logits - ref.logits)[keep].abs().max() <= 1e-5
 
 
+@pytest.mark.unit
 def test_float64_split_equivalence():
     lm = load_model("tiny-gpt2", precision="float64", seed=4)
     assert lm.model.get_input_embeddings().weight.dtype == torch.float64
@@ -99,6 +102,7 @@ def test_float64_split_equivalence():
     assert (out - ref).abs().max() <= 1e-10
 
 
+@pytest.mark.unit
 def test_head_is_untied_so_client_and_server_own_their_weights():
     lm = _tiny_gpt2()
     emb = lm.model.get_input_embeddings().weight
@@ -112,11 +116,13 @@ def test_head_is_untied_so_client_and_server_own_their_weights():
     assert client | server == {id(p) for p in lm.model.parameters()}
 
 
+@pytest.mark.unit
 def test_tiny_model_is_deterministic_per_seed():
     a, b, c = (model_fingerprint(load_model("tiny-gpt2", seed=s).model) for s in (7, 7, 8))
     assert a == b and a != c
 
 
+@pytest.mark.unit
 def test_tiny_tokenizer_is_deterministic_and_lossless():
     t1 = presets.tiny_tokenizer()
     presets._TINY_TOKENIZER_CACHE.clear()
@@ -128,12 +134,14 @@ def test_tiny_tokenizer_is_deterministic_and_lossless():
     assert t1.decode(ids) == text
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("b,s,cut,end", [(0, 2, 1, 2), (1, 4, 1, 5), (2, 4, 2, 6), (3, 6, 3, 9)])
 def test_partial_offloading_spec(b, s, cut, end):
     spec = make_spec(12, offload_start=b, offload_length=s)
     assert (spec.cut, spec.server_end, spec.trained_start, spec.u_shape) == (cut, end, b, True)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs,words",
     [
@@ -150,6 +158,7 @@ def test_bad_split_is_refused(kwargs, words):
         make_spec(12, **kwargs)
 
 
+@pytest.mark.unit
 def test_model_without_block_list_names_its_class():
     class WeirdLM(nn.Module):
         def __init__(self):
@@ -160,6 +169,7 @@ def test_model_without_block_list_names_its_class():
         presets.find_blocks(WeirdLM())
 
 
+@pytest.mark.unit
 def test_missing_model_directory_and_unknown_precision(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelError, match="config.json"):
@@ -168,6 +178,7 @@ def test_missing_model_directory_and_unknown_precision(tmp_path):
         load_model("tiny-gpt2", precision="float16")
 
 
+@pytest.mark.unit
 def test_hub_preset_offline_error_names_the_offline_preset():
     with pytest.raises(ModelError) as exc:
         load_model("qwen3-0.6b")
@@ -175,6 +186,7 @@ def test_hub_preset_offline_error_names_the_offline_preset():
     assert "--model-path" in msg and "smollm2-135m" in msg
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_smollm2_split_equivalence(smollm2):
     lm = load_model("smollm2-135m")

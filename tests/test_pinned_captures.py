@@ -9,6 +9,8 @@ import pytest
 from splitleak.training import make_train_config, run_training
 from splitleak.wire import load_capture
 
+pytestmark = pytest.mark.integration
+
 CASES = {
     "plain-none": dict(depth=2, defences=[{"name": "none"}]),
     "plain-quant4-noisy": dict(depth=2, defences=[{"name": "quant4-noisy"}]),

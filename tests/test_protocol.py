@@ -18,6 +18,7 @@ from splitleak.errors import ConfigError, IntegrityError
 runner = CliRunner()
 
 
+@pytest.mark.unit
 def test_shipped_protocols_parse():
     names = {parse_protocol(p).name for p in shipped_protocols()}
     assert names == {"paper-main", "partial-offloading", "gate-002"}
@@ -33,6 +34,7 @@ def proto(tmp_path):
     return dst
 
 
+@pytest.mark.unit
 def test_freeze_records_the_hash_and_load_checks_it(proto):
     with pytest.raises(IntegrityError, match="has not been frozen"):
         load_protocol(proto)
@@ -44,6 +46,7 @@ def test_freeze_records_the_hash_and_load_checks_it(proto):
     assert freeze_protocol(proto) == digest  # refreezing an unchanged file is harmless
 
 
+@pytest.mark.unit
 def test_protocol_edited_after_freezing_is_refused_naming_both_hashes(proto):
     old = freeze_protocol(proto)
     proto.write_text(proto.read_text().replace("gate: 0.01", "gate: 0.02"))
@@ -56,6 +59,7 @@ def test_protocol_edited_after_freezing_is_refused_naming_both_hashes(proto):
     assert r.exit_code == 2 and old[:16] in r.output.replace("\n", "")
 
 
+@pytest.mark.unit
 def test_results_under_another_protocol_are_refused(proto):
     digest = freeze_protocol(proto)
     good = {"attack": "joint", "config_hash": "a" * 64, "protocol_hash": digest}
@@ -65,6 +69,7 @@ def test_results_under_another_protocol_are_refused(proto):
         check_results([good, bad], digest)
 
 
+@pytest.mark.unit
 def test_unknown_protocol_keys_are_refused(tmp_path):
     f = tmp_path / "p.yaml"
     f.write_text("name: x\nsource: y\nhypotheses: []\nvictim_seeds: [1]\ndocuments: {n_eval: 4}\npass_mark: 0.1\n")
@@ -72,6 +77,7 @@ def test_unknown_protocol_keys_are_refused(tmp_path):
         parse_protocol(f)
 
 
+@pytest.mark.integration
 def test_attack_result_carries_the_protocol_hash(proto, tmp_path):
     from splitleak.training import make_train_config, run_training
 

@@ -28,6 +28,7 @@ def tiny_runs(tmp_path_factory):
     return {"plain": plain, "mixup": mixed}
 
 
+@pytest.mark.unit
 def test_the_registry_is_the_one_list_of_attacks():
     assert list(ATTACKS) == list(REGISTRY)
     from splitleak.audit.analysis import READOUT_ATTACKS
@@ -47,12 +48,14 @@ def test_the_registry_is_the_one_list_of_attacks():
         attack_info("vmj")
 
 
+@pytest.mark.unit
 def test_the_registry_imports_no_torch():
     code = "import sys, splitleak.attacks.registry as r; r.help_text(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_each_attack_agrees_with_its_entry(name):
     info, cls = REGISTRY[name], ATTACKS[name]
@@ -65,6 +68,7 @@ def test_each_attack_agrees_with_its_entry(name):
     assert info.control == (info.control_of is not None or name == "majority")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", list(REGISTRY))
 def test_each_attack_runs_on_a_tiny_run_deterministically_and_round_trips_its_params(tiny_runs, name):
     run = tiny_runs["mixup" if "probe-activations" in REGISTRY[name].reads else "plain"]
@@ -83,6 +87,7 @@ def test_each_attack_runs_on_a_tiny_run_deterministically_and_round_trips_its_pa
         assert first.tokens is None and (first.extra["scores"] == second.extra["scores"]).all()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "name",
     [
@@ -146,6 +151,7 @@ PINNED_KEYS = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("config,key", PINNED_KEYS)
 def test_job_keys_of_existing_attack_configurations_do_not_change(config, key):
     from splitleak.attacks import make_attack_config

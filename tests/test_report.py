@@ -189,6 +189,7 @@ def _matrix(rows, fn):
     return m / n
 
 
+@pytest.mark.integration
 def test_recovery_tables_show_the_pooled_rates_computed_by_hand(big):
     rep, rows, _ = big
     md = rep.markdown.read_text()
@@ -215,6 +216,7 @@ def test_recovery_tables_show_the_pooled_rates_computed_by_hand(big):
     assert float(act.split()[0]) < 60 < float(token_cell.split()[0])
 
 
+@pytest.mark.integration
 def test_relative_perplexity_change_is_per_seed_against_the_undefended_twin(big):
     rep, rows, _ = big
     md = rep.markdown.read_text().split("## Leakage against utility cost")[1]
@@ -230,6 +232,7 @@ def test_relative_perplexity_change_is_per_seed_against_the_undefended_twin(big)
     assert _cell(md, "L=6 | none |", 7) == fmt_pct(sum(r["token_correct"] for r in act) / (32 * len(act)))
 
 
+@pytest.mark.integration
 def test_main_test_passes_for_a_large_difference_and_fails_for_a_small_one(big, tmp_path):
     rep, rows, _ = big
     assert rep.analysis.main.passes and rep.analysis.main.estimate > 0.3
@@ -255,6 +258,7 @@ def test_main_test_passes_for_a_large_difference_and_fails_for_a_small_one(big, 
     assert len(rep.analysis.family) == 47 and rep.analysis.family_passes is False
 
 
+@pytest.mark.integration
 def test_results_under_a_foreign_protocol_hash_are_refused_by_name(tmp_path):
     store, proto, _ = _build(tmp_path, joint_p=0.9, act_p=0.5, foreign=True)
     with pytest.raises(IntegrityError, match=r"joint k=32 public a5 \(a-foreign-01\): protocol_hash f{64}"):
@@ -262,6 +266,7 @@ def test_results_under_a_foreign_protocol_hash_are_refused_by_name(tmp_path):
     assert not (tmp_path / "out" / "report.md").exists()  # refused before anything is written
 
 
+@pytest.mark.integration
 def test_html_is_self_contained_with_every_section_and_figures_as_png_and_svg(big):
     rep, _, _ = big
     html = rep.html.read_text()
@@ -286,6 +291,7 @@ def test_html_is_self_contained_with_every_section_and_figures_as_png_and_svg(bi
     assert "Omitted: the store holds no partial-offloading runs" in md
 
 
+@pytest.mark.unit
 def test_adapter_converts_store_rows_for_the_analysis():
     row = {
         "key": "k1",
@@ -318,6 +324,7 @@ def test_adapter_converts_store_rows_for_the_analysis():
     assert out[0]["defence"] == "mixup" and out[0]["inference"] is False and out[0]["config_hash"] == "k1"
 
 
+@pytest.mark.integration
 def test_partial_offloading_section_means_and_variance_tests(tmp_path):
     proto, phash = _protocol(tmp_path, "partial_offloading.yaml")
     rs = ResultsStore(tmp_path / "store")
@@ -398,6 +405,7 @@ def test_partial_offloading_section_means_and_variance_tests(tmp_path):
     assert _cell(cost, "s=4 b=1 | quant8 |", 5) == "+20.00"  # perplexity 12 against 10
 
 
+@pytest.mark.unit
 def test_recovery_with_documents_nested_in_seeds_uses_the_hierarchical_bootstrap():
     from splitleak.report.grid_stats import recovery_cells
 
@@ -501,6 +509,7 @@ def test_cli_reports_a_real_tiny_grid(tmp_path):
     assert "Omitted: the grid trained no defence" in md and "Omitted: the store holds no joint-attacker result" in md
 
 
+@pytest.mark.unit
 def test_tables_name_a_non_default_gradient_readout():
     from splitleak.report.grid_stats import Config
 

@@ -30,6 +30,8 @@ from splitleak.stats import (
     wilson_upper,
 )
 
+pytestmark = pytest.mark.unit
+
 # ---------------------------------------------------------------- Wilson and the gate
 
 

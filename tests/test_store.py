@@ -34,6 +34,7 @@ def _journal(run):
     return (run / JOURNAL).read_bytes().splitlines(keepends=True)
 
 
+@pytest.mark.integration
 def test_fresh_run_verifies(fresh_run):
     v = verify_run(fresh_run)
     assert v.ok and v.status == "complete", v.message
@@ -56,6 +57,7 @@ def test_fresh_run_verifies(fresh_run):
     assert "re-encodes to what crossed (train 12 frames, capture 10 frames)" in text  # 6 steps; 5 batches
 
 
+@pytest.mark.integration
 def test_manifest_records_config_hash_versions_and_fingerprint(fresh_run):
     m = json.loads((fresh_run / "manifest.json").read_text())
     from splitleak.wire import config_hash
@@ -65,6 +67,7 @@ def test_manifest_records_config_hash_versions_and_fingerprint(fresh_run):
     assert len(m["model"]["fingerprint"]) == 64 and m["split"]["cut"] == 2
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "target", ["wire/capture-00000.safetensors", "wire/train-ledger.json", "manifest.json", "client_layers.safetensors"]
 )
@@ -82,6 +85,7 @@ def test_one_flipped_byte_is_found(run_copy, target):
             load_capture(run_copy)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("which", ["first", "middle", "last"])
 def test_removed_journal_entry_is_found(run_copy, which):
     lines = _journal(run_copy)
@@ -94,6 +98,7 @@ def test_removed_journal_entry_is_found(run_copy, which):
     assert expected in v.message, v.message
 
 
+@pytest.mark.integration
 def test_edited_journal_entry_is_found(run_copy):
     lines = _journal(run_copy)
     entry = json.loads(lines[2])
@@ -104,12 +109,14 @@ def test_edited_journal_entry_is_found(run_copy):
     assert not v.ok and "line 4" in v.message and "previous entry" in v.message
 
 
+@pytest.mark.integration
 def test_unrecorded_file_is_found(run_copy):
     (run_copy / "wire" / "extra.safetensors").write_bytes(b"x")
     v = verify_run(run_copy)
     assert not v.ok and "wire/extra.safetensors" in v.message and "not recorded" in v.message
 
 
+@pytest.mark.integration
 def test_missing_file_and_not_a_run(run_copy, tmp_path):
     (run_copy / "metrics.json").unlink()
     assert "metrics.json: recorded" in verify_run(run_copy).message
@@ -118,6 +125,7 @@ def test_missing_file_and_not_a_run(run_copy, tmp_path):
     assert "no journal.jsonl" in verify_run(tmp_path / "empty").message
 
 
+@pytest.mark.unit
 def test_store_never_overwrites(tmp_path):
     s = RunStore.create(tmp_path / "r")
     s.add("a", {"x.json": b"{}"})

@@ -14,6 +14,8 @@ from splitleak.training import make_train_config, run_training
 from splitleak.wire import InProcessChannel, check_wire, encode, read_wire, verify_run
 from splitleak.wire.tap import WireRecorder
 
+pytestmark = pytest.mark.integration
+
 SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=20, seed=2, all_local_baseline=False)
 MODES = {"plain": dict(depth=2), "u-shape": dict(offload_start=1, offload_length=2)}
 DEFENCES = {
@@ -132,25 +134,24 @@ def test_an_undeclared_crossing_fails_the_run_with_the_channel_named(tmp_path, m
     assert v.ok and v.status == "failed"
 
 
-def test_no_loss_value_crosses_and_the_loss_is_logged_where_it_is_computed(tmp_path):
+def test_no_loss_value_crosses_and_the_loss_is_logged_where_it_is_computed(shared_run):
     for mode in MODES:
-        run = tmp_path / mode
-        run_training(make_train_config(**SMALL, **MODES[mode]), run, device="cpu")
+        run = shared_run(**SMALL, **MODES[mode])
         for phase in ("train", "capture"):
             assert all(r.frame.meta == {} for r in read_wire(run, phase))
         losses = json.loads((run / "training.json").read_text())["losses"]
         assert len(losses) == 6 and all(2.0 < v < 10.0 for v in losses)
 
 
-def test_u_shape_traffic_carries_the_second_crossing(tmp_path):
-    run_training(make_train_config(**SMALL, **MODES["u-shape"]), tmp_path / "r", device="cpu")
-    tr = load_traffic(tmp_path / "r")
+def test_u_shape_traffic_carries_the_second_crossing(shared_run):
+    run = shared_run(**SMALL, **MODES["u-shape"])
+    tr = load_traffic(run)
     assert tr.trunk_output.shape == tr.activations.shape == tr.output_gradients.shape == (20, 32, 64)
     assert not torch.equal(tr.trunk_output, tr.activations)
     assert float(tr.output_gradients.abs().sum()) > 0 and tr.steps == (-1,) * 20
-    train = load_traffic(tmp_path / "r", phase="train")
+    train = load_traffic(run, phase="train")
     assert train.steps == tuple(range(6)) and train.activations.shape == (6, 32, 64)
-    order = json.loads((tmp_path / "r" / "training.json").read_text())["doc_ids"]
+    order = json.loads((run / "training.json").read_text())["doc_ids"]
     assert list(train.doc_ids) == order
 
 

@@ -47,6 +47,7 @@ def toy():
     unregister("rolling-majority")
 
 
+@pytest.mark.integration
 def test_a_new_attack_and_its_hyperparameter_travel_everywhere(toy, tmp_path):
     run = tmp_path / "run"
     run_training(
@@ -66,6 +67,7 @@ def test_a_new_attack_and_its_hyperparameter_travel_everywhere(toy, tmp_path):
         make_attack_config(attack="rolling-majority", params={"shift": "two"})
 
 
+@pytest.mark.unit
 def test_a_spec_expands_any_attack_parameter(toy):
     from splitleak.experiments.jobs import _attack_configs, _attack_fields
     from splitleak.experiments.spec import AttackEntry, ExperimentSpec

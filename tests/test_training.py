@@ -7,7 +7,7 @@ import torch
 from splitleak.data import load_documents
 from splitleak.errors import ConfigError, NonFiniteError
 from splitleak.models import SplitModel, load_model, next_token_loss
-from splitleak.training import make_train_config, run_training, train_split, training_order
+from splitleak.training import make_train_config, read_metrics, run_training, train_split, training_order
 from splitleak.wire import DefenceChain, load_capture, quantize_symmetric, verify_run
 
 SMALL = dict(n_calib=4, n_train=12, n_eval=20)
@@ -19,6 +19,7 @@ def _cfg(**kw):
     return make_train_config(**base)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("seed", [0, 3])
 def test_undefended_split_training_equals_all_local_training(tmp_path, seed):
     """Client and server step their own AdamW over disjoint parameters: with no defence the split
@@ -36,26 +37,29 @@ def test_undefended_split_training_equals_all_local_training(tmp_path, seed):
     }
 
 
-def test_victim_seeds_share_documents_and_the_data_seed_draws_them(tmp_path):
+@pytest.mark.integration
+def test_victim_seeds_share_documents_and_the_data_seed_draws_them(shared_run):
     """Every trained model is scored on the same evaluation documents (What Gradients Add §3), so the crossed
     bootstrap can pair them; the victim seed changes the training, the data seed the documents."""
-    docs = {}
+    docs, runs = {}, {}
     for name, kw in (("a", dict(seed=0)), ("b", dict(seed=1)), ("c", dict(seed=0, data_seed=1))):
-        run_training(_cfg(all_local_baseline=False, **kw), tmp_path / name, device="cpu")
-        docs[name] = json.loads((tmp_path / name / "documents.json").read_text())
+        runs[name] = shared_run(_cfg(all_local_baseline=False, **kw))
+        docs[name] = json.loads((runs[name] / "documents.json").read_text())
     assert docs["a"] == docs["b"]
     assert docs["a"] != docs["c"]
-    ma, mb = (json.loads((tmp_path / n / "metrics.json").read_text())["heldout_ce"] for n in "ab")
+    ma, mb = (json.loads((runs[n] / "metrics.json").read_text())["heldout_ce"] for n in "ab")
     assert ma != mb  # the victim seed still changes the trained model
 
 
+@pytest.mark.integration
 def test_quantised_training_differs_from_all_local(tmp_path):
     m = run_training(_cfg(defences=[{"name": "quant4-noisy"}]), tmp_path / "run", device="cpu").metrics
     assert abs(m["delta_u"]) > 1e-4
 
 
-def test_wire_bytes_per_step_follow_the_encoding(tmp_path):
-    m32 = run_training(_cfg(all_local_baseline=False), tmp_path / "a", device="cpu").metrics
+@pytest.mark.integration
+def test_wire_bytes_per_step_follow_the_encoding(tmp_path, shared_run):
+    m32 = read_metrics(shared_run(_cfg(all_local_baseline=False)))
     m8 = run_training(
         _cfg(all_local_baseline=False, defences=[{"name": "quant8"}]), tmp_path / "b", device="cpu"
     ).metrics
@@ -67,6 +71,7 @@ def test_wire_bytes_per_step_follow_the_encoding(tmp_path):
     assert m8["wire_bytes_per_step"]["server_to_client"] == tokens * width + 4 + mask_bytes
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("b,s", [(0, 2), (1, 2), (2, 2)])
 def test_partial_offloading_trains_only_the_offloaded_run(b, s):
     lm = load_model("tiny-gpt2", seed=1)
@@ -85,6 +90,7 @@ def test_partial_offloading_trains_only_the_offloaded_run(b, s):
             assert torch.equal(p, before[name]), f"{name} is outside [{b}, {b + s}) and changed"
 
 
+@pytest.mark.unit
 def test_training_order_is_a_seeded_pass():
     o = training_order(10, 10, seed=4)
     assert sorted(o) == list(range(10))
@@ -92,6 +98,7 @@ def test_training_order_is_a_seeded_pass():
     assert sorted(training_order(10, 25, seed=4)[:20]) == sorted(list(range(10)) * 2)
 
 
+@pytest.mark.integration
 def test_capture_holds_what_crossed_the_wire(tmp_path):
     run = tmp_path / "run"
     res = run_training(_cfg(defences=[{"name": "quant8"}], seed=2), run, device="cpu")
@@ -116,6 +123,7 @@ def test_capture_holds_what_crossed_the_wire(tmp_path):
     assert res.metrics["capture"]["zero_gradient_row_share"] >= 1 / 32 - 1e-12
 
 
+@pytest.mark.integration
 def test_captured_gradient_is_each_documents_own_loss_gradient(tmp_path):
     """Batched capture returns, per document, d(mean next-token loss of that document)/d(activation)."""
     run = tmp_path / "run"
@@ -143,6 +151,7 @@ def test_captured_gradient_is_each_documents_own_loss_gradient(tmp_path):
         assert torch.equal(cap.gradients[i, -1], torch.zeros(64))  # the last position has no target
 
 
+@pytest.mark.integration
 def test_same_seed_same_captures_bit_for_bit(tmp_path):
     cfg = _cfg(defences=[{"name": "quant4-noisy"}], seed=7, all_local_baseline=False)
     run_training(cfg, tmp_path / "a", device="cpu")
@@ -157,6 +166,7 @@ def test_same_seed_same_captures_bit_for_bit(tmp_path):
     assert not torch.equal(a.gradients[:, :5], c.gradients[:, :5])
 
 
+@pytest.mark.integration
 def test_non_finite_loss_stops_with_step_and_hint_and_keeps_run_valid(tmp_path):
     lm = load_model("tiny-gpt2", seed=0)
     with torch.no_grad():
@@ -169,6 +179,7 @@ def test_non_finite_loss_stops_with_step_and_hint_and_keeps_run_valid(tmp_path):
     assert log["losses"] == [] and "step 0" in log["error"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kw,words",
     [
@@ -183,6 +194,7 @@ def test_bad_config_is_refused_before_anything_is_written(kw, words):
         _cfg(**kw)
 
 
+@pytest.mark.integration
 def test_bad_depth_and_data_write_nothing(tmp_path):
     with pytest.raises(ConfigError, match="out of range"):
         run_training(_cfg(depth=9), tmp_path / "a", device="cpu")
@@ -194,6 +206,7 @@ def test_bad_depth_and_data_write_nothing(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_smollm2_trains_and_captures_on_wikitext(tmp_path, smollm2, wikitext_dir):
     cfg = make_train_config(

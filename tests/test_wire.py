@@ -7,6 +7,8 @@ from splitleak.errors import ConfigError, IntegrityError
 from splitleak.wire import DefenceChain, Frame, WireContext, build_defence, decode, encode, quantize_symmetric
 from splitleak.wire.defences import clip_per_document, gaussian_noise_rms
 
+pytestmark = pytest.mark.unit
+
 
 @settings(max_examples=60, deadline=None)
 @given(
