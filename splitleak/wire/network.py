@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from splitleak.errors import ConfigError, NonFiniteError, SplitleakError
+from splitleak.errors import ConfigError, NonFiniteError
 from splitleak.wire.channel import MAIN_LINK, WireLedger
 from splitleak.wire.frames import Frame, decode, encode
 from splitleak.wire.transport import (
@@ -296,7 +296,8 @@ class Session:
             reason = f"the client went away {where}" if isinstance(exc, ConnectionClosed) else f"idle timeout {where}"
             log.warning("session %d: %s", self.rec.index, reason)
             self._finish(False, reason)
-        except (SplitleakError, KeyError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 (a refused frame, or a fault of the server itself: either way the
+            # session ends with its reason, and the capture closes as failed at the last whole frame)
             reason = f"{type(exc).__name__}: {exc}"
             log.warning("session %d refused: %s", self.rec.index, reason)
             try:
