@@ -38,9 +38,12 @@ def public_gradients(run: Path, n_docs: int, exclude: set[tuple[int, ...]]) -> t
     from splitleak.data import load_documents
     from splitleak.models import load_model
     from splitleak.models.split import SplitModel, next_token_loss
+    from splitleak.seeds import model_init_seed
 
     cfg = read_manifest(run)["config"]
-    lm = load_model(cfg["model"], precision=cfg["precision"], seed=cfg["seed"], model_path=cfg.get("model_path"))
+    lm = load_model(
+        cfg["model"], precision=cfg["precision"], seed=model_init_seed(cfg["seed"]), model_path=cfg.get("model_path")
+    )
     split = SplitModel(lm, depth=cfg["depth"])
     pub = load_documents(
         cfg["data"],

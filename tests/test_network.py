@@ -16,8 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from splitleak.audit.channels import channel_table
 from splitleak.errors import ConfigError
+from splitleak.seeds import model_init_seed
 from splitleak.training import make_train_config, run_training
+from splitleak.training.config import SERVER_FIELDS, ServerConfig
 from splitleak.wire import verify_run
 from splitleak.wire.frames import Frame, encode
 from splitleak.wire.network import RemoteServer, ServerNode, hello_for
@@ -104,7 +107,16 @@ def test_over_tls_the_same_bits_as_in_one_process(tls, tmp_path, split, defences
         "capture-00000.safetensors",
         "capture-ledger.json",
     }
-    assert _files(remote.run_dir) == wire and _files(session) == wire
+    # over TLS the envelopes cross too: both sides record the same messages, handshake to goodbye
+    client_wire, server_wire = _files(remote.run_dir), _files(session)
+    messages = json.loads(client_wire.pop("messages.json"))
+    assert json.loads(server_wire.pop("messages.json")) == messages
+    assert client_wire == wire and server_wire == wire
+    kinds = [m["header"]["type"] for m in messages]
+    assert kinds[:2] == ["hello", "welcome"] and kinds[-2:] == ["close", "bye"]
+    ledgers = [json.loads(wire[f"{phase}-ledger.json"]) for phase in ("train", "capture")]
+    assert kinds.count("frame") == sum(len(x) for x in ledgers)  # one envelope per frame the ledgers hash
+    assert len({m["header"]["nonce"] for m in messages}) == len(messages)
     assert verify_run(remote.run_dir).ok and verify_run(session).ok
     # the client's trained layers
     a, b = (
@@ -128,17 +140,62 @@ def test_over_tls_the_same_bits_as_in_one_process(tls, tmp_path, split, defences
     server_layers = load_file(session / "server_layers.safetensors")
     assert server_layers and all(k.startswith("transformer.") or k.startswith("lm_head") for k in server_layers)
     manifest = json.loads((session / "manifest.json").read_text())
-    assert manifest["role"] == "server" and manifest["config_hash"] == cfg.hash()
+    server_config = ServerConfig.of(cfg, random_init=True)
+    assert manifest["role"] == "server" and manifest["config_hash"] == server_config.hash()
+    client_manifest = json.loads((remote.run_dir / "manifest.json").read_text())
+    assert client_manifest["transport"]["server_config_hash"] == server_config.hash()
+    # the server learns the model, split, defences, sizes and two derived seeds: never the run seed or the data
+    assert set(manifest["config"]) == set(SERVER_FIELDS) | {"server_seed", "model_init_seed"}
+    assert manifest["config"]["server_seed"] not in (cfg.seed, cfg.data_seed)
+    for where in (remote.run_dir, session):  # declared, captured, and (no attack reads them yet) unmeasured
+        rows = {r["channel"]: r for r in channel_table(where)}
+        for name in ("handshake", "envelope"):
+            assert rows[name]["captured"] and rows[name]["recorded_in"] == "wire/messages.json"
+            assert rows[name]["status"] == "no attack"
+
+
+@pytest.mark.parametrize("seed", [3, 12])
+def test_the_server_cannot_regenerate_the_clients_forward_noise(tls, tmp_path, seed):
+    """The hello carries seeds derived one-way from the run seed: with everything the server holds it
+    cannot redraw the noise the client added before sending, while the run seed itself would."""
+    from splitleak.attacks.knowledge import read_documents
+    from splitleak.models import SplitModel, load_model
+    from splitleak.wire.defences import DefenceChain
+    from splitleak.wire.tap import read_wire
+
+    defences = [{"name": "clip-noise", "args": {"sigma": 0.5, "where": "forward"}}]
+    cfg = make_train_config(**{**SMALL, "steps": 1}, seed=seed, defences=defences, depth=2)
+    with Served(tls, capture=tmp_path / "server") as srv:
+        remote = run_training(cfg, tmp_path / "remote", device="cpu", connect=f"127.0.0.1:{srv.port}", tls_dir=tls)
+        (rec,) = srv.wait_sessions(1)
+    assert rec.status == "complete", rec.reason
+    session = Path(rec.capture)
+    first = next(iter(read_wire(session, "train"))).frame  # step 0: the client layers are still pristine
+    assert first.kind == "forward" and first.step == 0
+    docs = {d.doc_id: d for d in read_documents(remote.run_dir).train}  # the client's; never on the server
+    ids = torch.tensor([docs[i].token_ids for i in first.doc_ids])
+    split = SplitModel(load_model("tiny-gpt2", seed=model_init_seed(seed)), depth=2)
+    with torch.no_grad():
+        clean = split.bottom(ids)
+
+    def redraw(key: int) -> torch.Tensor:
+        return DefenceChain.from_specs(defences, key).forward(clean, "train", 0, first.doc_ids)
+
+    assert torch.allclose(redraw(cfg.seed), first.tensor, atol=1e-5)  # the run seed would undo the defence
+    held = json.loads((session / "manifest.json").read_text())["config"]
+    for key in (held["server_seed"], held["model_init_seed"]):
+        assert (redraw(key) - first.tensor).abs().max() > 0.1
 
 
 def _hello(cfg, **over):
     from splitleak.models import SplitModel, load_model
     from splitleak.wire.defences import DefenceChain
 
-    lm = load_model(cfg.model, precision=cfg.precision, seed=cfg.seed)
+    lm = load_model(cfg.model, precision=cfg.precision, seed=model_init_seed(cfg.seed))
     split = SplitModel(lm, cfg.depth, cfg.offload_start, cfg.offload_length)
     chain = DefenceChain.from_specs([d.model_dump() for d in cfg.defences], cfg.seed)
-    return {**hello_for(cfg.as_dict(), lm.fingerprint(), split.spec.as_dict(), chain.describe()), **over}
+    server_config = ServerConfig.of(cfg, random_init=True).as_dict()
+    return {**hello_for(server_config, lm.fingerprint(), split.spec.as_dict(), chain.describe()), **over}
 
 
 def test_a_mismatched_handshake_is_refused_naming_both_values(tls, tmp_path):
@@ -325,7 +382,7 @@ def test_sessions_do_not_share_state(tls, tmp_path):
     cfgs = [make_train_config(**SMALL, seed=s, depth=2) for s in (11, 12, 13)]
     # the tiny model's seeded initialisation draws from torch's global generator: load the three clients'
     # models one after another here (in a deployment each client is its own process)
-    models = [load_model(c.model, precision=c.precision, seed=c.seed) for c in cfgs]
+    models = [load_model(c.model, precision=c.precision, seed=model_init_seed(c.seed)) for c in cfgs]
     results = {}
 
     def client(i, cfg):
@@ -349,7 +406,7 @@ def test_sessions_do_not_share_state(tls, tmp_path):
         by_hash[m["config_hash"]] = Path(r.capture)
     for i, cfg in enumerate(cfgs):
         # the server's capture of that client's session equals the client's own record, byte for byte
-        assert _files(by_hash[cfg.hash()]) == _files(results[i].run_dir)
+        assert _files(by_hash[ServerConfig.of(cfg, random_init=True).hash()]) == _files(results[i].run_dir)
 
 
 def test_serve_cli_and_a_killed_server_stops_the_client_with_one_line(tls, tmp_path):

@@ -27,6 +27,7 @@ from splitleak.data import Document, DocumentSets
 from splitleak.errors import ConfigError, IntegrityError
 from splitleak.models import load_model
 from splitleak.models.presets import _NORM_NAMES, find_blocks
+from splitleak.seeds import model_init_seed
 from splitleak.wire import Capture, load_capture, read_tensors
 
 
@@ -215,7 +216,12 @@ def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None) -> Knowle
     m = read_manifest(run_dir)
     cfg = m["config"]
     if lm is None:
-        lm = load_model(cfg["model"], precision=cfg["precision"], seed=cfg["seed"], model_path=cfg.get("model_path"))
+        lm = load_model(
+            cfg["model"],
+            precision=cfg["precision"],
+            seed=model_init_seed(cfg["seed"]),
+            model_path=cfg.get("model_path"),
+        )
     client = ClientCopy(lm.model, m["split"]["cut"], lm.tokenizer)
     if copy == "trained":
         state = read_tensors(run_dir, "client_layers.safetensors")

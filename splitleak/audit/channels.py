@@ -89,11 +89,14 @@ def channel_table(
                 "note": c.note,
                 "links": sorted(cap["links"]) if cap else list(decl.links),
                 "shape": cap["shape"] if cap and cap["shape"] else c.shape,
-                "captured": bool(cap) if c.captured else False,
+                "captured": (bool(cap) or bool(c.recorded_in and (run_dir / c.recorded_in).is_file()))
+                if c.captured
+                else False,
                 "frames": cap["frames"] if cap else {},
                 "rows": cap["rows"] if cap else {},
                 "read_by": read_by,
                 "registered_readers": registered,
+                "recorded_in": c.recorded_in,
                 "status": status,
             }
         )
@@ -128,6 +131,8 @@ def _fmt_shape(shape) -> str:
 def _fmt_captured(row: dict[str, Any]) -> str:
     if not row["captured"]:
         return "no"
+    if row.get("recorded_in") and not row["frames"]:
+        return f"yes: {row['recorded_in']}"
     parts = [
         f"{phase} {row['frames'][phase]} frames" + (f" / {row['rows'][phase]} rows" if phase in row["rows"] else "")
         for phase in row["frames"]

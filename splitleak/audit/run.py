@@ -35,6 +35,7 @@ from splitleak.files import json_default
 from splitleak.metrics import fmt_pct
 from splitleak.models import PRESETS, load_model, preset_available
 from splitleak.progress import Progress
+from splitleak.seeds import model_init_seed
 from splitleak.training import RunResult, make_train_config, run_training
 from splitleak.wire import load_capture, verify_run
 
@@ -129,7 +130,7 @@ def run_audit(
     if out.exists() and any(out.iterdir()) and not force:
         raise SplitleakError(f"{out} already exists and is not empty; choose another --out or pass --force")
     preset = PRESETS.get(model)
-    lm = load_model(model, seed=seed, model_path=model_path)
+    lm = load_model(model, seed=model_init_seed(seed), model_path=model_path)
     n_blocks = lm.info["n_blocks"]
     if depth is None:
         depth = min(DEFAULT_DEPTH, n_blocks // 2) if n_blocks <= DEFAULT_DEPTH else DEFAULT_DEPTH

@@ -105,18 +105,20 @@ class QueueProgress:
         self._pending.pop(t, None)
 
 
-def cached_model(name: str, precision: str, seed: int, model_path: str | None):
-    """A fresh copy of a model's pristine weights (loaded at most once per process and key)."""
+def cached_model(name: str, precision: str, run_seed: int, model_path: str | None):
+    """A fresh copy of a model's pristine weights for a run with ``run_seed`` (loaded at most once
+    per process and key)."""
     from splitleak.models import LoadedModel, load_model
     from splitleak.models.presets import PRESETS
+    from splitleak.seeds import model_init_seed
 
     preset = PRESETS.get(name)
     seeded = preset is not None and preset.kind == "tiny"  # only the random tiny model depends on the seed
-    key = (name, precision, seed if seeded else None, model_path)
+    key = (name, precision, run_seed if seeded else None, model_path)
     with _LOCK:
         lm = _MODELS.get(key)
         if lm is None:
-            lm = load_model(name, precision=precision, seed=seed, model_path=model_path)
+            lm = load_model(name, precision=precision, seed=model_init_seed(run_seed), model_path=model_path)
             _MODELS[key] = lm
             while len(_MODELS) > _MODEL_CACHE_SIZE:
                 _MODELS.popitem(last=False)

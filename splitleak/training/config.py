@@ -18,9 +18,8 @@ class DefenceConfig(BaseModel):
     args: dict[str, Any] = Field(default_factory=dict)
 
 
-class TrainConfig(BaseModel):
-    """Everything that determines a run's numbers. Runtime choices (device, threads, output
-    folder) are not part of it and do not change its hash."""
+class _ModelAndSplit(BaseModel):
+    """The fields both nodes know: the model, the split and the defence chain."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -31,6 +30,25 @@ class TrainConfig(BaseModel):
     offload_start: int | None = None
     offload_length: int | None = None
     defences: tuple[DefenceConfig, ...] = (DefenceConfig(name="none"),)
+
+    @field_validator("defences")
+    @classmethod
+    def _known_defences(cls, v):
+        for d in v:
+            build_defence(d.name, d.args)  # raises ConfigError naming the problem
+        return v
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def hash(self) -> str:
+        return config_hash(self.as_dict())
+
+
+class TrainConfig(_ModelAndSplit):
+    """Everything that determines a run's numbers. Runtime choices (device, threads, output
+    folder) are not part of it and do not change its hash."""
+
     data: str = "synthetic-pii"
     data_path: str | None = None
     seed: int = 0  # the victim seed: training order, defence randomness, a random model's init
@@ -44,13 +62,6 @@ class TrainConfig(BaseModel):
     capture_batch: int = Field(16, ge=1)
     all_local_baseline: bool = True
 
-    @field_validator("defences")
-    @classmethod
-    def _known_defences(cls, v):
-        for d in v:
-            build_defence(d.name, d.args)  # raises ConfigError naming the problem
-        return v
-
     @field_validator("steps")
     @classmethod
     def _steps(cls, v):
@@ -62,11 +73,44 @@ class TrainConfig(BaseModel):
     def n_steps(self) -> int:
         return self.steps if self.steps is not None else self.n_train
 
-    def as_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
 
-    def hash(self) -> str:
-        return config_hash(self.as_dict())
+#: the fields of a TrainConfig the untrusted server needs (model, split, defences, optimiser, sizes)
+SERVER_FIELDS = (
+    "model",
+    "model_path",
+    "precision",
+    "depth",
+    "offload_start",
+    "offload_length",
+    "defences",
+    "lr",
+    "doc_len",
+    "capture_batch",
+)
+
+
+class ServerConfig(_ModelAndSplit):
+    """What the trusted node tells the untrusted one in the handshake, and nothing more: the model, the
+    split, the defence chain, the learning rate and the frame sizes, with two seeds derived one-way
+    from the run seed (``splitleak.seeds``). The run seed itself, the data set and its seed, the
+    document counts and the step count never cross."""
+
+    lr: float
+    doc_len: int = Field(ge=2)
+    capture_batch: int = Field(ge=1)
+    server_seed: int = Field(ge=0)  # keys the server-side defences' randomness
+    model_init_seed: int | None = Field(None, ge=0)  # a randomly initialised model's init; None: pretrained
+
+    @classmethod
+    def of(cls, config: TrainConfig, *, random_init: bool) -> "ServerConfig":
+        from splitleak.seeds import model_init_seed, server_seed
+
+        fields = {k: getattr(config, k) for k in SERVER_FIELDS}
+        return cls(
+            **fields,
+            server_seed=server_seed(config.seed),
+            model_init_seed=model_init_seed(config.seed) if random_init else None,
+        )
 
 
 def make_train_config(**kwargs) -> TrainConfig:

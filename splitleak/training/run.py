@@ -23,9 +23,10 @@ from splitleak.data import DocumentSets, load_documents
 from splitleak.errors import ConfigError, NonFiniteError, UndeclaredChannelError
 from splitleak.models import LoadedModel, SplitModel, load_model
 from splitleak.progress import Progress, Silent
-from splitleak.training.config import TrainConfig
+from splitleak.seeds import model_init_seed, server_seed
+from splitleak.training.config import ServerConfig, TrainConfig
 from splitleak.training.loop import TrainLog, capture_traffic, evaluate_ce, train_all_local, train_split, utility
-from splitleak.wire.declare import declare_channels
+from splitleak.wire.declare import MESSAGES_FILE, declare_channels
 from splitleak.wire.defences import DefenceChain
 from splitleak.wire.store import RunStore
 from splitleak.wire.tap import WireRecorder
@@ -107,9 +108,11 @@ def run_training(
     apply_threads(threads)
     dev = resolve_device(device)
     chain_client = DefenceChain.from_specs([d.model_dump() for d in config.defences], config.seed)
-    chain_server = DefenceChain.from_specs([d.model_dump() for d in config.defences], config.seed)
+    chain_server = DefenceChain.from_specs([d.model_dump() for d in config.defences], server_seed(config.seed))
     if lm is None:
-        lm = load_model(config.model, precision=config.precision, seed=config.seed, model_path=config.model_path)
+        lm = load_model(
+            config.model, precision=config.precision, seed=model_init_seed(config.seed), model_path=config.model_path
+        )
     lm.model.to(dev)
     docs = _documents(config, lm.tokenizer)
     split = SplitModel(lm, config.depth, config.offload_start, config.offload_length)
@@ -119,7 +122,9 @@ def run_training(
         raise ConfigError(f"--doc-len {config.doc_len} exceeds the model's context length")
     chain_client.check_split_mode(split.spec.u_shape)
     chain_client.check_run(config.n_steps)
-    declaration = declare_channels(u_shape=split.spec.u_shape, defences=chain_client.defences)
+    declaration = declare_channels(
+        u_shape=split.spec.u_shape, defences=chain_client.defences, transport=connect is not None
+    )
     pristine = copy.deepcopy(lm.model) if config.all_local_baseline else None
     remote = None
     if connect is not None:
@@ -130,7 +135,8 @@ def run_training(
         if out is not None and Path(out).exists() and any(Path(out).iterdir()) and not force:
             RunStore.create(out, force=False)  # the same refusal as below, before any connection
         host, port = parse_address(connect)
-        hello = hello_for(config.as_dict(), lm.fingerprint(), split.spec.as_dict(), chain_client.describe())
+        server_config = ServerConfig.of(config, random_init="init_seed" in lm.info)
+        hello = hello_for(server_config.as_dict(), lm.fingerprint(), split.spec.as_dict(), chain_client.describe())
         remote = RemoteServer(host, port, tls_dir, hello)
 
     store = RunStore.create(out, force=force)
@@ -160,7 +166,11 @@ def run_training(
         "channels": declaration.as_dict(),
     }
     if remote is not None:
-        manifest["transport"] = {"server": remote.where, "kind": "websockets over mutual TLS 1.3"}
+        manifest["transport"] = {
+            "server": remote.where,
+            "kind": "websockets over mutual TLS 1.3",
+            "server_config_hash": server_config.hash(),
+        }
     store.add_json("manifest", "manifest.json", manifest)
     store.add_json("documents", "documents.json", docs.to_json())
 
@@ -188,6 +198,7 @@ def run_training(
         log.error = str(exc)
         if remote is not None:
             remote.abort()
+            store.add_json("messages", MESSAGES_FILE, remote.messages)
         train_tap.close(log.ledgers)
         store.add_json("training", "training.json", log.as_dict())
         store.close(False, {"error": str(exc), "steps_done": len(log.losses)})
@@ -216,11 +227,13 @@ def run_training(
     except (NonFiniteError, UndeclaredChannelError, TransportError) as exc:
         if remote is not None:
             remote.abort()
+            store.add_json("messages", MESSAGES_FILE, remote.messages)
         store.close(False, {"error": str(exc), "stage": "capture"})
         raise
     capture_tap.close(ledgers)
     if remote is not None:
         remote.close()  # the server closes its capture
+        store.add_json("messages", MESSAGES_FILE, remote.messages)
         client_losses = cap.pop("client_losses")
         post = None if client_losses is None else utility(np.asarray(client_losses, dtype=np.float64))
     for d in chain_client.defences:

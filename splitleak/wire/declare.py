@@ -39,6 +39,7 @@ class ChannelDecl:
     shape: str  # its shape per frame, in words
     captured: bool = True  # whether the tap records it (timing is not recorded)
     note: str = ""
+    recorded_in: str = ""  # a channel that is not a frame's: the run file that records it
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,10 +64,16 @@ class Declaration:
         return cls(tuple(ChannelDecl(**c) for c in d["channels"]), tuple(d["links"]), tuple(d.get("notes", ())))
 
 
-def declare_channels(*, u_shape: bool, defences: Iterable[Any] = ()) -> Declaration:
+#: the file of a two-process run (client and server side alike) that records every message's envelope
+MESSAGES_FILE = "wire/messages.json"
+
+
+def declare_channels(*, u_shape: bool, defences: Iterable[Any] = (), transport: bool = False) -> Declaration:
     """The channels of a plain split (``u_shape`` False: labels cross for the server's loss) or a
     U-shape (partial offloading: the trunk's output comes back, the output gradient goes out), plus
-    what each defence adds (``Defence.declare(channels)``) and the links (``Defence.links``)."""
+    what each defence adds (``Defence.declare(channels)``) and the links (``Defence.links``).
+    ``transport``: client and server are two processes (``splitleak.wire.network``), so the
+    handshake and every message's envelope cross too."""
     ch: list[ChannelDecl] = [
         ChannelDecl(
             "activations",
@@ -86,6 +93,9 @@ def declare_channels(*, u_shape: bool, defences: Iterable[Any] = ()) -> Declarat
             "the document id of every row in the frame header; they link the rows of "
             "one document across frames and steps",
             "[rows]",
+            note="they reveal the training order, a function of the run seed, which also keys the client's "
+            "forward-defence randomness: a run seed from a small range can be found by trying each; when the "
+            "server is not yours, draw the run seed at random from 2^63",
         ),
         ChannelDecl(
             "shapes",
@@ -128,6 +138,28 @@ def declare_channels(*, u_shape: bool, defences: Iterable[Any] = ()) -> Declarat
                 "server that computes the loss",
             )
         )
+    if transport:
+        ch += [
+            ChannelDecl(
+                "handshake",
+                "both",
+                "the hello (protocol version; the server's configuration: model, split, defence chain with its "
+                "arguments, learning rate, frame sizes, and two seeds derived one-way from the run seed; the "
+                "model's fingerprint) and the welcome (the agreed limits)",
+                "once per session",
+                recorded_in=MESSAGES_FILE,
+                note="the run seed, the data set, its seed and the document counts do not cross",
+            ),
+            ChannelDecl(
+                "envelope",
+                "both",
+                "each message's envelope: type, frame kind, phase, step, row ids, dtype, shape and size (as in the "
+                "frame's own header), a sequence number counting the messages, a 128-bit nonce drawn from the "
+                "operating system's random source (independent of the data and the seeds)",
+                "per message",
+                recorded_in=MESSAGES_FILE,
+            ),
+        ]
     links: tuple[str, ...] = ("main",)
     notes: list[str] = []
     for d in defences:

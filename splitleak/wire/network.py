@@ -34,6 +34,7 @@ import torch
 
 from splitleak.errors import ConfigError, NonFiniteError
 from splitleak.wire.channel import MAIN_LINK, WireLedger
+from splitleak.wire.declare import MESSAGES_FILE
 from splitleak.wire.frames import Frame, decode, encode
 from splitleak.wire.transport import (
     PROTOCOL_VERSION,
@@ -71,15 +72,19 @@ def parse_address(text: str, *, what: str = "--connect") -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def hello_for(config: dict[str, Any], fingerprint: str, split: dict[str, Any], defences: list[dict]) -> dict:
+def hello_for(server_config: dict[str, Any], fingerprint: str, split: dict[str, Any], defences: list[dict]) -> dict:
+    """The client's hello: the protocol version, the server's part of the configuration
+    (``ServerConfig``: model, split, defences, learning rate, frame sizes and the two seeds derived
+    one-way from the run seed), the pretrained model's fingerprint, the split and the defence chain
+    for the server to check. It crosses as the declared ``handshake`` channel; the run seed, the
+    data set and the document counts are not in it."""
     return {
         "type": "hello",
         "protocol": PROTOCOL_VERSION,
-        "config": config,
+        "config": server_config,
         "fingerprint": fingerprint,
         "split": split,
         "defences": defences,
-        "seed": config.get("seed"),
     }
 
 
@@ -117,20 +122,28 @@ class Session:
         self.limits: Limits | None = None
         self.losses: dict[str, list] = {"train": [], "capture": []}
         self.last_step = -1
+        self.messages: list[dict[str, Any]] = []  # every envelope, both ways (the handshake and envelope channels)
 
     # ------------------------------------------------------------ messages
-    def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+    def _envelope(self, header: dict[str, Any], payload: bytes = b"") -> bytes:
+        """The message for ``header`` with its sequence number and nonce, logged as sent."""
         header = {**header, "seq": self.send_seq, "nonce": header.get("nonce") or new_nonce()}
         self.send_seq += 1
-        self.conn.send(pack(header, payload))
+        self.messages.append({"direction": "server->client", "bytes": len(payload), "header": header})
+        return pack(header, payload)
+
+    def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        self.conn.send(self._envelope(header, payload))
 
     def _recv(self) -> tuple[dict[str, Any], bytes]:
-        return unpack(self.conn.recv(timeout=self.node.idle_seconds))
+        header, payload = unpack(self.conn.recv(timeout=self.node.idle_seconds))
+        self.messages.append({"direction": "client->server", "bytes": len(payload), "header": header})
+        return header, payload
 
     # ------------------------------------------------------------ handshake
     def _setup(self, hello: dict[str, Any]) -> None:
         from splitleak.models import SplitModel, load_model
-        from splitleak.training.config import TrainConfig
+        from splitleak.training.config import ServerConfig
         from splitleak.training.loop import set_trainable
         from splitleak.training.roles import ServerRole
         from splitleak.wire.declare import declare_channels
@@ -141,7 +154,7 @@ class Session:
         if hello.get("protocol") != PROTOCOL_VERSION:
             raise TransportError(_mismatch("protocol version", PROTOCOL_VERSION, hello.get("protocol")))
         try:
-            config = TrainConfig(**hello["config"])
+            config = ServerConfig(**hello["config"])
         except Exception as exc:  # noqa: BLE001 (pydantic and type errors alike)
             raise TransportError(f"the hello's configuration is invalid: {str(exc).splitlines()[0]}") from None
         if config.model_path is not None and not Path(config.model_path).exists():
@@ -150,11 +163,21 @@ class Session:
                 "same model files"
             )
         with _LOAD_LOCK:
-            lm = load_model(config.model, precision=config.precision, seed=config.seed, model_path=config.model_path)
+            lm = load_model(
+                config.model,
+                precision=config.precision,
+                seed=config.model_init_seed or 0,
+                model_path=config.model_path,
+            )
+        if ("init_seed" in lm.info) != (config.model_init_seed is not None):
+            raise TransportError(
+                f"model {config.model!r} is {'randomly initialised' if 'init_seed' in lm.info else 'pretrained'} on "
+                f"the server, but the hello {'lacks' if config.model_init_seed is None else 'sends'} an init seed"
+            )
         fingerprint = lm.fingerprint()
         if fingerprint != hello.get("fingerprint"):
             raise TransportError(_mismatch("pretrained model fingerprint", fingerprint, hello.get("fingerprint")))
-        chain = DefenceChain.from_specs([d.model_dump() for d in config.defences], config.seed)
+        chain = DefenceChain.from_specs([d.model_dump() for d in config.defences], config.server_seed)
         split = SplitModel(lm, config.depth, config.offload_start, config.offload_length)
         if split.spec.as_dict() != hello.get("split"):
             raise TransportError(_mismatch("split", split.spec.as_dict(), hello.get("split")))
@@ -177,7 +200,7 @@ class Session:
             max_rows=probe * max(config.capture_batch, 1),
             float_dtype=str(split.dtype),
         )
-        self.declaration = declare_channels(u_shape=split.spec.u_shape, defences=chain.defences)
+        self.declaration = declare_channels(u_shape=split.spec.u_shape, defences=chain.defences, transport=True)
         if self.node.capture is not None:
             self._open_store(hello, lm, split, chain)
 
@@ -266,6 +289,7 @@ class Session:
         if self.store is None or self.store.closed:
             return
         self._close_recorder()
+        self.store.add_json("messages", MESSAGES_FILE, self.messages)
         self.store.add_json("server-log", "server_log.json", {"losses": self.losses, "frames": self.rec.frames})
         if ok and self.role is not None:
             state = {n: p.detach().cpu().contiguous() for n, p in _server_params(self.split)}
@@ -284,8 +308,9 @@ class Session:
                 header, payload = self._recv()
                 kind = header.get("type")
                 if kind == "close":
+                    bye = self._envelope({"type": "bye", "frames": self.rec.frames})  # logged before the capture closes
                     self._finish(True)
-                    self._send({"type": "bye", "frames": self.rec.frames})
+                    self.conn.send(bye)
                     self.conn.close()
                     return
                 if kind != "frame":
@@ -412,6 +437,7 @@ class RemoteServer(WireLedger):
         self.guard = ReplayGuard()
         self.seq = 0
         self.closed = False
+        self.messages: list[dict[str, Any]] = []  # every envelope, both ways, as the server's capture has them
         try:
             self.conn = connect(
                 f"wss://{host}:{port}/splitleak",
@@ -448,6 +474,7 @@ class RemoteServer(WireLedger):
         header = {**header, "seq": self.seq, "nonce": header.get("nonce") or new_nonce()}
         self.seq += 1
         self.conn.send(pack(header, payload))
+        self.messages.append({"direction": "client->server", "bytes": len(payload), "header": header})
 
     def _recv(self, what: str) -> tuple[dict[str, Any], bytes]:
         from websockets.exceptions import ConnectionClosed
@@ -461,6 +488,7 @@ class RemoteServer(WireLedger):
                 f"the server at {self.where} did not answer within {self.timeout:g} s during {what}"
             ) from None
         header, payload = unpack(message)
+        self.messages.append({"direction": "server->client", "bytes": len(payload), "header": header})
         if header.get("type") == "error":
             raise TransportError(f"the server at {self.where} ended the session during {what}: {header.get('message')}")
         return header, payload
@@ -471,10 +499,12 @@ class RemoteServer(WireLedger):
         blob = encode(frame)
         self.record(decode(blob), blob)
         what = f"{frame.phase} step {frame.step}" if frame.step >= 0 else f"the {frame.phase} pass"
+        header = frame_header(frame, blob, self.seq)
         try:
-            self.conn.send(pack(frame_header(frame, blob, self.seq), blob))
+            self.conn.send(pack(header, blob))
         except ConnectionClosed as exc:
             raise TransportError(f"the server at {self.where} closed the connection during {what} ({exc})") from None
+        self.messages.append({"direction": "client->server", "bytes": len(blob), "header": header})
         self.seq += 1
         header, payload = self._recv(what)
         if header.get("type") != "frame":
