@@ -139,3 +139,37 @@ def test_store_never_overwrites(tmp_path):
     assert verify_run(tmp_path / "r").ok
     RunStore.create(tmp_path / "r", force=True)
     assert list((tmp_path / "r").iterdir()) == []
+
+
+_WRITE_LAYERS = """
+import sys, torch
+from splitleak.wire.store import RunStore
+s = RunStore.create(sys.argv[1])
+meta = {"model": "m", "cut": 2, "a": 1, "b": [1, 2], "c": "x", "d": None}
+s.add_tensors("layers", "layers.safetensors", {"w": torch.arange(6.0).reshape(2, 3)}, metadata=meta)
+s.close(True)
+"""
+
+
+@pytest.mark.integration
+def test_a_tensor_file_with_metadata_is_the_same_bytes_in_every_process(tmp_path):
+    """safetensors writes several metadata keys in hash order, which differs between processes; the
+    store folds them into one canonical key."""
+    import subprocess
+    import sys
+
+    from safetensors import safe_open
+
+    for name in ("a", "b", "c"):
+        subprocess.run([sys.executable, "-c", _WRITE_LAYERS, str(tmp_path / name)], check=True, timeout=120)
+    blobs = {(tmp_path / n / "layers.safetensors").read_bytes() for n in ("a", "b", "c")}
+    assert len(blobs) == 1
+    with safe_open(str(tmp_path / "a" / "layers.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["splitleak"]) == {
+            "model": "m",
+            "cut": 2,
+            "a": 1,
+            "b": [1, 2],
+            "c": "x",
+            "d": None,
+        }

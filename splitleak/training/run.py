@@ -246,7 +246,7 @@ def run_training(
         "client_layers.safetensors",
         split.client_state_dict(),
         {"cut": split.spec.cut},
-        metadata={"model": lm.name, "cut": str(split.spec.cut)},
+        metadata={"model": lm.name, "cut": split.spec.cut},
     )
 
     metrics: dict[str, Any] = {

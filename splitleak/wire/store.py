@@ -131,9 +131,13 @@ class RunStore:
         rel: str,
         tensors: dict[str, torch.Tensor],
         info: dict[str, Any] | None = None,
-        metadata: dict[str, str] | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> dict:
-        blob = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=metadata)
+        """Add one safetensors file. ``metadata`` goes into its header as one key, ``splitleak``, holding
+        canonical JSON: safetensors writes several metadata keys in hash order, which changes from
+        process to process, and a stored file must be the same bytes each time."""
+        meta = None if not metadata else {"splitleak": canonical_json(metadata).decode()}
+        blob = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=meta)
         return self.add(kind, {rel: blob}, info)
 
     def close(self, ok: bool, info: dict[str, Any] | None = None) -> dict:
