@@ -3,6 +3,7 @@ and every bad message refused before it reaches the model or the capture."""
 
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -460,3 +461,61 @@ def test_serve_cli_and_a_killed_server_stops_the_client_with_one_line(tls, tmp_p
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_audit_a_deployment_from_the_servers_capture(tls, tmp_path):
+    """`audit --connect --server-capture`: both runs (the defended one and its twin) train over TLS,
+    and the attacks read the frames the server recorded, after checking they are the client's."""
+    from typer.testing import CliRunner
+
+    from splitleak.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "audit"
+    small = ["--n-calib", "4", "--n-train", "6", "--n-eval", "10", "--steps", "4"]
+    with Served(tls, capture=tmp_path / "cap") as srv:
+        r = runner.invoke(
+            app,
+            ["audit", "--model", "tiny-gpt2", "--defence", "quant8", "--out", str(out), "--quiet", *small,
+             "--connect", f"127.0.0.1:{srv.port}", "--tls-dir", str(tls), "--server-capture", str(tmp_path / "cap")],
+        )  # fmt: skip
+        recs = srv.wait_sessions(2)
+    assert r.exit_code == 0, r.output
+    assert [x.status for x in recs] == ["complete", "complete"]  # the audited run, then its undefended twin
+    report = json.loads((out / "report.json").read_text())
+    session = tmp_path / "cap" / "session-0000"
+    assert report["deployment"] == {
+        "server": f"127.0.0.1:{srv.port}",
+        "traffic": str(session),
+        "recorded_by": "server",
+    }
+    by_name = {a["attack"]: a for a in report["attacks"]}
+    assert by_name["activation"]["run"]["dir"] == str(session)
+    assert by_name["activation"]["run"]["documents"] == str(out / "run")
+    assert by_name["activation"]["token_recovery"] > by_name["majority"]["token_recovery"] + 0.5
+    # the loss of a plain split stays on the server: the report says so instead of printing a number
+    assert report["metrics"]["heldout_ce"] is None and report["cost"]["rel_ppl_change"] is None
+    md = (out / "report.md").read_text()
+    assert re.search(r"^\| held-out cross-entropy \(nats\) +\| not measured +\|", md, re.M)
+    assert "in a plain split the loss stays on the server" in md
+    channels = {c["channel"]: c for c in report["channels"]}
+    assert channels["handshake"]["status"] == channels["envelope"]["status"] == "no attack"
+    assert "handshake" in report["verdict"] and "envelope" in report["verdict"]
+
+    # one attack by hand on the server's capture: it needs the client's run of the same session
+    twin_session = tmp_path / "cap" / "session-0001"
+    args = ["attack", str(session), "--attack", "vmi", "--quiet"]
+    r = runner.invoke(app, [*args, "--out", str(tmp_path / "a.json")])
+    assert r.exit_code == 2 and "pass --documents" in r.output
+    r = runner.invoke(app, [*args, "--out", str(tmp_path / "b.json"), "--documents", str(out / "twin")])
+    assert r.exit_code == 2 and "not the same session" in r.output  # the twin's run pairs with the twin's session
+    assert not (tmp_path / "b.json").exists()
+    r = runner.invoke(app, [*args, "--out", str(tmp_path / "c.json"), "--documents", str(out / "run")])
+    assert r.exit_code == 0, r.output
+    by_hand = json.loads((tmp_path / "c.json").read_text())
+    assert by_hand["token_recovery"] == by_name["vmi"]["token_recovery"]
+    r = runner.invoke(
+        app, ["attack", str(twin_session), "--attack", "vmi", "--quiet", "--out", str(tmp_path / "d.json"),
+              "--documents", str(out / "twin")],
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output

@@ -203,6 +203,57 @@ def read_manifest(run_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def pair_session(session: str | Path, client_run: str | Path, phase: str) -> None:
+    """Check that a server's capture (``splitleak serve --capture``, one ``session-NNNN/``) and a
+    client's run directory recorded the same session: the session's configuration is the one the
+    client sent (its hash is in the client's manifest) and the phase's ledger, the hash of every
+    frame that crossed, is the same bytes on both sides. Raises IntegrityError naming what differs."""
+    m_s, m_c = read_manifest(session), read_manifest(client_run)
+    if m_s.get("role") != "server":
+        raise ConfigError(f"{session} is not a server session (its manifest has no role 'server')")
+    if m_c.get("role") == "server":
+        raise ConfigError(f"{client_run} is a server session too; --documents takes the client's run directory")
+    sent = (m_c.get("transport") or {}).get("server_config_hash")
+    if sent is None:
+        raise IntegrityError(
+            f"{client_run} was not trained against a server (`train --connect`); it pairs with no session"
+        )
+    if sent != m_s.get("config_hash"):
+        raise IntegrityError(
+            f"{session} served configuration {str(m_s.get('config_hash'))[:12]}, but {client_run} sent "
+            f"{sent[:12]}: they are not the same session"
+        )
+    rel = Path("wire") / f"{phase}-ledger.json"
+    a, b = Path(session) / rel, Path(client_run) / rel
+    if not a.is_file() or not b.is_file():
+        raise IntegrityError(f"{rel} is missing from {session if not a.is_file() else client_run}; nothing to pair")
+    if a.read_bytes() != b.read_bytes():
+        raise IntegrityError(
+            f"the {phase} frames the server recorded ({a}) differ from those the client recorded ({b}): "
+            "not the same session, or one side's capture is not what crossed"
+        )
+
+
+def find_session(capture: str | Path, client_run: str | Path) -> Path:
+    """The session of a server's capture folder (or the session folder itself) that recorded the same
+    frames as ``client_run``, in both phases."""
+    capture = Path(capture)
+    candidates = [capture] if (capture / "manifest.json").is_file() else sorted(capture.glob("session-*"))
+    why = []
+    for session in candidates:
+        try:
+            for phase in ("train", "capture"):
+                pair_session(session, client_run, phase)
+        except (ConfigError, IntegrityError) as exc:
+            why.append(f"{session.name}: {exc}")
+            continue
+        return session
+    raise IntegrityError(
+        f"no session in {capture} recorded the frames of {client_run}"
+        + (f" ({len(candidates)} tried; last: {why[-1]})" if why else " (it holds no session-NNNN folder)")
+    )
+
+
 def read_documents(run_dir: str | Path) -> DocumentSets:
     return DocumentSets.from_json(json.loads((Path(run_dir) / "documents.json").read_text()))
 

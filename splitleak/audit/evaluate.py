@@ -24,6 +24,7 @@ from splitleak.attacks.knowledge import (
     Traffic,
     load_knowledge,
     load_traffic,
+    pair_session,
     phase_documents,
     read_documents,
     read_manifest,
@@ -103,18 +104,37 @@ def run_attack(
     progress: Progress | None = None,
     device: str | None = None,
     protocol_hash: str | None = None,
+    documents: str | Path | None = None,
 ) -> dict[str, Any]:
     """Fit and run the attack, score it, and (with ``out``) write RESULT.json and the per-document
-    predictions as Parquet beside it. Returns the result dictionary."""
+    predictions as Parquet beside it. Returns the result dictionary.
+
+    ``run_dir`` may be a server's capture (one ``session-NNNN/`` of ``splitleak serve --capture``):
+    the traffic is then what the server recorded, and ``documents`` names the client's run directory
+    of the same session, which holds what never reached the server — the calibration documents the
+    attacker is given, the client's layers for the trained copy, and the true text for scoring
+    (``pair_session`` checks that both recorded the same frames)."""
     progress = progress or Silent()
     run_dir = Path(run_dir)
     out_path = Path(out) if out is not None else None
     if out_path is not None and out_path.exists() and not force:
         raise SplitleakError(f"{out_path} already exists; choose another --out or pass --force")
     manifest = read_manifest(run_dir)
+    doc_dir = run_dir
+    if manifest.get("role") == "server":
+        if documents is None:
+            raise ConfigError(
+                f"{run_dir} is a server's capture: it holds what crossed, not the documents (they never reach the "
+                "server); pass --documents with the client's run directory of the same session"
+            )
+        pair_session(run_dir, documents, config.phase)
+        doc_dir = Path(documents)
+        manifest = {**read_manifest(doc_dir), "session": str(run_dir)}
+    elif documents is not None:
+        raise ConfigError(f"--documents is for a server's capture; {run_dir} is a client's run and holds its own")
     attack = make_attack(config.attack, **config.attack_params())
     if knowledge is None:
-        knowledge = load_knowledge(run_dir, config.client_copy)
+        knowledge = load_knowledge(doc_dir, config.client_copy)
     if device is not None:
         knowledge.client.to(device)
     if traffic is None:
@@ -132,7 +152,7 @@ def run_attack(
         traffic = traffic.replace(
             gradients=perturb(traffic.gradients), output_gradients=perturb(traffic.output_gradients)
         )
-    docs_by_id = {d.doc_id: d for d in phase_documents(run_dir, config.phase)}
+    docs_by_id = {d.doc_id: d for d in phase_documents(doc_dir, config.phase)}
     docs = [docs_by_id[i] for i in traffic.doc_ids]
 
     t0 = time.perf_counter()
@@ -150,6 +170,7 @@ def run_attack(
             "config_hash": manifest["config_hash"],
             "config": manifest["config"],
             "cut": manifest["split"]["cut"],
+            **({"documents": str(doc_dir), "traffic_recorded_by": "server"} if doc_dir != run_dir else {}),
         },
         "protocol_hash": protocol_hash,
         "phase": config.phase,
@@ -174,7 +195,7 @@ def run_attack(
             result["lambda"] = rec.extra["lambda"]
             result["lambda_estimated"] = rec.extra["lambda_estimated"]
         if "probe_tokens" in rec.extra:
-            result["probe_rows"] = probe_scores(run_dir, traffic, rec.extra["probe_tokens"], rec.extra["probed_rows"])
+            result["probe_rows"] = probe_scores(doc_dir, traffic, rec.extra["probe_tokens"], rec.extra["probed_rows"])
         steps = traffic.steps if traffic.steps is not None else (None,) * len(traffic)
         for row, pred, step in zip(sc.per_doc(), rec.tokens.tolist(), steps):
             row = dict(row)

@@ -24,13 +24,13 @@ from typing import Any, Callable
 import torch
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
-from splitleak.attacks.knowledge import eval_token_ids
+from splitleak.attacks.knowledge import eval_token_ids, find_session
 from splitleak.audit.calibrate import calibrate
 from splitleak.audit.channels import channel_table, not_attacked, run_declaration
 from splitleak.audit.evaluate import attack_label, run_attack
 from splitleak.audit.verdicts import arm_effects, arm_gate
 from splitleak.data import N_CALIB, N_EVAL, N_TRAIN
-from splitleak.errors import SplitleakError
+from splitleak.errors import ConfigError, SplitleakError
 from splitleak.files import json_default
 from splitleak.metrics import fmt_pct
 from splitleak.models import PRESETS, load_model, preset_available
@@ -121,6 +121,9 @@ def run_audit(
     progress: Progress | None = None,
     say: Callable[[str], None] = print,
     twin: bool = True,
+    connect: str | None = None,
+    tls_dir: str | Path | None = None,
+    server_capture: str | Path | None = None,
 ) -> AuditResult:
     """Train and capture, verify, attack with ``AUDIT_ATTACKS``, calibrate, and write the report.
 
@@ -129,6 +132,8 @@ def run_audit(
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise SplitleakError(f"{out} already exists and is not empty; choose another --out or pass --force")
+    if server_capture is not None and connect is None:
+        raise ConfigError("--server-capture is the capture folder of the server that --connect names; pass both")
     preset = PRESETS.get(model)
     lm = load_model(model, seed=model_init_seed(seed), model_path=model_path)
     n_blocks = lm.info["n_blocks"]
@@ -152,26 +157,36 @@ def run_audit(
     if force and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    run = run_training(cfg, out / "run", device=device, threads=threads, progress=progress, lm=lm)
+    deployed: dict[str, Any] = {"connect": connect, "tls_dir": tls_dir}
+    run = run_training(cfg, out / "run", device=device, threads=threads, progress=progress, lm=lm, **deployed)
     del lm  # the trained weights; the attacker loads its own copy
     ver = verify_run(out / "run")
     if not ver.ok:
         raise SplitleakError(f"the run just written does not verify: {ver.message}")
     cap = capture_summary(out / "run")
     knowledge = load_knowledge(out / "run", "public")
-    traffic = load_traffic(out / "run")
+    traffic_dir, session = out / "run", None
+    if server_capture is not None:  # attack what the server recorded, once it is shown to be what crossed
+        session = find_session(server_capture, out / "run")
+        sv = verify_run(session)
+        if not sv.ok:
+            raise SplitleakError(f"the server's capture {session} does not verify: {sv.message}")
+        traffic_dir = session
+        say(f"traffic: the server's capture {session} (the same frames as the client's record)")
+    traffic = load_traffic(traffic_dir)
     results = []
     predictions = {}
     for name, params in audit_attacks(traffic):
         acfg = make_attack_config(attack=name, client_copy="public", attack_seed=seed, **params)
         res = run_attack(
-            out / "run",
+            traffic_dir,
             acfg,
             out=out / "attacks" / f"{name}.json",
             knowledge=knowledge,
             traffic=traffic,
             progress=progress,
             force=force,
+            documents=out / "run" if session is not None else None,
         )
         predictions[attack_label(res)] = [row["predicted"] for row in res.pop("per_doc")]
         results.append(res)
@@ -199,14 +214,15 @@ def run_audit(
     if twin and any(d["name"] != "none" for d in cfg.as_dict()["defences"]):
         say("training the undefended twin (same model, split, data and seed) for the cost of the defence")
         twin_cfg = make_train_config(**{**cfg.as_dict(), "defences": [{"name": "none"}], "all_local_baseline": False})
-        t = run_training(twin_cfg, out / "twin", device=device, threads=threads, progress=progress)
+        t = run_training(twin_cfg, out / "twin", device=device, threads=threads, progress=progress, **deployed)
+        measured = m["perplexity"] is not None and t.metrics["perplexity"] is not None
         cost = {
             "twin_dir": "twin",
             "twin_config_hash": twin_cfg.hash(),
             "twin_heldout_ce": t.metrics["heldout_ce"],
             "twin_perplexity": t.metrics["perplexity"],
-            "rel_ppl_change": m["perplexity"] / t.metrics["perplexity"] - 1.0,
-            "ce_change": m["heldout_ce"] - t.metrics["heldout_ce"],
+            "rel_ppl_change": m["perplexity"] / t.metrics["perplexity"] - 1.0 if measured else None,
+            "ce_change": m["heldout_ce"] - t.metrics["heldout_ce"] if measured else None,
         }
     verdicts = {
         "constant_baseline": {"token_id": base.token_id, "rate": base.rate},
@@ -226,13 +242,22 @@ def run_audit(
     }
     channels = channel_table(out / "run", results, calibrated=CALIBRATED_CHANNELS)
     verdict = verdict_line(results, arms, probe_arms, gate, cal.record) + " " + channels_sentence(channels)
+    utility_text = (
+        f"held-out CE {m['heldout_ce']:.4f} (all-local {m['all_local_ce']:.4f}, ΔU {m['delta_u']:+.4f})"
+        if m["heldout_ce"] is not None
+        else f"held-out CE not measured on the client ({m.get('heldout_measured', '')})"
+    )
     summary = (
         f"{model}{' (preset)' if preset else ''}, depth {depth}, defence "
-        f"{'+'.join(d['name'] for d in cfg.as_dict()['defences'])}, {data}: held-out CE {m['heldout_ce']:.4f} "
-        f"(all-local {m['all_local_ce']:.4f}, ΔU {m['delta_u']:+.4f}); captured {cap['documents']} documents × "
-        f"{cap['tokens_per_document']} tokens × width {cap['width']}; run verified ({ver.message})."
+        f"{'+'.join(d['name'] for d in cfg.as_dict()['defences'])}, {data}: {utility_text}; captured "
+        f"{cap['documents']} documents × {cap['tokens_per_document']} tokens × width {cap['width']}; run verified "
+        f"({ver.message})."
     )
-    if cost is not None:
+    if connect is not None:
+        summary += f" Deployed over TLS against {connect}; the attacks read " + (
+            f"the server's capture ({session.name})." if session is not None else "the client's record of the wire."
+        )
+    if cost is not None and cost["rel_ppl_change"] is not None:
         summary += (
             f" Cost of the defence: perplexity {m['perplexity']:.2f} against {cost['twin_perplexity']:.2f} "
             f"undefended ({100 * cost['rel_ppl_change']:+.2f} %)."
@@ -250,6 +275,9 @@ def run_audit(
         "cost": cost,
         "channels": channels,
         "channel_notes": list(run_declaration(out / "run").notes),
+        "deployment": None
+        if connect is None
+        else {"server": connect, "traffic": str(traffic_dir), "recorded_by": "server" if session else "client"},
         "torch_threads": torch.get_num_threads(),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=json_default) + "\n")

@@ -127,6 +127,16 @@ def audit_cmd(
     no_twin: bool = typer.Option(
         False, "--no-twin", help="with a defence, skip the undefended twin run (and the relative perplexity cost)"
     ),
+    connect: Optional[str] = typer.Option(
+        None, "--connect", help="HOST:PORT of a `splitleak serve`: audit the deployment (the runs train over TLS)"
+    ),
+    tls_dir: Optional[Path] = typer.Option(None, "--tls-dir", help="with --connect: the folder `tls init` wrote"),
+    server_capture: Optional[Path] = typer.Option(
+        None,
+        "--server-capture",
+        help="with --connect: the server's --capture folder (readable here); the attacks then read the traffic "
+        "as the server recorded it, after checking it is the same frames as the client's record",
+    ),
 ) -> None:
     """The main job: train and capture on embedded defaults, attack the traffic, write a report."""
     from splitleak.audit.run import choose_default_model, run_audit
@@ -157,6 +167,9 @@ def audit_cmd(
                 progress=prog,
                 say=console.print,
                 twin=not no_twin,
+                connect=connect,
+                tls_dir=tls_dir,
+                server_capture=server_capture,
             )
         print_summary(res.run)
         from splitleak.report.audit import ATTACK_HEADER, attack_table_rows, write_audit_report

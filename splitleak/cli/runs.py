@@ -263,7 +263,9 @@ def channels_cmd(
 
 @app.command("attack")
 def attack_cmd(
-    run_dir: Path = typer.Argument(..., help="a run directory written by `splitleak train`"),
+    run_dir: Path = typer.Argument(
+        ..., help="a run directory written by `splitleak train`, or a server's session-NNNN/ (with --documents)"
+    ),
     attack: str = typer.Option(..., "--attack", help=f"one of: {attack_help()}"),
     out: Path = typer.Option(..., "--out", help="RESULT.json to write (predictions go beside it as .parquet)"),
     k: Optional[int] = typer.Option(None, "--k", help="candidate budget of the beam attackers (8, 16, 32)"),
@@ -302,6 +304,12 @@ def attack_cmd(
     inference: bool = typer.Option(False, "--inference", help="use the activations only (inference traffic)"),
     protocol: Optional[Path] = typer.Option(
         None, "--protocol", help="a frozen protocol file; the result carries its hash"
+    ),
+    documents: Optional[Path] = typer.Option(
+        None,
+        "--documents",
+        help="when RUN_DIR is a server's capture: the client's run directory of the same session "
+        "(its documents, calibration text and client layers never reached the server)",
     ),
     force: bool = typer.Option(False, "--force", help="replace an existing RESULT.json"),
     device: str = DeviceOpt,
@@ -343,7 +351,14 @@ def attack_cmd(
             _, protocol_hash = load_protocol(protocol)
         with progress(quiet) as prog:
             res = run_attack(
-                run_dir, cfg, out=out, force=force, progress=prog, device=str(dev), protocol_hash=protocol_hash
+                run_dir,
+                cfg,
+                out=out,
+                force=force,
+                progress=prog,
+                device=str(dev),
+                protocol_hash=protocol_hash,
+                documents=documents,
             )
         t = Table(title=f"{attack} on {run_dir}")
         t.add_column("measure")

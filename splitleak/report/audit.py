@@ -134,21 +134,37 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
         *channel_table(report.get("channels", []), report.get("channel_notes", [])),
         Heading(2, "Utility"),
     )
+
+    def num(x: float | None, fmt: str) -> str:
+        return "not measured" if x is None else format(x, fmt)
+
     utility = [
-        ["held-out cross-entropy (nats)", f"{m['heldout_ce']:.4f}"],
-        ["held-out perplexity (geometric mean)", f"{m['perplexity']:.2f}"],
-        ["all-local cross-entropy", f"{m['all_local_ce']:.4f}"],
-        ["ΔU = L_split − L_all-local", f"{m['delta_u']:+.4f}"],
-        ["pretrained cross-entropy", f"{m['pretrained_ce']:.4f}"],
+        ["held-out cross-entropy (nats)", num(m["heldout_ce"], ".4f")],
+        ["held-out perplexity (geometric mean)", num(m["perplexity"], ".2f")],
+        ["all-local cross-entropy", num(m["all_local_ce"], ".4f")],
+        ["ΔU = L_split − L_all-local", num(m["delta_u"], "+.4f")],
+        ["pretrained cross-entropy", num(m["pretrained_ce"], ".4f")],
     ]
     cost = report.get("cost")
     if cost:
+        rel = cost["rel_ppl_change"]
         utility += [
-            ["undefended twin: held-out cross-entropy", f"{cost['twin_heldout_ce']:.4f}"],
-            ["undefended twin: perplexity", f"{cost['twin_perplexity']:.2f}"],
-            ["relative perplexity change against the twin", f"{100 * cost['rel_ppl_change']:+.2f} %"],
+            ["undefended twin: held-out cross-entropy", num(cost["twin_heldout_ce"], ".4f")],
+            ["undefended twin: perplexity", num(cost["twin_perplexity"], ".2f")],
+            ["relative perplexity change against the twin", "not measured" if rel is None else f"{100 * rel:+.2f} %"],
         ]
-    doc.add(Table(["measure", "value"], utility), Para(f"Run directory verified: {report['verify']}."))
+    doc.add(Table(["measure", "value"], utility))
+    if m.get("heldout_measured"):
+        doc.add(Para(f"Held-out loss: {m['heldout_measured']}."))
+    deployed = report.get("deployment")
+    if deployed:
+        doc.add(
+            Para(
+                f"Deployed as two processes over mutual TLS against {deployed['server']}; the attacks read the "
+                f"traffic as the {deployed['recorded_by']} recorded it ({deployed['traffic']})."
+            )
+        )
+    doc.add(Para(f"Run directory verified: {report['verify']}."))
     return doc
 
 
