@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from datetime import date
@@ -29,7 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from train_capture import cpu_name, peak_rss_gib, record_row  # noqa: E402
+from train_capture import cpu_name, peak_rss_gib, record  # noqa: E402
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack  # noqa: E402
 from splitleak.attacks.knowledge import eval_token_ids  # noqa: E402
@@ -120,19 +119,13 @@ def main() -> None:
     }
     print(json.dumps(res, indent=2))
     if a.record:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-            ).stdout.strip()
-            or "uncommitted"
-        )
         dev = f"cpu: {cpu_name()}, {torch.get_num_threads()} threads"
         row = (
             f"| {date.today().isoformat()} | {res['model']} | {res['cut']} | {n} | {a.k} | {dev} | {gflops:.0f} | "
             f"{wall:.0f} | {floor:.0f} | {wall / floor:.2f} | {rss:.2f} | {m} | {ratio_same:.1f} | {ratio_per_doc:.0f} | "
-            f"{'yes' if identical else 'NO'} | {tok:.4f} | {commit} |\n"
+            f"{'yes' if identical else 'NO'} | {tok:.4f} |"
         )
-        record_row("## Attack throughput", row)
+        record("## Attack throughput", row)
 
 
 if __name__ == "__main__":

@@ -307,15 +307,9 @@ def main() -> None:
     )
     print(row)
     if a.record:
-        from train_capture import record_row
+        from train_capture import record
 
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-            ).stdout.strip()
-            or "uncommitted"
-        )
-        record_row("## Experiment grid", row + f" {commit} |")
+        record("## Experiment grid", row)
     if not a.keep:
         shutil.rmtree(tmp, ignore_errors=True)
     sys.exit(rc)

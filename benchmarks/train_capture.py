@@ -54,6 +54,15 @@ def record_row(section: str, row: str) -> None:
     path.write_text("".join(lines))
 
 
+def record(section: str, row: str) -> None:
+    """Append ``row`` with the current commit (short hash) as its last column to the table of ``section``."""
+    commit = (
+        subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+        or "uncommitted"
+    )
+    record_row(section, row + f" {commit} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -99,13 +108,7 @@ def main() -> None:
     print(row)
     print(f"held-out CE {m['heldout_ce']:.4f}, all-local {m['all_local_ce']:.4f}, ΔU {m['delta_u']:+.6f}")
     if a.record:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
-            ).stdout.strip()
-            or "uncommitted"
-        )
-        record_row("## Split training and capture", row + f" {commit} |")
+        record("## Split training and capture", row)
 
 
 if __name__ == "__main__":
