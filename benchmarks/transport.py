@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from train_capture import cpu_name, peak_rss_gib, record  # noqa: E402
+
 from splitleak.training import make_train_config, run_training  # noqa: E402
 from splitleak.wire.network import wait_port  # noqa: E402
 from splitleak.wire.tls import init_tls  # noqa: E402

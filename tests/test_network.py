@@ -376,9 +376,23 @@ def test_a_vanished_client_leaves_a_verifiable_capture_and_the_server_serves_on(
     assert recs[1].status == "complete" and verify_run(run.run_dir).ok
 
 
-def test_sessions_do_not_share_state(tls, tmp_path):
-    """Several clients at once against one server: each session's capture holds its own run only."""
+def test_sessions_do_not_share_state(tls, tmp_path, monkeypatch):
+    """Several clients at once against one server: each session's capture holds its own run only,
+    and once a session ends the server holds nothing of it (its model, role and capture are freed)."""
+    import gc
+    import weakref
+
     from splitleak.models import load_model
+    from splitleak.wire import network
+
+    alive = []
+    run_session = network.Session.run
+
+    def tracked(self):
+        run_session(self)
+        alive.extend(weakref.ref(x) for x in (self, self.split.model, self.role, self.store))
+
+    monkeypatch.setattr(network.Session, "run", tracked)
 
     cfgs = [make_train_config(**SMALL, seed=s, depth=2) for s in (11, 12, 13)]
     # the tiny model's seeded initialisation draws from torch's global generator: load the three clients'
@@ -408,6 +422,8 @@ def test_sessions_do_not_share_state(tls, tmp_path):
     for i, cfg in enumerate(cfgs):
         # the server's capture of that client's session equals the client's own record, byte for byte
         assert _files(by_hash[ServerConfig.of(cfg, random_init=True).hash()]) == _files(results[i].run_dir)
+    gc.collect()
+    assert len(alive) == 12 and not [r for r in alive if r() is not None]
 
 
 def test_serve_cli_and_a_killed_server_stops_the_client_with_one_line(tls, tmp_path):
