@@ -154,3 +154,13 @@ def test_train_from_yaml_with_composed_defences(tmp_path):
     bad.write_text("model: tiny-gpt2\ndepth: 2\ndefense: [quant8]\n")
     r = runner.invoke(app, ["train", "--config", str(bad), "--out", str(tmp_path / "y"), "--quiet"])
     assert r.exit_code == 2 and "defense" in r.output and not (tmp_path / "y").exists()
+
+
+@pytest.mark.unit
+def test_resume_takes_its_configuration_from_the_run_it_continues(tmp_path):
+    base = ["train", "--out", str(tmp_path / "new"), "--resume", str(tmp_path / "old")]
+    r = runner.invoke(app, [*base, "--config", str(tmp_path / "c.yaml")])
+    assert r.exit_code == 2 and "drop --config" in r.output
+    r = runner.invoke(app, [*base, "--depth", "2", "--seed", "3"])
+    assert r.exit_code == 2 and "--resume" in r.output and "--depth, --seed were both given" in r.output
+    assert not (tmp_path / "new").exists()

@@ -22,7 +22,7 @@ from splitleak.errors import ConfigError
 from splitleak.seeds import model_init_seed
 from splitleak.training import make_train_config, run_training
 from splitleak.training.config import SERVER_FIELDS, ServerConfig
-from splitleak.wire import verify_run
+from splitleak.wire import load_capture, verify_run
 from splitleak.wire.frames import Frame, encode
 from splitleak.wire.network import RemoteServer, ServerNode, hello_for
 from splitleak.wire.tls import client_context, init_tls
@@ -422,8 +422,12 @@ def test_sessions_do_not_share_state(tls, tmp_path, monkeypatch):
     for i, cfg in enumerate(cfgs):
         # the server's capture of that client's session equals the client's own record, byte for byte
         assert _files(by_hash[ServerConfig.of(cfg, random_init=True).hash()]) == _files(results[i].run_dir)
-    gc.collect()
-    assert len(alive) == 12 and not [r for r in alive if r() is not None]
+    # the connection handlers return just after the sessions end: wait for them (bounded), then nothing is held
+    t0 = time.monotonic()
+    while len(alive) < 12 or any(r() is not None for r in alive):
+        assert time.monotonic() - t0 < 20, f"{sum(r() is not None for r in alive)} of {len(alive)} objects still held"
+        gc.collect()
+        time.sleep(0.05)
 
 
 def test_serve_cli_and_a_killed_server_stops_the_client_with_one_line(tls, tmp_path):
@@ -535,3 +539,124 @@ def test_audit_a_deployment_from_the_servers_capture(tls, tmp_path):
               "--documents", str(out / "twin")],
     )  # fmt: skip
     assert r.exit_code == 0, r.output
+
+
+def _serve_process(tls, *args):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitleak.cli", "serve", "--listen", "127.0.0.1:0", "--tls-dir", str(tls),
+         "--threads", "1", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    line = proc.stdout.readline()
+    if not line.startswith("listening on 127.0.0.1:"):
+        proc.kill()
+        raise AssertionError(line + proc.stderr.read())
+    return proc, int(line.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("split", [{"depth": 2}, {"offload_start": 1, "offload_length": 2}])
+def test_train_resumes_after_a_killed_server_with_the_same_final_weights(tls, tmp_path, monkeypatch, split):
+    import splitleak.training.loop as loop
+    from splitleak.training.run import checkpoint_folder
+
+    cfg = make_train_config(**{**SMALL, "steps": 7}, seed=6, **split)
+    # the uninterrupted run, over TLS, checkpointing as the interrupted one does (its server also a process
+    # with one thread: a different thread count rounds the server's sums differently)
+    proc, port = _serve_process(tls, "--capture", tmp_path / "ref-cap", "--checkpoints", tmp_path / "ref-ck")
+    try:
+        ref = run_training(
+            cfg, tmp_path / "ref", device="cpu", connect=f"127.0.0.1:{port}", tls_dir=tls, checkpoint_every=2
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    ref_session = tmp_path / "ref-cap" / "session-0000"
+    assert verify_run(ref_session).status == "complete"
+    assert not any((tmp_path / "ref-ck").iterdir())  # a whole session's checkpoints are deleted
+
+    cap, ck = tmp_path / "cap", tmp_path / "ck"
+    proc, port = _serve_process(tls, "--capture", cap, "--checkpoints", ck)
+    try:
+        orig = loop.connect
+
+        def kill_at_step_5(crossing):
+            if crossing.frame.kind == "forward" and crossing.frame.step == 5 and crossing.frame.phase == "train":
+                os.kill(proc.pid, signal.SIGKILL)
+
+        monkeypatch.setattr(
+            loop, "connect", lambda s, c, lr, taps, server=None: orig(s, c, lr, [*(taps or []), kill_at_step_5], server)
+        )
+        with pytest.raises(TransportError, match="during train step 5"):
+            run_training(
+                cfg, tmp_path / "old", device="cpu", connect=f"127.0.0.1:{port}", tls_dir=tls, checkpoint_every=2
+            )
+        monkeypatch.setattr(loop, "connect", orig)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert verify_run(tmp_path / "old").status == "failed"
+    assert sorted(p.name for p in checkpoint_folder(tmp_path / "old").iterdir()) == ["step-00000004.safetensors"]
+
+    proc, port = _serve_process(tls, "--capture", cap, "--checkpoints", ck)  # the server is back
+    try:
+        new = run_training(
+            cfg,
+            tmp_path / "new",
+            device="cpu",
+            connect=f"127.0.0.1:{port}",
+            tls_dir=tls,
+            checkpoint_every=2,
+            resume=tmp_path / "old",
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert verify_run(new.run_dir).ok and verify_run(cap / "session-0001").ok
+    manifest = json.loads((new.run_dir / "manifest.json").read_text())
+    assert manifest["resumed_from"]["after_steps"] == 4
+    # the same final weights on both sides as the uninterrupted run, bit for bit
+    for rel, a, b in [
+        ("client_layers.safetensors", ref.run_dir, new.run_dir),
+        ("server_layers.safetensors", ref_session, cap / "session-0001"),
+    ]:
+        x, y = load_file(a / rel), load_file(b / rel)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), rel
+    ref_log, new_log = (json.loads((d / "training.json").read_text()) for d in (ref.run_dir, new.run_dir))
+    assert new_log["losses"] == ref_log["losses"] and new_log["doc_ids"] == ref_log["doc_ids"]
+    # the capture pass ran whole after the resume: the same frames; the train phase holds steps 4-6
+    ref_wire, new_wire = _files(ref.run_dir), _files(new.run_dir)
+    assert new_wire["capture-00000.safetensors"] == ref_wire["capture-00000.safetensors"]
+    steps = load_capture(new.run_dir, "train").steps
+    assert steps is not None and steps.tolist() == [4, 5, 6]
+    assert not checkpoint_folder(new.run_dir).exists() and not any(ck.iterdir())
+    with pytest.raises(ConfigError, match="is complete; there is nothing to resume"):
+        run_training(cfg, tmp_path / "again", device="cpu", connect="127.0.0.1:1", tls_dir=tls, resume=new.run_dir)
+
+
+def test_checkpoints_need_both_sides_and_a_stateless_client(tls, tmp_path):
+    cfg = make_train_config(**SMALL, seed=1, depth=2)
+    with Served(tls) as srv:  # no --checkpoints: the session runs, and the client's manifest says it cannot resume
+        run = run_training(
+            cfg, tmp_path / "a", device="cpu", connect=f"127.0.0.1:{srv.port}", tls_dir=tls, checkpoint_every=1
+        )
+        srv.wait_sessions(1)
+        manifest = json.loads((run.run_dir / "manifest.json").read_text())
+        assert manifest["checkpoints"] == {
+            "every": None,
+            "not_resumable": "the server keeps no checkpoints (start it with --checkpoints DIR)",
+        }
+        with pytest.raises(TransportError, match="keeps no checkpoints"):
+            RemoteServer("127.0.0.1", srv.port, tls, {**_hello(cfg), "resume": {"token": "ab12", "done": 2}})
+    mixup = make_train_config(**SMALL, seed=1, depth=2, defences=[{"name": "mixup", "args": {"warmup": 2}}])
+    with Served(tls, checkpoints=tmp_path / "ck") as srv:
+        run = run_training(
+            mixup, tmp_path / "b", device="cpu", connect=f"127.0.0.1:{srv.port}", tls_dir=tls, checkpoint_every=1
+        )
+        srv.wait_sessions(1)
+    manifest = json.loads((run.run_dir / "manifest.json").read_text())
+    assert manifest["checkpoints"]["every"] is None and "'mixup' keeps client state" in str(manifest["checkpoints"])
+    assert not (tmp_path / "ck").exists() and not Path(f"{run.run_dir}.checkpoints").exists()
+    with pytest.raises(ConfigError, match="pass --connect"):
+        run_training(cfg, tmp_path / "c", device="cpu", checkpoint_every=2)

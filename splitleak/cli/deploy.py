@@ -39,12 +39,18 @@ def serve_cmd(
     capture: Optional[Path] = typer.Option(
         None, "--capture", help="record every session's traffic here (session-NNNN/, a verifiable capture store)"
     ),
+    checkpoints: Optional[Path] = typer.Option(
+        None,
+        "--checkpoints",
+        help="keep each session's training checkpoints here (what `train --resume` needs after this server dies); "
+        "a finished session's are deleted",
+    ),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="allow binding a non-loopback address"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="exit after this many sessions"),
     idle: float = typer.Option(300.0, "--idle-timeout", help="seconds a session may stay silent"),
     threads: Optional[int] = ThreadsOpt,
 ) -> None:
-    """Run the untrusted node: it receives the run's configuration in the handshake, loads the same
+    """Run the untrusted node: it receives its part of the configuration in the handshake, loads the same
     preset, trains the layers it is given and answers the client's frames. Prints the port it
     listens on, then one line per session."""
     from splitleak.training.run import apply_threads
@@ -66,6 +72,7 @@ def serve_cmd(
             host,
             port,
             capture=capture,
+            checkpoints=checkpoints,
             allow_remote=allow_remote,
             max_sessions=max_sessions,
             idle_seconds=idle,

@@ -83,6 +83,18 @@ def train_cmd(
         None, "--connect", help="HOST:PORT of a `splitleak serve` node: run the client (trusted node) only, over TLS"
     ),
     tls_dir: Optional[Path] = typer.Option(None, "--tls-dir", help="with --connect: the folder `tls init` wrote"),
+    checkpoint_every: Optional[int] = typer.Option(
+        None,
+        "--checkpoint-every",
+        help="with --connect: both sides checkpoint every N steps so that --resume can continue after a kill "
+        "(default 16; the server needs --checkpoints)",
+    ),
+    resume: Optional[Path] = typer.Option(
+        None,
+        "--resume",
+        help="with --connect: a failed run directory to continue after its newest checkpoint; its "
+        "configuration is used, OUT receives the whole run",
+    ),
 ) -> None:
     """Split-train a model over the wire, measure utility and capture the traffic into OUT. With
     --connect the server half runs in another process (`splitleak serve`), over mutual TLS."""
@@ -109,53 +121,55 @@ def train_cmd(
             doc_len=doc_len,
             no_baseline=no_baseline,
         )
-        if config is not None:
+        source = f"--resume {resume}" if resume is not None else (f"--config {config}" if config is not None else None)
+        if resume is not None and config is not None:
+            raise ConfigError("--resume takes the configuration of the run it continues; drop --config")
+        if source is not None:
             changed = [k for k, v in options.items() if v != _TRAIN_DEFAULTS[k]]
             if changed:
                 raise ConfigError(
-                    f"--config {config} and the option(s) {', '.join('--' + k.replace('_', '-') for k in changed)} "
-                    "were both given; put the whole configuration in the YAML file, or use options only"
+                    f"{source} and the option(s) {', '.join('--' + k.replace('_', '-') for k in changed)} "
+                    "were both given; the configuration comes from one place"
                 )
+        if checkpoint_every is None and connect is not None:
+            checkpoint_every = 16
+        if resume is not None:
+            from splitleak.attacks.knowledge import read_manifest
+
+            cfg = _train_config(**read_manifest(resume)["config"])
+        elif config is not None:
             cfg = load_train_yaml(config)
-            with progress(quiet) as prog:
-                res = run_training(
-                    cfg,
-                    out,
-                    force=force,
-                    device=device,
-                    threads=threads,
-                    progress=prog,
-                    connect=connect,
-                    tls_dir=tls_dir,
-                )
-            print_summary(res)
-            return
-        if depth is None and offload_start is None and offload_length is None:
+        elif depth is None and offload_start is None and offload_length is None:
             raise ConfigError("give --depth L (plain split) or --offload-start b --offload-length s")
-        cfg = _train_config(
-            model=model,
-            model_path=str(model_path) if model_path else None,
-            precision=precision,
-            depth=depth,
-            offload_start=offload_start,
-            offload_length=offload_length,
-            defences=parse_defences(defence, defence_arg),
-            data=data,
-            data_path=str(data_path) if data_path else None,
-            seed=seed,
-            data_seed=data_seed,
-            steps=steps,
-            n_calib=n_calib,
-            n_train=n_train,
-            n_eval=n_eval,
-            doc_len=doc_len,
-            all_local_baseline=not no_baseline,
-        )
+        else:
+            cfg = _options_config(**options)
         with progress(quiet) as prog:
             res = run_training(
-                cfg, out, force=force, device=device, threads=threads, progress=prog, connect=connect, tls_dir=tls_dir
+                cfg,
+                out,
+                force=force,
+                device=device,
+                threads=threads,
+                progress=prog,
+                connect=connect,
+                tls_dir=tls_dir,
+                checkpoint_every=checkpoint_every,
+                resume=resume,
             )
         print_summary(res)
+
+
+def _options_config(**o):
+    """A TrainConfig from the `train` options (as ``options`` in ``train_cmd`` names them)."""
+    paths = {k: str(o[k]) if o[k] else None for k in ("model_path", "data_path")}
+    same = ("model", "precision", "depth", "offload_start", "offload_length", "data", "seed", "data_seed", "steps")
+    same += ("n_calib", "n_train", "n_eval", "doc_len")
+    return _train_config(
+        **{k: o[k] for k in same},
+        **paths,
+        defences=parse_defences(o["defence"], o["defence_arg"]),
+        all_local_baseline=not o["no_baseline"],
+    )
 
 
 _TRAIN_DEFAULTS = dict(

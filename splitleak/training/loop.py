@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -96,21 +96,35 @@ def train_split(
     taps: list[Tap] | None = None,
     log: TrainLog | None = None,
     server=None,
+    start: int = 0,
+    client_state: tuple[dict, dict] | None = None,
+    on_step: Callable[[int, ClientRole], None] | None = None,
 ) -> TrainLog:
     """AdamW, batch 1, one seeded pass; client and server each step their own parameters.
     Raises NonFiniteError naming the step; ``log`` holds what was done until then. The loss of each
     step is logged where it is computed (server in a plain split, client in a U-shape); it does not
-    cross. Under mixup the first ``warmup`` steps cross unmixed and fill the decoy pool."""
+    cross. Under mixup the first ``warmup`` steps cross unmixed and fill the decoy pool.
+
+    Resuming (``splitleak.training.checkpoint``): ``start`` steps are done, ``client_state`` is the
+    client's checkpoint after them (parameters and AdamW state), ``log`` holds their losses and
+    document ids; the remaining steps of the same seeded order follow. ``on_step(done, client)`` is
+    called after each completed step (to write a checkpoint)."""
     progress = progress or Silent()
     log = log if log is not None else TrainLog()
     set_trainable(split)
     channel, server = connect(split, chain_server, lr, taps, server)
     client = ClientRole(split, chain_client, channel, lr)
+    if client_state is not None:
+        from splitleak.training.checkpoint import restore_state
+
+        restore_state(client.params, client.opt, *client_state)
     order = training_order(len(train_docs), steps, seed)
-    task = progress.start("split training", steps)
+    task = progress.start("split training", steps - start)
     t0 = time.perf_counter()
     try:
         for step, i in enumerate(order):
+            if step < start:
+                continue
             doc = train_docs[i]
             ids = ids_tensor([doc], split.device)
             losses = client.exchange(ids, (doc.doc_id,), step, "train")
@@ -120,10 +134,12 @@ def train_split(
             log.doc_ids.append(doc.doc_id)
             log.tokens += ids.numel()
             progress.advance(task)
+            if on_step is not None:
+                on_step(step + 1, client)
     finally:
         log.seconds = time.perf_counter() - t0
         _release_grads(split)
-        n = max(1, len(log.losses))
+        n = max(1, len(log.losses) - start)
         log.bytes_per_step = {k: v / n for k, v in channel.bytes_per_direction().items()}
         log.ledgers = [channel.ledger]
         progress.finish(task)

@@ -10,6 +10,7 @@ import copy
 import importlib.metadata
 import json
 import platform
+import shutil
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,6 +25,7 @@ from splitleak.errors import ConfigError, NonFiniteError, UndeclaredChannelError
 from splitleak.models import LoadedModel, SplitModel, load_model
 from splitleak.progress import Progress, Silent
 from splitleak.seeds import model_init_seed, server_seed
+from splitleak.training.checkpoint import CheckpointDir, state_tensors
 from splitleak.training.config import ServerConfig, TrainConfig
 from splitleak.training.loop import TrainLog, capture_traffic, evaluate_ce, train_all_local, train_split, utility
 from splitleak.wire.declare import MESSAGES_FILE, declare_channels
@@ -93,6 +95,8 @@ def run_training(
     lm: LoadedModel | None = None,
     connect: str | None = None,
     tls_dir: str | Path | None = None,
+    checkpoint_every: int | None = None,
+    resume: str | Path | None = None,
 ) -> RunResult:
     """Train one split run and write its directory (manifest, documents, training log, captures,
     trained client layers, metrics, journal). ``lm`` lets a caller pass a model already loaded
@@ -103,7 +107,15 @@ def run_training(
     run directory is created, so a refused session writes nothing. The client cannot then run the
     uncut model (the server's trained layers stay there): its held-out utility is the loss of the
     capture pass, split inference with the defences as deployed, when it holds the head (U-shape);
-    in a plain split the loss stays on the server (the server's ``server_log.json``)."""
+    in a plain split the loss stays on the server (the server's ``server_log.json``).
+
+    ``checkpoint_every`` (with ``connect``): both sides checkpoint their trained layers and AdamW
+    state every so many steps (the client into ``OUT.checkpoints/``, the server into its
+    ``--checkpoints`` folder), unless a defence keeps client state across steps (mixup). ``resume``:
+    a failed run directory of the same configuration; training continues after its newest
+    checkpoint against a server that holds the matching one, and ``out`` receives the whole run
+    (its train-phase capture holds the frames from the resumed step on). Checkpoints are deleted once
+    the run is complete."""
     progress = progress or Silent()
     apply_threads(threads)
     dev = resolve_device(device)
@@ -127,6 +139,15 @@ def run_training(
     )
     pristine = copy.deepcopy(lm.model) if config.all_local_baseline else None
     remote = None
+    if (resume is not None or checkpoint_every is not None) and connect is None:
+        raise ConfigError("checkpoints and --resume are for a deployment: pass --connect and --tls-dir")
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ConfigError(f"--checkpoint-every must be >= 1, got {checkpoint_every}")
+    point = None if resume is None else resume_point(resume, config)
+    not_resumable = None
+    if checkpoint_every is not None and chain_client.client_transform is not None:
+        not_resumable = f"defence {chain_client.client_transform.name!r} keeps client state across steps"
+        checkpoint_every = None
     if connect is not None:
         from splitleak.wire.network import RemoteServer, hello_for, parse_address
 
@@ -136,8 +157,21 @@ def run_training(
             RunStore.create(out, force=False)  # the same refusal as below, before any connection
         host, port = parse_address(connect)
         server_config = ServerConfig.of(config, random_init="init_seed" in lm.info)
-        hello = hello_for(server_config.as_dict(), lm.fingerprint(), split.spec.as_dict(), chain_client.describe())
+        hello = hello_for(
+            server_config.as_dict(),
+            lm.fingerprint(),
+            split.spec.as_dict(),
+            chain_client.describe(),
+            checkpoint_every=checkpoint_every,
+            resume=None if point is None else {"token": point.token, "done": point.done},
+        )
         remote = RemoteServer(host, port, tls_dir, hello)
+        if point is not None and remote.welcome.get("resumed_after_steps") != point.done:
+            remote.abort()
+            raise TransportError(f"the server did not resume after step {point.done}")
+        if checkpoint_every is not None and remote.welcome.get("checkpoint_every") is None:
+            not_resumable = "the server keeps no checkpoints (start it with --checkpoints DIR)"
+            checkpoint_every = None
 
     store = RunStore.create(out, force=force)
     manifest = {
@@ -171,6 +205,15 @@ def run_training(
             "kind": "websockets over mutual TLS 1.3",
             "server_config_hash": server_config.hash(),
         }
+        manifest["checkpoints"] = {"every": checkpoint_every, "not_resumable": not_resumable}
+        if point is not None:
+            manifest["resumed_from"] = {
+                "run": str(resume),
+                "after_steps": point.done,
+                "checkpoint_sha256": point.sha256,
+                "note": "the train-phase capture holds the frames from the resumed step on; the frames before "
+                "it are in the resumed run's capture",
+            }
     store.add_json("manifest", "manifest.json", manifest)
     store.add_json("documents", "documents.json", docs.to_json())
 
@@ -180,6 +223,21 @@ def run_training(
     # the tap: every frame of the training steps and of the capture pass, recorded as it crossed
     train_tap = WireRecorder(store, "train", declaration)
     log = TrainLog()
+    on_step = None
+    if point is not None:
+        log.losses, log.doc_ids = list(point.record["losses"]), list(point.record["doc_ids"])
+    if checkpoint_every is not None:
+        assert remote is not None
+        folder = CheckpointDir(checkpoint_folder(out), keep=1)
+        token = remote.welcome["token"]
+
+        def on_step(done: int, client) -> None:
+            if done % checkpoint_every or done >= config.n_steps:
+                return
+            tensors, record = state_tensors(client.params, client.opt)
+            record.update(config_hash=config.hash(), token=token, losses=log.losses, doc_ids=log.doc_ids)
+            folder.save(done, tensors, record)
+
     try:
         train_split(
             split,
@@ -193,6 +251,9 @@ def run_training(
             log=log,
             server=server,
             taps=[train_tap],
+            start=0 if point is None else point.done,
+            client_state=None if point is None else (point.tensors, point.record),
+            on_step=on_step,
         )
     except (NonFiniteError, UndeclaredChannelError, TransportError) as exc:
         log.error = str(exc)
@@ -288,7 +349,45 @@ def run_training(
         )
     store.add_json("metrics", "metrics.json", metrics)
     store.close(True, {"config_hash": config.hash()})
+    if checkpoint_every is not None:
+        shutil.rmtree(checkpoint_folder(out), ignore_errors=True)  # the run is whole: nothing to resume
     return RunResult(Path(out), metrics, config)
+
+
+def checkpoint_folder(out: str | Path) -> Path:
+    """Where a deployed run keeps its client checkpoints: beside the run directory, outside its journal."""
+    return Path(f"{Path(out)}.checkpoints")
+
+
+@dataclass
+class ResumePoint:
+    done: int
+    token: str
+    tensors: dict[str, torch.Tensor]
+    record: dict[str, Any]
+    sha256: str
+
+
+def resume_point(run: str | Path, config: TrainConfig) -> ResumePoint:
+    """The newest client checkpoint of a failed run of ``config``, checked against the run."""
+    from splitleak.wire.store import verify_run
+
+    run = Path(run)
+    v = verify_run(run)
+    if not v.ok:
+        raise ConfigError(f"{run} does not verify ({v.message}); it cannot be resumed")
+    if v.status == "complete":
+        raise ConfigError(f"{run} is complete; there is nothing to resume")
+    m = json.loads((run / "manifest.json").read_text())
+    if m.get("config_hash") != config.hash():
+        raise ConfigError(f"{run} was trained with another configuration ({m.get('config_hash', '?')[:12]})")
+    why = (m.get("checkpoints") or {}).get("not_resumable")
+    if why:
+        raise ConfigError(f"{run} wrote no checkpoints: {why}")
+    done, tensors, record, sha = CheckpointDir(checkpoint_folder(run)).load()
+    if record.get("config_hash") != config.hash():
+        raise ConfigError(f"the checkpoint in {checkpoint_folder(run)} belongs to another configuration")
+    return ResumePoint(done, str(record["token"]), tensors, record, sha)
 
 
 def read_metrics(run_dir: str | Path) -> dict[str, Any]:

@@ -145,7 +145,8 @@ def declare_channels(*, u_shape: bool, defences: Iterable[Any] = (), transport: 
                 "both",
                 "the hello (protocol version; the server's configuration: model, split, defence chain with its "
                 "arguments, learning rate, frame sizes, and two seeds derived one-way from the run seed; the "
-                "model's fingerprint) and the welcome (the agreed limits)",
+                "model's fingerprint; how often to checkpoint, and when resuming the checkpoint's token and step "
+                "count) and the welcome (the agreed limits, the server's checkpoint token)",
                 "once per session",
                 recorded_in=MESSAGES_FILE,
                 note="the run seed, the data set, its seed and the document counts do not cross",

@@ -23,6 +23,7 @@ message sizes must not depend on the content.
 from __future__ import annotations
 
 import logging
+import shutil
 import ssl
 import threading
 import time
@@ -72,12 +73,22 @@ def parse_address(text: str, *, what: str = "--connect") -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def hello_for(server_config: dict[str, Any], fingerprint: str, split: dict[str, Any], defences: list[dict]) -> dict:
+def hello_for(
+    server_config: dict[str, Any],
+    fingerprint: str,
+    split: dict[str, Any],
+    defences: list[dict],
+    *,
+    checkpoint_every: int | None = None,
+    resume: dict[str, Any] | None = None,
+) -> dict:
     """The client's hello: the protocol version, the server's part of the configuration
     (``ServerConfig``: model, split, defences, learning rate, frame sizes and the two seeds derived
     one-way from the run seed), the pretrained model's fingerprint, the split and the defence chain
     for the server to check. It crosses as the declared ``handshake`` channel; the run seed, the
-    data set and the document counts are not in it."""
+    data set and the document counts are not in it. ``checkpoint_every``: the server checkpoints its
+    side every so many steps (if it keeps checkpoints); ``resume``: ``{"token", "done"}`` of the
+    checkpoint to continue from."""
     return {
         "type": "hello",
         "protocol": PROTOCOL_VERSION,
@@ -85,6 +96,8 @@ def hello_for(server_config: dict[str, Any], fingerprint: str, split: dict[str, 
         "fingerprint": fingerprint,
         "split": split,
         "defences": defences,
+        "checkpoint_every": checkpoint_every,
+        "resume": resume,
     }
 
 
@@ -123,6 +136,9 @@ class Session:
         self.losses: dict[str, list] = {"train": [], "capture": []}
         self.last_step = -1
         self.messages: list[dict[str, Any]] = []  # every envelope, both ways (the handshake and envelope channels)
+        self.token: str | None = None  # names this training's checkpoints, for a later resume
+        self.checkpoint_every: int | None = None
+        self.resumed: int | None = None
 
     # ------------------------------------------------------------ messages
     def _envelope(self, header: dict[str, Any], payload: bytes = b"") -> bytes:
@@ -192,6 +208,7 @@ class Session:
         set_trainable(split)
         self.split, self.config = split, config
         self.role = ServerRole(split, chain, config.lr)
+        self._checkpoints(hello)
         width = int(split.head.weight.shape[1])  # the hidden size at the cut
         probe = 2  # mixup may add probe rows: at most as many as the real ones
         self.limits = Limits(
@@ -203,6 +220,48 @@ class Session:
         self.declaration = declare_channels(u_shape=split.spec.u_shape, defences=chain.defences, transport=True)
         if self.node.capture is not None:
             self._open_store(hello, lm, split, chain)
+
+    def _checkpoints(self, hello: dict[str, Any]) -> None:
+        """Resume from a checkpoint the hello names, and set up this session's own checkpoints."""
+        from splitleak.training.checkpoint import CheckpointDir, restore_state
+
+        assert self.role is not None
+        every, resume = hello.get("checkpoint_every"), hello.get("resume")
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise TransportError(f"checkpoint_every must be a positive integer, not {every!r}")
+        folder = self.node.checkpoints
+        if resume is not None:
+            token, done = resume.get("token"), resume.get("done")
+            if not isinstance(token, str) or not token.isalnum() or not isinstance(done, int) or done < 1:
+                raise TransportError(f"the hello's resume field is malformed: {resume!r}")
+            if folder is None:
+                raise TransportError(
+                    "the client asks to resume, but this server keeps no checkpoints (start it with --checkpoints DIR)"
+                )
+            got, tensors, record, _ = CheckpointDir(Path(folder) / token).load(done)
+            if record.get("config_hash") != self.config.hash():
+                raise TransportError(
+                    _mismatch("configuration of the checkpoint", record.get("config_hash"), self.config.hash())
+                )
+            restore_state(self.role.params, self.role.opt, tensors, record)
+            self.token, self.resumed, self.last_step = token, got, got - 1
+        elif folder is not None and every is not None:
+            self.token = new_nonce()
+        self.checkpoint_every = every if folder is not None else None
+
+    def _checkpoint(self, frame: Frame) -> None:
+        """After the frame that completes a training step (the forward in a plain split, the trunk's
+        backward in a U-shape), every ``checkpoint_every`` steps: write the server's checkpoint, before
+        the reply, so the client's newest checkpoint is never ahead of the server's."""
+        from splitleak.training.checkpoint import CheckpointDir, state_tensors
+
+        assert self.role is not None and self.node.checkpoints is not None and self.token is not None
+        done = frame.step + 1
+        if self.checkpoint_every is None or done % self.checkpoint_every:
+            return
+        tensors, record = state_tensors(self.role.params, self.role.opt)
+        record["config_hash"] = self.config.hash()
+        CheckpointDir(Path(self.node.checkpoints) / self.token).save(done, tensors, record)
 
     def _open_store(self, hello, lm, split, chain) -> None:
         from splitleak.training.run import package_versions
@@ -230,6 +289,8 @@ class Session:
                 "labels_cross_wire": not split.spec.u_shape,
                 "packages": package_versions(),
                 "limits": self.limits.as_dict() if self.limits else None,
+                "checkpoints": {"every": self.checkpoint_every, "token": self.token},
+                "resumed_after_steps": self.resumed,
             },
         )
 
@@ -278,6 +339,9 @@ class Session:
             )
         if frame.phase == "train" and frame.kind == "forward":
             self.last_step = frame.step
+        completes = frame.kind == ("backward-top" if self.split.spec.u_shape else "forward")
+        if frame.phase == "train" and completes and self.checkpoint_every is not None:
+            self._checkpoint(frame)
         blob = encode(reply)
         self.ledger.record(decode(blob), blob)
         self._send(frame_header(reply, blob, self.send_seq), blob)
@@ -291,6 +355,8 @@ class Session:
         self._close_recorder()
         self.store.add_json("messages", MESSAGES_FILE, self.messages)
         self.store.add_json("server-log", "server_log.json", {"losses": self.losses, "frames": self.rec.frames})
+        if ok and self.token is not None and self.node.checkpoints is not None:
+            shutil.rmtree(Path(self.node.checkpoints) / self.token, ignore_errors=True)  # whole: nothing to resume
         if ok and self.role is not None:
             state = {n: p.detach().cpu().contiguous() for n, p in _server_params(self.split)}
             self.store.add_tensors("server-layers", "server_layers.safetensors", state, {"session": self.rec.index})
@@ -303,7 +369,16 @@ class Session:
             hello, _ = self._recv()
             self._setup(hello)
             assert self.limits is not None
-            self._send({"type": "welcome", "protocol": PROTOCOL_VERSION, "limits": self.limits.as_dict()})
+            self._send(
+                {
+                    "type": "welcome",
+                    "protocol": PROTOCOL_VERSION,
+                    "limits": self.limits.as_dict(),
+                    "token": self.token,
+                    "checkpoint_every": self.checkpoint_every,
+                    "resumed_after_steps": self.resumed,
+                }
+            )
             while True:
                 header, payload = self._recv()
                 kind = header.get("type")
@@ -350,6 +425,7 @@ class ServerNode:
     allow_remote: bool = False
     max_sessions: int | None = None
     idle_seconds: float = IDLE_SECONDS
+    checkpoints: str | Path | None = None  # where sessions keep their training checkpoints (to resume)
     sessions: list[SessionRecord] = field(default_factory=list)
     on_session: Callable[[SessionRecord], None] | None = None
 
@@ -364,27 +440,29 @@ class ServerNode:
             raise ConfigError(
                 f"--listen {self.host} is not a loopback address; pass --allow-remote to serve other machines"
             )
-        if self.capture is not None:
-            cap = Path(self.capture)
-            if cap.exists() and any(p.name.startswith("session-") for p in cap.iterdir()):
-                raise ConfigError(f"{cap} already holds sessions; choose another --capture folder")
         self._lock = threading.Lock()
         self._server: Server | None = None
-        self._count = 0
+        self._count = 0  # the next session's number
+        self._started = 0  # sessions this process started
+        if self.capture is not None and Path(self.capture).is_dir():  # a restarted server: number on, never overwrite
+            taken = [int(p.name[8:]) for p in Path(self.capture).glob("session-*") if p.name[8:].isdigit()]
+            self._count = max(taken, default=-1) + 1
 
     def _handler(self, conn) -> None:
         with self._lock:
-            index = self._count
-            self._count += 1
-            if self.max_sessions is not None and index >= self.max_sessions:
+            if self.max_sessions is not None and self._started >= self.max_sessions:
                 conn.close()
                 return
+            self._started += 1
+            ordinal = self._started
+            index = self._count
+            self._count += 1
         session = Session(self, conn, index)
         self.sessions.append(session.rec)
         session.run()
         if self.on_session is not None:
             self.on_session(session.rec)
-        if self.max_sessions is not None and index + 1 >= self.max_sessions and self._server is not None:
+        if self.max_sessions is not None and ordinal >= self.max_sessions and self._server is not None:
             threading.Thread(target=self._server.shutdown, daemon=True).start()
 
     def start(self) -> int:
@@ -467,6 +545,7 @@ class RemoteServer(WireLedger):
             self.abort()
             raise
         self.limits = Limits(**reply["limits"])
+        self.welcome = reply  # the server's token and checkpoint interval: what a later resume names
 
     def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         if self.closed:

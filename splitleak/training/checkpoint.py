@@ -1,0 +1,113 @@
+"""Checkpoints of one side of a split run, so that a deployment resumes after a kill.
+
+A checkpoint holds, after ``done`` completed training steps, the side's trained parameters and its
+AdamW state (moments and step counts) as safetensors, and a JSON record (``done``, the optimiser's
+hyperparameters, what the caller adds). Restoring it into a freshly loaded model and optimiser and
+running the remaining steps gives the same bits as an uninterrupted run: AdamW's update depends only
+on the parameters, the moments, the step count and the gradient.
+
+Files are written atomically (a reader or a crash sees a whole checkpoint or the previous one) into a
+folder of their own, outside any run directory's journal; the newest ``keep`` are kept. The client
+writes its checkpoint after the step's reply arrived, the server before it replies, so the server
+always holds the client's newest checkpoint step or a later one (hence ``keep`` = 2 on the server).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load, save
+
+from splitleak.errors import ConfigError, IntegrityError
+from splitleak.wire.store import canonical_json, sha256_bytes, write_atomic
+
+_NAME = re.compile(r"^step-(\d{8})\.safetensors$")
+
+
+def state_tensors(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+    """(tensors, record) of parameters in order and their AdamW state."""
+    tensors = {f"param.{i}": p.detach().cpu().contiguous() for i, p in enumerate(params)}
+    record: dict[str, Any] = {"n_params": len(params), "param_groups": None, "state_keys": {}}
+    if opt is not None:
+        sd = opt.state_dict()
+        record["param_groups"] = sd["param_groups"]
+        for idx, st in sd["state"].items():
+            keys = []
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"opt.{idx}.{k}"] = v.detach().cpu().contiguous()
+                    keys.append(k)
+            record["state_keys"][str(idx)] = keys
+    return tensors, record
+
+
+def restore_state(
+    params: list[torch.nn.Parameter], opt: torch.optim.Optimizer | None, tensors: dict, record: dict
+) -> None:
+    """Load what ``state_tensors`` wrote into ``params`` and ``opt`` (in place)."""
+    if record["n_params"] != len(params):
+        raise IntegrityError(
+            f"the checkpoint holds {record['n_params']} trained parameters, this side trains {len(params)}; "
+            "it belongs to another split or model"
+        )
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            t = tensors[f"param.{i}"]
+            if t.shape != p.shape or t.dtype != p.dtype:
+                raise IntegrityError(
+                    f"checkpoint parameter {i} is {tuple(t.shape)} {t.dtype}, the model's {tuple(p.shape)}"
+                )
+            p.copy_(t.to(p.device))
+    if opt is None or record["param_groups"] is None:
+        return
+    state = {int(idx): {k: tensors[f"opt.{idx}.{k}"] for k in keys} for idx, keys in record["state_keys"].items()}
+    opt.load_state_dict({"state": state, "param_groups": record["param_groups"]})
+
+
+class CheckpointDir:
+    """A folder of ``step-NNNNNNNN.safetensors`` files, the newest ``keep`` kept."""
+
+    def __init__(self, folder: str | Path, keep: int = 2):
+        self.folder = Path(folder)
+        self.keep = keep
+
+    def steps(self) -> list[int]:
+        if not self.folder.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.folder.iterdir() if (m := _NAME.match(p.name)))
+
+    def path(self, done: int) -> Path:
+        return self.folder / f"step-{done:08d}.safetensors"
+
+    def save(self, done: int, tensors: dict[str, torch.Tensor], record: dict[str, Any]) -> Path:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        blob = save(tensors, metadata={"splitleak": canonical_json({**record, "done": done}).decode()})
+        path = self.path(done)
+        write_atomic(path, blob)
+        for old in self.steps()[: -self.keep]:
+            self.path(old).unlink(missing_ok=True)
+        return path
+
+    def load(self, done: int | None = None) -> tuple[int, dict[str, torch.Tensor], dict[str, Any], str]:
+        """(done, tensors, record, sha256) of the checkpoint after ``done`` steps (the newest when None)."""
+        steps = self.steps()
+        if not steps:
+            raise ConfigError(f"{self.folder} holds no checkpoint; the run stopped before its first one")
+        if done is None:
+            done = steps[-1]
+        if done not in steps:
+            raise ConfigError(
+                f"{self.folder} holds no checkpoint after {done} steps (it holds {', '.join(map(str, steps))})"
+            )
+        data = self.path(done).read_bytes()
+        try:
+            tensors = load(data)
+            header_len = int.from_bytes(data[:8], "little")
+            record = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"]["splitleak"])
+        except Exception as exc:  # noqa: BLE001 (safetensors and JSON errors alike)
+            raise IntegrityError(f"{self.path(done)} is not a readable checkpoint ({exc}); it was damaged") from None
+        return done, tensors, record, sha256_bytes(data)
