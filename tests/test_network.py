@@ -660,3 +660,21 @@ def test_checkpoints_need_both_sides_and_a_stateless_client(tls, tmp_path):
     assert not (tmp_path / "ck").exists() and not Path(f"{run.run_dir}.checkpoints").exists()
     with pytest.raises(ConfigError, match="pass --connect"):
         run_training(cfg, tmp_path / "c", device="cpu", checkpoint_every=2)
+
+
+def test_the_client_checks_the_server_too(tls, tmp_path, monkeypatch):
+    """The welcome echoes what the server loaded; a server that runs another model is refused, both named."""
+    from splitleak.wire import network
+
+    setup = network.Session._setup
+
+    def forged(self, hello):
+        setup(self, hello)
+        self.fingerprint = "0" * 16
+
+    monkeypatch.setattr(network.Session, "_setup", forged)
+    cfg = make_train_config(**SMALL, seed=1, depth=2)
+    hello = _hello(cfg)
+    with Served(tls) as srv:
+        with pytest.raises(TransportError, match="runs another fingerprint: it has '0000000000000000', this client"):
+            RemoteServer("127.0.0.1", srv.port, tls, hello)

@@ -190,7 +190,7 @@ class Session:
                 f"model {config.model!r} is {'randomly initialised' if 'init_seed' in lm.info else 'pretrained'} on "
                 f"the server, but the hello {'lacks' if config.model_init_seed is None else 'sends'} an init seed"
             )
-        fingerprint = lm.fingerprint()
+        fingerprint = self.fingerprint = lm.fingerprint()
         if fingerprint != hello.get("fingerprint"):
             raise TransportError(_mismatch("pretrained model fingerprint", fingerprint, hello.get("fingerprint")))
         chain = DefenceChain.from_specs([d.model_dump() for d in config.defences], config.server_seed)
@@ -368,11 +368,14 @@ class Session:
         try:
             hello, _ = self._recv()
             self._setup(hello)
-            assert self.limits is not None
+            assert self.limits is not None and self.role is not None
             self._send(
                 {
                     "type": "welcome",
                     "protocol": PROTOCOL_VERSION,
+                    "fingerprint": self.fingerprint,
+                    "split": self.split.spec.as_dict(),
+                    "defences": self.role.chain.describe(),
                     "limits": self.limits.as_dict(),
                     "token": self.token,
                     "checkpoint_every": self.checkpoint_every,
@@ -541,6 +544,12 @@ class RemoteServer(WireLedger):
             reply, _ = self._recv("the handshake")
             if reply.get("type") != "welcome":
                 raise TransportError(f"the server at {self.where} refused the session: {reply.get('message', reply)}")
+            for key in ("protocol", "fingerprint", "split", "defences"):  # the client checks the server as well
+                if reply.get(key) != hello[key]:
+                    raise TransportError(
+                        f"the server at {self.where} runs another {key}: it has {reply.get(key)!r}, "
+                        f"this client {hello[key]!r}"
+                    )
         except BaseException:
             self.abort()
             raise
