@@ -206,3 +206,27 @@ def test_smollm2_split_equivalence(smollm2):
             assert (h - ref.hidden_states[depth]).abs().max() <= 1e-5
             ctx = split.context(*ids.shape)
             assert (split.head_logits(split.trunk(h, ctx), ctx) - ref.logits).abs().max() <= 1e-4
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("split", [{"depth": 2}, {"offload_start": 1, "offload_length": 2}])
+def test_the_server_frees_what_it_never_reads_and_computes_the_same(split):
+    lm = load_model("tiny-gpt2", seed=3)
+    s = SplitModel(lm, **split)
+    h = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0))
+    before = s.trunk(h, s.context(2, 8))
+    logits = None if s.spec.u_shape else s.head_logits(before, s.context(2, 8))
+    total = sum(p.numel() for p in lm.model.parameters())
+    # what the server reads: its blocks (in a plain split also the ones after it, and the head), the final
+    # norm, and the position embeddings the block context adds
+    runs = range(s.spec.server_start, s.spec.server_end if s.spec.u_shape else s.spec.n_blocks)
+    kept = [p for i in runs for p in s.blocks[i].parameters()] + list(s.norm.parameters())
+    kept += list(lm.model.transformer.wpe.parameters()) + ([] if s.spec.u_shape else [s.head.weight])
+    freed = s.release_client_side()
+    assert {id(p) for p in lm.model.parameters() if p.numel()} == {id(p) for p in kept}
+    assert freed == total - sum(p.numel() for p in kept) > 0
+    ctx = s.context(2, 8)  # the context still knows the width
+    assert torch.equal(s.trunk(h, ctx), before)
+    if logits is not None:
+        assert torch.equal(s.head_logits(before, ctx), logits)
+    assert s.release_client_side() == 0  # nothing left to free

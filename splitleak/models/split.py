@@ -180,6 +180,30 @@ class SplitModel:
         server = self.trunk_parameters()
         return client, server
 
+    def release_client_side(self) -> int:
+        """On the server: free the weights it never reads (the token embedding matrix, the blocks
+        outside its range, and in a U-shape the LM head, which stays with the client). Their
+        parameters keep their place, empty (a width-H matrix keeps its second dimension, which the
+        block context reads). Take the model's fingerprint before. Returns the elements freed."""
+        keep = {id(p) for i in range(self.spec.server_start, self.spec.server_end) for p in self.blocks[i].parameters()}
+        keep |= {id(p) for p in self.norm.parameters()}
+        if not self.spec.u_shape:
+            keep |= {
+                id(p) for i in range(self.spec.server_end, self.spec.n_blocks) for p in self.blocks[i].parameters()
+            }
+            keep |= {id(p) for p in self.head.parameters()}
+        emb = self.model.get_input_embeddings().weight
+        drop = [emb] + [p for i in range(self.spec.n_blocks) for p in self.blocks[i].parameters()]
+        drop += list(self.head.parameters())
+        freed = 0
+        for p in drop:
+            if id(p) in keep or p.numel() == 0:
+                continue
+            freed += p.numel()
+            shape = (0, p.shape[1]) if p.dim() == 2 and (p is emb or p is self.head.weight) else (0,)
+            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+        return freed
+
     def client_state_dict(self) -> dict[str, torch.Tensor]:
         """The client's layers as the attacker's 'trained copy': embeddings and blocks [0, cut)."""
         prefix = {id(m): n for n, m in self.model.named_modules()}

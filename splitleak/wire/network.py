@@ -1,14 +1,18 @@
 """Client and server as two processes: WebSockets over mutual TLS 1.3, the tap on the server's side.
 
 **Server** (``ServerNode``; ``splitleak serve``): the untrusted node. Each connection is one session
-with its own state. The client's hello names the run's configuration; the server loads the same
-preset, checks the pretrained model's fingerprint, the split and the defence chain against the
-client's, and refuses a mismatch naming both values. It then answers frames with a
+with its own state. The client's hello names the server's part of the configuration
+(``ServerConfig``: no run seed, no data); the server loads the same preset, checks the pretrained
+model's fingerprint, the split and the defence chain against the client's, and refuses a mismatch
+naming both values (the welcome echoes them, and the client checks them too). It then frees the
+weights it never reads (``SplitModel.release_client_side``) and answers frames with a
 ``ServerRole`` (``splitleak.training.roles``), exactly as in one process, and, given a capture
 folder, records everything it receives and sends in a capture store of its own (``session-NNNN/``:
-manifest, ``wire/`` shards and ledgers, the server's trained layers, its loss log, the
-hash-chained journal; ``splitleak verify`` works on it unchanged). A session that ends badly (the
-client vanished, a frame broke the protocol) closes its store as failed at the last whole frame.
+manifest, ``wire/`` shards and ledgers, every message's envelope, the server's trained layers, its
+loss log, the hash-chained journal; ``splitleak verify`` works on it unchanged). A session that
+ends badly (the client vanished, a frame broke the protocol) closes its store as failed at the last
+whole frame. Given a checkpoint folder, a session checkpoints its side every so many steps, and a
+later session resumes from such a checkpoint (``splitleak.training.checkpoint``).
 
 **Client** (``RemoteServer``; ``splitleak train --connect``): the trusted node's channel. It sends
 the same encoded frames the in-process channel would, and keeps the same ledger and taps, so the
@@ -205,11 +209,12 @@ class Session:
                 "own server, which this version does not deploy. Run it in one process"
             )
         chain.check_split_mode(split.spec.u_shape)
+        width = int(split.head.weight.shape[1])  # the hidden size at the cut
+        self.freed = split.release_client_side()  # the server holds the layers it runs, not the client's
         set_trainable(split)
         self.split, self.config = split, config
         self.role = ServerRole(split, chain, config.lr)
         self._checkpoints(hello)
-        width = int(split.head.weight.shape[1])  # the hidden size at the cut
         probe = 2  # mixup may add probe rows: at most as many as the real ones
         self.limits = Limits(
             width=width,
@@ -290,6 +295,7 @@ class Session:
                 "packages": package_versions(),
                 "limits": self.limits.as_dict() if self.limits else None,
                 "checkpoints": {"every": self.checkpoint_every, "token": self.token},
+                "released_client_side_elements": self.freed,
                 "resumed_after_steps": self.resumed,
             },
         )
