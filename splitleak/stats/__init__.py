@@ -29,7 +29,7 @@ from splitleak.stats.bootstrap import (
     paired_difference_ci,
     ratio_bootstrap_ci,
 )
-from splitleak.stats.meta import RandomEffects, random_effects
+from splitleak.stats.meta import RandomEffects, leave_one_out, random_effects
 from splitleak.stats.regression import HeldoutRMSE, PartialR2, heldout_rmse, partial_r2_test, permute_within_groups
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "effect_verdict",
     "gate_verdict",
     "random_effects",
+    "leave_one_out",
     "partial_r2_test",
     "heldout_rmse",
     "HeldoutRMSE",

@@ -50,3 +50,16 @@ def random_effects(estimates: Any, variances: Any, alpha: float = 0.05) -> Rando
     z = float(norm.ppf(1 - alpha / 2))
     i2 = max(0.0, (q - df) / q) if q > 0 else 0.0
     return RandomEffects(est, est - z * se, est + z * se, float(np.sqrt(tau2)), tau2, i2, q)
+
+
+def leave_one_out(estimates: Any, variances: Any, alpha: float = 0.05) -> list[RandomEffects]:
+    """``random_effects`` with each study left out in turn (tau2 re-estimated each time): how much the
+    pooled figure rests on any one seed. Needs at least 3 studies."""
+    y = finite_array(estimates, "estimates", ndim=1)
+    v = finite_array(variances, "variances", ndim=1)
+    if y.size < 3:
+        raise DataError("leave_one_out needs at least 3 estimates (2 remain in each pooling)")
+    if y.shape != v.shape:
+        raise DataError(f"estimates have {y.size} values and variances {v.size}; pass one variance per estimate")
+    keep = ~np.eye(y.size, dtype=bool)
+    return [random_effects(y[k], v[k], alpha) for k in keep]
