@@ -212,7 +212,7 @@ def run_training(
                 "after_steps": point.done,
                 "checkpoint_sha256": point.sha256,
                 "note": "the train-phase capture holds the frames from the resumed step on; the frames before "
-                "it are in the resumed run's capture",
+                "it are in the capture of the run named here",
             }
     store.add_json("manifest", "manifest.json", manifest)
     store.add_json("documents", "documents.json", docs.to_json())
