@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from splitleak.audit.defaults import DEFAULT_COVERAGES
-from splitleak.cli.common import DeviceOpt, ThreadsOpt, app, console, parse_defences, progress, user_errors
+from splitleak.cli.common import DeviceOpt, ThreadsOpt, TlsDirOpt, app, console, parse_defences, progress, user_errors
 from splitleak.cli.runs import print_summary
 from splitleak.data import N_CALIB, N_EVAL, N_TRAIN
 
@@ -130,7 +130,7 @@ def audit_cmd(
     connect: Optional[str] = typer.Option(
         None, "--connect", help="HOST:PORT of a `splitleak serve`: audit the deployment (the runs train over TLS)"
     ),
-    tls_dir: Optional[Path] = typer.Option(None, "--tls-dir", help="with --connect: the folder `tls init` wrote"),
+    tls_dir: Optional[Path] = TlsDirOpt,
     server_capture: Optional[Path] = typer.Option(
         None,
         "--server-capture",

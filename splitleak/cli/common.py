@@ -40,6 +40,7 @@ def first_line(text: str, limit: int = 300) -> str:
 # ------------------------------------------------------------------ shared options
 DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present), cpu or cuda")
 ThreadsOpt = typer.Option(None, "--threads", help="torch intra-op threads (default: torch's choice)")
+TlsDirOpt = typer.Option(None, "--tls-dir", help="with --connect: the folder `splitleak tls init` wrote")
 
 
 def parse_defences(names: list[str], args: list[str]) -> list[dict[str, Any]]:

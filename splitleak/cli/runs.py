@@ -9,7 +9,17 @@ import typer
 from rich.table import Table
 
 from splitleak.attacks.registry import help_text as attack_help
-from splitleak.cli.common import DeviceOpt, ThreadsOpt, app, console, err, parse_defences, progress, user_errors
+from splitleak.cli.common import (
+    DeviceOpt,
+    ThreadsOpt,
+    TlsDirOpt,
+    app,
+    console,
+    err,
+    parse_defences,
+    progress,
+    user_errors,
+)
 from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
 from splitleak.errors import ConfigError
 
@@ -82,7 +92,7 @@ def train_cmd(
     connect: Optional[str] = typer.Option(
         None, "--connect", help="HOST:PORT of a `splitleak serve` node: run the client (trusted node) only, over TLS"
     ),
-    tls_dir: Optional[Path] = typer.Option(None, "--tls-dir", help="with --connect: the folder `tls init` wrote"),
+    tls_dir: Optional[Path] = TlsDirOpt,
     checkpoint_every: Optional[int] = typer.Option(
         None,
         "--checkpoint-every",

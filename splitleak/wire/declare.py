@@ -143,10 +143,12 @@ def declare_channels(*, u_shape: bool, defences: Iterable[Any] = (), transport: 
             ChannelDecl(
                 "handshake",
                 "both",
-                "the hello (protocol version; the server's configuration: model, split, defence chain with its "
-                "arguments, learning rate, frame sizes, and two seeds derived one-way from the run seed; the "
+                "the hello (protocol version; the server's configuration: model name, path and precision, split, "
+                "defence chain with its arguments, learning rate, frame sizes, and two seeds derived one-way from "
+                "the run seed; the "
                 "model's fingerprint; how often to checkpoint, and when resuming the checkpoint's token and step "
-                "count) and the welcome (the agreed limits, the server's checkpoint token)",
+                "count) and the welcome (the server's model fingerprint, split and defence chain, the agreed "
+                "limits, its checkpoint token)",
                 "once per session",
                 recorded_in=MESSAGES_FILE,
                 note="the run seed, the data set, its seed and the document counts do not cross",
@@ -156,7 +158,8 @@ def declare_channels(*, u_shape: bool, defences: Iterable[Any] = (), transport: 
                 "both",
                 "each message's envelope: type, frame kind, phase, step, row ids, dtype, shape and size (as in the "
                 "frame's own header), a sequence number counting the messages, a 128-bit nonce drawn from the "
-                "operating system's random source (independent of the data and the seeds)",
+                "operating system's random source (independent of the data and the seeds); a refusal's error "
+                "text; the goodbye's frame count",
                 "per message",
                 recorded_in=MESSAGES_FILE,
             ),
