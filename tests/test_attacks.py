@@ -397,3 +397,18 @@ def test_both_sipit_orders_certify_with_the_trained_copy(weak_runs, order):
     assert torch.equal(rec.tokens, truth) and bool(rec.extra["matched"].all())
     with pytest.raises(ConfigError, match="order"):
         SipIt(order="psychic").fit(kn).reconstruct(tr)
+
+
+@pytest.mark.integration
+def test_the_attacker_refuses_a_public_copy_that_is_not_the_runs_starting_model(shared_run):
+    """The manifest's fingerprint pins the model the run started from: a tiny model initialised with
+    another seed (as splitleak did before it derived the init seed from the run seed) is refused."""
+    from splitleak.errors import IntegrityError
+    from splitleak.seeds import model_init_seed
+
+    run = shared_run(model="tiny-gpt2", depth=2, n_calib=4, n_train=6, n_eval=12, seed=0, all_local_baseline=False)
+    assert load_knowledge(run, "public").copy == "public"  # the derived init: the run's own model
+    stale = load_model("tiny-gpt2", seed=0)  # the init seed equal to the run seed, as before
+    assert model_init_seed(0) != 0
+    with pytest.raises(IntegrityError, match="not the one the run started from"):
+        load_knowledge(run, "public", lm=stale)

@@ -273,6 +273,13 @@ def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None) -> Knowle
             seed=model_init_seed(cfg["seed"]),
             model_path=cfg.get("model_path"),
         )
+    want = (m.get("model") or {}).get("fingerprint")
+    if want is not None and lm.fingerprint() != want:
+        raise IntegrityError(
+            f"the public model loaded for {run_dir} (fingerprint {lm.fingerprint()[:12]}) is not the one the run "
+            f"started from ({want[:12]}): another version of the weights, or a tiny-model run written before "
+            "splitleak derived the model's init seed from the run seed (train it again)"
+        )
     client = ClientCopy(lm.model, m["split"]["cut"], lm.tokenizer)
     if copy == "trained":
         state = read_tensors(run_dir, "client_layers.safetensors")
