@@ -499,8 +499,8 @@ def test_audit_a_deployment_from_the_servers_capture(tls, tmp_path):
             ["audit", "--model", "tiny-gpt2", "--defence", "quant8", "--out", str(out), "--quiet", *small,
              "--connect", f"127.0.0.1:{srv.port}", "--tls-dir", str(tls), "--server-capture", str(tmp_path / "cap")],
         )  # fmt: skip
+        assert r.exit_code == 0, r.output
         recs = srv.wait_sessions(2)
-    assert r.exit_code == 0, r.output
     assert [x.status for x in recs] == ["complete", "complete"]  # the audited run, then its undefended twin
     report = json.loads((out / "report.json").read_text())
     session = tmp_path / "cap" / "session-0000"
