@@ -345,6 +345,7 @@ def test_registry_names_match_cli_contract():
         "sipit",
         "property",
         "mixup-unmix",
+        "support-partition",
     }
 
 

@@ -37,6 +37,7 @@ class AttackInfo:
     control_of: str | None = None  # the attack whose signal this control replaces (None: a control of all)
     takes_readout: bool = False  # takes ``readout`` (the gradient read-out of attacks.core.READOUTS)
     label: str = ""  # display label where it differs from the name (figures)
+    modes: tuple[str, ...] = ("plain", "u-shape")  # the split modes whose traffic it reads ("latent": the decoy system)
 
     @property
     def display(self) -> str:
@@ -125,6 +126,14 @@ REGISTRY: dict[str, AttackInfo] = {
             "undo mixup from its probe rows, then the activation attacker",
             reads=("activations", "probe-activations"),
         ),
+        AttackInfo(
+            "support-partition",
+            f"{_A}.partition:PartitionAttack",
+            "decoy system: a row is real iff its output gradient is non-zero (or: by norm, by a classifier)",
+            reads=("output-gradient", "activations", "trunk-output", "gradient"),
+            output="partition",
+            modes=("latent",),
+        ),
     )
 }
 
@@ -149,6 +158,11 @@ def attack_info(name: str) -> AttackInfo:
     if info is None:
         raise ConfigError(f"unknown attack {name!r}; known attacks: {', '.join(REGISTRY)}")
     return info
+
+
+def attacks_for_mode(mode: str) -> list[str]:
+    """The attacks that read traffic of a split mode ("plain", "u-shape" or "latent")."""
+    return [n for n, a in REGISTRY.items() if mode in a.modes]
 
 
 def readout_attacks() -> tuple[str, ...]:

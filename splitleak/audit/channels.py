@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from splitleak.attacks.knowledge import read_manifest
-from splitleak.attacks.registry import attacks_reading
-from splitleak.audit.evaluate import attack_label
+from splitleak.attacks.registry import attacks_for_mode, attacks_reading
+from splitleak.audit.evaluate import attack_label, run_mode
 from splitleak.wire.declare import Declaration, declare_channels
 from splitleak.wire.defences import DefenceChain
 from splitleak.wire.tap import read_wire, wire_phases
@@ -63,12 +63,13 @@ def channel_table(
     run_dir = Path(run_dir)
     decl = run_declaration(run_dir)
     captured = _captured(run_dir)
+    for_mode = set(attacks_for_mode(run_mode(read_manifest(run_dir))))
     ran = None if attacks_run is None else list(attacks_run)
     calibrated = set(calibrated)
     rows = []
     for c in decl.channels:
         cap = captured.get(c.name)
-        registered = attacks_reading(c.name)
+        registered = [a for a in attacks_reading(c.name) if a in for_mode]
         if ran is None:
             read_by = registered
         else:

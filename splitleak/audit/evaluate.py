@@ -29,6 +29,7 @@ from splitleak.attacks.knowledge import (
     read_documents,
     read_manifest,
 )
+from splitleak.attacks.registry import attack_info, attacks_for_mode
 from splitleak.errors import ConfigError, SplitleakError
 from splitleak.files import json_default
 from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
@@ -132,6 +133,14 @@ def run_attack(
         manifest = {**read_manifest(doc_dir), "session": str(run_dir)}
     elif documents is not None:
         raise ConfigError(f"--documents is for a server's capture; {run_dir} is a client's run and holds its own")
+    mode, info = run_mode(manifest), attack_info(config.attack)
+    if mode not in info.modes:
+        raise ConfigError(
+            f"attack {config.attack!r} reads the traffic of {' or '.join(info.modes)} runs, and {run_dir} is a {mode} "
+            f"run; attacks for it: {', '.join(attacks_for_mode(mode))}"
+        )
+    if info.output == "partition":
+        return run_partition_attack(run_dir, doc_dir, manifest, config, out_path)
     attack = make_attack(config.attack, **config.attack_params())
     if knowledge is None:
         knowledge = load_knowledge(doc_dir, config.client_copy)
@@ -235,6 +244,59 @@ def run_attack(
     if out_path is not None:
         write_result(out_path, result, per_doc_rows)
     result["per_doc"] = per_doc_rows
+    return result
+
+
+def run_mode(manifest: dict[str, Any]) -> str:
+    """The split mode of a run from its manifest: "latent", "u-shape" or "plain"."""
+    if manifest.get("mode") == "latent":
+        return "latent"
+    return "u-shape" if (manifest.get("split") or {}).get("u_shape") else "plain"
+
+
+def run_partition_attack(
+    run_dir: Path, doc_dir: Path, manifest: dict[str, Any], config: AttackConfig, out_path: Path | None
+) -> dict[str, Any]:
+    """A partition attack on a latent run's frames of ``config.phase``, scored against the client's
+    record of real rows. The classifier rule fits on the training frames, so it is evaluated on the
+    capture pass only."""
+    from splitleak.attacks.partition import PartitionAttack, load_latent_traffic, load_truth, score_partition
+
+    attack = make_attack(config.attack, **config.attack_params())
+    if not isinstance(attack, PartitionAttack):
+        raise ConfigError(f"attack {config.attack!r} is registered as a partition attack but is not a PartitionAttack")
+    if attack.rule == "classifier" and config.phase == "train":
+        raise ConfigError("the classifier rule fits on the training frames; evaluate it on the capture pass")
+    truth = load_truth(doc_dir)
+    traffic = load_latent_traffic(run_dir, config.phase)
+    t0 = time.perf_counter()
+    attack.fit(load_latent_traffic(run_dir, "train") if attack.rule == "classifier" else None, truth)
+    parts = attack.partition(traffic)
+    seconds = time.perf_counter() - t0
+    scored = score_partition(traffic, truth, parts)
+    result: dict[str, Any] = {
+        "attack": config.attack,
+        "config": config.model_dump(mode="json"),
+        "config_hash": config.hash(),
+        "attack_params": attack.params(),
+        "run": {"dir": str(run_dir), "config_hash": manifest["config_hash"], "config": manifest["config"]},
+        "phase": config.phase,
+        "channels_read": list(attack.channels_read()),
+        "n_frames": len(traffic),
+        "seconds": seconds,
+        "partition": scored,
+        "token_recovery": None,
+        "doc_recovery": None,
+        "span_recovery": None,
+    }
+    per_frame = [
+        {"frame_id": f.frame_id, "rows": len(pred), "exact": bool((pred == truth[f.frame_id]).all()),
+         "agreement": float((pred == truth[f.frame_id]).mean())}
+        for f, (_, pred) in zip(traffic.frames, parts)
+    ]  # fmt: skip
+    if out_path is not None:
+        write_result(out_path, result, per_frame)
+    result["per_doc"] = per_frame
     return result
 
 

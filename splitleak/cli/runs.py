@@ -65,6 +65,19 @@ def train_cmd(
     ),
     defence: list[str] = typer.Option(["none"], "--defence", help="defence name (repeat to compose, applied in order)"),
     defence_arg: list[str] = typer.Option([], "--defence-arg", help="KEY=VALUE (or NAME.KEY=VALUE) for a defence"),
+    mode: str = typer.Option(
+        "split", "--mode", help="split (plain or U-shape, by --depth / --offload-*) or latent (the decoy system)"
+    ),
+    latent_split: Optional[str] = typer.Option(
+        None, "--latent-split", help="latent mode: a named split of the model (main, mitigation), or S/R"
+    ),
+    latent_arg: list[str] = typer.Option(
+        [],
+        "--latent-arg",
+        help="latent mode: KEY=VALUE (width, decoys, pool, clip, sigma, output_gradient=open|clip-noise, "
+        "output_clip, output_sigma, scale_gauge, gauge_entropy=derived|os, teacher_weight, surrogate_layers)",
+    ),
+    lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate (default 5e-5; 3e-4 in latent mode)"),
     data: str = typer.Option("synthetic-pii", "--data", help="wikitext2, synthetic-pii or text"),
     data_path: Optional[Path] = typer.Option(
         None, "--data-path", help="folder of wiki.*.raw files, or your text files"
@@ -119,6 +132,10 @@ def train_cmd(
             offload_length=offload_length,
             defence=defence,
             defence_arg=defence_arg,
+            mode=mode,
+            latent_split=latent_split,
+            latent_arg=latent_arg,
+            lr=lr,
             data=data,
             data_path=data_path,
             seed=seed,
@@ -149,7 +166,7 @@ def train_cmd(
             cfg = _train_config(**read_manifest(resume)["config"])
         elif config is not None:
             cfg = load_train_yaml(config)
-        elif depth is None and offload_start is None and offload_length is None:
+        elif mode == "split" and depth is None and offload_start is None and offload_length is None:
             raise ConfigError("give --depth L (plain split) or --offload-start b --offload-length s")
         else:
             cfg = _options_config(**options)
@@ -174,12 +191,38 @@ def _options_config(**o):
     paths = {k: str(o[k]) if o[k] else None for k in ("model_path", "data_path")}
     same = ("model", "precision", "depth", "offload_start", "offload_length", "data", "seed", "data_seed", "steps")
     same += ("n_calib", "n_train", "n_eval", "doc_len")
+    extra: dict = {} if o["lr"] is None else {"lr": o["lr"]}
+    if o["mode"] == "latent":
+        extra["latent"] = _latent_options(o["model"], o["latent_split"], o["latent_arg"])
+        extra.setdefault("lr", 3e-4)  # the paper's, on both sides
+    elif o["mode"] != "split":
+        raise ConfigError(f"unknown --mode {o['mode']!r}; use split or latent")
+    elif o["latent_split"] is not None or o["latent_arg"]:
+        raise ConfigError("--latent-split and --latent-arg are for --mode latent")
     return _train_config(
         **{k: o[k] for k in same},
         **paths,
         defences=parse_defences(o["defence"], o["defence_arg"]),
         all_local_baseline=not o["no_baseline"],
+        **extra,
     )
+
+
+def _latent_options(model: str, named: str | None, args: list[str]) -> dict:
+    """The latent config from ``--latent-split`` (a preset name or S/R) and ``--latent-arg KEY=VALUE``."""
+    from splitleak.models.latent import preset_split
+    from splitleak.wire.defences import parse_defence_args
+
+    if named is None:
+        raise ConfigError("--mode latent needs --latent-split (main, mitigation, or S/R: split after S, resume at R)")
+    if "/" in named:
+        try:
+            s, r = (int(x) for x in named.split("/"))
+        except ValueError:
+            raise ConfigError(f"--latent-split {named}: write S/R with two block indices, e.g. 15/28") from None
+    else:
+        s, r = preset_split(model, named)
+    return {"split_after": s, "resume_at": r, **parse_defence_args(args)}
 
 
 _TRAIN_DEFAULTS = dict(
@@ -190,6 +233,10 @@ _TRAIN_DEFAULTS = dict(
     offload_length=None,
     defence=["none"],
     defence_arg=[],
+    mode="split",
+    latent_split=None,
+    latent_arg=[],
+    lr=None,
     data="synthetic-pii",
     data_path=None,
     seed=0,
@@ -221,16 +268,22 @@ def print_summary(res) -> None:
     t.add_row("held-out cross-entropy (nats)", fmt(m["heldout_ce"]))
     t.add_row("held-out perplexity (geometric mean)", fmt(m["perplexity"], "{:.2f}"))
     t.add_row("pretrained cross-entropy", fmt(m["pretrained_ce"]))
-    t.add_row("all-local cross-entropy", fmt(m["all_local_ce"]))
-    t.add_row("ΔU = L_split − L_all-local", fmt(m["delta_u"]))
+    if "privacy" in m:  # the latent mode: its reference is the frozen pretrained model
+        t.add_row("increase over the pretrained model", fmt(m["ce_increase_over_pretrained"]))
+        t.add_row("ε per row, one release (δ = 1e-6)", fmt(m["privacy"]["epsilon_per_row_one_release"], "{:.1f}"))
+    else:
+        t.add_row("all-local cross-entropy", fmt(m["all_local_ce"]))
+        t.add_row("ΔU = L_split − L_all-local", fmt(m["delta_u"]))
     w = m["wire_bytes_per_step"]
     t.add_row("wire bytes / step, client → server", f"{w.get('client_to_server', 0):,.0f}")
     t.add_row("wire bytes / step, server → client", f"{w.get('server_to_client', 0):,.0f}")
     c = m["capture"]
     t.add_row("captured documents", str(res.config.n_eval))
-    t.add_row(
-        "all-zero gradient rows in capture", f"{c['zero_gradient_rows']} ({100 * c['zero_gradient_row_share']:.2f} %)"
-    )
+    if "zero_gradient_rows" in c:
+        t.add_row(
+            "all-zero gradient rows in capture",
+            f"{c['zero_gradient_rows']} ({100 * c['zero_gradient_row_share']:.2f} %)",
+        )
     console.print(t)
 
 
@@ -335,6 +388,9 @@ def attack_cmd(
         help="when RUN_DIR is a server's capture: the client's run directory of the same session "
         "(its documents, calibration text and client layers never reached the server)",
     ),
+    param: list[str] = typer.Option(
+        [], "--param", help="KEY=VALUE: any parameter the attack's class takes (e.g. rule=classifier)"
+    ),
     force: bool = typer.Option(False, "--force", help="replace an existing RESULT.json"),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -344,6 +400,7 @@ def attack_cmd(
     from splitleak.attacks import make_attack_config
     from splitleak.audit.evaluate import run_attack
     from splitleak.training.run import apply_threads, resolve_device
+    from splitleak.wire.defences import parse_defence_args
 
     with user_errors():
         apply_threads(threads)
@@ -367,6 +424,7 @@ def attack_cmd(
             gradient_source=gradient_source,
             lam=lam,
             phase=phase,
+            params=parse_defence_args(param),
         )
         protocol_hash = None
         if protocol is not None:
@@ -407,6 +465,12 @@ def attack_cmd(
                     "wrong tokens / of them leading-space only",
                     f"{res['wrong_tokens']} / {res['leading_space_errors']}",
                 )
+        elif "partition" in res:
+            part = res["partition"]
+            t.add_row("frames partitioned exactly", f"{part['frames_exact']} / {part['frames']}")
+            t.add_row("row agreement", f"{part['row_agreement']:.4f}")
+            t.add_row("real rows (share)", f"{part['real_row_share']:.4f}")
+            t.add_row("AUC of the row scores", "n/a" if part["auc"] is None else f"{part['auc']:.4f}")
         else:
             for p in res["properties"]:
                 t.add_row(f"AUC, token {p['token_id']}", "n/a" if p["auc"] is None else f"{p['auc']:.4f}")

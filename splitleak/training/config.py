@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
 from splitleak.errors import ConfigError
@@ -16,6 +16,31 @@ class DefenceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str
     args: dict[str, Any] = Field(default_factory=dict)
+
+
+class LatentConfig(BaseModel):
+    """The decoy system's latent split mode (``splitleak.training.latent``; Politis & Pappas 2026, §2,
+    Table 1). Defaults are the paper's evaluated configuration, except where marked ours."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    split_after: int = Field(ge=0)  # last block of the trusted prefix (s)
+    resume_at: int = Field(ge=1)  # first block of the trusted tail (r); blocks (s, r) are delegated
+    width: int = Field(64, ge=2)  # D
+    decoys: int = Field(48, ge=0)  # decoy rows per frame (a frame is one document's rows plus these)
+    pool: int = Field(8192, ge=1)  # FIFO of released rows the decoys come from
+    clip: float = Field(1.0, gt=0)  # per-row L2 clip C on the forward and return wires
+    sigma: float = Field(0.35, ge=0)  # Gaussian noise sigma·C per coordinate on both wires
+    output_gradient: Literal["open", "clip-noise"] = "open"  # the paper's main study; "clip-noise": its fix
+    output_clip: float = Field(0.01, gt=0)
+    output_sigma: float = Field(0.35, ge=0)
+    scale_gauge: bool = False  # the per-row scale and sign gauge (off for these surrogates, as in the paper)
+    gauge_entropy: Literal["derived", "os"] = "derived"  # "os": the artefact's masters, not reproducible
+    teacher_weight: float = Field(1.0, ge=0)  # ours: weight of matching the real delegated blocks
+    surrogate_layers: int = Field(1, ge=1)  # ours: one layer, ~94 parameters
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
 
 
 class _ModelAndSplit(BaseModel):
@@ -30,6 +55,21 @@ class _ModelAndSplit(BaseModel):
     offload_start: int | None = None
     offload_length: int | None = None
     defences: tuple[DefenceConfig, ...] = (DefenceConfig(name="none"),)
+    latent: LatentConfig | None = None  # the decoy system's latent mode instead of a split at --depth
+
+    @model_validator(mode="after")
+    def _one_mode(self):
+        if self.latent is not None:
+            if self.depth is not None or self.offload_start is not None or self.offload_length is not None:
+                raise ValueError(
+                    "the latent mode cuts where --split-after/--resume-at say; omit --depth and offloading"
+                )
+            if any(d.name != "none" for d in self.defences):
+                raise ValueError(
+                    "the latent mode brings its own defences (bottleneck, decoys, gauges, clip and noise); "
+                    "omit --defence"
+                )
+        return self
 
     @field_validator("defences")
     @classmethod
@@ -39,7 +79,10 @@ class _ModelAndSplit(BaseModel):
         return v
 
     def as_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        d = self.model_dump(mode="json")
+        if d.get("latent") is None:
+            d.pop("latent", None)  # a split run's hash is what it was before the latent mode existed
+        return d
 
     def hash(self) -> str:
         return config_hash(self.as_dict())
@@ -83,6 +126,7 @@ SERVER_FIELDS = (
     "offload_start",
     "offload_length",
     "defences",
+    "latent",
     "lr",
     "doc_len",
     "capture_batch",

@@ -84,6 +84,29 @@ def _documents(config: TrainConfig, tokenizer) -> DocumentSets:
     )
 
 
+def manifest_head(config: TrainConfig, lm: LoadedModel) -> dict[str, Any]:
+    """The first fields of every run's manifest: version, time, configuration, packages, model."""
+    return {
+        "splitleak_version": splitleak.__version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": config.as_dict(),
+        "config_hash": config.hash(),
+        "packages": package_versions(),
+        "model": {"name": lm.name, "source": lm.source, "fingerprint": lm.fingerprint(), **lm.info},
+    }
+
+
+def documents_record(docs: DocumentSets) -> dict[str, Any]:
+    """The manifest's record of a run's documents."""
+    return {
+        "source": docs.source,
+        "fingerprint": docs.fingerprint(),
+        "n_calib": len(docs.calibration),
+        "n_train": len(docs.train),
+        "n_eval": len(docs.evaluation),
+    }
+
+
 def run_training(
     config: TrainConfig,
     out: str | Path,
@@ -116,6 +139,13 @@ def run_training(
     checkpoint against a server that holds the matching one, and ``out`` receives the whole run
     (its train-phase capture holds the frames from the resumed step on). Checkpoints are deleted once
     the run is complete."""
+    if config.latent is not None:
+        from splitleak.training.latent import run_latent
+
+        return run_latent(
+            config, out, force=force, device=device, threads=threads, progress=progress, lm=lm, connect=connect,
+            checkpoint_every=checkpoint_every, resume=resume,
+        )  # fmt: skip
     progress = progress or Silent()
     apply_threads(threads)
     dev = resolve_device(device)
@@ -175,26 +205,10 @@ def run_training(
 
     store = RunStore.create(out, force=force)
     manifest = {
-        "splitleak_version": splitleak.__version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": config.as_dict(),
-        "config_hash": config.hash(),
-        "packages": package_versions(),
-        "model": {
-            "name": lm.name,
-            "source": lm.source,
-            "fingerprint": lm.fingerprint(),
-            **lm.info,
-        },
+        **manifest_head(config, lm),
         "split": split.spec.as_dict(),
         "defences": chain_client.describe(),
-        "documents": {
-            "source": docs.source,
-            "fingerprint": docs.fingerprint(),
-            "n_calib": len(docs.calibration),
-            "n_train": len(docs.train),
-            "n_eval": len(docs.evaluation),
-        },
+        "documents": documents_record(docs),
         "runtime": {"device": str(dev), "threads": torch.get_num_threads()},
         "labels_cross_wire": not split.spec.u_shape,
         "channels": declaration.as_dict(),

@@ -64,6 +64,16 @@ class Declaration:
         return cls(tuple(ChannelDecl(**c) for c in d["channels"]), tuple(d["links"]), tuple(d.get("notes", ())))
 
 
+#: the channel no tap records: when messages cross
+TIMING = ChannelDecl(
+    "timing",
+    "both",
+    "when each message crosses and how long the other side takes",
+    "per message",
+    captured=False,
+    note="not recorded by the tap",
+)
+
 #: the file of a two-process run (client and server side alike) that records every message's envelope
 MESSAGES_FILE = "wire/messages.json"
 
@@ -103,14 +113,7 @@ def declare_channels(*, u_shape: bool, defences: Iterable[Any] = (), transport: 
             "frame kind, phase, step, tensor shape and dtype, the attention mask and the bits per element",
             "header",
         ),
-        ChannelDecl(
-            "timing",
-            "both",
-            "when each message crosses and how long the other side takes",
-            "per message",
-            captured=False,
-            note="not recorded by the tap",
-        ),
+        TIMING,
     ]
     if u_shape:
         ch += [
@@ -139,31 +142,7 @@ def declare_channels(*, u_shape: bool, defences: Iterable[Any] = (), transport: 
             )
         )
     if transport:
-        ch += [
-            ChannelDecl(
-                "handshake",
-                "both",
-                "the hello (protocol version; the server's configuration: model name, path and precision, split, "
-                "defence chain with its arguments, learning rate, frame sizes, and two seeds derived one-way from "
-                "the run seed; the "
-                "model's fingerprint; how often to checkpoint, and when resuming the checkpoint's token and step "
-                "count) and the welcome (the server's model fingerprint, split and defence chain, the agreed "
-                "limits, its checkpoint token)",
-                "once per session",
-                recorded_in=MESSAGES_FILE,
-                note="the run seed, the data set, its seed and the document counts do not cross",
-            ),
-            ChannelDecl(
-                "envelope",
-                "both",
-                "each message's envelope: type, frame kind, phase, step, row ids, dtype, shape and size (as in the "
-                "frame's own header), a sequence number counting the messages, a 128-bit nonce drawn from the "
-                "operating system's random source (independent of the data and the seeds); a refusal's error "
-                "text; the goodbye's frame count",
-                "per message",
-                recorded_in=MESSAGES_FILE,
-            ),
-        ]
+        ch += _transport_channels()
     links: tuple[str, ...] = ("main",)
     notes: list[str] = []
     for d in defences:
@@ -177,6 +156,87 @@ def declare_channels(*, u_shape: bool, defences: Iterable[Any] = (), transport: 
         if callable(note) and note():
             notes.append(note())
     return Declaration(tuple(ch), links, tuple(notes))
+
+
+def _transport_channels() -> list[ChannelDecl]:
+    """What a two-process run adds: the handshake and every message's envelope."""
+    return [
+        ChannelDecl(
+            "handshake",
+            "both",
+            "the hello (protocol version; the server's configuration: model name, path and precision, split, "
+            "defence chain with its arguments, learning rate, frame sizes, and two seeds derived one-way from "
+            "the run seed; the "
+            "model's fingerprint; how often to checkpoint, and when resuming the checkpoint's token and step "
+            "count) and the welcome (the server's model fingerprint, split and defence chain, the agreed "
+            "limits, its checkpoint token)",
+            "once per session",
+            recorded_in=MESSAGES_FILE,
+            note="the run seed, the data set, its seed and the document counts do not cross",
+        ),
+        ChannelDecl(
+            "envelope",
+            "both",
+            "each message's envelope: type, frame kind, phase, step, row ids, dtype, shape and size (as in the "
+            "frame's own header), a sequence number counting the messages, a 128-bit nonce drawn from the "
+            "operating system's random source (independent of the data and the seeds); a refusal's error "
+            "text; the goodbye's frame count",
+            "per message",
+            recorded_in=MESSAGES_FILE,
+        ),
+    ]
+
+
+def declare_latent_channels(*, output_gradient: str, transport: bool = False) -> Declaration:
+    """The channels of the decoy system's latent mode (``splitleak.training.latent``): four row
+    channels per frame of one document's rows and its decoys, gauged, plus the header channels.
+    ``output_gradient`` is the latent config's ("open" or "clip-noise")."""
+    rows = "[frames, rows, D]: one frame per document, its rows and its decoy rows, rotated and permuted"
+    og = (
+        "gradient of the client's loss with respect to the surrogate's output, UNCLIPPED and UNNOISED: a decoy "
+        "row's is exactly zero, since the loss keeps only the real rows"
+        if output_gradient == "open"
+        else "gradient of the client's loss with respect to the surrogate's output, clipped per row and noised "
+        "(the paper's fix): decoy rows carry noise only"
+    )
+    ch = [
+        ChannelDecl(
+            "activations",
+            "client->server",
+            "the forward wire: the private encoder's output, clipped per row and noised, mixed with decoy rows "
+            "(earlier released rows) and gauged",
+            rows,
+        ),
+        ChannelDecl(
+            "trunk-output",
+            "server->client",
+            "the return wire: the surrogate's output on the gauged rows, clipped per row and noised",
+            rows,
+        ),
+        ChannelDecl("output-gradient", "client->server", og, rows),
+        ChannelDecl(
+            "gradient",
+            "server->client",
+            "the input gradient: the surrogate's gradient with respect to the rows it received",
+            rows,
+        ),
+        ChannelDecl(
+            "row-ids",
+            "both",
+            "one opaque frame id per frame (a counter over the run); it names no document",
+            "[frames]",
+        ),
+        ChannelDecl(
+            "shapes",
+            "both",
+            "frame kind, phase, step, tensor shape (rows per frame: fewer while the decoy pool fills) and dtype",
+            "header",
+        ),
+        TIMING,
+    ]
+    if transport:
+        ch += _transport_channels()
+    return Declaration(tuple(ch), ("main",), ())
 
 
 def frame_channels(frame: Frame, probe_rows: int | None = None) -> dict[str, Any]:

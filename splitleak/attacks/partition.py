@@ -1,0 +1,229 @@
+"""Decoy partition detection on the decoy system's latent frames (Politis & Pappas 2026, §5).
+
+The client truncates its loss to the real rows, so a decoy row's output gradient is exactly zero
+when that wire crosses open: ``SupportPartition(rule="support")`` calls a row real iff its output
+gradient is non-zero — the paper's exact partition (4,096 / 4,096 frames, agreement 1.000). Under
+the fix (per-row clip and noise on the output gradient) every row is non-zero and the same rule
+calls all rows real (agreement = real rows / frame rows, 32/80 = 0.400).
+
+What the paper did not test, here as further rules, all scored by their ROC AUC over rows and by
+a hard partition that calls the T highest-scoring rows of each frame real (T, the rows of one
+document, is known to the server from the handshake's frame sizes):
+
+- ``norm``: the output gradient's row norm alone (no training);
+- ``classifier``: logistic regression on gauge-invariant row features of all four wires (log norms
+  of the forward row, the return row, the output gradient and the input gradient; the cosines
+  between the return row and its output gradient and between the forward row and its input
+  gradient; the forward row's Gram statistics within its frame), fitted on the training-phase
+  frames with their true partition — a known-plaintext attacker, as the paper's probes are — and
+  evaluated on the capture pass.
+
+An attack reads the frames as the server holds them (``LatentTraffic``); the truth is the client's
+own record (``latent/truth.safetensors``), used for scoring and, for ``classifier``, for fitting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from splitleak.errors import ConfigError, IntegrityError
+
+RULES = ("support", "norm", "classifier")
+KINDS = {"forward": "x", "forward-return": "ret", "backward-top": "g_out", "backward": "g_in"}
+
+
+@dataclass
+class LatentFrame:
+    """One frame as the server holds it: the four wires' rows [n, D] and the frame's id."""
+
+    frame_id: int
+    x: torch.Tensor
+    ret: torch.Tensor
+    g_out: torch.Tensor
+    g_in: torch.Tensor
+
+
+@dataclass
+class LatentTraffic:
+    phase: str
+    frames: list[LatentFrame]
+    real_rows: int  # T: the rows of one document (known to the server from the frame sizes)
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+
+def load_latent_traffic(run_dir: str | Path, phase: str) -> LatentTraffic:
+    """The frames of one phase of a latent run's capture, joined per frame id across the four wires."""
+    from splitleak.attacks.knowledge import read_manifest
+    from splitleak.wire.tap import read_wire
+
+    manifest = read_manifest(run_dir)
+    if manifest.get("mode") != "latent" and (manifest.get("config") or {}).get("latent") is None:
+        raise ConfigError(f"{run_dir} is not a latent-mode run; partition attacks read the decoy system's frames")
+    parts: dict[int, dict[str, torch.Tensor]] = {}
+    for rec in read_wire(run_dir, phase):
+        name = KINDS[rec.frame.kind]
+        for b, fid in enumerate(rec.frame.doc_ids):
+            parts.setdefault(int(fid), {})[name] = rec.frame.tensor[b].double()
+    frames = []
+    for fid in sorted(parts):
+        p = parts[fid]
+        missing = sorted(set(KINDS.values()) - set(p))
+        if missing:
+            raise IntegrityError(f"frame {fid} of {run_dir} ({phase}) lacks the wire(s) {', '.join(missing)}")
+        frames.append(LatentFrame(fid, p["x"], p["ret"], p["g_out"], p["g_in"]))
+    return LatentTraffic(phase, frames, int(manifest["config"]["doc_len"]))
+
+
+def load_truth(run_dir: str | Path) -> dict[int, np.ndarray]:
+    """frame id -> bool mask of real rows in the gauged order (the client's record)."""
+    from safetensors.torch import load_file
+
+    from splitleak.training.latent import TRUTH_FILE
+
+    path = Path(run_dir) / TRUTH_FILE
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} has no {TRUTH_FILE}: pass the client's run directory of a latent-mode run")
+    t = load_file(str(path))
+    frames, real = t["frames"].numpy(), t["real"].numpy()
+    return {int(f[0]): real[i, : int(f[4])].astype(bool) for i, f in enumerate(frames)}
+
+
+def row_features(f: LatentFrame) -> np.ndarray:
+    """Gauge-invariant features of each row of a frame [n, 10]."""
+    eps = 1e-30
+
+    def lognorm(t: torch.Tensor) -> torch.Tensor:
+        return torch.log(t.norm(dim=-1) + eps)
+
+    def cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1) + eps)
+
+    u = f.x / (f.x.norm(dim=-1, keepdim=True) + eps)
+    g = u @ u.T
+    n = len(g)
+    off = g.masked_fill(torch.eye(n, dtype=torch.bool), 0.0)
+    feats = [
+        lognorm(f.x),
+        lognorm(f.ret),
+        lognorm(f.g_out),
+        lognorm(f.g_in),
+        cos(f.ret, f.g_out),
+        cos(f.x, f.g_in),
+        off.sum(-1) / max(1, n - 1),
+        (off**2).sum(-1) / max(1, n - 1),
+        off.abs().amax(-1),
+        torch.full((n,), float(n)),
+    ]
+    return torch.stack(feats, -1).numpy()
+
+
+class PartitionAttack:
+    """scikit-learn's shape: parameters in ``__init__``; ``fit(traffic, truth)`` learns where the rule
+    needs labelled frames; ``partition(traffic)`` returns per frame a score per row (higher: more
+    likely real) and the hard partition."""
+
+    name: ClassVar[str] = "support-partition"
+    uses_gradients: ClassVar[bool] = True
+
+    def __init__(self, rule: str = "support", tol: float = 0.0, seed: int = 0):
+        if rule not in RULES:
+            raise ConfigError(f"unknown partition rule {rule!r}; use one of {', '.join(RULES)}")
+        self.rule, self.tol, self.seed = rule, tol, seed
+
+    def params(self) -> dict[str, Any]:
+        return {"rule": self.rule, "tol": self.tol, "seed": self.seed}
+
+    def channels_read(self) -> tuple[str, ...]:
+        if self.rule == "classifier":
+            return ("activations", "trunk-output", "output-gradient", "gradient")
+        return ("output-gradient",)
+
+    def fit(self, traffic: LatentTraffic | None = None, truth: dict[int, np.ndarray] | None = None):
+        if self.rule != "classifier":
+            return self
+        if traffic is None or truth is None or not len(traffic):
+            raise ConfigError(
+                "the classifier rule learns from labelled frames: pass the training-phase frames and truth"
+            )
+        x = np.concatenate([row_features(f) for f in traffic.frames])
+        y = np.concatenate([truth[f.frame_id] for f in traffic.frames]).astype(np.float64)
+        self.mean_, self.std_ = x.mean(0), x.std(0) + 1e-12
+        self.w_ = _logistic((x - self.mean_) / self.std_, y, seed=self.seed)
+        return self
+
+    def scores(self, f: LatentFrame) -> np.ndarray:
+        if self.rule == "classifier":
+            if not hasattr(self, "w_"):
+                raise ConfigError("call fit(train traffic, truth) before partition with the classifier rule")
+            z = (row_features(f) - self.mean_) / self.std_
+            return z @ self.w_[:-1] + self.w_[-1]
+        return f.g_out.norm(dim=-1).numpy()
+
+    def partition(self, traffic: LatentTraffic) -> list[tuple[np.ndarray, np.ndarray]]:
+        out = []
+        for f in traffic.frames:
+            s = self.scores(f)
+            if self.rule == "support":
+                pred = s > self.tol
+            else:
+                pred = np.zeros(len(s), dtype=bool)
+                pred[np.argsort(-s, kind="stable")[: traffic.real_rows]] = True
+            out.append((s, pred))
+        return out
+
+
+def _logistic(x: np.ndarray, y: np.ndarray, seed: int, l2: float = 1e-3) -> np.ndarray:
+    """L2-regularised logistic regression by L-BFGS (scipy); weights then bias."""
+    from scipy.optimize import minimize
+
+    xb = np.concatenate([x, np.ones((len(x), 1))], axis=1)
+
+    def loss(w: np.ndarray) -> tuple[float, np.ndarray]:
+        z = xb @ w
+        p = 1.0 / (1.0 + np.exp(-z))
+        ll = np.logaddexp(0.0, z) - y * z
+        reg = 0.5 * l2 * (w[:-1] ** 2).sum()
+        grad = xb.T @ (p - y) / len(y)
+        grad[:-1] += l2 * w[:-1]
+        return float(ll.mean() + reg), grad
+
+    w0 = np.random.default_rng(seed).normal(scale=1e-3, size=xb.shape[1])
+    return minimize(loss, w0, jac=True, method="L-BFGS-B").x
+
+
+def score_partition(
+    traffic: LatentTraffic, truth: dict[int, np.ndarray], result: list[tuple[np.ndarray, np.ndarray]]
+) -> dict[str, Any]:
+    """Frames matched exactly, row agreement, the share of real rows, and the AUC of the scores."""
+    from splitleak.metrics.auc import roc_auc
+
+    exact, agree, rows, real = 0, 0, 0, 0
+    all_s, all_y = [], []
+    for f, (s, pred) in zip(traffic.frames, result):
+        y = truth.get(f.frame_id)
+        if y is None or len(y) != len(pred):
+            raise IntegrityError(f"the client's record has no partition for frame {f.frame_id} of {len(pred)} rows")
+        exact += bool((pred == y).all())
+        agree += int((pred == y).sum())
+        rows += len(y)
+        real += int(y.sum())
+        all_s.append(s)
+        all_y.append(y)
+    s_cat, y_cat = np.concatenate(all_s), np.concatenate(all_y)
+    auc = roc_auc(s_cat, y_cat) if 0 < y_cat.sum() < len(y_cat) else None
+    return {
+        "frames": len(traffic),
+        "frames_exact": exact,
+        "frame_exact_share": exact / max(1, len(traffic)),
+        "row_agreement": agree / max(1, rows),
+        "real_row_share": real / max(1, rows),
+        "auc": auc,
+        "rows": rows,
+    }

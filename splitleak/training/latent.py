@@ -1,0 +1,480 @@
+"""The decoy system's latent mode, trained for real (Politis & Pappas 2026, §2, Figure 2).
+
+One request per step (one training document); the capture pass sends the evaluation documents in
+requests of ``capture_batch`` frames. For each frame the trusted node (``LatentClient``):
+
+1. runs the frozen prefix, blocks [0, s], and its private encoder: z = E(h_s), T rows of width D;
+2. releases the rows: per-row clip to C, Gaussian noise σ·C (keyed by the run seed);
+3. draws the frame's decoys from the FIFO pool of rows released earlier, then adds its own rows to
+   the pool (``splitleak.wire.decoys``);
+4. gauges the T + k rows with the frame's rotation and permutation (``splitleak.wire.gauges``) and
+   sends them: the **forward** frame [frames, T + k, D];
+5. receives the surrogate's output (the **return** frame, clipped and noised by the server), undoes
+   the gauge, keeps its T real rows, decodes them into the residual, h_r ≈ h_s + Dec(y), runs the
+   frozen tail and takes the loss — the task loss plus, in training, matching the real delegated
+   blocks run locally as a teacher (after LayerNorm), in the capture pass too, so that its output
+   gradient is the training objective's (every real row then has one, the last included);
+6. sends the gradient of the loss with respect to the return frame (the **output gradient**): zero
+   on every decoy row, because the loss keeps only the real rows, unless the fix clips and noises
+   it per row;
+7. receives the surrogate's gradient with respect to the rows it was sent (the **input gradient**)
+   and backpropagates it through the gauge and the release into the encoder; steps AdamW on the
+   encoder and decoder.
+
+The untrusted node (``LatentServer``) holds only the surrogate and its AdamW; it needs no model
+weights at all. The capture pass runs the same four crossings with every parameter frozen.
+The client's own record of which gauged rows were real (``latent/truth.safetensors``) never crosses;
+it is what the partition attacks are scored against.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from splitleak.data import Document
+from splitleak.errors import ConfigError
+from splitleak.models.latent import Decoder, Encoder, GaugeSurrogate, LatentSpec, check_no_wide_parameters, latent_spec
+from splitleak.models.split import SplitModel, next_token_loss
+from splitleak.progress import Progress, Silent
+from splitleak.training.config import LatentConfig
+from splitleak.training.loop import ids_tensor, training_order
+from splitleak.training.roles import _finite, _grads_finite, make_optimizer
+from splitleak.wire.channel import Channel
+from splitleak.wire.decoys import DecoyPool, derived_seed, release, torch_generator
+from splitleak.wire.frames import Frame
+from splitleak.wire.gauges import Gauge, frame_gauge
+
+
+def latent_split(lm, cfg: LatentConfig) -> tuple[SplitModel, LatentSpec]:
+    """The frozen model cut for the latent mode: bottom = blocks [0, s], trunk = the delegated blocks
+    (the teacher), top = [r, L) with the norm and head."""
+    from splitleak.models.presets import find_blocks
+
+    n_blocks = len(find_blocks(lm.model)[1])
+    spec = latent_spec(n_blocks, cfg.split_after, cfg.resume_at, cfg.width)
+    s, r = spec.delegated
+    split = SplitModel(lm, offload_start=s, offload_length=r - s)
+    for p in split.model.parameters():
+        p.requires_grad_(False)
+    return split, spec
+
+
+class LatentServer:
+    """The untrusted node: the surrogate, its optimiser, the return wire's clip and noise."""
+
+    def __init__(self, cfg: LatentConfig, lr: float, seed: int, hidden: int | None = None):
+        with torch.random.fork_rng(devices=[]):  # seeded init, the global generator left as it was
+            torch.manual_seed(derived_seed(seed, "init", 0, "surrogate", 0))
+            self.surrogate = GaugeSurrogate(cfg.surrogate_layers)
+        if hidden is not None:
+            check_no_wide_parameters(self.surrogate, hidden)
+        self.cfg, self.seed = cfg, seed
+        self.opt = make_optimizer(self.surrogate.parameters(), lr)
+        self.params = list(self.surrogate.parameters())
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.last_losses = None
+
+    def handle(self, frame: Frame) -> Frame:
+        if frame.kind == "forward":
+            frame.check_finite(f"the server (step {frame.step})")
+            x = frame.tensor.detach().clone().requires_grad_(True)
+            with torch.set_grad_enabled(True):
+                y = self.surrogate(x)
+                out = torch.stack(
+                    [
+                        release(
+                            y[b],
+                            self.cfg.clip,
+                            self.cfg.sigma,
+                            torch_generator(self.seed, frame.phase, frame.step, "return", fid),
+                        )
+                        for b, fid in enumerate(frame.doc_ids)
+                    ]
+                )
+            self._pending[frame.step] = (x, out)
+            return Frame("forward-return", frame.step, frame.doc_ids, out.detach(), frame.mask, frame.phase)
+        if frame.kind == "backward-top":
+            if frame.step not in self._pending:
+                raise ConfigError(f"an output gradient for step {frame.step} arrived with no pending forward")
+            x, out = self._pending.pop(frame.step)
+            g = frame.tensor.to(out.dtype)
+            if frame.phase == "train" and self.opt is not None:
+                out.backward(g)
+                g_in = x.grad
+                assert g_in is not None
+                _grads_finite(self.params, "surrogate", frame.step)
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=False)
+            else:
+                (g_in,) = torch.autograd.grad(out, x, grad_outputs=g)
+            _finite(g_in, "input gradient", frame.step)
+            return Frame("backward", frame.step, frame.doc_ids, g_in.detach(), frame.mask, frame.phase)
+        raise ValueError(f"the latent server cannot handle a {frame.kind!r} frame")
+
+
+@dataclass
+class FrameTruth:
+    """The client's own record of one frame (never crosses)."""
+
+    frame_id: int
+    phase: str
+    step: int
+    doc_id: int
+    real: np.ndarray  # [n] bool, in the gauged order the server sees
+    decoy_origins: np.ndarray  # [k, 2]: (frame id, row) of each decoy, in the client's order
+
+
+@dataclass
+class LatentClient:
+    split: SplitModel
+    cfg: LatentConfig
+    seed: int
+    channel: Channel
+    lr: float
+    encoder: Encoder = field(init=False)
+    decoder: Decoder = field(init=False)
+    pool: DecoyPool = field(init=False)
+    truth: list[FrameTruth] = field(default_factory=list)
+    next_frame: int = 0
+    last_losses: list[float] | None = None
+    last_teacher: float | None = None
+
+    def __post_init__(self) -> None:
+        hidden = self.split.model.get_input_embeddings().weight.shape[1]
+        with torch.random.fork_rng(devices=[]):  # seeded init, the global generator left as it was
+            torch.manual_seed(derived_seed(self.seed, "init", 0, "codec", 0))
+            self.encoder = Encoder(hidden, self.cfg.width).to(self.split.device, self.split.dtype)
+            self.decoder = Decoder(self.cfg.width, hidden).to(self.split.device, self.split.dtype)
+        self.params = list(self.encoder.parameters()) + list(self.decoder.parameters())
+        self.opt = make_optimizer(self.params, self.lr)
+        self.pool = DecoyPool(self.cfg.pool, self.cfg.width, self.split.dtype)
+
+    def exchange(self, input_ids: torch.Tensor, doc_ids: Sequence[int], step: int, phase: str) -> list[float]:
+        """The four crossings of one request; steps the encoder and decoder in training. Returns the
+        per-document task loss."""
+        cfg, split = self.cfg, self.split
+        train = phase == "train" and self.opt is not None
+        n_frames, t = input_ids.shape
+        with torch.no_grad():
+            h0, ctx = split.embed(input_ids)
+            h_s = split.run_blocks(h0, 0, split.spec.cut, ctx)
+            teacher = split.trunk(h_s, ctx) if cfg.teacher_weight > 0 else None  # the objective in both phases
+        with torch.set_grad_enabled(train):
+            z = self.encoder(h_s)
+            released = torch.stack(
+                [
+                    release(
+                        z[b],
+                        cfg.clip,
+                        cfg.sigma,
+                        torch_generator(self.seed, phase, step, "forward", self.next_frame + b),
+                    )
+                    for b in range(n_frames)
+                ]
+            )
+            frame_ids = tuple(range(self.next_frame, self.next_frame + n_frames))
+            self.next_frame += n_frames
+            gauges: list[Gauge] = []
+            sent = []
+            for b, fid in enumerate(frame_ids):
+                rng = np.random.default_rng(derived_seed(self.seed, phase, step, "decoys", fid))
+                decoys, origins = self.pool.draw(cfg.decoys, rng)
+                rows = torch.cat([released[b], decoys.to(released.device, released.dtype)])
+                g = frame_gauge(self.seed, phase, step, fid, len(rows), cfg.width, scale=cfg.scale_gauge,
+                                entropy=cfg.gauge_entropy)  # fmt: skip
+                gauges.append(g)
+                sent.append(g.apply(rows))
+                self.truth.append(FrameTruth(fid, phase, step, int(doc_ids[b]), g.perm < t, origins))
+            x = torch.stack(sent)
+        for b, fid in enumerate(frame_ids):  # the frame's own rows join the pool after its decoys were drawn
+            self.pool.add(released[b].detach(), np.stack([np.full(t, fid), np.arange(t)], axis=1))
+        mask = torch.ones(x.shape[:2], dtype=torch.int64)
+        reply = self.channel.request(Frame("forward", step, frame_ids, x.detach(), mask, phase))
+        ret = reply.tensor.to(split.device, split.dtype).requires_grad_(True)
+        _finite(ret, "return frame", step)
+        y = torch.stack([gauges[b].inverse(ret[b])[:t] for b in range(n_frames)])
+        with torch.set_grad_enabled(True):
+            h_r = h_s + self.decoder(y)
+            logits = split.head_logits(h_r, ctx)
+            per_doc = next_token_loss(logits, input_ids, reduction="per_doc")
+            _finite(per_doc, "next-token loss", step)
+            loss = per_doc.sum()
+            self.last_teacher = None
+            if teacher is not None:
+                match = F.mse_loss(F.layer_norm(h_r, h_r.shape[-1:]), F.layer_norm(teacher, teacher.shape[-1:]))
+                self.last_teacher = float(match.detach())
+                loss = loss + cfg.teacher_weight * n_frames * match
+            if train:
+                loss.backward()
+                g_out = ret.grad
+                assert g_out is not None
+            else:
+                (g_out,) = torch.autograd.grad(loss, ret)
+        if cfg.output_gradient == "clip-noise":
+            g_out = torch.stack(
+                [
+                    release(g_out[b], cfg.output_clip, cfg.output_sigma,
+                            torch_generator(self.seed, phase, step, "output-gradient", fid))
+                    for b, fid in enumerate(frame_ids)
+                ]
+            )  # fmt: skip
+        back = self.channel.request(Frame("backward-top", step, frame_ids, g_out.detach(), mask, phase))
+        g_in = back.tensor.to(split.device, split.dtype)
+        _finite(g_in, "input gradient", step)
+        if train:
+            x.backward(g_in)
+            _grads_finite(self.params, "client", step)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=False)
+        self.last_losses = [float(v) for v in per_doc.detach()]
+        return self.last_losses
+
+    def truth_tensors(self) -> dict[str, torch.Tensor]:
+        """The client's record as tensors: per frame its id, phase (0 train, 1 capture), step, document,
+        number of rows, and a [frames, max rows] mask of real rows (-1 past a short frame's end)."""
+        n_max = max((len(f.real) for f in self.truth), default=0)
+        real = np.full((len(self.truth), n_max), -1, dtype=np.int8)
+        for i, f in enumerate(self.truth):
+            real[i, : len(f.real)] = f.real
+        cols = np.array(
+            [[f.frame_id, 0 if f.phase == "train" else 1, f.step, f.doc_id, len(f.real)] for f in self.truth],
+            dtype=np.int64,
+        ).reshape(-1, 5)
+        return {"frames": torch.from_numpy(cols), "real": torch.from_numpy(real)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {f"encoder.{k}": v.detach().clone().contiguous() for k, v in self.encoder.state_dict().items()}
+        out |= {f"decoder.{k}": v.detach().clone().contiguous() for k, v in self.decoder.state_dict().items()}
+        return out
+
+
+@dataclass
+class LatentLog:
+    losses: list[float] = field(default_factory=list)
+    teacher: list[float | None] = field(default_factory=list)
+    doc_ids: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    tokens: int = 0
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "losses": self.losses,
+            "teacher_match": self.teacher,
+            "doc_ids": self.doc_ids,
+            "seconds": self.seconds,
+            "tokens": self.tokens,
+            "tokens_per_second": self.tokens / self.seconds if self.seconds > 0 else None,
+            "error": self.error,
+        }
+
+
+def train_latent(
+    client: LatentClient,
+    docs: Sequence[Document],
+    *,
+    seed: int,
+    steps: int,
+    progress: Progress | None = None,
+    log: LatentLog | None = None,
+) -> LatentLog:
+    progress = progress or Silent()
+    log = log if log is not None else LatentLog()
+    task = progress.start("latent training", steps)
+    t0 = time.perf_counter()
+    try:
+        for step, i in enumerate(training_order(len(docs), steps, seed)):
+            ids = ids_tensor([docs[i]], client.split.device)
+            (loss,) = client.exchange(ids, (docs[i].doc_id,), step, "train")
+            log.losses.append(loss)
+            log.teacher.append(client.last_teacher)
+            log.doc_ids.append(docs[i].doc_id)
+            log.tokens += ids.numel()
+            progress.advance(task)
+    finally:
+        log.seconds = time.perf_counter() - t0
+        progress.finish(task)
+    return log
+
+
+def capture_latent(
+    client: LatentClient, docs: Sequence[Document], *, batch: int, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Every evaluation document once through the four crossings, parameters frozen; returns the
+    per-document task loss (the held-out loss as deployed) and the throughput."""
+    progress = progress or Silent()
+    opt, client.opt = client.opt, None
+    task = progress.start("capture", len(docs))
+    t0 = time.perf_counter()
+    losses: list[float] = []
+    try:
+        for s in range(0, len(docs), batch):
+            chunk = docs[s : s + batch]
+            ids = ids_tensor(chunk, client.split.device)
+            losses += client.exchange(ids, [d.doc_id for d in chunk], -1, "capture")
+            progress.advance(task, len(chunk))
+    finally:
+        client.opt = opt
+        progress.finish(task)
+    secs = time.perf_counter() - t0
+    n_tok = sum(len(d.token_ids) for d in docs)
+    return {"seconds": secs, "tokens_per_second": n_tok / secs if secs > 0 else None, "client_losses": losses}
+
+
+TRUTH_FILE = "latent/truth.safetensors"
+CODEC_FILE = "latent/codec.safetensors"
+SURROGATE_FILE = "latent/surrogate.safetensors"
+
+
+def privacy_accounting(cfg: LatentConfig, releases: int, delta: float = 1e-6) -> dict[str, Any]:
+    """(ε, δ) per row of the forward wire's Gaussian mechanism (replace-one, Δ = 2C, zCDP), for one
+    release and for ``releases`` releases of the same document's rows. Decoys re-send released rows
+    (post-processing: no further cost). The return wire protects nothing of the client's input."""
+    from splitleak.wire.decoys import gaussian_row_epsilon
+
+    one = gaussian_row_epsilon(cfg.clip, cfg.sigma, 1, delta) if cfg.sigma > 0 else None
+    many = gaussian_row_epsilon(cfg.clip, cfg.sigma, releases, delta) if cfg.sigma > 0 else None
+    out: dict[str, Any] = {
+        "delta": delta,
+        "accountant": "zCDP, replace-one adjacency, sensitivity 2C per row (Bun & Steinke 2016)",
+        "epsilon_per_row_one_release": one,
+        "max_releases_of_a_document": releases,
+        "epsilon_per_row_all_releases": many,
+    }
+    if cfg.output_gradient == "clip-noise":
+        out["output_gradient_epsilon_per_row_one_release"] = gaussian_row_epsilon(
+            cfg.output_clip, cfg.output_sigma, 1, delta
+        )
+    return out
+
+
+def run_latent(
+    config,
+    out,
+    *,
+    force: bool = False,
+    device: str = "auto",
+    threads: int | None = None,
+    progress: Progress | None = None,
+    lm=None,
+    connect: str | None = None,
+    **unsupported: Any,
+):
+    """Train the decoy system's latent mode in one process and write its run directory: manifest,
+    documents, the capture of all four wires in both phases (``wire/``), the client's private record
+    of real rows (``latent/truth.safetensors``), the trained encoder/decoder and surrogate, and
+    metrics (held-out loss as deployed, the pretrained model's, their difference, the per-row (ε, δ))."""
+    from collections import Counter
+    from pathlib import Path
+
+    from splitleak.models import load_model
+    from splitleak.seeds import model_init_seed, server_seed
+    from splitleak.training.loop import evaluate_ce, utility
+    from splitleak.training.run import (
+        _documents,
+        apply_threads,
+        documents_record,
+        manifest_head,
+        resolve_device,
+    )
+    from splitleak.wire.channel import InProcessChannel
+    from splitleak.wire.declare import declare_latent_channels
+    from splitleak.wire.store import RunStore
+    from splitleak.wire.tap import WireRecorder
+
+    cfg: LatentConfig = config.latent
+    if connect is not None or any(v is not None for v in unsupported.values()):
+        raise ConfigError(
+            "the latent mode runs in one process for now: --connect, checkpoints and --resume are not supported "
+            "with it yet"
+        )
+    progress = progress or Silent()
+    apply_threads(threads)
+    dev = resolve_device(device)
+    if lm is None:
+        lm = load_model(
+            config.model, precision=config.precision, seed=model_init_seed(config.seed), model_path=config.model_path
+        )
+    lm.model.to(dev)
+    docs = _documents(config, lm.tokenizer)
+    split, spec = latent_split(lm, cfg)
+    hidden = split.model.get_input_embeddings().weight.shape[1]
+    server = LatentServer(cfg, config.lr, server_seed(config.seed), hidden=hidden)
+    declaration = declare_latent_channels(output_gradient=cfg.output_gradient)
+
+    store = RunStore.create(out, force=force)
+    manifest = {
+        **manifest_head(config, lm),
+        "mode": "latent",
+        "split": {**spec.as_dict(), "cut": split.spec.cut},
+        "defences": [{"name": "latent", "args": cfg.as_dict()}],
+        "documents": documents_record(docs),
+        "runtime": {"device": str(dev), "threads": torch.get_num_threads()},
+        "labels_cross_wire": False,
+        "channels": declaration.as_dict(),
+        "surrogate_parameters": sum(p.numel() for p in server.params),
+    }
+    store.add_json("manifest", "manifest.json", manifest)
+    store.add_json("documents", "documents.json", docs.to_json())
+    pre = utility(evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss"))
+
+    train_tap = WireRecorder(store, "train", declaration)
+    channel = InProcessChannel(server.handle, [train_tap])
+    client = LatentClient(split, cfg, config.seed, channel, config.lr)
+    log = LatentLog()
+    try:
+        train_latent(client, docs.train, seed=config.seed, steps=config.n_steps, progress=progress, log=log)
+    except Exception as exc:
+        log.error = f"{type(exc).__name__}: {exc}"
+        train_tap.close([channel.ledger])
+        store.add_json("training", "training.json", log.as_dict())
+        store.close(False, {"error": log.error, "steps_done": len(log.losses)})
+        raise
+    train_tap.close([channel.ledger])
+    bytes_per_step = {k: v / max(1, len(log.losses)) for k, v in channel.bytes_per_direction().items()}
+    store.add_json("training", "training.json", log.as_dict())
+
+    capture_tap = WireRecorder(store, "capture", declaration)
+    channel.set_taps([capture_tap])
+    server.opt = None
+    try:
+        cap = capture_latent(client, docs.evaluation, batch=config.capture_batch, progress=progress)
+    except Exception as exc:
+        store.close(False, {"error": f"{type(exc).__name__}: {exc}", "stage": "capture"})
+        raise
+    capture_tap.close([channel.ledger])
+    store.add_tensors("latent-truth", TRUTH_FILE, client.truth_tensors(), {"frames": len(client.truth)})
+    store.add_tensors("latent-codec", CODEC_FILE, client.state_dict(), {"width": cfg.width})
+    surrogate = {k: v.detach().clone().contiguous() for k, v in server.surrogate.state_dict().items()}
+    store.add_tensors("latent-surrogate", SURROGATE_FILE, surrogate, {"parameters": manifest["surrogate_parameters"]})
+
+    post = utility(np.asarray(cap.pop("client_losses"), dtype=np.float64))
+    releases = max(Counter(log.doc_ids).values(), default=0)
+    metrics: dict[str, Any] = {
+        "heldout_ce": post["ce"],
+        "perplexity": post["perplexity"],
+        "pretrained_ce": pre["ce"],
+        "pretrained_perplexity": pre["perplexity"],
+        "ce_increase_over_pretrained": post["ce"] - pre["ce"],
+        "heldout_measured": "the capture pass: the latent pipeline as deployed (noise, decoys, gauges); rows form a "
+        "set, so a position's output may depend on later tokens of its block",
+        "all_local_ce": None,
+        "all_local_perplexity": None,
+        "delta_u": None,
+        "final_teacher_match": next((t for t in reversed(log.teacher) if t is not None), None),
+        "wire_bytes_per_step": bytes_per_step,
+        "train_tokens_per_second": log.as_dict()["tokens_per_second"],
+        "capture": cap,
+        "privacy": privacy_accounting(cfg, releases),
+    }
+    store.add_json("metrics", "metrics.json", metrics)
+    store.close(True, {"config_hash": config.hash()})
+    from splitleak.training.run import RunResult
+
+    return RunResult(Path(out), metrics, config)
