@@ -679,3 +679,37 @@ def test_the_client_checks_the_server_too(tls, tmp_path, monkeypatch):
     with Served(tls) as srv:
         with pytest.raises(TransportError, match="runs another fingerprint: it has '0000000000000000', this client"):
             RemoteServer("127.0.0.1", srv.port, tls, hello)
+
+
+def test_an_opening_handshake_the_server_drops_is_asked_again_then_refused(tls):
+    """A server that completes TLS but closes before its HTTP answer: the client asks three times in all,
+    then names the failure (nothing crossed, so a retry is safe)."""
+    from splitleak.wire.network import OPEN_ATTEMPTS, RemoteServer
+    from splitleak.wire.tls import server_context
+    from splitleak.wire.transport import TransportError
+
+    ctx = server_context(tls)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(20)
+    port = listener.getsockname()[1]
+    accepted = []
+
+    def drop_after_tls() -> None:
+        try:
+            for _ in range(OPEN_ATTEMPTS):
+                raw, _ = listener.accept()
+                with ctx.wrap_socket(raw, server_side=True) as conn:
+                    conn.recv(4096)  # the client's HTTP upgrade request
+                    accepted.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=drop_after_tls, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(TransportError, match="handshake with 127.0.0.1:.* failed"):
+            RemoteServer("127.0.0.1", port, tls, {"type": "hello"}, timeout=10)
+    finally:
+        listener.close()
+        t.join(timeout=10)
+    assert len(accepted) == OPEN_ATTEMPTS

@@ -64,6 +64,8 @@ log = logging.getLogger("splitleak.serve")
 CLIENT_KINDS = ("forward", "backward-top")
 SERVER_KINDS = ("backward", "forward-return")
 MAX_MESSAGE_BYTES = 512 << 20  # the WebSocket layer refuses anything larger before reading it
+OPEN_TIMEOUT_S = 30.0  # the server's limit on a connection's TLS and WebSocket opening handshakes
+OPEN_ATTEMPTS = 3  # the client's attempts at an opening handshake the server closed before answering
 IDLE_SECONDS = 300.0
 #: transformers' lazy imports are not thread-safe, and two sessions need not hold two copies at once
 #: while loading: sessions load their model one at a time
@@ -489,6 +491,7 @@ class ServerNode:
             max_size=MAX_MESSAGE_BYTES,
             ping_interval=None,
             server_header=None,
+            open_timeout=OPEN_TIMEOUT_S,
         )
         self.port = int(self._server.socket.getsockname()[1])
         return self.port
@@ -511,10 +514,6 @@ class RemoteServer(WireLedger):
     plain split the loss stays on the server."""
 
     def __init__(self, host: str, port: int, tls_dir: str | Path, hello: dict[str, Any], timeout: float = 60.0):
-        from websockets.sync.client import connect
-
-        from splitleak.wire.tls import client_context
-
         super().__init__(link=MAIN_LINK)
         self.remote = True
         self.where = f"{host}:{port}"
@@ -526,16 +525,7 @@ class RemoteServer(WireLedger):
         self.closed = False
         self.messages: list[dict[str, Any]] = []  # every envelope, both ways, as the server's capture has them
         try:
-            self.conn = connect(
-                f"wss://{host}:{port}/splitleak",
-                ssl=client_context(tls_dir),
-                compression=None,
-                max_size=MAX_MESSAGE_BYTES,
-                open_timeout=timeout,
-                ping_interval=None,
-                proxy=None,
-                close_timeout=5,
-            )
+            self.conn = self._open(host, port, tls_dir, timeout)
         except ssl.SSLError as exc:  # before OSError, of which it is one
             raise TransportError(
                 f"the TLS handshake with {self.where} failed ({exc.reason or exc}): both sides need certificates "
@@ -561,6 +551,34 @@ class RemoteServer(WireLedger):
             raise
         self.limits = Limits(**reply["limits"])
         self.welcome = reply  # the server's token and checkpoint interval: what a later resume names
+
+    def _open(self, host: str, port: int, tls_dir: str | Path, timeout: float, attempts: int = OPEN_ATTEMPTS):
+        """The WebSocket over TLS. A server that closes the connection before its HTTP answer (a busy
+        machine past the server's opening timeout) is asked again, ``attempts`` times in all: nothing
+        has crossed yet, so a retry changes nothing but the nonce-free TCP connection."""
+        from websockets.exceptions import InvalidMessage
+        from websockets.sync.client import connect
+
+        from splitleak.wire.tls import client_context
+
+        for attempt in range(attempts):
+            try:
+                return connect(
+                    f"wss://{host}:{port}/splitleak",
+                    ssl=client_context(tls_dir),
+                    compression=None,
+                    max_size=MAX_MESSAGE_BYTES,
+                    open_timeout=timeout,
+                    ping_interval=None,
+                    proxy=None,
+                    close_timeout=5,
+                )
+            except InvalidMessage as exc:
+                if attempt + 1 == attempts:
+                    raise
+                log.warning("the server at %s:%d closed the opening handshake (%s); asking again", host, port, exc)
+                time.sleep(0.5 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         if self.closed:
