@@ -348,8 +348,8 @@ def privacy_accounting(cfg: LatentConfig, releases: int, delta: float = 1e-6) ->
         "epsilon_per_row_all_releases": many,
     }
     if cfg.output_gradient == "clip-noise":
-        out["output_gradient_epsilon_per_row_one_release"] = gaussian_row_epsilon(
-            cfg.output_clip, cfg.output_sigma, 1, delta
+        out["output_gradient_epsilon_per_row_one_release"] = (
+            gaussian_row_epsilon(cfg.output_clip, cfg.output_sigma, 1, delta) if cfg.output_sigma > 0 else None
         )
     return out
 
