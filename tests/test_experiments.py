@@ -740,3 +740,18 @@ def test_ray_executor_joins_a_running_cluster_and_spreads_jobs_over_its_nodes(ti
         assert scores(store, "train") == scores(clean_store, "train")
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.unit
+def test_clear_stale_removes_claims_of_dead_workers_and_half_written_files(tmp_path):
+    """A worker killed while writing its claim leaves a temporary file in claims/; the next driver
+    removes it with the dead workers' claims, and keeps a live worker's claim."""
+    from splitleak.experiments.store import ResultsStore
+
+    rs = ResultsStore(tmp_path / "store")
+    rs.claim("live")  # this process: alive
+    (rs.root / "claims" / "dead.json").write_text(json.dumps({"pid": 2**22 + 12345, "host": os.uname().nodename}))
+    half = rs.root / "claims" / ".dead.json.4242.tmp"
+    half.write_text('{"pid": 42')
+    rs.clear_stale()
+    assert sorted(p.name for p in (rs.root / "claims").iterdir()) == ["live.json"]

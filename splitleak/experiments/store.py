@@ -363,7 +363,7 @@ class ResultsStore:
         for p in (self.root / "claims").glob("*.json") if (self.root / "claims").is_dir() else []:
             if p.stem not in live:
                 p.unlink(missing_ok=True)
-        for sub in KIND_DIRS.values():
+        for sub in (*KIND_DIRS.values(), "claims"):  # a claim too can be cut off while it is written
             d = self.root / sub
             if d.is_dir():
                 for p in d.glob(".*.tmp"):
