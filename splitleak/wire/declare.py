@@ -229,7 +229,8 @@ def declare_latent_channels(*, output_gradient: str, transport: bool = False) ->
         ChannelDecl(
             "shapes",
             "both",
-            "frame kind, phase, step, tensor shape (rows per frame: fewer while the decoy pool fills) and dtype",
+            "frame kind, phase, step, tensor shape (rows per frame: fewer while the decoy pool fills), dtype and "
+            "the mask (all ones)",
             "header",
         ),
         TIMING,

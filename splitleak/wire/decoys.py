@@ -74,11 +74,13 @@ class DecoyPool:
         """Append rows; the oldest leave once the pool is full."""
         if rows.shape[-1] != self.width or len(rows) != len(origins):
             raise ValueError(f"pool rows must be [m, {self.width}] with one origin each")
-        for r, o in zip(rows.detach().to(self.rows.dtype).cpu(), origins):
-            self.rows[self.head] = r
-            self.origins[self.head] = o
-            self.head = (self.head + 1) % self.capacity
-            self.size = min(self.size + 1, self.capacity)
+        m = len(rows)
+        rows, origins = rows[-self.capacity :], np.asarray(origins)[-self.capacity :]  # more than fit: the newest
+        idx = (self.head + (m - len(rows)) + np.arange(len(rows))) % self.capacity
+        self.rows[torch.as_tensor(idx)] = rows.detach().to(self.rows.dtype).cpu()
+        self.origins[idx] = origins
+        self.head = (self.head + m) % self.capacity
+        self.size = min(self.size + m, self.capacity)
 
 
 def gaussian_zcdp(sensitivity: float, noise_std: float) -> float:

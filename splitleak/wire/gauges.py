@@ -86,13 +86,17 @@ def uniforms(w: np.ndarray) -> np.ndarray:
     return (w >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
-def gaussians(domain: bytes, master: bytes, n: int) -> np.ndarray:
-    """``n`` standard normals by Box–Muller on the stream's uniforms (pairs (u₁, u₂) in order)."""
-    pairs = -(-n // 2)
-    u = uniforms(words(domain, master, 2 * pairs)).reshape(pairs, 2)
+def _box_muller(u: np.ndarray, n: int) -> np.ndarray:
+    """``n`` standard normals from uniforms taken in pairs (u₁, u₂)."""
+    u = u.reshape(-1, 2)
     r = np.sqrt(-2.0 * np.log1p(-u[:, 0]))  # 1 − u₁ ∈ (0, 1]: never log 0
     theta = 2.0 * math.pi * u[:, 1]
     return np.stack([r * np.cos(theta), r * np.sin(theta)], axis=1).reshape(-1)[:n]
+
+
+def gaussians(domain: bytes, master: bytes, n: int) -> np.ndarray:
+    """``n`` standard normals by Box–Muller on the stream's uniforms (pairs (u₁, u₂) in order)."""
+    return _box_muller(uniforms(words(domain, master, 2 * (-(-n // 2)))), n)
 
 
 def haar_rotation(master: bytes, dim: int) -> np.ndarray:
@@ -136,13 +140,12 @@ def fisher_yates(master: bytes, n: int) -> np.ndarray:
 
 
 def row_scales(master: bytes, n: int) -> np.ndarray:
-    """Per-row scale and sign: clamp(exp(0.75·N), 0.2, 5) · (±1)."""
-    z = gaussians(DOMAINS["scale"], master, n)
+    """Per-row scale and sign: clamp(exp(0.75·N), 0.2, 5) · (±1), the signs from the words after the
+    Gaussians' (one stream)."""
     pairs = -(-n // 2)
-    sign_words = np.frombuffer(stream_bytes(DOMAINS["scale"], master, 8 * (2 * pairs + n)), dtype=">u8").astype(
-        np.uint64
-    )[2 * pairs :]
-    signs = np.where((sign_words >> np.uint64(63)) == 1, -1.0, 1.0)
+    w = words(DOMAINS["scale"], master, 2 * pairs + n)
+    z = _box_muller(uniforms(w[: 2 * pairs]), n)
+    signs = np.where((w[2 * pairs :] >> np.uint64(63)) == 1, -1.0, 1.0)
     return np.clip(np.exp(SCALE_SIGMA * z), *SCALE_CLAMP) * signs
 
 
