@@ -84,6 +84,16 @@ def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((d / "wire").iterdir())}
 
 
+def _local_and_remote(tls, tmp_path, cfg):
+    """The run in one process, the same run against a served node, and that node's session capture."""
+    local = run_training(cfg, tmp_path / "local", device="cpu")
+    with Served(tls, capture=tmp_path / "server") as srv:
+        remote = run_training(cfg, tmp_path / "remote", device="cpu", connect=f"127.0.0.1:{srv.port}", tls_dir=tls)
+        (rec,) = srv.wait_sessions(1)
+    assert rec.status == "complete", rec.reason
+    return local, remote, tmp_path / "server" / "session-0000"
+
+
 @pytest.mark.parametrize(
     "split,defences",
     [
@@ -94,12 +104,7 @@ def _files(d: Path) -> dict[str, bytes]:
 )
 def test_over_tls_the_same_bits_as_in_one_process(tls, tmp_path, split, defences):
     cfg = make_train_config(**SMALL, seed=5, defences=defences, **split)
-    local = run_training(cfg, tmp_path / "local", device="cpu")
-    with Served(tls, capture=tmp_path / "server") as srv:
-        remote = run_training(cfg, tmp_path / "remote", device="cpu", connect=f"127.0.0.1:{srv.port}", tls_dir=tls)
-        (rec,) = srv.wait_sessions(1)
-    assert rec.status == "complete", rec.reason
-    session = tmp_path / "server" / "session-0000"
+    local, remote, session = _local_and_remote(tls, tmp_path, cfg)
     # what crossed, frame for frame and byte for byte: the client's tap, the server's tap, one process
     wire = _files(local.run_dir)
     assert set(wire) == {
@@ -713,3 +718,46 @@ def test_an_opening_handshake_the_server_drops_is_asked_again_then_refused(tls):
         listener.close()
         t.join(timeout=10)
     assert len(accepted) == OPEN_ATTEMPTS
+
+
+def test_the_latent_mode_over_tls_the_same_bits_as_in_one_process(tls, tmp_path):
+    """The decoy system deployed: the server holds only the surrogate (no weights to load), and every
+    frame of the four wires is the same, byte for byte, as in one process, on both sides of the link."""
+    from splitleak.attacks import make_attack_config
+    from splitleak.audit.evaluate import run_attack
+
+    latent = {"split_after": 0, "resume_at": 3, "width": 16}
+    cfg = make_train_config(**{**SMALL, "steps": 6, "n_eval": 4}, seed=9, capture_batch=2, latent=latent)
+    local, remote, session = _local_and_remote(tls, tmp_path, cfg)
+    wire = _files(local.run_dir)
+    client_wire, server_wire = _files(remote.run_dir), _files(session)
+    assert json.loads(server_wire.pop("messages.json")) == json.loads(client_wire.pop("messages.json"))
+    assert client_wire == wire and server_wire == wire
+    assert verify_run(remote.run_dir).ok and verify_run(session).ok
+    for rel in ("latent/truth.safetensors", "latent/codec.safetensors"):
+        a, b = load_file(local.run_dir / rel), load_file(remote.run_dir / rel)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
+    # the surrogate trained on the server, to the same state as in one process
+    a, b = load_file(local.run_dir / "latent/surrogate.safetensors"), load_file(session / "server_layers.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (remote.run_dir / "latent/surrogate.safetensors").exists()
+    assert remote.metrics["heldout_ce"] == local.metrics["heldout_ce"]
+    manifest = json.loads((session / "manifest.json").read_text())
+    assert manifest["mode"] == "latent" and manifest["model"]["fingerprint_checked"] is False
+    assert manifest["config"]["latent"]["width"] == 16 and manifest["labels_cross_wire"] is False
+    # the open output gradient partitions every frame (the client's capture: the server's, byte for byte)
+    part = run_attack(remote.run_dir, make_attack_config(attack="support-partition"))["partition"]
+    assert part["frames_exact"] == part["frames"] > 0
+    # a hello whose split disagrees with its own latent configuration is refused, naming both
+    from splitleak.training.latent import latent_defence_record
+
+    server_config = ServerConfig.of(cfg, random_init=True).as_dict()
+    bad = hello_for(
+        server_config, "f" * 64, {**latent, "resume_at": 2, "hidden": 32}, latent_defence_record(cfg.latent)
+    )
+    with Served(tls) as srv:
+        with pytest.raises(TransportError, match="latent split differs"):
+            RemoteServer("127.0.0.1", srv.port, tls, bad)
+        wide = hello_for(server_config, "f" * 64, {**latent, "hidden": 8}, latent_defence_record(cfg.latent))
+        with pytest.raises(TransportError, match="model width 8"):
+            RemoteServer("127.0.0.1", srv.port, tls, wide)

@@ -158,8 +158,6 @@ def train_cmd(
                     f"{source} and the option(s) {', '.join('--' + k.replace('_', '-') for k in changed)} "
                     "were both given; the configuration comes from one place"
                 )
-        if checkpoint_every is None and connect is not None:
-            checkpoint_every = 16
         if resume is not None:
             from splitleak.attacks.knowledge import read_manifest
 
@@ -170,6 +168,8 @@ def train_cmd(
             raise ConfigError("give --depth L (plain split) or --offload-start b --offload-length s")
         else:
             cfg = _options_config(**options)
+        if checkpoint_every is None and connect is not None and cfg.latent is None:
+            checkpoint_every = 16  # the latent mode does not checkpoint yet
         with progress(quiet) as prog:
             res = run_training(
                 cfg,

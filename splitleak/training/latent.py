@@ -65,6 +65,17 @@ def latent_split(lm, cfg: LatentConfig) -> tuple[SplitModel, LatentSpec]:
     return split, spec
 
 
+def latent_defence_record(cfg: LatentConfig) -> list[dict[str, Any]]:
+    """The latent mode's defence record, as the manifest has it and the handshake checks it."""
+    return [{"name": "latent", "args": cfg.as_dict()}]
+
+
+def surrogate_parameters(cfg: LatentConfig) -> int:
+    """How many parameters the untrusted node trains (the global random state is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        return sum(p.numel() for p in GaugeSurrogate(cfg.surrogate_layers).parameters())
+
+
 class LatentServer:
     """The untrusted node: the surrogate, its optimiser, the return wire's clip and noise."""
 
@@ -364,12 +375,19 @@ def run_latent(
     progress: Progress | None = None,
     lm=None,
     connect: str | None = None,
+    tls_dir=None,
     **unsupported: Any,
 ):
-    """Train the decoy system's latent mode in one process and write its run directory: manifest,
-    documents, the capture of all four wires in both phases (``wire/``), the client's private record
-    of real rows (``latent/truth.safetensors``), the trained encoder/decoder and surrogate, and
-    metrics (held-out loss as deployed, the pretrained model's, their difference, the per-row (ε, δ))."""
+    """Train the decoy system's latent mode and write its run directory: manifest, documents, the
+    capture of all four wires in both phases (``wire/``), the client's private record of real rows
+    (``latent/truth.safetensors``), the trained encoder/decoder, and metrics (held-out loss as
+    deployed, the pretrained model's, their difference, the per-row (ε, δ)).
+
+    In one process the surrogate runs here and its trained state is written too. With ``connect``
+    (``HOST:PORT``, with ``tls_dir``) the client is the trusted node only, against ``splitleak serve``:
+    the surrogate trains there (its state in the server's capture), the hello carries the server's part
+    of the configuration (``ServerConfig``, with ``latent``) and the model's width, and the same four
+    crossings go over mutual TLS; every bit that crosses is the same as in one process."""
     from collections import Counter
     from pathlib import Path
 
@@ -384,16 +402,15 @@ def run_latent(
         resolve_device,
     )
     from splitleak.wire.channel import InProcessChannel
-    from splitleak.wire.declare import declare_latent_channels
+    from splitleak.wire.declare import MESSAGES_FILE, declare_latent_channels
     from splitleak.wire.store import RunStore
     from splitleak.wire.tap import WireRecorder
 
     cfg: LatentConfig = config.latent
-    if connect is not None or any(v is not None for v in unsupported.values()):
-        raise ConfigError(
-            "the latent mode runs in one process for now: --connect, checkpoints and --resume are not supported "
-            "with it yet"
-        )
+    if any(v is not None for v in unsupported.values()):
+        raise ConfigError("the latent mode does not checkpoint or resume yet: omit --checkpoint-every and --resume")
+    if connect is not None and tls_dir is None:
+        raise ConfigError("--connect needs --tls-dir (the folder `splitleak tls init` wrote)")
     progress = progress or Silent()
     apply_threads(threads)
     dev = resolve_device(device)
@@ -404,37 +421,74 @@ def run_latent(
     lm.model.to(dev)
     docs = _documents(config, lm.tokenizer)
     split, spec = latent_split(lm, cfg)
-    hidden = split.model.get_input_embeddings().weight.shape[1]
-    server = LatentServer(cfg, config.lr, server_seed(config.seed), hidden=hidden)
-    declaration = declare_latent_channels(output_gradient=cfg.output_gradient)
+    hidden = int(split.model.get_input_embeddings().weight.shape[1])
+    declaration = declare_latent_channels(output_gradient=cfg.output_gradient, transport=connect is not None)
+    server: LatentServer | None = None
+    remote = None
+    if connect is None:
+        server = LatentServer(cfg, config.lr, server_seed(config.seed), hidden=hidden)
+    else:
+        from splitleak.training.config import ServerConfig
+        from splitleak.wire.network import RemoteServer, hello_for, parse_address
+
+        if out is not None and Path(out).exists() and any(Path(out).iterdir()) and not force:
+            RunStore.create(out, force=False)  # the same refusal as below, before any connection
+        host, port = parse_address(connect)
+        server_config = ServerConfig.of(config, random_init="init_seed" in lm.info)
+        hello = hello_for(
+            server_config.as_dict(), lm.fingerprint(), {**spec.as_dict(), "hidden": hidden}, latent_defence_record(cfg)
+        )
+        remote = RemoteServer(host, port, tls_dir, hello)
 
     store = RunStore.create(out, force=force)
     manifest = {
         **manifest_head(config, lm),
         "mode": "latent",
         "split": {**spec.as_dict(), "cut": split.spec.cut},
-        "defences": [{"name": "latent", "args": cfg.as_dict()}],
+        "defences": latent_defence_record(cfg),
         "documents": documents_record(docs),
         "runtime": {"device": str(dev), "threads": torch.get_num_threads()},
         "labels_cross_wire": False,
         "channels": declaration.as_dict(),
-        "surrogate_parameters": sum(p.numel() for p in server.params),
+        "surrogate_parameters": surrogate_parameters(cfg),
     }
+    if remote is not None:
+        manifest["transport"] = {
+            "server": remote.where,
+            "kind": "websockets over mutual TLS 1.3",
+            "server_config_hash": server_config.hash(),
+        }
     store.add_json("manifest", "manifest.json", manifest)
     store.add_json("documents", "documents.json", docs.to_json())
-    pre = utility(evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss"))
 
+    def failed(info: dict[str, Any]) -> None:
+        if remote is not None:
+            remote.abort()
+            store.add_json("messages", MESSAGES_FILE, remote.messages)
+        store.close(False, info)
+
+    try:
+        pre = utility(evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss"))
+    except BaseException as exc:
+        failed({"error": f"{type(exc).__name__}: {exc}", "stage": "pretrained loss"})
+        raise
     train_tap = WireRecorder(store, "train", declaration)
-    channel = InProcessChannel(server.handle, [train_tap])
+    channel: InProcessChannel | RemoteServer
+    if remote is not None:
+        channel = remote
+        channel.set_taps([train_tap])
+    else:
+        assert server is not None
+        channel = InProcessChannel(server.handle, [train_tap])
     client = LatentClient(split, cfg, config.seed, channel, config.lr)
     log = LatentLog()
     try:
         train_latent(client, docs.train, seed=config.seed, steps=config.n_steps, progress=progress, log=log)
-    except Exception as exc:
+    except BaseException as exc:
         log.error = f"{type(exc).__name__}: {exc}"
         train_tap.close([channel.ledger])
         store.add_json("training", "training.json", log.as_dict())
-        store.close(False, {"error": log.error, "steps_done": len(log.losses)})
+        failed({"error": log.error, "steps_done": len(log.losses)})
         raise
     train_tap.close([channel.ledger])
     bytes_per_step = {k: v / max(1, len(log.losses)) for k, v in channel.bytes_per_direction().items()}
@@ -442,17 +496,24 @@ def run_latent(
 
     capture_tap = WireRecorder(store, "capture", declaration)
     channel.set_taps([capture_tap])
-    server.opt = None
+    if server is not None:
+        server.opt = None
     try:
         cap = capture_latent(client, docs.evaluation, batch=config.capture_batch, progress=progress)
-    except Exception as exc:
-        store.close(False, {"error": f"{type(exc).__name__}: {exc}", "stage": "capture"})
+    except BaseException as exc:
+        failed({"error": f"{type(exc).__name__}: {exc}", "stage": "capture"})
         raise
     capture_tap.close([channel.ledger])
+    if remote is not None:
+        remote.close()  # the server closes its capture, with the trained surrogate in it
+        store.add_json("messages", MESSAGES_FILE, remote.messages)
     store.add_tensors("latent-truth", TRUTH_FILE, client.truth_tensors(), {"frames": len(client.truth)})
     store.add_tensors("latent-codec", CODEC_FILE, client.state_dict(), {"width": cfg.width})
-    surrogate = {k: v.detach().clone().contiguous() for k, v in server.surrogate.state_dict().items()}
-    store.add_tensors("latent-surrogate", SURROGATE_FILE, surrogate, {"parameters": manifest["surrogate_parameters"]})
+    if server is not None:
+        surrogate = {k: v.detach().clone().contiguous() for k, v in server.surrogate.state_dict().items()}
+        store.add_tensors(
+            "latent-surrogate", SURROGATE_FILE, surrogate, {"parameters": manifest["surrogate_parameters"]}
+        )
 
     post = utility(np.asarray(cap.pop("client_losses"), dtype=np.float64))
     releases = max(Counter(log.doc_ids).values(), default=0)

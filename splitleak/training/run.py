@@ -144,7 +144,7 @@ def run_training(
 
         return run_latent(
             config, out, force=force, device=device, threads=threads, progress=progress, lm=lm, connect=connect,
-            checkpoint_every=checkpoint_every, resume=resume,
+            tls_dir=tls_dir, checkpoint_every=checkpoint_every, resume=resume,
         )  # fmt: skip
     progress = progress or Silent()
     apply_threads(threads)

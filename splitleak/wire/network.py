@@ -56,6 +56,8 @@ from splitleak.wire.transport import (
 if TYPE_CHECKING:
     from websockets.sync.server import Server
 
+    from splitleak.models import SplitModel
+    from splitleak.training.latent import LatentServer
     from splitleak.training.roles import ServerRole
     from splitleak.wire.store import RunStore
     from splitleak.wire.tap import WireRecorder
@@ -137,7 +139,15 @@ class Session:
         self.phase: str | None = None
         self.recorder: WireRecorder | None = None
         self.store: RunStore | None = None
-        self.role: ServerRole | None = None
+        self.role: ServerRole | LatentServer | None = None
+        self.split: SplitModel | None = None
+        self.fingerprint: str | None = None
+        self.split_record: dict[str, Any] = {}
+        self.defence_record: list[dict[str, Any]] = []
+        self.model_record: dict[str, Any] = {}
+        self.completes = "forward"  # the frame kind that ends a training step
+        self.loss_on_server = True
+        self.freed = 0
         self.limits: Limits | None = None
         self.losses: dict[str, list] = {"train": [], "capture": []}
         self.last_step = -1
@@ -179,6 +189,9 @@ class Session:
             config = ServerConfig(**hello["config"])
         except Exception as exc:  # noqa: BLE001 (pydantic and type errors alike)
             raise TransportError(f"the hello's configuration is invalid: {str(exc).splitlines()[0]}") from None
+        if config.latent is not None:
+            self._setup_latent(hello, config)
+            return
         if config.model_path is not None and not Path(config.model_path).exists():
             raise TransportError(
                 f"the client's model path {config.model_path} does not exist on the server; give both nodes the "
@@ -215,6 +228,10 @@ class Session:
         self.freed = split.release_client_side()  # the server holds the layers it runs, not the client's
         set_trainable(split)
         self.split, self.config = split, config
+        self.split_record, self.defence_record = split.spec.as_dict(), chain.describe()
+        self.completes = "backward-top" if split.spec.u_shape else "forward"  # the frame that ends a step
+        self.loss_on_server = not split.spec.u_shape
+        self.model_record = {"name": lm.name, "source": lm.source, "fingerprint": hello["fingerprint"], **lm.info}
         self.role = ServerRole(split, chain, config.lr)
         self._checkpoints(hello)
         probe = 2  # mixup may add probe rows: at most as many as the real ones
@@ -226,7 +243,48 @@ class Session:
         )
         self.declaration = declare_channels(u_shape=split.spec.u_shape, defences=chain.defences, transport=True)
         if self.node.capture is not None:
-            self._open_store(hello, lm, split, chain)
+            self._open_store()
+
+    def _setup_latent(self, hello: dict[str, Any], config) -> None:
+        """The decoy system's latent mode (``splitleak.training.latent``): the untrusted node holds only
+        the gauge-equivariant surrogate, so it loads no model weights and cannot check the client's
+        fingerprint (it records it). It checks the split and the defence record against the latent
+        configuration, and that no parameter of its surrogate is as wide as the latent rows."""
+        from splitleak.training.latent import LatentServer, latent_defence_record
+        from splitleak.wire.declare import declare_latent_channels
+
+        cfg = config.latent
+        if hello.get("checkpoint_every") is not None or hello.get("resume") is not None:
+            raise TransportError("the latent mode does not checkpoint or resume yet; start it without checkpoints")
+        want = {"split_after": cfg.split_after, "resume_at": cfg.resume_at, "width": cfg.width}
+        split = hello.get("split")
+        if not isinstance(split, dict) or {k: split.get(k) for k in want} != want:
+            raise TransportError(_mismatch("latent split", want, split))
+        hidden = split.get("hidden")
+        if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= cfg.width:
+            raise TransportError(f"the hello's latent split names the model width {hidden!r}; expected an integer > D")
+        if latent_defence_record(cfg) != hello.get("defences"):
+            raise TransportError(_mismatch("defence record", latent_defence_record(cfg), hello.get("defences")))
+        self.role = LatentServer(cfg, config.lr, config.server_seed, hidden=hidden)
+        self.config, self.split = config, None
+        self.fingerprint = None  # no weights here to check it against
+        self.split_record, self.defence_record = split, latent_defence_record(cfg)
+        self.completes, self.loss_on_server = "backward-top", False
+        self.model_record = {
+            "name": config.model,
+            "fingerprint": hello.get("fingerprint"),
+            "fingerprint_checked": False,
+        }
+        self.freed = 0
+        self.limits = Limits(
+            width=cfg.width,
+            max_tokens=config.doc_len + cfg.decoys,  # a frame's rows: one document's and its decoys
+            max_rows=max(config.capture_batch, 1),  # frames per request
+            float_dtype=f"torch.{config.precision}",
+        )
+        self.declaration = declare_latent_channels(output_gradient=cfg.output_gradient, transport=True)
+        if self.node.capture is not None:
+            self._open_store()
 
     def _checkpoints(self, hello: dict[str, Any]) -> None:
         """Resume from a checkpoint the hello names, and set up this session's own checkpoints."""
@@ -270,7 +328,7 @@ class Session:
         record["config_hash"] = self.config.hash()
         CheckpointDir(Path(self.node.checkpoints) / self.token).save(done, tensors, record)
 
-    def _open_store(self, hello, lm, split, chain) -> None:
+    def _open_store(self) -> None:
         from splitleak.training.run import package_versions
         from splitleak.wire.store import RunStore
 
@@ -289,11 +347,12 @@ class Session:
                 "protocol": PROTOCOL_VERSION,
                 "config": self.config.as_dict(),
                 "config_hash": self.config.hash(),
-                "model": {"name": lm.name, "source": lm.source, "fingerprint": hello["fingerprint"], **lm.info},
-                "split": split.spec.as_dict(),
-                "defences": chain.describe(),
+                **({"mode": "latent"} if self.config.latent is not None else {}),
+                "model": self.model_record,
+                "split": self.split_record,
+                "defences": self.defence_record,
                 "channels": self.declaration.as_dict(),
-                "labels_cross_wire": not split.spec.u_shape,
+                "labels_cross_wire": self.loss_on_server,
                 "packages": package_versions(),
                 "limits": self.limits.as_dict() if self.limits else None,
                 "checkpoints": {"every": self.checkpoint_every, "token": self.token},
@@ -341,14 +400,13 @@ class Session:
         self._switch_phase(frame.phase)
         self.ledger.record(frame, payload)
         reply = self.role.handle(frame)
-        if frame.kind == "forward" and self.role.last_losses is not None and not self.split.spec.u_shape:
+        if frame.kind == "forward" and self.role.last_losses is not None and self.loss_on_server:
             self.losses[frame.phase].append(
                 {"step": frame.step, "rows": list(frame.doc_ids), "loss": self.role.last_losses}
             )
         if frame.phase == "train" and frame.kind == "forward":
             self.last_step = frame.step
-        completes = frame.kind == ("backward-top" if self.split.spec.u_shape else "forward")
-        if frame.phase == "train" and completes and self.checkpoint_every is not None:
+        if frame.phase == "train" and frame.kind == self.completes and self.checkpoint_every is not None:
             self._checkpoint(frame)
         blob = encode(reply)
         self.ledger.record(decode(blob), blob)
@@ -356,6 +414,8 @@ class Session:
         self.rec.frames += 1
 
     def _finish(self, ok: bool, reason: str = "") -> None:
+        from splitleak.training.latent import LatentServer
+
         self.rec.status = "complete" if ok else "failed"
         self.rec.reason = reason
         if self.store is None or self.store.closed:
@@ -366,7 +426,11 @@ class Session:
         if ok and self.token is not None and self.node.checkpoints is not None:
             shutil.rmtree(Path(self.node.checkpoints) / self.token, ignore_errors=True)  # whole: nothing to resume
         if ok and self.role is not None:
-            state = {n: p.detach().cpu().contiguous() for n, p in _server_params(self.split)}
+            if isinstance(self.role, LatentServer):  # the surrogate is all the server trains
+                state = {k: v.detach().cpu().contiguous() for k, v in self.role.surrogate.state_dict().items()}
+            else:
+                assert self.split is not None
+                state = {n: p.detach().cpu().contiguous() for n, p in _server_params(self.split)}
             self.store.add_tensors("server-layers", "server_layers.safetensors", state, {"session": self.rec.index})
         self.store.close(ok, {"reason": reason} if reason else {"frames": self.rec.frames})
 
@@ -382,8 +446,8 @@ class Session:
                     "type": "welcome",
                     "protocol": PROTOCOL_VERSION,
                     "fingerprint": self.fingerprint,
-                    "split": self.split.spec.as_dict(),
-                    "defences": self.role.chain.describe(),
+                    "split": self.split_record,
+                    "defences": self.defence_record,
                     "limits": self.limits.as_dict(),
                     "token": self.token,
                     "checkpoint_every": self.checkpoint_every,
@@ -540,7 +604,11 @@ class RemoteServer(WireLedger):
             reply, _ = self._recv("the handshake")
             if reply.get("type") != "welcome":
                 raise TransportError(f"the server at {self.where} refused the session: {reply.get('message', reply)}")
-            for key in ("protocol", "fingerprint", "split", "defences"):  # the client checks the server as well
+            # the client checks the server as well (a latent-mode server holds no weights to fingerprint)
+            latent = isinstance(hello.get("config"), dict) and hello["config"].get("latent") is not None
+            for key in (
+                ("protocol", "split", "defences") if latent else ("protocol", "fingerprint", "split", "defences")
+            ):
                 if reply.get(key) != hello[key]:
                     raise TransportError(
                         f"the server at {self.where} runs another {key}: it has {reply.get(key)!r}, "
