@@ -346,6 +346,7 @@ def test_registry_names_match_cli_contract():
         "property",
         "mixup-unmix",
         "support-partition",
+        "latent-probe",
     }
 
 

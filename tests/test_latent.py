@@ -153,6 +153,13 @@ def test_a_latent_run_captures_all_four_wires_and_verifies(runs):
     # row ids are opaque frame counters, never the documents' ids
     ids = [r.frame.doc_ids for r in train if r.frame.kind == "forward"]
     assert [i[0] for i in ids] == list(range(8))
+    # both noised wires carry the noise: a row clipped to C = 1 plus N(0, (0.35 C)^2) in each of D = 16
+    # coordinates has E|row|^2 between 0.35^2 * 16 = 1.96 and 2.96; without the noise it is at most 1
+    for kind in ("forward", "forward-return"):
+        rows = torch.cat(
+            [r.frame.tensor.reshape(-1, 16) for r in read_wire(run.run_dir, "capture") if r.frame.kind == kind]
+        )
+        assert 1.7 < float((rows.double() ** 2).sum(-1).mean()) < 3.2, kind
     m = run.metrics
     assert math.isfinite(m["heldout_ce"]) and m["privacy"]["epsilon_per_row_one_release"] > 40
     manifest = json.loads((run.run_dir / "manifest.json").read_text())

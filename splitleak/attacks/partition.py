@@ -95,6 +95,21 @@ def load_truth(run_dir: str | Path) -> dict[int, np.ndarray]:
     return {int(f[0]): real[i, : int(f[4])].astype(bool) for i, f in enumerate(frames)}
 
 
+def load_row_tokens(run_dir: str | Path) -> dict[int, np.ndarray]:
+    """frame id -> the token each gauged row carries (a decoy: its origin's), from the client's record."""
+    from safetensors.torch import load_file
+
+    from splitleak.training.latent import TRUTH_FILE
+
+    t = load_file(str(Path(run_dir) / TRUTH_FILE))
+    if "token" not in t:
+        raise ConfigError(
+            f"{run_dir}/{TRUTH_FILE} records no tokens per row (a run made before the probes existed); train it again"
+        )
+    frames, tokens = t["frames"].numpy(), t["token"].numpy()
+    return {int(f[0]): tokens[i, : int(f[4])] for i, f in enumerate(frames)}
+
+
 def row_features(f: LatentFrame) -> np.ndarray:
     """Gauge-invariant features of each row of a frame [n, 10]."""
     eps = 1e-30

@@ -20,7 +20,7 @@ from typing import Literal, get_args
 
 from splitleak.errors import ConfigError
 
-Output = Literal["tokens", "doc-score", "partition", "labels"]
+Output = Literal["tokens", "doc-score", "partition", "labels", "row-tokens"]
 #: the attacker's copy of the client layers: the public pretrained weights, or the run's trained ones
 Copy = Literal["public", "trained"]
 COPIES: tuple[str, ...] = get_args(Copy)
@@ -132,6 +132,15 @@ REGISTRY: dict[str, AttackInfo] = {
             "decoy system: a row is real iff its output gradient is non-zero (or: by norm, by a classifier)",
             reads=("output-gradient", "activations", "trunk-output", "gradient"),
             output="partition",
+            modes=("latent",),
+        ),
+        AttackInfo(
+            "latent-probe",
+            f"{_A}.probes:ProbeBattery",
+            "decoy system: probes trained on known frames name each released row's token (five views x four "
+            "models), scored against the most-frequent-token control, with their shuffled-label twins",
+            reads=("activations", "output-gradient"),
+            output="row-tokens",
             modes=("latent",),
         ),
     )

@@ -141,6 +141,8 @@ def run_attack(
         )
     if info.output == "partition":
         return run_partition_attack(run_dir, doc_dir, manifest, config, out_path)
+    if info.output == "row-tokens":
+        return run_probe_attack(run_dir, doc_dir, manifest, config, out_path)
     attack = make_attack(config.attack, **config.attack_params())
     if knowledge is None:
         knowledge = load_knowledge(doc_dir, config.client_copy)
@@ -254,6 +256,24 @@ def run_mode(manifest: dict[str, Any]) -> str:
     return "u-shape" if (manifest.get("split") or {}).get("u_shape") else "plain"
 
 
+def _latent_result(config: AttackConfig, attack, run_dir: Path, manifest: dict[str, Any], frames: int, seconds: float):
+    """The head of a latent-mode attack's RESULT.json (it recovers no text: the token fields are None)."""
+    return {
+        "attack": config.attack,
+        "config": config.model_dump(mode="json"),
+        "config_hash": config.hash(),
+        "attack_params": attack.params(),
+        "run": {"dir": str(run_dir), "config_hash": manifest["config_hash"], "config": manifest["config"]},
+        "phase": config.phase,
+        "channels_read": list(attack.channels_read()),
+        "n_frames": frames,
+        "seconds": seconds,
+        "token_recovery": None,
+        "doc_recovery": None,
+        "span_recovery": None,
+    }
+
+
 def run_partition_attack(
     run_dir: Path, doc_dir: Path, manifest: dict[str, Any], config: AttackConfig, out_path: Path | None
 ) -> dict[str, Any]:
@@ -274,26 +294,79 @@ def run_partition_attack(
     parts = attack.partition(traffic)
     seconds = time.perf_counter() - t0
     scored = score_partition(traffic, truth, parts)
-    result: dict[str, Any] = {
-        "attack": config.attack,
-        "config": config.model_dump(mode="json"),
-        "config_hash": config.hash(),
-        "attack_params": attack.params(),
-        "run": {"dir": str(run_dir), "config_hash": manifest["config_hash"], "config": manifest["config"]},
-        "phase": config.phase,
-        "channels_read": list(attack.channels_read()),
-        "n_frames": len(traffic),
-        "seconds": seconds,
-        "partition": scored,
-        "token_recovery": None,
-        "doc_recovery": None,
-        "span_recovery": None,
-    }
+    result = _latent_result(config, attack, run_dir, manifest, len(traffic), seconds) | {"partition": scored}
     per_frame = [
         {"frame_id": f.frame_id, "rows": len(pred), "exact": bool((pred == truth[f.frame_id]).all()),
          "agreement": float((pred == truth[f.frame_id]).mean())}
         for f, (_, pred) in zip(traffic.frames, parts)
     ]  # fmt: skip
+    if out_path is not None:
+        write_result(out_path, result, per_frame)
+    result["per_doc"] = per_frame
+    return result
+
+
+SHUFFLED_CONTROL = (
+    "shuffled-label: the tokens of every labelled row, probe training and evaluation alike, permuted globally "
+    "once, and the whole battery retrained on them"
+)
+
+
+def run_probe_attack(
+    run_dir: Path, doc_dir: Path, manifest: dict[str, Any], config: AttackConfig, out_path: Path | None
+) -> dict[str, Any]:
+    """The probe battery on a latent run: trained on the training-phase frames with the client's record
+    of their tokens, scored on the capture pass's real rows against the most-frequent-token control
+    (``splitleak.stats.paired``), with its shuffled-label twin (unless ``control=False``)."""
+    from splitleak.attacks.partition import load_latent_traffic, load_row_tokens, load_truth
+    from splitleak.attacks.probes import ProbeBattery
+    from splitleak.stats.paired import battery_verdict, score_arms
+
+    attack = make_attack(config.attack, **config.attack_params())
+    if not isinstance(attack, ProbeBattery):
+        raise ConfigError(f"attack {config.attack!r} is registered as a probe battery but is not a ProbeBattery")
+    if config.phase != "capture":
+        raise ConfigError("the probes train on the training frames; they are scored on the capture pass only")
+    real, tokens = load_truth(doc_dir), load_row_tokens(doc_dir)
+    train, evaluation = load_latent_traffic(run_dir, "train"), load_latent_traffic(run_dir, "capture")
+    every = [f.frame_id for f in train.frames + evaluation.frames]
+    t0 = time.perf_counter()
+
+    def measure(battery: ProbeBattery) -> dict[str, Any]:
+        labels_of = battery.shuffled_tokens(tokens, every) if battery.shuffle else tokens
+        labels = [np.where(real[f.frame_id], labels_of[f.frame_id], -1) for f in evaluation.frames]
+        arms = battery.run(train, evaluation, tokens, real)
+        stats, extra = score_arms({a.name: a.predictions for a in arms}, labels, seed=battery.seed)
+        const = extra["constant"]
+        by_view = {
+            view: battery_verdict(
+                [s for s in stats if s.name.startswith(view + "/")], extra["weights"], const["accuracy"]
+            )
+            for view in battery.views
+        }
+        rows = [{**s.as_dict(), "classes": a.classes, "seconds": a.seconds} for s, a in zip(stats, arms)]
+        frames = [
+            {"arm": s.name, "frame_id": f.frame_id, "paired_delta": float(d)}
+            for s in stats
+            for f, d in zip(evaluation.frames, s.frame_delta)
+        ]
+        verdict = battery_verdict(stats, extra["weights"], const["accuracy"])
+        return {"constant": const, "arms": rows, "verdict": verdict, "by_view": by_view, "_frames": frames}
+
+    measured = measure(attack)
+    control = measure(attack.twin()) if attack.control and not attack.shuffle else None
+    seconds = time.perf_counter() - t0
+    per_frame = measured.pop("_frames")
+    if control is not None:
+        control.pop("_frames")
+        control["type"] = SHUFFLED_CONTROL
+        best = measured["verdict"].get("best_arm")
+        twin = next((a for a in control["arms"] if a["arm"] == best), None)
+        measured["control_of_best_arm"] = None if twin is None else twin["paired_effect"]
+    result = _latent_result(config, attack, run_dir, manifest, len(evaluation), seconds) | {
+        "n_train_frames": len(train),
+        "probes": {**measured, "negative_control": control},
+    }
     if out_path is not None:
         write_result(out_path, result, per_frame)
     result["per_doc"] = per_frame

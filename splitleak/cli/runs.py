@@ -465,6 +465,23 @@ def attack_cmd(
                     "wrong tokens / of them leading-space only",
                     f"{res['wrong_tokens']} / {res['leading_space_errors']}",
                 )
+        elif "probes" in res:
+            pr = res["probes"]
+            const, v = pr["constant"], pr["verdict"]
+            t.add_row("most-frequent-token control (%)", fmt_pct(const["accuracy"]))
+            for view, vv in pr["by_view"].items():
+                if "best_arm" in vv:
+                    t.add_row(f"{view}: best paired effect (pp)", f"{100 * vv['paired_effect']:+.2f} ({vv['verdict']})")
+            if "best_arm" in v:
+                t.add_row("best eligible arm", v["best_arm"])
+                t.add_row(
+                    "its paired effect (pp), " + v["family_correction"],
+                    f"{100 * v['paired_effect']:+.2f} [{100 * v['paired_low']:+.2f}, {100 * v['paired_high']:+.2f}]",
+                )
+                t.add_row("gate statistic G (pp)", f"{100 * v['gate_statistic']:+.2f}")
+            t.add_row("verdict", v["verdict"])
+            if pr.get("control_of_best_arm") is not None:
+                t.add_row("its shuffled-label twin (pp)", f"{100 * pr['control_of_best_arm']:+.2f}")
         elif "partition" in res:
             part = res["partition"]
             t.add_row("frames partitioned exactly", f"{part['frames_exact']} / {part['frames']}")

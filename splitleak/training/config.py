@@ -36,6 +36,7 @@ class LatentConfig(BaseModel):
     output_sigma: float = Field(0.35, ge=0)
     scale_gauge: bool = False  # the per-row scale and sign gauge (off for these surrogates, as in the paper)
     gauge_entropy: Literal["derived", "os"] = "derived"  # "os": the artefact's masters, not reproducible
+    gauges: bool = True  # ours: False (no rotation, no permutation) only for the naked control
     teacher_weight: float = Field(1.0, ge=0)  # ours: weight of matching the real delegated blocks
     surrogate_layers: int = Field(1, ge=1)  # ours: one layer, ~94 parameters
 

@@ -139,6 +139,8 @@ class FrameTruth:
     doc_id: int
     real: np.ndarray  # [n] bool, in the gauged order the server sees
     decoy_origins: np.ndarray  # [k, 2]: (frame id, row) of each decoy, in the client's order
+    tokens: np.ndarray  # [n] the token each gauged row carries (a decoy: its origin's), for the probes' scoring
+    positions: np.ndarray  # [n] a real row's position in its document, -1 for a decoy
 
 
 @dataclass
@@ -152,6 +154,7 @@ class LatentClient:
     decoder: Decoder = field(init=False)
     pool: DecoyPool = field(init=False)
     truth: list[FrameTruth] = field(default_factory=list)
+    frame_tokens: dict[int, np.ndarray] = field(default_factory=dict)  # frame id -> its document's tokens
     next_frame: int = 0
     last_losses: list[float] | None = None
     last_teacher: float | None = None
@@ -197,11 +200,24 @@ class LatentClient:
                 rng = np.random.default_rng(derived_seed(self.seed, phase, step, "decoys", fid))
                 decoys, origins = self.pool.draw(cfg.decoys, rng)
                 rows = torch.cat([released[b], decoys.to(released.device, released.dtype)])
-                g = frame_gauge(self.seed, phase, step, fid, len(rows), cfg.width, scale=cfg.scale_gauge,
-                                entropy=cfg.gauge_entropy)  # fmt: skip
+                if cfg.gauges:
+                    g = frame_gauge(self.seed, phase, step, fid, len(rows), cfg.width, scale=cfg.scale_gauge,
+                                    entropy=cfg.gauge_entropy)  # fmt: skip
+                else:  # the naked control: rows cross in the client's order and coordinates
+                    g = Gauge(np.eye(cfg.width), np.arange(len(rows)), None)
                 gauges.append(g)
                 sent.append(g.apply(rows))
-                self.truth.append(FrameTruth(fid, phase, step, int(doc_ids[b]), g.perm < t, origins))
+                own = input_ids[b].detach().cpu().numpy().astype(np.int64)
+                self.frame_tokens[fid] = own
+                carried = np.concatenate([own, [self.frame_tokens[int(f)][int(r)] for f, r in origins]]).astype(
+                    np.int64
+                )
+                position = np.concatenate([np.arange(t), np.full(len(origins), -1)])
+                self.truth.append(
+                    FrameTruth(
+                        fid, phase, step, int(doc_ids[b]), g.perm < t, origins, carried[g.perm], position[g.perm]
+                    )
+                )
             x = torch.stack(sent)
         for b, fid in enumerate(frame_ids):  # the frame's own rows join the pool after its decoys were drawn
             self.pool.add(released[b].detach(), np.stack([np.full(t, fid), np.arange(t)], axis=1))
@@ -248,16 +264,27 @@ class LatentClient:
 
     def truth_tensors(self) -> dict[str, torch.Tensor]:
         """The client's record as tensors: per frame its id, phase (0 train, 1 capture), step, document,
-        number of rows, and a [frames, max rows] mask of real rows (-1 past a short frame's end)."""
+        number of rows; and per gauged row ([frames, max rows]) whether it is real (-1 past a short
+        frame's end), the token it carries (a decoy: its origin's; -1 past the end) and a real row's
+        position in its document (-1 for a decoy, -2 past the end)."""
         n_max = max((len(f.real) for f in self.truth), default=0)
         real = np.full((len(self.truth), n_max), -1, dtype=np.int8)
+        tokens = np.full((len(self.truth), n_max), -1, dtype=np.int64)
+        positions = np.full((len(self.truth), n_max), -2, dtype=np.int64)
         for i, f in enumerate(self.truth):
             real[i, : len(f.real)] = f.real
+            tokens[i, : len(f.real)] = f.tokens
+            positions[i, : len(f.real)] = f.positions
         cols = np.array(
             [[f.frame_id, 0 if f.phase == "train" else 1, f.step, f.doc_id, len(f.real)] for f in self.truth],
             dtype=np.int64,
         ).reshape(-1, 5)
-        return {"frames": torch.from_numpy(cols), "real": torch.from_numpy(real)}
+        return {
+            "frames": torch.from_numpy(cols),
+            "real": torch.from_numpy(real),
+            "token": torch.from_numpy(tokens),
+            "position": torch.from_numpy(positions),
+        }
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {f"encoder.{k}": v.detach().clone().contiguous() for k, v in self.encoder.state_dict().items()}
