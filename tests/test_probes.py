@@ -199,3 +199,105 @@ def test_the_probe_result_names_its_arms_and_refuses_the_training_phase(tmp_path
     run = res["run"]["dir"]
     with pytest.raises(ConfigError, match="capture pass only"):
         run_attack(run, make_attack_config(attack="latent-probe", params=BATTERY, phase="train"))
+
+
+# ----------------------------------------------------------------------------- the dose ladder
+
+
+def _traffic(seed: int, frames: int = 3, rows: int = 10, dim: int = 8):
+    from splitleak.attacks.partition import LatentFrame, LatentTraffic
+
+    gen = torch.Generator().manual_seed(seed)
+    fs, tokens, real = [], {}, {}
+    for i in range(frames):
+        t = lambda: torch.randn(rows, dim, generator=gen, dtype=torch.float64)  # noqa: E731
+        fs.append(LatentFrame(i, t(), t(), t(), t()))
+        tokens[i] = np.arange(rows) % 4 + 10
+        real[i] = np.arange(rows) < rows // 2
+    return LatentTraffic("train", fs, rows // 2), tokens, real
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_injection_plants_the_codeword_on_real_rows_at_the_dose(seed):
+    from splitleak.audit.dose_latent import codeword, dosed_rows, frame_rotation, inject
+
+    traffic, tokens, real = _traffic(seed)
+    before = [f.x.clone() for f in traffic.frames]
+    half = dosed_rows(traffic, real, 0.5, seed)
+    assert len(half) == 8 and half < dosed_rows(traffic, real, 0.8, seed)  # nested: a prefix of one order
+    assert all(real[f][r] for f, r in dosed_rows(traffic, real, 1.0, seed))  # decoys are never dosed
+    full = inject(traffic, tokens, real, mode="coordinate", coverage=1.0, amplitude=1.0, seed=seed)
+    inv = inject(traffic, tokens, real, mode="invariant", coverage=1.0, amplitude=1.0, seed=seed)
+    none = inject(traffic, tokens, real, mode="coordinate", coverage=1.0, amplitude=0.0, seed=seed)
+    for f, g, h, k, x0 in zip(traffic.frames, full.frames, inv.frames, none.frames, before):
+        torch.testing.assert_close(f.x, x0)  # the input is not changed
+        torch.testing.assert_close(k.x, x0)  # amplitude 0: nothing planted
+        torch.testing.assert_close(g.x.norm(dim=-1), x0.norm(dim=-1))  # norms kept
+        torch.testing.assert_close(g.g_out, f.g_out)  # only the dosed channel
+        rot = frame_rotation(f.frame_id, 8, seed)
+        for r in range(10):
+            if not real[f.frame_id][r]:
+                torch.testing.assert_close(g.x[r], x0[r])
+                continue
+            c = torch.as_tensor(codeword(int(tokens[f.frame_id][r]), 8, seed))
+            torch.testing.assert_close(g.x[r], x0[r].norm() * c)
+            torch.testing.assert_close(h.x[r], x0[r].norm() * (c @ torch.as_tensor(rot)))
+    grad = inject(traffic, tokens, real, mode="coordinate", coverage=1.0, amplitude=1.0, channel="output-gradient")
+    assert torch.equal(grad.frames[0].x, traffic.frames[0].x) and not torch.equal(
+        grad.frames[0].g_out, traffic.frames[0].g_out
+    )
+    with pytest.raises(ConfigError, match="unknown dose mode"):
+        inject(traffic, tokens, real, mode="spectral", coverage=1.0, amplitude=1.0)
+    with pytest.raises(ConfigError, match="coverage must be in"):
+        inject(traffic, tokens, real, mode="coordinate", coverage=1.5, amplitude=1.0)
+
+
+@pytest.mark.unit
+def test_the_paper_doses_are_the_artefacts_nineteen():
+    import json
+
+    from conftest import SHARED
+
+    from splitleak.audit.dose_latent import PAPER_DOSES
+
+    path = SHARED / "data/setloop-decoys/anc/paper-data/collected/diagnostic/w24_metric_sweep/w24_dose_response.json"
+    if not path.exists():
+        pytest.skip(f"{path} is not here")
+    theirs = sorted((d["mode"], d["coverage"], d["amplitude"]) for d in json.loads(path.read_text())["doses"])
+    assert sorted(PAPER_DOSES) == theirs and len(PAPER_DOSES) == 19
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("channel", ["activations", "output-gradient"])
+def test_the_ladder_detects_a_full_dose_and_not_a_zero_one(tmp_path, channel):
+    from splitleak.audit.dose_latent import dose_ladder
+    from splitleak.training.config import make_train_config
+    from splitleak.training.run import run_training
+
+    cfg = make_train_config(**SMALL, seed=6, latent=dict(split_after=0, resume_at=3, width=16))
+    run = run_training(cfg, tmp_path / "run", device="cpu")
+    doses = [("coordinate", 0.0, 1.0), ("coordinate", 1.0, 1.0), ("coordinate", 1.0, 0.05)]
+    res = dose_ladder(run.run_dir, doses=doses, channel=channel, battery={"models": ("mlp",), "epochs": 30})
+    zero, full, faint = res["doses"]
+    assert zero["token_top1"]["verdict"] != "detected" and full["token_top1"]["verdict"] == "detected"
+    assert full["token_top1"]["paired_low"] > 0.3 and faint["token_top1"]["verdict"] != "detected"
+    assert res["onsets"]["token_top1"]["coordinate coverage (amplitude 1)"] == 1.0
+    assert res["onsets"]["token_top1"]["invariant coverage (amplitude 1)"] is None  # no invariant dose was run
+    assert res["battery"]["views"] == (["gradient"] if channel == "output-gradient" else ["real-rows"])
+
+
+@pytest.mark.unit
+def test_the_ladder_cli_never_overwrites_a_calibration(tmp_path):
+    from typer.testing import CliRunner
+
+    from splitleak.cli import app
+
+    target = tmp_path / "cal" / "calibration.json"
+    target.parent.mkdir()
+    target.write_text("{}")
+    r = CliRunner().invoke(
+        app, ["calibrate", str(tmp_path / "run"), "--attack", "latent-probe", "--out", str(target.parent)]
+    )
+    assert r.exit_code != 0 and "already exists" in " ".join(r.output.split())
+    assert target.read_text() == "{}"

@@ -36,17 +36,24 @@ def calibrate_cmd(
     n_docs: Optional[int] = typer.Option(None, "--n-docs", help="calibrate on the first N captured documents"),
     seed: int = typer.Option(0, "--seed"),
     n_boot: int = typer.Option(2000, "--n-boot"),
+    channel: str = typer.Option(
+        "activations", "--channel", help="latent-probe only: dose the activations or the output-gradient rows"
+    ),
     force: bool = typer.Option(False, "--force"),
     threads: Optional[int] = ThreadsOpt,
     quiet: bool = typer.Option(False, "--quiet"),
 ) -> None:
     """Inject a known token leak into the capture at rising dose and record where each metric (token
-    top-1, rare-token top-1, cross-entropy, membership AUC) first detects it (Politis & Pappas 2026, §4)."""
+    top-1, rare-token top-1, cross-entropy, membership AUC) first detects it (Politis & Pappas 2026, §4).
+    On a latent-mode run, `--attack latent-probe` runs the paper's 19-dose ladder on the probe battery."""
     from splitleak.report.calibration import calibration_table, onset_text, write_calibration_report
     from splitleak.training.run import apply_threads
 
     with user_errors():
         apply_threads(threads)
+        if attack == "latent-probe":
+            _latent_ladder(run_dir, out, channel, seed, n_boot, force, quiet)
+            return
         from splitleak.audit.calibrate import METRICS, calibrate
 
         target = out if out is not None else run_dir.parent / f"calibration-{attack}"
@@ -78,6 +85,41 @@ def calibrate_cmd(
         console.print(f"calibration: {target / 'calibration.json'}")
         for p in write_calibration_report(target):
             console.print(f"report: {p}", highlight=False)
+
+
+def _latent_ladder(run_dir: Path, out: Optional[Path], channel: str, seed: int, n_boot: int, force: bool, quiet: bool):
+    import json
+
+    from splitleak.audit.dose_latent import dose_ladder
+    from splitleak.errors import SplitleakError
+
+    target = (out if out is not None else run_dir.parent / "calibration-latent-probe") / "calibration.json"
+    if target.exists() and not force:
+        raise SplitleakError(f"{target} already exists; choose another --out or pass --force")
+    with progress(quiet) as prog:
+        res = dose_ladder(run_dir, channel=channel, seed=seed, n_boot=n_boot, progress=prog)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(res, indent=1))
+    t = Table(title=f"dose ladder of the probe battery on {run_dir} ({channel})")
+    for col in ("mode", "coverage", "amplitude", "token top-1 (pp) [low]", "verdict", "G (pp)", "rare top-1 (%)"):
+        t.add_column(col, justify="right")
+    for r in res["doses"]:
+        tt, rare = r["token_top1"], r["rare_token_top1"]
+        t.add_row(
+            r["mode"],
+            f"{r['coverage']:g}",
+            f"{r['amplitude']:g}",
+            f"{100 * tt['paired_effect']:+.2f} [{100 * tt['paired_low']:+.2f}]",
+            tt["verdict"],
+            f"{100 * r['gate']['statistic']:+.2f}",
+            "n/a" if rare["accuracy"] is None else f"{100 * rare['accuracy']:.2f}",
+        )
+    console.print(t)
+    for metric, by_axis in res["onsets"].items():
+        console.print(
+            f"{metric} onset: " + "; ".join(f"{axis}: {'never' if v is None else v}" for axis, v in by_axis.items())
+        )
+    console.print(f"calibration: {target}")
 
 
 @app.command("compare")
