@@ -758,6 +758,6 @@ def test_the_latent_mode_over_tls_the_same_bits_as_in_one_process(tls, tmp_path)
     with Served(tls) as srv:
         with pytest.raises(TransportError, match="latent split differs"):
             RemoteServer("127.0.0.1", srv.port, tls, bad)
-        wide = hello_for(server_config, "f" * 64, {**latent, "hidden": 8}, latent_defence_record(cfg.latent))
-        with pytest.raises(TransportError, match="model width 8"):
+        wide = hello_for(server_config, "f" * 64, {**latent, "hidden": "wide"}, latent_defence_record(cfg.latent))
+        with pytest.raises(TransportError, match="model width 'wide'"):
             RemoteServer("127.0.0.1", srv.port, tls, wide)

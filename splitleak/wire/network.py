@@ -249,7 +249,7 @@ class Session:
         """The decoy system's latent mode (``splitleak.training.latent``): the untrusted node holds only
         the gauge-equivariant surrogate, so it loads no model weights and cannot check the client's
         fingerprint (it records it). It checks the split and the defence record against the latent
-        configuration, and that no parameter of its surrogate is as wide as the latent rows."""
+        configuration, and that no parameter of its surrogate has the model's width H (named in the hello)."""
         from splitleak.training.latent import LatentServer, latent_defence_record
         from splitleak.wire.declare import declare_latent_channels
 
@@ -261,8 +261,10 @@ class Session:
         if not isinstance(split, dict) or {k: split.get(k) for k in want} != want:
             raise TransportError(_mismatch("latent split", want, split))
         hidden = split.get("hidden")
-        if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= cfg.width:
-            raise TransportError(f"the hello's latent split names the model width {hidden!r}; expected an integer > D")
+        if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
+            raise TransportError(
+                f"the hello's latent split names the model width {hidden!r}; expected a positive integer"
+            )
         if latent_defence_record(cfg) != hello.get("defences"):
             raise TransportError(_mismatch("defence record", latent_defence_record(cfg), hello.get("defences")))
         self.role = LatentServer(cfg, config.lr, config.server_seed, hidden=hidden)
