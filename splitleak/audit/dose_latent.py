@@ -92,10 +92,12 @@ def inject(
     if not 0.0 <= amplitude <= 1.0:
         raise ConfigError(f"amplitude must be in [0, 1], got {amplitude}")
     field = CHANNELS[channel]
-    dosed = dosed_rows(traffic, real, coverage, seed)
+    by_frame: dict[int, list[int]] = {}
+    for fid, r in sorted(dosed_rows(traffic, real, coverage, seed)):
+        by_frame.setdefault(fid, []).append(r)
     frames = []
     for f in traffic.frames:
-        rows = [r for fid, r in dosed if fid == f.frame_id] if dosed else []
+        rows = by_frame.get(f.frame_id, [])
         if not rows:
             frames.append(f)
             continue

@@ -36,7 +36,7 @@ from splitleak.stats import (
     frame_weights,
     gate_statistic,
 )
-from splitleak.stats._checks import percentile_bounds
+from splitleak.stats.paired import most_frequent, paired_interval
 
 #: the gate of Politis & Pappas 2026, §3, +1.0 percentage point
 GATE = 0.01
@@ -71,9 +71,8 @@ def constant_baseline(truth: np.ndarray) -> ConstantBaseline:
     t = np.asarray(truth).reshape(-1)
     if t.size == 0:
         raise DataError("no labels to take a constant baseline of")
-    counts = np.bincount(t)
-    tok = int(counts.argmax())
-    return ConstantBaseline(tok, float(counts[tok] / t.size))
+    tok = most_frequent([t])
+    return ConstantBaseline(tok, float((t == tok).mean()))
 
 
 def shuffled_labels(truth: np.ndarray, seed: int) -> np.ndarray:
@@ -81,12 +80,6 @@ def shuffled_labels(truth: np.ndarray, seed: int) -> np.ndarray:
     t = np.asarray(truth)
     rng = np.random.default_rng([int(seed), 0x5EED])
     return rng.permutation(t.reshape(-1)).reshape(t.shape)
-
-
-def _interval(per_frame: np.ndarray, w: np.ndarray, alpha: float) -> Interval:
-    reps = w @ per_frame / per_frame.size
-    low, high = percentile_bounds(reps, alpha)
-    return Interval(float(per_frame.mean()), low, high, int(w.shape[0]), alpha)
 
 
 def arm_effects(
@@ -115,8 +108,8 @@ def arm_effects(
         if pred.shape != truth.shape:
             raise DataError(f"arm {name!r}: predictions have shape {pred.shape} but the labels {truth.shape}")
         right = pred == truth
-        a = _interval(right.mean(axis=1) - const_acc, w, alpha)
-        n = _interval((pred == shuffled).mean(axis=1) - const_acc_shuffled, w, alpha)
+        a = paired_interval(right.mean(axis=1) - const_acc, w, alpha)
+        n = paired_interval((pred == shuffled).mean(axis=1) - const_acc_shuffled, w, alpha)
         out.append(
             ArmEffect(
                 name, float(right.mean()), int(right.sum()), int(right.size), a, n, effect_verdict(a), effect_verdict(n)

@@ -110,7 +110,7 @@ def train_cmd(
         None,
         "--checkpoint-every",
         help="with --connect: both sides checkpoint every N steps so that --resume can continue after a kill "
-        "(default 16; the server needs --checkpoints)",
+        "(default 16; the server needs --checkpoints; the latent mode does not checkpoint yet)",
     ),
     resume: Optional[Path] = typer.Option(
         None,

@@ -11,6 +11,10 @@ constant control in disguise, and its paired effect measures nothing. It is excl
 verdict (the paper found three such cells pinning its floor). The verdict takes the best eligible
 arm by point effect and reads its interval at α / J, J the number of eligible arms (Bonferroni), and
 reports the gate statistic G (Eq. 1) over the same arms.
+
+Labels are ragged here (one array per frame, -1 for a row not scored), as the latent frames are;
+``splitleak.audit.verdicts`` scores the main study's [documents, positions] arms with the same
+control and interval (``most_frequent``, ``paired_interval``).
 """
 
 from __future__ import annotations
