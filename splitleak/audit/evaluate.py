@@ -140,9 +140,9 @@ def run_attack(
             f"run; attacks for it: {', '.join(attacks_for_mode(mode))}"
         )
     if info.output == "partition":
-        return run_partition_attack(run_dir, doc_dir, manifest, config, out_path)
+        return run_partition_attack(run_dir, doc_dir, manifest, config, out_path, protocol_hash)
     if info.output == "row-tokens":
-        return run_probe_attack(run_dir, doc_dir, manifest, config, out_path)
+        return run_probe_attack(run_dir, doc_dir, manifest, config, out_path, protocol_hash)
     attack = make_attack(config.attack, **config.attack_params())
     if knowledge is None:
         knowledge = load_knowledge(doc_dir, config.client_copy)
@@ -256,9 +256,18 @@ def run_mode(manifest: dict[str, Any]) -> str:
     return "u-shape" if (manifest.get("split") or {}).get("u_shape") else "plain"
 
 
-def _latent_result(config: AttackConfig, attack, run_dir: Path, manifest: dict[str, Any], frames: int, seconds: float):
+def _latent_result(
+    config: AttackConfig,
+    attack,
+    run_dir: Path,
+    manifest: dict[str, Any],
+    frames: int,
+    seconds: float,
+    protocol_hash: str | None,
+):
     """The head of a latent-mode attack's RESULT.json (it recovers no text: the token fields are None)."""
     return {
+        "protocol_hash": protocol_hash,
         "attack": config.attack,
         "config": config.model_dump(mode="json"),
         "config_hash": config.hash(),
@@ -275,7 +284,12 @@ def _latent_result(config: AttackConfig, attack, run_dir: Path, manifest: dict[s
 
 
 def run_partition_attack(
-    run_dir: Path, doc_dir: Path, manifest: dict[str, Any], config: AttackConfig, out_path: Path | None
+    run_dir: Path,
+    doc_dir: Path,
+    manifest: dict[str, Any],
+    config: AttackConfig,
+    out_path: Path | None,
+    protocol_hash: str | None = None,
 ) -> dict[str, Any]:
     """A partition attack on a latent run's frames of ``config.phase``, scored against the client's
     record of real rows. The classifier rule fits on the training frames, so it is evaluated on the
@@ -294,7 +308,9 @@ def run_partition_attack(
     parts = attack.partition(traffic)
     seconds = time.perf_counter() - t0
     scored = score_partition(traffic, truth, parts)
-    result = _latent_result(config, attack, run_dir, manifest, len(traffic), seconds) | {"partition": scored}
+    result = _latent_result(config, attack, run_dir, manifest, len(traffic), seconds, protocol_hash) | {
+        "partition": scored
+    }
     per_frame = [
         {"frame_id": f.frame_id, "rows": len(pred), "exact": bool((pred == truth[f.frame_id]).all()),
          "agreement": float((pred == truth[f.frame_id]).mean())}
@@ -313,7 +329,12 @@ SHUFFLED_CONTROL = (
 
 
 def run_probe_attack(
-    run_dir: Path, doc_dir: Path, manifest: dict[str, Any], config: AttackConfig, out_path: Path | None
+    run_dir: Path,
+    doc_dir: Path,
+    manifest: dict[str, Any],
+    config: AttackConfig,
+    out_path: Path | None,
+    protocol_hash: str | None = None,
 ) -> dict[str, Any]:
     """The probe battery on a latent run: trained on the training-phase frames with the client's record
     of their tokens, scored on the capture pass's real rows against the most-frequent-token control
@@ -363,7 +384,7 @@ def run_probe_attack(
         best = measured["verdict"].get("best_arm")
         twin = next((a for a in control["arms"] if a["arm"] == best), None)
         measured["control_of_best_arm"] = None if twin is None else twin["paired_effect"]
-    result = _latent_result(config, attack, run_dir, manifest, len(evaluation), seconds) | {
+    result = _latent_result(config, attack, run_dir, manifest, len(evaluation), seconds, protocol_hash) | {
         "n_train_frames": len(train),
         "probes": {**measured, "negative_control": control},
     }

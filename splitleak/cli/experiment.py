@@ -16,7 +16,7 @@ experiment_app = typer.Typer(
 )
 app.add_typer(experiment_app, name="experiment")
 
-SpecArg = typer.Argument(..., help="a spec YAML file, or a shipped name (paper_main, partial_offloading)")
+SpecArg = typer.Argument(..., help="a spec YAML file, or a shipped name (paper_main, partial_offloading, decoys)")
 ProfileOpt = typer.Option(None, "--profile", help="a profile of the spec (quick, full, ...); default full when defined")
 OverrideOpt = typer.Option(
     [],

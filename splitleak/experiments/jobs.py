@@ -1,13 +1,16 @@
 """A spec expanded into jobs, each keyed by the SHA-256 of its full configuration.
 
-- **train** jobs, one per model x split (depth or placement) x defence chain x victim seed. The key
+- **train** jobs, one per model x split (depth or placement) x defence chain x victim seed, and one
+  per model x latent arm (the decoy system, 002 §2) x victim seed. The key
   hashes ``{"schema", "kind": "train", "train": TrainConfig}`` (with ``data_path`` as the spec
   writes it, so moving a checkout does not change keys; the job runs with the resolved path).
 - **attack** jobs, one per train job x attack configuration (attack, k, budget) x perturbation x
   client copy x attack seed. The key hashes ``{"schema", "kind": "attack", "train_key", "attack":
   AttackConfig, "protocol_hash"}``: it includes its train job's key, and it changes when the
   protocol does (results carry the protocol's hash). An attack job reads its train job's run
-  directory (captures, client layers) and never retrains.
+  directory (captures, client layers) and never retrains. An attack entry applies to the train jobs
+  of the modes its attack reads (``AttackInfo.modes``): the latent attacks (support-partition,
+  latent-probe) to the latent arms, the others to the splits; an entry that reads none is refused.
 - **reuse** jobs: the inference-setting twin of an activation-only configuration flagged
   ``inference: true``. Its key is the key an inference attack job would have (``AttackConfig.inference
   = True``); it is not computed: the store copies the training-setting measurement (``reuse_of``
@@ -22,12 +25,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitleak.attacks.registry import attack_info
 from splitleak.errors import ConfigError
 from splitleak.experiments.spec import AttackEntry, ExperimentSpec, LoadedSpec, defence_label, defence_names
 from splitleak.wire.store import config_hash
 
 SCHEMA = 1
 KINDS = ("train", "attack", "reuse")
+#: the ``defence_name`` of a latent-mode train job (its ``defence`` column holds the arm's label)
+LATENT_DEFENCE = "latent"
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,8 @@ def _train_fields(cfg: dict[str, Any], label: str, names: str) -> dict[str, Any]
 
 
 def _train_summary(f: dict[str, Any]) -> str:
+    if f["defence_name"] == LATENT_DEFENCE:
+        return f"{f['model']} latent {f['defence']} seed {f['victim_seed']}"
     split = f"d{f['depth']}" if f["depth"] is not None else f"s{f['offload_length']} b{f['offload_start']}"
     return f"{f['model']} {split} {f['defence']} seed {f['victim_seed']}"
 
@@ -140,7 +148,8 @@ def _attack_summary(f: dict[str, Any]) -> str:
         parts.append(f"readout {f['readout']}")
     if f.get("params"):
         parts.extend(f"{k}={v}" for k, v in json.loads(f["params"]).items())
-    parts.append(f["client_copy"])
+    if "latent" not in attack_info(f["attack"]).modes:  # the latent attacks read no copy of the client's layers
+        parts.append(f["client_copy"])
     parts.append(f"a{f['attack_seed']}")
     if f["perturbation"] != "none":
         parts.append(f["perturbation"])
@@ -230,15 +239,23 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
         raise ConfigError(f"{loaded.path}: the defence chain {dup[0]!r} is listed twice")
     from splitleak.wire.defences import DEFENCES
 
+    arms = [a.label for a in spec.latent]
+    clash = sorted(set(arms) & (set(labels) | {LATENT_DEFENCE}))
+    if clash:
+        raise ConfigError(
+            f"{loaded.path}: the latent arm label {clash[0]!r} is also a defence chain's label (or the word "
+            f"{LATENT_DEFENCE!r}); relabel the arm, the store's defence column must tell them apart"
+        )
     for i, entry in enumerate(spec.attacks):
         for lab in entry.defences or []:
-            if lab in labels or lab in names:
+            if lab in labels or lab in names or lab in arms or lab == LATENT_DEFENCE:
                 continue
             unknown = [n for n in (part.split("(")[0] for part in lab.split("+")) if n not in DEFENCES]
             if unknown:  # a typo; a known defence that this grid (profile, overrides) does not train is fine
                 raise ConfigError(
                     f"{loaded.path}: attacks[{i}] ({entry.attack}) names defence {lab!r}, which is neither a "
-                    f"defence of the spec ({', '.join(labels)}) nor a known defence ({', '.join(sorted(DEFENCES))})"
+                    f"defence of the spec ({', '.join(labels + arms)}) nor a known defence "
+                    f"({', '.join(sorted(DEFENCES))})"
                 )
     attack_cfgs = [(entry, _attack_configs(entry, spec, i)) for i, entry in enumerate(spec.attacks)]
 
@@ -264,70 +281,97 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
             "partial offloading (placements); put the placements and that defence in separate specs"
         )
 
+    used = [False] * len(attack_cfgs)
+
+    def emit(common: dict[str, Any], label: str, names: str, latent: bool) -> None:
+        """The train job of ``common`` and the attack (and reuse) jobs of every entry that reads its mode."""
+        try:
+            key_cfg = make_train_config(**common, data_path=spec.data.path, model_path=spec.model_path)
+            run_cfg = make_train_config(
+                **common,
+                data_path=str(loaded.data_path) if loaded.data_path else None,
+                model_path=str(loaded.model_path) if loaded.model_path else None,
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{loaded.path}: {exc}") from None
+        tcfg = key_cfg.as_dict()
+        config = {"schema": SCHEMA, "kind": "train", "train": tcfg}
+        tkey = config_hash(config)
+        tf = _train_fields(tcfg, label, names)
+        tsum = _train_summary(tf)
+        add(Job(tkey, "train", config, tf, tsum, run_config=run_cfg.as_dict()))
+        for i, (entry, cfgs) in enumerate(attack_cfgs):
+            if latent != ("latent" in attack_info(entry.attack).modes):
+                continue  # an attack reads either the latent mode's frames or a split's positions
+            if entry.defences is not None and label not in entry.defences and names not in entry.defences:
+                continue
+            used[i] = True
+            for acfg, pert, also_inference in cfgs:
+                aconf = {
+                    "schema": SCHEMA,
+                    "kind": "attack",
+                    "train_key": tkey,
+                    "attack": acfg,
+                    "protocol_hash": protocol_hash,
+                }
+                akey = config_hash(aconf)
+                af = {**tf, **_attack_fields(acfg, pert)}
+                add(Job(akey, "attack", aconf, af, f"{tsum} | {_attack_summary(af)}", train_key=tkey))
+                if also_inference:
+                    icfg = {**acfg, "inference": True}
+                    iconf = {**aconf, "attack": icfg}
+                    ikey = config_hash(iconf)
+                    fi = {**tf, **_attack_fields(icfg, pert)}
+                    add(
+                        Job(
+                            ikey,
+                            "reuse",
+                            iconf,
+                            fi,
+                            f"{tsum} | {_attack_summary(fi)} (reuses {akey[:12]})",
+                            train_key=tkey,
+                            reuse_of=akey,
+                        )
+                    )
+
+    def shared(model: str, seed: int) -> dict[str, Any]:
+        return dict(
+            model=model,
+            precision=spec.precision_of(model),
+            data=spec.data.source,
+            seed=seed,
+            steps=spec.steps,
+            capture_batch=spec.capture_batch,
+            **spec.documents.train_config_fields(),
+        )
+
     for model in spec.models:
         for split in _splits(spec):
             for label, chain in chains:
                 for seed in spec.victim_seeds:
                     common = dict(
-                        model=model,
-                        precision=spec.precision_of(model),
+                        **shared(model, seed),
                         **split,
                         defences=[d.model_dump() for d in chain],
-                        data=spec.data.source,
-                        seed=seed,
-                        steps=spec.steps,
                         lr=spec.lr,
-                        capture_batch=spec.capture_batch,
                         all_local_baseline=spec.all_local_baseline,
-                        **spec.documents.train_config_fields(),
                     )
-                    try:
-                        key_cfg = make_train_config(**common, data_path=spec.data.path, model_path=spec.model_path)
-                        run_cfg = make_train_config(
-                            **common,
-                            data_path=str(loaded.data_path) if loaded.data_path else None,
-                            model_path=str(loaded.model_path) if loaded.model_path else None,
-                        )
-                    except ConfigError as exc:
-                        raise ConfigError(f"{loaded.path}: {exc}") from None
-                    tcfg = key_cfg.as_dict()
-                    config = {"schema": SCHEMA, "kind": "train", "train": tcfg}
-                    tkey = config_hash(config)
-                    tf = _train_fields(tcfg, label, defence_names(chain))
-                    tsum = _train_summary(tf)
-                    add(Job(tkey, "train", config, tf, tsum, run_config=run_cfg.as_dict()))
-                    for entry, cfgs in attack_cfgs:
-                        if (
-                            entry.defences is not None
-                            and label not in entry.defences
-                            and defence_names(chain) not in entry.defences
-                        ):
-                            continue
-                        for acfg, pert, also_inference in cfgs:
-                            aconf = {
-                                "schema": SCHEMA,
-                                "kind": "attack",
-                                "train_key": tkey,
-                                "attack": acfg,
-                                "protocol_hash": protocol_hash,
-                            }
-                            akey = config_hash(aconf)
-                            af = {**tf, **_attack_fields(acfg, pert)}
-                            add(Job(akey, "attack", aconf, af, f"{tsum} | {_attack_summary(af)}", train_key=tkey))
-                            if also_inference:
-                                icfg = {**acfg, "inference": True}
-                                iconf = {**aconf, "attack": icfg}
-                                ikey = config_hash(iconf)
-                                fi = {**tf, **_attack_fields(icfg, pert)}
-                                add(
-                                    Job(
-                                        ikey,
-                                        "reuse",
-                                        iconf,
-                                        fi,
-                                        f"{tsum} | {_attack_summary(fi)} (reuses {akey[:12]})",
-                                        train_key=tkey,
-                                        reuse_of=akey,
-                                    )
-                                )
+                    emit(common, label, defence_names(chain), latent=False)
+        for arm in spec.latent:
+            try:
+                latent = arm.latent_config(model)
+            except ConfigError as exc:
+                raise ConfigError(f"{loaded.path}: {exc}") from None
+            for seed in spec.victim_seeds:
+                # the latent mode has no all-local twin: its reference is the frozen pretrained model
+                common = dict(**shared(model, seed), latent=latent, lr=arm.lr, all_local_baseline=False)
+                emit(common, arm.label, LATENT_DEFENCE, latent=True)
+    for i, (entry, _) in enumerate(attack_cfgs):
+        if not used[i]:
+            modes = " or ".join(attack_info(entry.attack).modes)
+            raise ConfigError(
+                f"{loaded.path}: attacks[{i}] ({entry.attack}) reads {modes} runs and no train job of this grid "
+                f"is one{' among its defences ' + str(entry.defences) if entry.defences else ''}; add them "
+                "(latent: [...] for the decoy system, depths or placements for a split) or drop the entry"
+            )
     return Grid(loaded, protocol_hash, jobs)

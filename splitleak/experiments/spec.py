@@ -155,6 +155,64 @@ class AttackEntry(BaseModel):
         return {key: _as_list(value) for key, value in (v or {}).items()}
 
 
+#: the decoy system's own learning rate (002 §2: AdamW at 3e-4 on both sides)
+LATENT_LR = 3e-4
+
+
+class LatentArm(BaseModel):
+    """One configuration of the decoy system's latent mode (002 §2; ``splitleak train --mode latent``):
+    a ``label`` (it names the arm in the store's ``defence`` column and in the report), the ``split``
+    (a preset of the model, ``main`` or ``mitigation``, or ``S/R``: split after block S, resume at R),
+    ``lr`` (default 3e-4, the paper's) and any other field of ``LatentConfig`` by name
+    (``output_gradient: clip-noise``; the naked control: ``sigma: 0, decoys: 0, gauges: false``)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    label: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    split: str = "main"
+    lr: float = Field(LATENT_LR, gt=0)
+
+    @model_validator(mode="after")
+    def _known_settings(self):
+        from splitleak.training.config import LatentConfig
+
+        allowed = set(LatentConfig.model_fields) - {"split_after", "resume_at"}
+        unknown = sorted(set(self.model_extra or {}) - allowed)
+        if unknown:
+            raise ValueError(
+                f"the latent arm {self.label!r} sets {', '.join(unknown)}, which the latent mode does not take; "
+                f"known: label, split, lr, {', '.join(sorted(allowed))}"
+            )
+        return self
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The LatentConfig fields this arm sets (besides the split)."""
+        return dict(self.model_extra or {})
+
+    def latent_config(self, model: str) -> dict[str, Any]:
+        """The ``LatentConfig`` of this arm on ``model`` (as a dict), the split resolved; ConfigError when
+        the model has no such preset or a value is out of range."""
+        from pydantic import ValidationError as _VE
+
+        from splitleak.models.latent import preset_split
+        from splitleak.training.config import LatentConfig
+
+        if "/" in self.split:
+            try:
+                s, r = (int(x) for x in self.split.split("/"))
+            except ValueError:
+                raise ConfigError(
+                    f"latent arm {self.label!r}: split {self.split!r} is not S/R with two block indices, e.g. 15/28"
+                ) from None
+        else:
+            s, r = preset_split(model, self.split)
+        try:
+            return LatentConfig(split_after=s, resume_at=r, **self.settings).as_dict()
+        except _VE as exc:
+            msg = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"latent arm {self.label!r}: {msg}") from None
+
+
 class Documents(BaseModel):
     """Document counts and the seed that draws the documents (``TrainConfig.data_seed``): one seed
     for the whole grid, so every victim seed trains and is evaluated on the same documents (What Gradients Add)."""
@@ -200,6 +258,7 @@ class ExperimentSpec(BaseModel):
     precision: str | dict[str, str] = "float32"  # one precision, or per model (default float32)
     depths: list[int] = Field(default_factory=list)
     placements: Placements | None = None
+    latent: list[LatentArm] = Field(default_factory=list)  # the decoy system's latent mode (002 §2)
     defences: list[list[DefenceItem]] = Field(default_factory=lambda: [[DefenceItem(name="none")]])
     victim_seeds: list[int] = Field(min_length=1)
     attack_seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
@@ -248,8 +307,15 @@ class ExperimentSpec(BaseModel):
 
     @model_validator(mode="after")
     def _splits(self):
-        if not self.depths and self.placements is None:
-            raise ValueError("give depths (plain split) and/or placements (partial offloading: lengths, starts)")
+        if not self.depths and self.placements is None and not self.latent:
+            raise ValueError(
+                "give depths (plain split), placements (partial offloading: lengths, starts) and/or latent "
+                "(the decoy system's arms)"
+            )
+        labels = [a.label for a in self.latent]
+        twice = sorted({lab for lab in labels if labels.count(lab) > 1})
+        if twice:
+            raise ValueError(f"the latent arm label {twice[0]!r} is used twice; give each arm its own label")
         if self.model_path is not None and len(self.models) != 1:
             raise ValueError("model_path names one local model directory; list exactly one model with it")
         return self

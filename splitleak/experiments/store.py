@@ -4,7 +4,8 @@ the job's key, so a job is in the store at most once and a rerun finds what is d
 Layout::
 
     STORE/
-      attacks/<key>.parquet   one row per (attack or reuse job, evaluation document)
+      attacks/<key>.parquet   one row per (attack or reuse job, evaluation document), or per frame (and
+                              probe arm) of a latent attack
       train/<key>.parquet     one row per train job: utility metrics, wire bytes, run directory
       failed/<key>.parquet    one row per job whose last attempt failed (error text, traceback)
       runs/<key[:16]>/        the run directory of each train job (verifiable, see `splitleak verify`)
@@ -85,6 +86,10 @@ ATTACK_SCHEMA = pa.schema(
     + [
         ("predicted", pa.list_(pa.int64())),
         ("property_score", pa.float64()),
+        # the latent attacks' rows are frames (doc_id holds the frame id; null in older stores):
+        ("frame_agreement", pa.float64()),  # support-partition: the share of the frame's rows labelled right
+        ("arm", pa.string()),  # latent-probe: the probe arm (view/model/restart) of the row
+        ("paired_delta", pa.float64()),  # latent-probe: the arm's accuracy minus the control's on the frame
         ("leakage_index", pa.float64()),
         ("vmi_token_recovery", pa.float64()),
         ("majority_token_recovery", pa.float64()),
@@ -209,7 +214,7 @@ def attack_rows(job: dict[str, Any], result: dict[str, Any], cut: int) -> list[d
         "protocol_hash": result.get("protocol_hash"),
         **job["fields"],
         "cut": cut,
-        "n_docs": result.get("n_docs"),
+        "n_docs": result.get("n_docs", result.get("n_frames")),
         "seconds": result.get("seconds"),
         "leakage_index": result.get("leakage_index"),
         "vmi_token_recovery": result.get("vmi_token_recovery"),
@@ -222,6 +227,11 @@ def attack_rows(job: dict[str, Any], result: dict[str, Any], cut: int) -> list[d
     rows = []
     for d in result["per_doc"]:
         row = dict(base)
+        if "frame_id" in d:  # a latent attack: one row per frame (partition) or per arm and frame (probes)
+            row.update(doc_id=d["frame_id"], exact=d.get("exact"), frame_agreement=d.get("agreement"))
+            row.update(arm=d.get("arm"), paired_delta=d.get("paired_delta"))
+            rows.append(row)
+            continue
         row["doc_id"] = d["doc_id"]
         if "token_correct" in d:
             row.update(
@@ -432,7 +442,7 @@ def read_results(store: str | Path, kind: str = "attack", *, as_rows: bool = Fal
     tables = [rs.read_job(kind, k) for k in keys]
     table = pa.concat_tables(tables) if tables else schema.empty_table()
     if table.num_rows:
-        order = [("key", "ascending")] + ([("doc_id", "ascending")] if kind == "attack" else [])
+        order = [("key", "ascending")] + ([("doc_id", "ascending"), ("arm", "ascending")] if kind == "attack" else [])
         table = table.sort_by(order)
     return table.to_pylist() if as_rows else table
 

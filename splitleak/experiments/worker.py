@@ -152,6 +152,7 @@ def _train(job: dict[str, Any], store, device: str, threads: int | None, progres
 def _attack(job: dict[str, Any], store, device: str, progress) -> None:
     from splitleak.attacks.config import make_attack_config
     from splitleak.attacks.knowledge import load_knowledge, read_manifest
+    from splitleak.attacks.registry import attack_info
     from splitleak.audit.evaluate import run_attack
     from splitleak.errors import IntegrityError
     from splitleak.experiments.store import attack_rows
@@ -164,8 +165,10 @@ def _attack(job: dict[str, Any], store, device: str, progress) -> None:
         raise IntegrityError(f"{run_dir} has no configuration hash in its manifest")
     m = manifest["config"]
     cfg = make_attack_config(**job["config"]["attack"])
-    lm = cached_model(m["model"], m["precision"], m["seed"], m.get("model_path"))
-    knowledge = load_knowledge(run_dir, cfg.client_copy, lm=lm)
+    knowledge = None
+    if "latent" not in attack_info(cfg.attack).modes:  # the latent attacks read frames and the truth file only
+        lm = cached_model(m["model"], m["precision"], m["seed"], m.get("model_path"))
+        knowledge = load_knowledge(run_dir, cfg.client_copy, lm=lm)
     result = run_attack(
         run_dir,
         cfg,

@@ -18,7 +18,10 @@ as the store's data allows (a section without data says why in one line):
 5. leakage against the utility cost of each defence (What Gradients Add Figure 6);
 6. the attack x condition heatmap of token recovery (What Gradients Add Figure 7);
 7. partial offloading: means per placement, the variance tests and the held-out-seed RMSE
-   (What Gradients Add Tables 10 and 5).
+   (What Gradients Add Tables 10 and 5);
+8. the decoy system (002), when the grid trained latent arms: the support partition, the probe
+   battery with its shuffled-label twins and seed-level pooling, the held-out loss and the output
+   gradient's cost, beside the paper's numbers (``splitleak.report.grid_latent``).
 
 Results written under another protocol hash are refused before anything is written, naming them.
 ``store_report`` does the same from a store and a protocol file without a spec (no pending count).
@@ -34,6 +37,7 @@ from splitleak.audit.protocol import Protocol, check_results, file_sha256, load_
 from splitleak.errors import ConfigError, DataError, IntegrityError
 from splitleak.report import grid_sections as sec
 from splitleak.report.document import Document, render_html, render_markdown
+from splitleak.report.grid_latent import is_latent, latent_section
 from splitleak.report.grid_sections import GridReport
 from splitleak.report.grid_stats import Config, recovery_cells, split_text
 
@@ -299,6 +303,10 @@ def build_report(
         for ext in ("png", "svg"):
             (out / f"{stem}.{ext}").unlink(missing_ok=True)
     used = _with_n_boot(protocol, int(n_boot)) if n_boot is not None else protocol
+    latent_rows = [r for r in attack_rows if is_latent(r)]  # frames, not documents: their own section
+    attack_rows = [r for r in attack_rows if not is_latent(r)]
+    latent_train = [t for t in train_rows if is_latent(t)]
+    train_rows = [t for t in train_rows if not is_latent(t)]
     rows = analysis_rows(attack_rows)
     run_rows = offload_run_rows(attack_rows, train_rows, protocol_hash)
     analysis, error = None, None
@@ -317,6 +325,7 @@ def build_report(
     sec.cost_section(doc, ctx, attack_rows, train_rows)
     sec.heatmap_section(doc, ctx, cells)
     sec.offload_section(doc, ctx, run_rows, analysis, error)
+    latent_section(doc, latent_rows, latent_train)
     rep.markdown.write_text(render_markdown(doc), encoding="utf-8")
     rep.html.write_text(render_html(doc), encoding="utf-8")
     return rep

@@ -1,0 +1,426 @@
+"""The grid report's section on the decoy system (002): the support partition, the probe battery with
+its shuffled-label twins and its seed-level pooling, and the utility of each latent arm, beside the
+paper's numbers.
+
+``latent_summary`` turns store rows into plain numbers (tested); ``latent_section`` writes them.
+Rows are the latent mode's when their ``defence_name`` is ``latent`` (the ``defence`` column holds
+the arm's label: ``open``, ``fix``, ``naked`` in the shipped spec).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+from scipy.stats import norm
+
+from splitleak.report.document import Document, Heading, Para, Table
+
+LATENT_DEFENCE = "latent"  # the same word as splitleak.experiments.jobs.LATENT_DEFENCE (kept torch-free here)
+
+#: the paper's numbers the reproduction is read against (Politis & Pappas 2026, 002), with where they stand
+PAPER = {
+    "partition_open": "4,096 / 4,096 frames exact, row agreement 1.000, on each of nine seeds (§5, Table 8)",
+    "partition_fix": "0 / 1,024 frames exact, row agreement 0.400 = 32/80 (§5.3, Table 9)",
+    "probes_naked": "deep probe +24 pp over its control on the naked boundary (Table 6); gradient-only probes "
+    "≈ 28–32 % top-1, the joint view ≈ 51 % (Table 9)",
+    "probes_defended": "frequent-token gradient arm +0.92 pp [0.74, 1.09] pooled over nine seeds (τ = 0.23, "
+    "I² = 77 %); every shuffled-label control at floor (§5)",
+    "fix_cost": "≈ 0.01 nats of held-out cross-entropy (0.010–0.015; §5.3)",
+    "setting": "Qwen3-0.6B (28 blocks) split 14/26 (11 delegated) and 21/26 for the mitigation runs; WikiText-2 "
+    "(and a second corpus); 2,000-step diagnostics to 40k-step runs; 4,096 frames per run (2,048 probe-train "
+    "+ 2,048 evaluation), 1,024 in the mitigation runs",
+}
+
+
+def is_latent(row: dict[str, Any]) -> bool:
+    return row.get("defence_name") == LATENT_DEFENCE
+
+
+def _result(row: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(row["result_json"]) if row.get("result_json") else {}
+
+
+def _per_job(rows: Sequence[dict[str, Any]], attack: str) -> list[dict[str, Any]]:
+    """One row per job (the first of its frames) of ``attack``."""
+    seen: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r.get("attack") == attack and r.get("kind") == "attack" and r["key"] not in seen:
+            seen[r["key"]] = r
+    return list(seen.values())
+
+
+def _params(row: dict[str, Any]) -> str:
+    p = json.loads(row["params"]) if row.get("params") else {}
+    return ", ".join(f"{k}={v}" for k, v in sorted(p.items())) or "defaults"
+
+
+@dataclass
+class PartitionCell:
+    model: str
+    arm: str
+    params: str
+    seeds: list[int]
+    frames: int
+    frames_exact: int
+    agreement: float  # row agreement over every frame of every seed
+    aucs: list[float | None]
+
+    @property
+    def auc(self) -> float | None:
+        known = [a for a in self.aucs if a is not None]
+        return float(np.mean(known)) if known else None
+
+
+@dataclass
+class ProbeRun:
+    model: str
+    arm: str
+    params: str
+    seed: int
+    verdict: dict[str, Any]
+    twin: dict[str, Any] | None
+    twin_of_best: float | None
+    constant: float
+    arms: list[dict[str, Any]]
+
+
+@dataclass
+class Pooled:
+    """One probe arm pooled over seeds (DerSimonian–Laird): per-seed effects with SEs from their 95 %
+    frame-bootstrap intervals, the pooled mean at alpha / J (Bonferroni over the J arms pooled)."""
+
+    model: str
+    arm: str
+    params: str
+    probe_arm: str
+    seeds: list[int]
+    estimate: float
+    low: float
+    high: float
+    tau: float
+    i2: float
+    arms_pooled: int
+    leave_one_out: tuple[float, float] | None
+    note: str = ""
+
+
+@dataclass
+class UtilityCell:
+    model: str
+    arm: str
+    seeds: list[int]
+    steps: int | None
+    heldout_ce: float
+    pretrained_ce: float
+    epsilon: float | None
+    cost: dict[str, Any] | None = None  # against the arm it differs from only in the output gradient
+
+
+@dataclass
+class LatentSummary:
+    partition: list[PartitionCell] = field(default_factory=list)
+    probes: list[ProbeRun] = field(default_factory=list)
+    pooled: list[Pooled] = field(default_factory=list)
+    utility: list[UtilityCell] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.partition or self.probes or self.utility)
+
+
+def _partition(rows: Sequence[dict[str, Any]]) -> tuple[list[PartitionCell], list[str]]:
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in _per_job(rows, "support-partition"):
+        groups.setdefault((r["model"], r["defence"], _params(r)), []).append(r)
+    out: list[PartitionCell] = []
+    bare: set[tuple[str, str]] = set()
+    for (model, arm, params), rs in sorted(groups.items()):
+        parts = [_result(r)["partition"] for r in rs]
+        if all(p["real_row_share"] == 1.0 for p in parts):  # a frame of real rows only: nothing to find
+            bare.add((model, arm))
+            continue
+        rows_total = sum(p["rows"] for p in parts)
+        agreement = sum(p["row_agreement"] * p["rows"] for p in parts) / rows_total if rows_total else float("nan")
+        out.append(
+            PartitionCell(
+                model,
+                arm,
+                params,
+                sorted(int(r["victim_seed"]) for r in rs),
+                sum(p["frames"] for p in parts),
+                sum(p["frames_exact"] for p in parts),
+                float(agreement),
+                [p.get("auc") for p in parts],
+            )
+        )
+    notes = [
+        f"{model} {arm}: its frames hold no decoy rows, so there is no partition to find; it has no partition row"
+        for model, arm in sorted(bare)
+    ]
+    return out, notes
+
+
+def _probes(rows: Sequence[dict[str, Any]]) -> list[ProbeRun]:
+    out = []
+    for r in sorted(
+        _per_job(rows, "latent-probe"), key=lambda r: (r["model"], r["defence"], _params(r), r["victim_seed"])
+    ):
+        probes = _result(r)["probes"]
+        twin = probes.get("negative_control")
+        out.append(
+            ProbeRun(
+                r["model"],
+                r["defence"],
+                _params(r),
+                int(r["victim_seed"]),
+                probes["verdict"],
+                None if twin is None else twin["verdict"],
+                probes.get("control_of_best_arm"),
+                float(probes["constant"]["accuracy"]),
+                probes["arms"],
+            )
+        )
+    return out
+
+
+def pool_probe_runs(runs: Sequence[ProbeRun], alpha: float = 0.05) -> tuple[list[Pooled], list[str]]:
+    """Per (model, latent arm, battery): each probe arm's per-seed paired effect pooled over the seeds
+    (``stats.random_effects``; SE = 95 % interval width / (2 · 1.96), as the paper's artefact derives
+    it), and the arm with the highest pooled mean reported at alpha / J, J the arms pooled."""
+    from splitleak.stats import leave_one_out, random_effects
+
+    z = float(norm.ppf(1 - alpha / 2))
+    groups: dict[tuple[str, str, str], list[ProbeRun]] = {}
+    for run in runs:
+        groups.setdefault((run.model, run.arm, run.params), []).append(run)
+    pooled, notes = [], []
+    for (model, arm, params), rs in sorted(groups.items()):
+        if len(rs) < 2:
+            continue
+        names = set.intersection(*({a["arm"] for a in run.arms if not a["degenerate"]} for run in rs))
+        per_arm = {}
+        for name in sorted(names):
+            vals = [next(a for a in run.arms if a["arm"] == name) for run in rs]
+            y = np.array([a["paired_effect"] for a in vals], dtype=float)
+            v = np.array([((a["paired_high"] - a["paired_low"]) / (2 * z)) ** 2 for a in vals], dtype=float)
+            if (v > 0).all():
+                per_arm[name] = (y, v)
+        if not per_arm:
+            notes.append(
+                f"{model} {arm} ({params}): no probe arm has a non-degenerate interval on every seed; not pooled"
+            )
+            continue
+        j = len(per_arm)
+        best = max(per_arm, key=lambda n: random_effects(*per_arm[n], alpha=alpha).estimate)
+        y, v = per_arm[best]
+        re = random_effects(y, v, alpha=alpha / j)
+        loo = None
+        if len(y) >= 3:
+            means = [x.estimate for x in leave_one_out(y, v, alpha=alpha / j)]
+            loo = (min(means), max(means))
+        pooled.append(
+            Pooled(
+                model, arm, params, best, sorted(run.seed for run in rs),
+                re.estimate, re.low, re.high, re.tau, re.i2, j, loo,
+            )
+        )  # fmt: skip
+    return pooled, notes
+
+
+def _utility(train_rows: Sequence[dict[str, Any]]) -> list[UtilityCell]:
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for t in train_rows:
+        if is_latent(t):
+            groups.setdefault((t["model"], t["defence"]), []).append(t)
+    cells: dict[tuple[str, str], UtilityCell] = {}
+    configs: dict[tuple[str, str], dict[str, Any]] = {}
+    by_seed: dict[tuple[str, str], dict[int, float]] = {}
+    for (model, arm), ts in sorted(groups.items()):
+        eps = [json.loads(t["metrics_json"]).get("privacy", {}).get("epsilon_per_row_one_release") for t in ts]
+        cells[(model, arm)] = UtilityCell(
+            model,
+            arm,
+            sorted(int(t["victim_seed"]) for t in ts),
+            ts[0].get("steps"),
+            float(np.mean([t["heldout_ce"] for t in ts])),
+            float(np.mean([t["pretrained_ce"] for t in ts])),
+            eps[0] if eps and all(e == eps[0] for e in eps) else None,
+        )
+        configs[(model, arm)] = json.loads(ts[0]["train_config"])["latent"]
+        by_seed[(model, arm)] = {int(t["victim_seed"]): float(t["heldout_ce"]) for t in ts}
+    # the output gradient's cost: against the arm with the same configuration and the output gradient open
+    skip = ("output_gradient", "output_clip", "output_sigma")
+    for (model, arm), cell in cells.items():
+        cfg = configs[(model, arm)]
+        if cfg["output_gradient"] == "open":
+            continue
+        same = {k: v for k, v in cfg.items() if k not in skip}
+        ref = next(
+            (
+                a
+                for (m, a), c in configs.items()
+                if m == model
+                and c["output_gradient"] == "open"
+                and {k: v for k, v in c.items() if k not in skip} == same
+            ),
+            None,
+        )
+        if ref is None:
+            continue
+        seeds = sorted(set(by_seed[(model, arm)]) & set(by_seed[(model, ref)]))
+        if not seeds:
+            continue
+        d = np.array([by_seed[(model, arm)][s] - by_seed[(model, ref)][s] for s in seeds])
+        cell.cost = {
+            "against": ref,
+            "seeds": seeds,
+            "mean": float(d.mean()),
+            "min": float(d.min()),
+            "max": float(d.max()),
+        }
+    return list(cells.values())
+
+
+def latent_summary(attack_rows: Sequence[dict[str, Any]], train_rows: Sequence[dict[str, Any]]) -> LatentSummary:
+    """Everything the decoy section shows, from the store's latent rows."""
+    rows = [r for r in attack_rows if is_latent(r)]
+    probes = _probes(rows)
+    partition, bare = _partition(rows)
+    pooled, notes = pool_probe_runs(probes)
+    return LatentSummary(partition, probes, pooled, _utility(train_rows), bare + notes)
+
+
+# ------------------------------------------------------------------ the section
+
+
+def _pp(x: float | None, signed: bool = True) -> str:
+    if x is None or not np.isfinite(x):
+        return "n/a"
+    return f"{100 * x:+.2f}" if signed else f"{100 * x:.2f}"
+
+
+def _f(x: float | None, places: int = 3) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{x:.{places}f}"
+
+
+def latent_section(doc: Document, attack_rows: Sequence[dict[str, Any]], train_rows: Sequence[dict[str, Any]]) -> None:
+    """The decoy system (002): omitted when the grid trained no latent arm."""
+    s = latent_summary(attack_rows, train_rows)
+    if not s:
+        return
+    doc.add(Heading(2, "The decoy system (002): partition, probes and utility"))
+    steps = sorted({str(u.steps) for u in s.utility})
+    frames = sorted({str(r.get("n_docs")) for r in attack_rows if is_latent(r) and r.get("n_docs") is not None})
+    doc.add(
+        Para(
+            f"Ours: {', '.join(sorted({u.model for u in s.utility}))}, {', '.join(steps)} training steps, "
+            f"{', '.join(frames)} evaluation frames per run. The paper: {PAPER['setting']}. Differences in size "
+            "come from these: fewer evaluation frames widen every interval (at a few dozen frames the Bonferroni "
+            "interval of a probe arm is about ±2 pp wide, wider than the paper's whole defended effect), fewer "
+            "steps leave the private encoder and decoder far from trained (the held-out loss below), and a "
+            "smaller model with another split changes what the boundary carries. Numbers that do not depend on "
+            "training, such as the exact partition by zero support, should agree exactly."
+        )
+    )
+    if s.partition:
+        doc.add(Heading(3, "Which rows are real: the partition of each frame"))
+        rows = []
+        for cell in s.partition:
+            rows.append(
+                [
+                    cell.model,
+                    cell.arm,
+                    cell.params,
+                    str(len(cell.seeds)),
+                    f"{cell.frames_exact:,} / {cell.frames:,}",
+                    _f(cell.agreement),
+                    _f(cell.auc),
+                ]
+            )
+        doc.add(
+            Table(
+                ["model", "latent arm", "rule", "seeds", "frames exact", "row agreement", "AUC"],
+                rows,
+                caption="Support partition: a row is called real iff its returned output gradient is non-zero; the "
+                "norm and classifier rules read the same frames after the fix, which the paper did not test. "
+                f"The paper: open, {PAPER['partition_open']}; with the fix, {PAPER['partition_fix']}.",
+            )
+        )
+    if s.probes:
+        doc.add(Heading(3, "What the rows say: the probe battery"))
+        rows = []
+        for run in s.probes:
+            v = run.verdict
+            twin = "n/a" if run.twin is None else f"{_pp(run.twin_of_best)} ({run.twin.get('verdict', 'n/a')})"
+            rows.append(
+                [
+                    run.model,
+                    run.arm,
+                    str(run.seed),
+                    _pp(run.constant, signed=False),
+                    str(v.get("best_arm", "n/a")),
+                    f"{_pp(v.get('paired_effect'))} [{_pp(v.get('paired_low'))}, {_pp(v.get('paired_high'))}]",
+                    str(v.get("verdict")),
+                    _pp(v.get("gate_statistic")),
+                    twin,
+                ]
+            )
+        doc.add(
+            Table(
+                ["model", "latent arm", "seed", "control (%)", "best eligible arm", "paired effect (pp)", "verdict", "G (pp)", "shuffled twin (pp)"],
+                rows,
+                caption="Per seed: the best eligible arm's paired advantage over the most-frequent-token control at "
+                "α/J (Bonferroni over the J eligible arms; degenerate arms, modal share > 0.99, excluded), the gate "
+                "statistic G, and the same arm in the shuffled-label twin (labels permuted globally over probe "
+                f"training and evaluation, the battery retrained). The paper: naked, {PAPER['probes_naked']}; "
+                f"defended, {PAPER['probes_defended']}.",
+            )
+        )  # fmt: skip
+    if s.pooled:
+        rows = []
+        for pool in s.pooled:
+            loo = (
+                "n/a (fewer than 3 seeds)"
+                if pool.leave_one_out is None
+                else f"{_pp(pool.leave_one_out[0])} … {_pp(pool.leave_one_out[1])}"
+            )
+            rows.append(
+                [pool.model, pool.arm, pool.probe_arm, str(len(pool.seeds)), f"{_pp(pool.estimate)} [{_pp(pool.low)}, {_pp(pool.high)}]",
+                 _pp(pool.tau, signed=False), f"{100 * pool.i2:.1f}", loo]
+            )  # fmt: skip
+        doc.add(
+            Table(
+                ["model", "latent arm", "probe arm", "seeds", "pooled effect (pp)", "τ (pp)", "I² (%)", "leave-one-out means (pp)"],
+                rows,
+                caption="Seed-level DerSimonian–Laird pooling of each probe arm (per-seed SE from its 95 % "
+                "frame-bootstrap interval); the arm with the highest pooled mean, its interval at α/J over the "
+                f"arms pooled. The paper: {PAPER['probes_defended']}.",
+            )
+        )  # fmt: skip
+    for note in s.notes:
+        doc.add(Para(note, "note"))
+    if s.utility:
+        doc.add(Heading(3, "What the defence costs: held-out loss"))
+        rows = []
+        for u in s.utility:
+            cost = "n/a"
+            if u.cost is not None:
+                uc = u.cost
+                cost = f"{uc['mean']:+.4f} [{uc['min']:+.4f}, {uc['max']:+.4f}] vs {uc['against']} ({len(uc['seeds'])} seeds)"
+            rows.append(
+                [u.model, u.arm, str(len(u.seeds)), str(u.steps), _f(u.heldout_ce), _f(u.pretrained_ce),
+                 f"{u.heldout_ce - u.pretrained_ce:+.3f}", _f(u.epsilon, 2), cost]
+            )  # fmt: skip
+        doc.add(
+            Table(
+                ["model", "latent arm", "seeds", "steps", "held-out CE", "pretrained CE", "Δ (nats)", "ε per row, one release", "output-gradient cost (nats): mean [min, max]"],
+                rows,
+                caption="Held-out cross-entropy of the deployed pipeline (noise, decoys, gauges) on the capture pass, "
+                "against the frozen pretrained model; the output-gradient cost pairs each seed with the arm that "
+                f"differs only in the output gradient. The paper: the fix costs {PAPER['fix_cost']}; its utility "
+                "gate allows +0.35 nats over the reference.",
+            )
+        )  # fmt: skip
