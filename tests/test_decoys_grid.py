@@ -43,6 +43,11 @@ def write(folder: Path, text: str) -> Path:
 @pytest.mark.unit
 def test_latent_arms_expand_into_train_jobs_and_attacks_by_the_mode_they_read(tmp_path):
     from splitleak.experiments import plan_grid
+    from splitleak.experiments.jobs import LATENT_DEFENCE
+    from splitleak.report import grid_latent
+
+    # the torch-free report keeps its own copy of the word that marks a latent row: they must agree
+    assert grid_latent.LATENT_DEFENCE == LATENT_DEFENCE
 
     mixed = LATENT.replace("model: tiny-gpt2\n", "model: tiny-gpt2\ndepths: [1]\n") + (
         "  - {attack: activation, k: 4}\n"

@@ -142,7 +142,6 @@ class ClientRole:
         self.opt = make_optimizer(self.params, lr)
         self.last_gradient: torch.Tensor | None = None  # gradient applied to the bottom's output
         self.last_losses: list[float] | None = None  # per document, when the client computes the loss (U-shape)
-        self.last_output_gradient: torch.Tensor | None = None  # U-shape: the raw output gradient, never sent
         chain.check_split_mode(split.spec.u_shape)
 
     def exchange(self, input_ids: torch.Tensor, doc_ids: tuple[int, ...], step: int, phase: str) -> list[float] | None:
@@ -190,7 +189,6 @@ class ClientRole:
                 (g_top,) = torch.autograd.grad(per_doc.sum(), h_ret)
             self.last_losses = [float(v) for v in per_doc.detach()]  # logged here; the loss never crosses
             top_mask = torch.ones(input_ids.shape, dtype=torch.int64)
-            self.last_output_gradient = g_top.detach()  # raw, before the backward-wire defences: it stays here
             reply = self.channel.request(
                 Frame(
                     "backward-top",
