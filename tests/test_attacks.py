@@ -269,7 +269,8 @@ def test_threat_model_knowledge_holds_no_server_layers_or_eval_text(weak_runs):
     assert isinstance(kn.client.owner.ln_f, torch.nn.Identity)  # the final norm belongs to the server
     eval_ids = {d["doc_id"] for d in json.loads((weak_runs[0] / "documents.json").read_text())["evaluation"]}
     assert not eval_ids & {d.doc_id for d in kn.calibration}
-    assert set(vars(kn)) == {"client", "calibration", "copy", "model"}
+    assert set(vars(kn)) == {"client", "calibration", "copy", "model", "top"}
+    assert kn.top is None  # the pretrained Top is loaded only for the attacks that match output gradients
 
 
 @pytest.mark.integration
@@ -346,6 +347,7 @@ def test_registry_names_match_cli_contract():
         "property",
         "mixup-unmix",
         "support-partition",
+        "gma-sl",
         "latent-probe",
     }
 

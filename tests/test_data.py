@@ -436,9 +436,9 @@ def test_document_sets_validate_fields():
 
 @pytest.mark.unit
 def test_unknown_source(tok):
-    with pytest.raises(DataError, match="choose one of wikitext2, synthetic-pii, text"):
+    with pytest.raises(DataError, match="choose one of wikitext2, synthetic-pii, instructions, text"):
         load_documents("wikitext103", tok, seed=0)
-    assert SOURCES == ("wikitext2", "synthetic-pii", "text")
+    assert SOURCES == ("wikitext2", "synthetic-pii", "instructions", "text")
 
 
 @pytest.mark.unit

@@ -118,7 +118,7 @@ def test_vmf_epsilon_and_the_defences_arguments():
     from splitleak.wire import build_defence
 
     d = build_defence("vmf", {"kappa": 250})
-    assert d.roles() == ("backward-wire",) and d.split_modes == ("u-shape",)
+    assert d.roles() == ("backward-wire",) and d.split_modes == ("u-shape", "label-shielded")
     eps = d.privacy()
     assert eps["epsilon_per_unit_distance"] == 250.0 and eps["epsilon_per_row_worst_case"] == 500.0
     assert "norm" in eps["mechanism"] and "unprotected" in eps["mechanism"]

@@ -100,6 +100,7 @@ def _local_and_remote(tls, tmp_path, cfg):
         ({"depth": 2}, [{"name": "none"}]),
         ({"depth": 2}, [{"name": "clip-noise", "args": {"sigma": 0.05}}]),
         ({"offload_start": 1, "offload_length": 2}, [{"name": "quant8"}]),
+        ({"shielded": {"bottom": 1, "top": 1}}, [{"name": "mirage"}]),
     ],
 )
 def test_over_tls_the_same_bits_as_in_one_process(tls, tmp_path, split, defences):
@@ -152,7 +153,8 @@ def test_over_tls_the_same_bits_as_in_one_process(tls, tmp_path, split, defences
     assert client_manifest["transport"]["server_config_hash"] == server_config.hash()
     # the server learns the model, split, defences, sizes and two derived seeds: never the run seed or the data
     # (``latent`` only in the latent mode: a split run's configuration keeps the hash it had before)
-    assert set(manifest["config"]) == set(SERVER_FIELDS) - {"latent"} | {"server_seed", "model_init_seed"}
+    modes = {"latent"} | (set() if "shielded" in split else {"shielded"})  # each only in its own mode
+    assert set(manifest["config"]) == set(SERVER_FIELDS) - modes | {"server_seed", "model_init_seed"}
     assert manifest["config"]["server_seed"] not in (cfg.seed, cfg.data_seed)
     for where in (remote.run_dir, session):  # declared, captured, and (no attack reads them yet) unmeasured
         rows = {r["channel"]: r for r in channel_table(where)}

@@ -120,14 +120,45 @@ def select_cache(cache, position: int, parent: torch.Tensor, choice: torch.Tenso
             setattr(layer, attr, prefix.contiguous())
 
 
+class PublicTop:
+    """The proxy Top of the gradient-matching attacks (GMA-SL, 003 §2-3): the *pretrained* blocks after the
+    server's Trunk, the final norm and the head, frozen; the semi-white-box attacker knows the checkpoint,
+    not the client's fine-tuned Top. Called on trunk outputs [b, T, H], it returns logits [b, T, V]."""
+
+    def __init__(self, lm, split: dict[str, Any]):
+        from splitleak.models.split import SplitModel
+        from splitleak.training.config import ShieldedConfig
+
+        if not split.get("label_shielded"):
+            raise ConfigError("the proxy Top is the label-shielded mode's: this run keeps no Top on the client")
+        top = int(split["n_blocks"]) - int(split["server_end"])
+        self.split = SplitModel(lm, shielded=ShieldedConfig(bottom=int(split["cut"]), top=top))
+        for p in lm.model.parameters():
+            p.requires_grad_(False)
+        self.vocab_size = int(self.split.head.weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.split.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.split.dtype
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.split.head_logits(h, self.split.context(h.shape[0], h.shape[1]))
+
+
 @dataclass
 class Knowledge:
-    """The attacker's side information. No server layers, no labels, no evaluation text."""
+    """The attacker's side information. No server layers, no labels, no evaluation text. ``top``: the
+    pretrained Top, for the attacks that match output gradients (label-shielded runs)."""
 
     client: ClientCopy
     calibration: tuple[Document, ...]
     copy: str
     model: str
+    top: PublicTop | None = None
 
     def calibration_ids(self) -> torch.Tensor:
         return torch.tensor([list(d.token_ids) for d in self.calibration], dtype=torch.long)
@@ -151,6 +182,7 @@ class Traffic:
     output_gradients: torch.Tensor | None = None
     steps: tuple[int, ...] | None = None
     phase: str = "capture"
+    frames: tuple[int, ...] | None = None  # the frame each row crossed in (a loss normalises over its frame)
 
     _ROWS = (
         "activations",
@@ -180,6 +212,7 @@ class Traffic:
             cap.output_gradients if with_gradients else None,
             None if cap.steps is None else tuple(int(s) for s in cap.steps),
             cap.phase,
+            None if cap.frames is None else tuple(int(f) for f in cap.frames),
         )
 
     def replace(self, **fields) -> "Traffic":
@@ -193,6 +226,7 @@ class Traffic:
             **picked,
             steps=None if self.steps is None else tuple(self.steps[i] for i in rows),
             phase=self.phase,
+            frames=None if self.frames is None else tuple(self.frames[i] for i in rows),
         )
 
 
@@ -258,27 +292,38 @@ def read_documents(run_dir: str | Path) -> DocumentSets:
     return DocumentSets.from_json(json.loads((Path(run_dir) / "documents.json").read_text()))
 
 
-def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None) -> Knowledge:
-    """The attacker's knowledge for a run: its client-layer copy and the calibration documents."""
-    if copy not in COPIES:
-        raise ConfigError(
-            f"unknown copy {copy!r}; use public (pretrained weights) or trained (the run's client layers)"
-        )
-    m = read_manifest(run_dir)
+def _public_model(m: dict[str, Any], run_dir):
     cfg = m["config"]
-    if lm is None:
-        lm = load_model(
-            cfg["model"],
-            precision=cfg["precision"],
-            seed=model_init_seed(cfg["seed"]),
-            model_path=cfg.get("model_path"),
-        )
+    lm = load_model(
+        cfg["model"], precision=cfg["precision"], seed=model_init_seed(cfg["seed"]), model_path=cfg.get("model_path")
+    )
     want = (m.get("model") or {}).get("fingerprint")
     if want is not None and lm.fingerprint() != want:
         raise IntegrityError(
             f"the public model loaded for {run_dir} (fingerprint {lm.fingerprint()[:12]}) is not the one the run "
             f"started from ({want[:12]}): another version of the weights, or a tiny-model run written before "
             "splitleak derived the model's init seed from the run seed (train it again)"
+        )
+    return lm
+
+
+def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None, with_top: bool = False) -> Knowledge:
+    """The attacker's knowledge for a run: its client-layer copy and the calibration documents; with
+    ``with_top``, the pretrained Top too (a second load of the public weights)."""
+    if copy not in COPIES:
+        raise ConfigError(
+            f"unknown copy {copy!r}; use public (pretrained weights) or trained (the run's client layers)"
+        )
+    m = read_manifest(run_dir)
+    cfg = m["config"]
+    top = PublicTop(_public_model(m, run_dir), m["split"]) if with_top else None
+    if lm is None:
+        lm = _public_model(m, run_dir)
+    want = (m.get("model") or {}).get("fingerprint")
+    if want is not None and lm.fingerprint() != want:
+        raise IntegrityError(
+            f"the public model loaded for {run_dir} (fingerprint {lm.fingerprint()[:12]}) is not the one the run "
+            f"started from ({want[:12]}): another version of the weights"
         )
     client = ClientCopy(lm.model, m["split"]["cut"], lm.tokenizer)
     if copy == "trained":
@@ -291,7 +336,7 @@ def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None) -> Knowle
             )
         client.embedding = client.owner.get_input_embeddings().weight.detach()
     docs = read_documents(run_dir)
-    return Knowledge(client, docs.calibration, copy, cfg["model"])
+    return Knowledge(client, docs.calibration, copy, cfg["model"], top)
 
 
 def load_traffic(

@@ -37,7 +37,9 @@ class AttackInfo:
     control_of: str | None = None  # the attack whose signal this control replaces (None: a control of all)
     takes_readout: bool = False  # takes ``readout`` (the gradient read-out of attacks.core.READOUTS)
     label: str = ""  # display label where it differs from the name (figures)
-    modes: tuple[str, ...] = ("plain", "u-shape")  # the split modes whose traffic it reads ("latent": the decoy system)
+    #: the split modes whose traffic it reads ("latent": the decoy system; "label-shielded": 003's U-shape)
+    modes: tuple[str, ...] = ("plain", "u-shape", "label-shielded")
+    needs_top: bool = False  # fits on the pretrained Top (``Knowledge.top``) as well as the client-layer copy
 
     @property
     def display(self) -> str:
@@ -143,6 +145,16 @@ REGISTRY: dict[str, AttackInfo] = {
             output="row-tokens",
             modes=("latent",),
         ),
+        AttackInfo(
+            "gma-sl",
+            f"{_A}.gma:GMASL",
+            "label-shielded: soft labels matched so that the pretrained Top's gradient explains the output gradient",
+            reads=("trunk-output", "output-gradient"),
+            output="labels",
+            modes=("label-shielded",),
+            needs_top=True,
+            label="GMA-SL",
+        ),
     )
 }
 
@@ -170,7 +182,7 @@ def attack_info(name: str) -> AttackInfo:
 
 
 def attacks_for_mode(mode: str) -> list[str]:
-    """The attacks that read traffic of a split mode ("plain", "u-shape" or "latent")."""
+    """The attacks that read traffic of a split mode ("plain", "u-shape", "label-shielded" or "latent")."""
     return [n for n, a in REGISTRY.items() if mode in a.modes]
 
 

@@ -34,7 +34,8 @@ def run_declaration(run_dir: str | Path) -> Declaration:
     if "channels" in m:
         return Declaration.from_dict(m["channels"])
     chain = DefenceChain.from_specs(m["config"]["defences"], m["config"]["seed"])  # a run older than declarations
-    return declare_channels(u_shape=bool(m["split"].get("u_shape")), defences=chain.defences)
+    top_only = (m["config"].get("shielded") or {}).get("train") == "top-only"
+    return declare_channels(u_shape=bool(m["split"].get("u_shape")), defences=chain.defences, gradients=not top_only)
 
 
 def _captured(run_dir: Path) -> dict[str, dict[str, Any]]:

@@ -145,7 +145,7 @@ def run_attack(
         return run_probe_attack(run_dir, doc_dir, manifest, config, out_path, protocol_hash)
     attack = make_attack(config.attack, **config.attack_params())
     if knowledge is None:
-        knowledge = load_knowledge(doc_dir, config.client_copy)
+        knowledge = load_knowledge(doc_dir, config.client_copy, with_top=info.needs_top)
     if device is not None:
         knowledge.client.to(device)
     if traffic is None:
@@ -199,6 +199,8 @@ def run_attack(
             result["true_token_in_candidates"] = float(
                 (rec.extra["candidates"] == truth.unsqueeze(-1)).any(-1).float().mean()
             )
+        if "labels" in rec.extra:
+            result.update(label_scores(rec.extra["labels"], docs, knowledge.client.tokenizer))
         if "matched" in rec.extra:
             result["certified_tokens"] = float(rec.extra["matched"].float().mean())
             result["mean_checks_per_token"] = float(rec.extra["checks"].float().mean())
@@ -249,10 +251,37 @@ def run_attack(
     return result
 
 
+def label_scores(labels: torch.Tensor, docs, tokenizer) -> dict[str, Any]:
+    """How much of the labels (tokens 1 … T-1) a label attack recovered: the share of label tokens, the
+    share of the answer's labels (instruction documents), and ROUGE-1/2/L F and METEOR of the label text
+    (``splitleak.metrics.text_overlap``; METEOR only where nltk's WordNet is installed)."""
+    from splitleak.metrics.text_overlap import meteor, rouge_f
+
+    truth = torch.tensor([list(d.token_ids) for d in docs])[:, 1:]
+    hit = labels.cpu() == truth
+    out: dict[str, Any] = {"label_recovery": float(hit.float().mean())}
+    if all(d.answer_start is not None for d in docs):
+        answer = (
+            torch.arange(1, truth.shape[1] + 1).unsqueeze(0) >= torch.tensor([d.answer_start for d in docs])[:, None]
+        )
+        out["answer_label_recovery"] = float(hit[answer].float().mean()) if bool(answer.any()) else None
+    pred_text = [tokenizer.decode(row) for row in labels.tolist()]
+    true_text = [tokenizer.decode(row) for row in truth.tolist()]
+    rouge = rouge_f(pred_text, true_text)
+    out.update({f"{k}_f": rouge[k]["mean"] for k in ("rouge1", "rouge2", "rougeL")})
+    m = meteor(pred_text, true_text)
+    out["meteor"] = m["mean"] if m["available"] else None
+    if not m["available"]:
+        out["meteor_note"] = m["reason"]
+    return out
+
+
 def run_mode(manifest: dict[str, Any]) -> str:
-    """The split mode of a run from its manifest: "latent", "u-shape" or "plain"."""
+    """The split mode of a run from its manifest: "latent", "label-shielded", "u-shape" or "plain"."""
     if manifest.get("mode") == "latent":
         return "latent"
+    if (manifest.get("split") or {}).get("label_shielded"):
+        return "label-shielded"
     return "u-shape" if (manifest.get("split") or {}).get("u_shape") else "plain"
 
 

@@ -89,6 +89,8 @@ class AuditResult:
 
 def capture_summary(run_dir: Path) -> dict[str, Any]:
     cap = load_capture(run_dir)
+    if cap.gradients is None:
+        raise ConfigError(f"{run_dir} recorded no returned gradient (top-only training); the audit reads one")
     act, grad = cap.activations.double(), cap.gradients.double()
     return {
         "documents": len(cap),

@@ -66,7 +66,22 @@ def train_cmd(
     defence: list[str] = typer.Option(["none"], "--defence", help="defence name (repeat to compose, applied in order)"),
     defence_arg: list[str] = typer.Option([], "--defence-arg", help="KEY=VALUE (or NAME.KEY=VALUE) for a defence"),
     mode: str = typer.Option(
-        "split", "--mode", help="split (plain or U-shape, by --depth / --offload-*) or latent (the decoy system)"
+        "split",
+        "--mode",
+        help="split (plain or U-shape, by --depth / --offload-*), latent (the decoy system) or label-shielded "
+        "(Bottom and Top on the client with the labels, the Trunk on the server; all three train)",
+    ),
+    bottom_blocks: int = typer.Option(
+        6, "--bottom-blocks", help="label-shielded: blocks of the client's Bottom (003: 6; SmolLM2 cut points 6-25)"
+    ),
+    top_blocks: int = typer.Option(5, "--top-blocks", help="label-shielded: blocks of the client's Top (003: 5)"),
+    shielded_train: str = typer.Option(
+        "all",
+        "--shielded-train",
+        help="label-shielded: all, trunk-frozen or top-only (the baseline; no gradient crosses)",
+    ),
+    answer_only: bool = typer.Option(
+        False, "--answer-only", help="label-shielded: supervise the answer tokens only (--data instructions)"
     ),
     latent_split: Optional[str] = typer.Option(
         None, "--latent-split", help="latent mode: a named split of the model (main, mitigation), or S/R"
@@ -78,7 +93,7 @@ def train_cmd(
         "output_clip, output_sigma, scale_gauge, gauge_entropy=derived|os, teacher_weight, surrogate_layers)",
     ),
     lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate (default 5e-5; 3e-4 in latent mode)"),
-    data: str = typer.Option("synthetic-pii", "--data", help="wikitext2, synthetic-pii or text"),
+    data: str = typer.Option("synthetic-pii", "--data", help="wikitext2, synthetic-pii, instructions or text"),
     data_path: Optional[Path] = typer.Option(
         None, "--data-path", help="folder of wiki.*.raw files, or your text files"
     ),
@@ -135,6 +150,10 @@ def train_cmd(
             mode=mode,
             latent_split=latent_split,
             latent_arg=latent_arg,
+            bottom_blocks=bottom_blocks,
+            top_blocks=top_blocks,
+            shielded_train=shielded_train,
+            answer_only=answer_only,
             lr=lr,
             data=data,
             data_path=data_path,
@@ -195,10 +214,22 @@ def _options_config(**o):
     if o["mode"] == "latent":
         extra["latent"] = _latent_options(o["model"], o["latent_split"], o["latent_arg"])
         extra.setdefault("lr", 3e-4)  # the paper's, on both sides
+    elif o["mode"] == "label-shielded":
+        extra["shielded"] = {
+            "bottom": o["bottom_blocks"],
+            "top": o["top_blocks"],
+            "train": o["shielded_train"],
+            "answer_only": o["answer_only"],
+        }
     elif o["mode"] != "split":
-        raise ConfigError(f"unknown --mode {o['mode']!r}; use split or latent")
-    elif o["latent_split"] is not None or o["latent_arg"]:
+        raise ConfigError(f"unknown --mode {o['mode']!r}; use split, latent or label-shielded")
+    if o["mode"] != "latent" and (o["latent_split"] is not None or o["latent_arg"]):
         raise ConfigError("--latent-split and --latent-arg are for --mode latent")
+    shielded_options = ("bottom_blocks", "top_blocks", "shielded_train", "answer_only")
+    if o["mode"] != "label-shielded" and any(o[k] != _TRAIN_DEFAULTS[k] for k in shielded_options):
+        raise ConfigError(
+            "--bottom-blocks, --top-blocks, --shielded-train and --answer-only are for --mode label-shielded"
+        )
     return _train_config(
         **{k: o[k] for k in same},
         **paths,
@@ -236,6 +267,10 @@ _TRAIN_DEFAULTS = dict(
     mode="split",
     latent_split=None,
     latent_arg=[],
+    bottom_blocks=6,
+    top_blocks=5,
+    shielded_train="all",
+    answer_only=False,
     lr=None,
     data="synthetic-pii",
     data_path=None,
@@ -447,6 +482,15 @@ def attack_cmd(
         t.add_column("value", justify="right")
         from splitleak.metrics import fmt_pct
 
+        if res.get("label_recovery") is not None:  # a label attack (gma-sl): the labels are tokens 1 … T-1
+            t.add_row("label tokens recovered (%)", fmt_pct(res["label_recovery"]))
+            if res.get("answer_label_recovery") is not None:
+                t.add_row("answer label tokens recovered (%)", fmt_pct(res["answer_label_recovery"]))
+            for key, title in (("rouge1_f", "ROUGE-1 F"), ("rouge2_f", "ROUGE-2 F"), ("rougeL_f", "ROUGE-L F")):
+                t.add_row(f"{title} of the label text", f"{res[key]:.4f}")
+            t.add_row(
+                "METEOR", "n/a (nltk has no WordNet here)" if res.get("meteor") is None else f"{res['meteor']:.4f}"
+            )
         if res.get("token_recovery") is not None:
             t.add_row("token recovery (%)", fmt_pct(res["token_recovery"]))
             t.add_row("whole-document recovery (%)", fmt_pct(res["doc_recovery"]))

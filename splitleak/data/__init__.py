@@ -26,7 +26,7 @@ from splitleak.errors import DataError
 
 __all__ = ["SOURCES", "LABELS", "Span", "Document", "DocumentSets", "annotate", "load_documents"]
 
-SOURCES = ("wikitext2", "synthetic-pii", "text")
+SOURCES = ("wikitext2", "synthetic-pii", "instructions", "text")
 
 
 #: the document counts of What Gradients Add (32 calibration, 128 training, 256 evaluation documents of 32
@@ -48,7 +48,7 @@ def load_documents(
     """Draw calibration, train and evaluation documents of ``doc_len`` tokens from ``source``.
 
     ``source`` is ``"wikitext2"`` (``data_path``: folder of ``wiki.*.raw`` files, or None for
-    the ``datasets`` library), ``"synthetic-pii"`` (no ``data_path``) or ``"text"``
+    the ``datasets`` library), ``"synthetic-pii"`` or ``"instructions"`` (generated; no ``data_path``) or ``"text"``
     (``data_path``: a UTF-8 file or a folder of ``*.txt``). ``tokenizer`` is a Hugging Face
     fast tokenizer. Raises DataError on any input that cannot give the requested sets.
     """
@@ -59,18 +59,21 @@ def load_documents(
     seed, doc_len = int(seed), int(doc_len)
     counts = {"n_calib": int(n_calib), "n_train": int(n_train), "n_eval": int(n_eval)}
 
-    if source == "synthetic-pii":
+    if source in ("synthetic-pii", "instructions"):
         if data_path is not None:
             raise DataError(
-                "source 'synthetic-pii' generates its documents and reads no data_path; drop "
+                f"source {source!r} generates its documents and reads no data_path; drop "
                 "data_path (--data-path) or use source 'text' for your own files"
             )
-        from splitleak.data.synthetic import synthetic_passages
+        if source == "synthetic-pii":
+            from splitleak.data.synthetic import synthetic_passages as generate
+        else:
+            from splitleak.data.instructions import instruction_passages as generate
 
-        passages = synthetic_passages(tokenizer, seed=seed, count=sum(counts.values()), doc_len=doc_len)
+        passages = generate(tokenizer, seed=seed, count=sum(counts.values()), doc_len=doc_len)
         encodings = encode(tokenizer, [p.text for p in passages])
         pool = cut_windows(encodings, doc_len, first_only=True)
-        where = "synthetic-pii texts"
+        where = f"{source} texts"
     else:
         if source == "wikitext2":
             from splitleak.data.wikitext import read_wikitext

@@ -77,10 +77,18 @@ class Document:
     text: str
     spans: tuple[Span, ...]
     source: str
+    #: instruction documents: the first token of the answer (answer-only supervision predicts the targets
+    #: from here on); None for plain text, where every target is supervised
+    answer_start: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
         object.__setattr__(self, "spans", tuple(self.spans))
+        if self.answer_start is not None and not 0 <= self.answer_start <= len(self.token_ids):
+            raise DataError(
+                f"document {self.doc_id}: answer_start {self.answer_start} is outside its "
+                f"{len(self.token_ids)} tokens; give 0 <= answer_start <= the document's length"
+            )
         for span in self.spans:
             if span.token_end > len(self.token_ids) or span.char_end > len(self.text):
                 raise DataError(
@@ -144,6 +152,8 @@ class DocumentSets:
                     }
                     for s in d.spans
                 ],
+                # only instruction documents carry it: other sources' JSON (and fingerprint) is unchanged
+                **({} if d.answer_start is None else {"answer_start": d.answer_start}),
             }
 
         return {
@@ -184,6 +194,7 @@ class DocumentSets:
                             )
                             for s in doc["spans"]
                         ),
+                        answer_start=None if doc.get("answer_start") is None else int(doc["answer_start"]),
                     )
                     for doc in d[name]
                 )
@@ -215,6 +226,7 @@ class Passage:
     text: str
     origin: str
     spans: tuple[tuple[str, int, int], ...] | None = field(default=None)
+    answer_start: int | None = None  # instruction texts: the character where the answer begins
 
 
 Encoding = tuple[list[int], list[tuple[int, int]]]
@@ -333,12 +345,16 @@ def _document(
         for label, s, e, t0, t1 in ranges
         if start <= t0 and t1 <= stop and c0 <= s and e <= c1
     )
+    answer = None
+    if passage.answer_start is not None:  # the first token that begins at or after the answer's first character
+        answer = next((j for j, (a, _) in enumerate(window) if a >= passage.answer_start), len(window))
     return Document(
         doc_id=doc_id,
         token_ids=tuple(ids[start:stop]),
         text=passage.text[c0:c1],
         spans=spans,
         source=f"{passage.origin}:tokens {start}-{stop}",
+        answer_start=answer,
     )
 
 

@@ -168,7 +168,7 @@ def _attack(job: dict[str, Any], store, device: str, progress) -> None:
     knowledge = None
     if "latent" not in attack_info(cfg.attack).modes:  # the latent attacks read frames and the truth file only
         lm = cached_model(m["model"], m["precision"], m["seed"], m.get("model_path"))
-        knowledge = load_knowledge(run_dir, cfg.client_copy, lm=lm)
+        knowledge = load_knowledge(run_dir, cfg.client_copy, lm=lm, with_top=attack_info(cfg.attack).needs_top)
     result = run_attack(
         run_dir,
         cfg,

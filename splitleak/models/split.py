@@ -69,9 +69,29 @@ class SplitSpec:
     server_end: int  # one past the last block the server computes
     trained_start: int  # first block trained under partial offloading (b), else 0
     u_shape: bool  # top (blocks after server_end, norm, head, labels) stays on the client
+    label_shielded: bool = False  # a U-shape whose Bottom, Trunk and Top all train (003)
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        if not self.label_shielded:
+            d.pop("label_shielded")  # the manifests of the other modes stay as they were
+        return d
+
+    @property
+    def mode(self) -> str:
+        """The split mode: "plain", "u-shape" (partial offloading) or "label-shielded"."""
+        return "label-shielded" if self.label_shielded else "u-shape" if self.u_shape else "plain"
+
+
+def shielded_spec(n_blocks: int, bottom: int, top: int) -> SplitSpec:
+    """Label-shielded: the client's Bottom is blocks [0, bottom), its Top the last ``top`` blocks; the
+    server's Trunk is every block between, at least one."""
+    if bottom < 1 or top < 1 or bottom + top >= n_blocks:
+        raise ConfigError(
+            f"--bottom-blocks {bottom} and --top-blocks {top} leave no Trunk block of the model's {n_blocks}; "
+            f"need both >= 1 and bottom + top <= {n_blocks - 1}"
+        )
+    return SplitSpec(n_blocks, bottom, bottom, n_blocks - top, 0, True, True)
 
 
 def make_spec(
@@ -119,8 +139,11 @@ class SplitModel:
         depth: int | None = None,
         offload_start: int | None = None,
         offload_length: int | None = None,
+        shielded: Any = None,
     ):
+        """``shielded``: a ``ShieldedConfig`` (label-shielded mode; its bottom and top counts cut the model)."""
         self.lm = lm
+        self.shielded = shielded
         self.model = lm.model
         self.owner, self.blocks, self._blocks_attr = find_blocks(self.model)
         self.norm = find_final_norm(self.owner)
@@ -128,7 +151,14 @@ class SplitModel:
         if head is None:
             raise ModelError(f"{type(self.model).__name__} has no LM head (get_output_embeddings() is None)")
         self.head = head
-        self.spec = make_spec(len(self.blocks), depth, offload_start, offload_length)
+        if shielded is not None:
+            if depth is not None or offload_start is not None or offload_length is not None:
+                raise ConfigError(
+                    "the label-shielded mode cuts by its bottom and top counts; omit depth and offloading"
+                )
+            self.spec = shielded_spec(len(self.blocks), shielded.bottom, shielded.top)
+        else:
+            self.spec = make_spec(len(self.blocks), depth, offload_start, offload_length)
         self._untie_head()
         self._softcap = getattr(self.model.config, "final_logit_softcapping", None)
 
@@ -164,12 +194,25 @@ class SplitModel:
         ps = [p for i in range(self.spec.server_end, self.spec.n_blocks) for p in self.blocks[i].parameters()]
         return ps + list(self.norm.parameters()) + list(self.head.parameters())
 
+    @property
+    def sends_no_gradient(self) -> bool:
+        """Label-shielded top-only training: the client trains its Top alone and returns no gradient."""
+        return self.shielded is not None and self.shielded.train == "top-only"
+
     def trained_block_range(self) -> tuple[int, int] | None:
-        """[b, b+s) under partial offloading; None when every parameter trains."""
-        return (self.spec.trained_start, self.spec.server_end) if self.spec.u_shape else None
+        """[b, b+s) under partial offloading; None when every parameter trains (plain split, label-shielded)."""
+        return (
+            (self.spec.trained_start, self.spec.server_end)
+            if self.spec.u_shape and not self.spec.label_shielded
+            else None
+        )
 
     def trainable_parameters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         """(client-side, server-side) parameters that train; the rest are frozen."""
+        if self.spec.label_shielded:
+            train = self.shielded.train if self.shielded is not None else "all"
+            client = self.top_parameters() if train == "top-only" else self.bottom_parameters() + self.top_parameters()
+            return client, self.trunk_parameters() if train == "all" else []
         rng = self.trained_block_range()
         if rng is None:
             client = self.bottom_parameters()

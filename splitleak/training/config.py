@@ -44,6 +44,26 @@ class LatentConfig(BaseModel):
         return self.model_dump(mode="json")
 
 
+class ShieldedConfig(BaseModel):
+    """Label-shielded split fine-tuning (Gradient Mirage, 003 §2): a U-shape whose Bottom (embeddings and
+    the first ``bottom`` blocks) and Top (the last ``top`` blocks, final norm, head) stay on the client with
+    the inputs, labels and loss, and whose Trunk (every block between) runs on the server. The paper cuts
+    6 / rest / 5; SmolLM2 gets the same counts. ``train``: ``all`` (Bottom, Trunk and Top train),
+    ``trunk-frozen`` (003 App. C.6: the server's Trunk does not step; Top and Bottom do) or ``top-only``
+    (the baseline: only the Top trains and no gradient crosses). ``answer_only``: supervise the answer
+    tokens of instruction documents only (the data source ``instructions``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bottom: int = Field(6, ge=1)
+    top: int = Field(5, ge=1)
+    train: Literal["all", "trunk-frozen", "top-only"] = "all"
+    answer_only: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
 class _ModelAndSplit(BaseModel):
     """The fields both nodes know: the model, the split and the defence chain."""
 
@@ -57,9 +77,17 @@ class _ModelAndSplit(BaseModel):
     offload_length: int | None = None
     defences: tuple[DefenceConfig, ...] = (DefenceConfig(name="none"),)
     latent: LatentConfig | None = None  # the decoy system's latent mode instead of a split at --depth
+    shielded: ShieldedConfig | None = None  # label-shielded split fine-tuning instead of a split at --depth
 
     @model_validator(mode="after")
     def _one_mode(self):
+        if self.shielded is not None:
+            if self.latent is not None:
+                raise ValueError("choose one mode: the latent mode or the label-shielded one")
+            if self.depth is not None or self.offload_start is not None or self.offload_length is not None:
+                raise ValueError(
+                    "the label-shielded mode cuts where --bottom-blocks/--top-blocks say; omit --depth and offloading"
+                )
         if self.latent is not None:
             if self.depth is not None or self.offload_start is not None or self.offload_length is not None:
                 raise ValueError(
@@ -81,8 +109,9 @@ class _ModelAndSplit(BaseModel):
 
     def as_dict(self) -> dict[str, Any]:
         d = self.model_dump(mode="json")
-        if d.get("latent") is None:
-            d.pop("latent", None)  # a split run's hash is what it was before the latent mode existed
+        for mode in ("latent", "shielded"):
+            if d.get(mode) is None:
+                d.pop(mode, None)  # a split run's hash is what it was before these modes existed
         return d
 
     def hash(self) -> str:
@@ -128,6 +157,7 @@ SERVER_FIELDS = (
     "offload_length",
     "defences",
     "latent",
+    "shielded",
     "lr",
     "doc_len",
     "capture_batch",

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from splitleak.data import Document
+from splitleak.errors import ConfigError
 from splitleak.models.split import SplitModel, next_token_loss
 from splitleak.progress import Progress, Silent
 from splitleak.training.roles import FLOAT64_HINT, ClientRole, ServerRole, _grads_finite, make_optimizer
@@ -30,6 +31,36 @@ def training_order(n_docs: int, steps: int, seed: int) -> list[int]:
 
 def ids_tensor(docs: Sequence[Document], device) -> torch.Tensor:
     return torch.tensor([list(d.token_ids) for d in docs], dtype=torch.long, device=device)
+
+
+def supervision(docs: Sequence[Document], answer_only: bool, device=None) -> torch.Tensor:
+    """Which next-token targets [docs, T-1] a loss supervises: all of them, or with ``answer_only`` those
+    of the answer tokens (target l predicts token l+1; it is supervised when l+1 >= the answer's start)."""
+    t = len(docs[0].token_ids)
+    if not answer_only:
+        return torch.ones(len(docs), t - 1, dtype=torch.bool, device=device)
+    missing = [d.doc_id for d in docs if d.answer_start is None]
+    if missing:
+        raise ConfigError(
+            f"answer-only supervision needs instruction documents (question and answer), and document {missing[0]} "
+            "has no answer; use --data instructions, or drop --answer-only"
+        )
+    starts = torch.tensor([d.answer_start for d in docs], device=device)
+    return torch.arange(1, t, device=device).unsqueeze(0) >= starts.unsqueeze(1)
+
+
+def supervised_loss(logits: torch.Tensor, input_ids: torch.Tensor, supervised: torch.Tensor | None) -> torch.Tensor:
+    """Per-document mean next-token CE over the supervised targets (all when ``supervised`` is None)."""
+    if supervised is None:
+        return next_token_loss(logits, input_ids, reduction="per_doc")
+    ce = next_token_loss(logits, input_ids, reduction="none")
+    m = supervised.to(ce.dtype)
+    return (ce * m).sum(1) / m.sum(1).clamp(min=1)
+
+
+def _supervision_of(split: SplitModel, docs: Sequence[Document]) -> torch.Tensor | None:
+    shielded = getattr(split, "shielded", None)
+    return None if shielded is None else supervision(docs, shielded.answer_only, split.device)
 
 
 def set_trainable(split: SplitModel, all_params: bool = False) -> None:
@@ -127,7 +158,7 @@ def train_split(
                 continue
             doc = train_docs[i]
             ids = ids_tensor([doc], split.device)
-            losses = client.exchange(ids, (doc.doc_id,), step, "train")
+            losses = client.exchange(ids, (doc.doc_id,), step, "train", _supervision_of(split, [doc]))
             if losses is None:
                 losses = server.last_losses  # None over TLS: a plain split's loss stays on the server
             log.losses.append(None if losses is None else losses[0])
@@ -154,8 +185,10 @@ def train_all_local(
     steps: int,
     lr: float,
     progress: Progress | None = None,
+    answer_only: bool = False,
 ) -> TrainLog:
-    """The paired baseline: the whole model trained on the client, same order, same optimiser."""
+    """The paired baseline: the whole model trained on the client, same order, same optimiser (and, with
+    ``answer_only``, the same answer-only supervision)."""
     progress = progress or Silent()
     set_trainable(split, all_params=True)
     params = list(split.model.parameters())
@@ -165,7 +198,8 @@ def train_all_local(
     t0 = time.perf_counter()
     for step, i in enumerate(training_order(len(train_docs), steps, seed)):
         ids = ids_tensor([train_docs[i]], split.device)
-        loss = next_token_loss(split.full_logits(ids), ids)
+        mask = supervision([train_docs[i]], answer_only, split.device) if answer_only else None
+        loss = supervised_loss(split.full_logits(ids), ids, mask).mean()
         check_finite(loss, f"all-local next-token loss at step {step}", FLOAT64_HINT)
         loss.backward()
         _grads_finite(params, "all-local", step)
@@ -190,9 +224,11 @@ def evaluate_ce(
     progress: Progress | None = None,
     name: str = "held-out loss",
     server_logits=None,
+    answer_only: bool = False,
 ) -> np.ndarray:
     """Per-document mean next-token cross-entropy (nats) of the uncut model; with
-    ``server_logits`` (hidden at the cut -> logits), of the client bottom followed by that."""
+    ``server_logits`` (hidden at the cut -> logits), of the client bottom followed by that; with
+    ``answer_only``, over each document's answer targets."""
     progress = progress or Silent()
     task = progress.start(name, len(docs))
     out = []
@@ -200,7 +236,8 @@ def evaluate_ce(
         chunk = docs[s : s + batch]
         ids = ids_tensor(chunk, split.device)
         logits = split.full_logits(ids) if server_logits is None else server_logits(split.bottom(ids))
-        out.append(next_token_loss(logits, ids, reduction="per_doc").double().cpu().numpy())
+        mask = supervision(chunk, True, split.device) if answer_only else None
+        out.append(supervised_loss(logits, ids, mask).double().cpu().numpy())
         progress.advance(task, len(chunk))
     progress.finish(task)
     return np.concatenate(out) if out else np.zeros(0)
@@ -223,10 +260,12 @@ def capture_traffic(
     taps: list[Tap] | None = None,
     progress: Progress | None = None,
     server=None,
+    client_side: dict[str, list[torch.Tensor]] | None = None,
 ) -> tuple[dict[str, Any], list[list[dict]]]:
     """Frozen weights: send every document through the wire once, in batches, with ``taps`` (the
     recorder) on the channel. Returns throughput and the share of all-zero returned-gradient rows of
-    the documents, and the channels' ledgers."""
+    the documents, and the channels' ledgers. ``client_side`` (label-shielded): receives, per batch, the
+    raw output gradient of the full loss (``raw``) and the one sent (``sent``); they stay on the client."""
     from splitleak.training.replicas import ReplicaMedianLink
 
     progress = progress or Silent()
@@ -254,9 +293,16 @@ def capture_traffic(
         chunk = docs[s : s + batch]
         ids = ids_tensor(chunk, split.device)
         seen.clear()
-        losses = client.exchange(ids, tuple(d.doc_id for d in chunk), -1, "capture")
+        losses = client.exchange(ids, tuple(d.doc_id for d in chunk), -1, "capture", _supervision_of(split, chunk))
         if losses is not None:  # U-shape: the client computes the loss of what it sent
             client_losses.extend(losses)
+        if client_side is not None and client.last_sent_top_gradient is not None:
+            assert client.last_raw_top_gradient is not None  # set with the one sent
+            client_side.setdefault("raw", []).append(client.last_raw_top_gradient.cpu())
+            client_side.setdefault("sent", []).append(client.last_sent_top_gradient.cpu())
+        progress.advance(task, len(chunk))
+        if not seen:  # top-only training: no gradient crosses
+            continue
         bwd = seen[min(seen)]
         n = len(chunk)  # rows after these are mixup's probe rows
         zero = (bwd.tensor[:n] == 0).all(dim=-1)  # [rows, tokens]: all-zero returned gradient rows
@@ -264,7 +310,6 @@ def capture_traffic(
         zero_rows += int(zero.sum())
         zero_rows_early += int(zero[:, :-1].sum())
         total_rows += zero.numel()
-        progress.advance(task, len(chunk))
     secs = time.perf_counter() - t0
     progress.finish(task)
     n_tok = sum(len(d.token_ids) for d in docs)

@@ -4,9 +4,12 @@ Plain split: the client runs the bottom and sends activations (and the labels); 
 the rest, computes the next-token loss, steps its optimizer and returns the gradient with respect
 to the activations it received. U-shape (partial offloading): the server returns its output, the
 client's top computes the loss and sends that gradient back, the server backpropagates through its
-run and returns the gradient at the observation point. The forward defence is applied by the
-client before it sends; the backward defence by the server before it returns. Defences act on the
-observation-point crossing only (forward / backward), not on the second crossing of a U-shape.
+run and returns the gradient at the observation point. Label-shielded (003): a U-shape whose Bottom,
+Trunk and Top all train; the client's loss supervises a mask of targets normalised by their number,
+and the output gradient it sends may derive from another, exposed loss (``exposed-loss`` defences,
+dual-track backpropagation). The forward defence is applied by the client before it sends; the
+backward defence by the server before it returns; the ``backward-wire`` defences by the client on the
+output gradient of a U-shape's second crossing.
 
 Nothing crosses that the protocol does not need: the loss stays with the side that computes it
 (the server in a plain split, the client in a U-shape), each logging it on its own side
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-from splitleak.errors import NonFiniteError
+from splitleak.errors import ConfigError, NonFiniteError
 from splitleak.models.split import BlockContext, SplitModel, next_token_loss
 from splitleak.wire.channel import Channel
 from splitleak.wire.defences import DefenceChain
@@ -107,8 +110,12 @@ class ServerRole:
             h_in = frame.tensor.to(dev).requires_grad_(True)
             ctx = self._context(frame)
             if self.split.spec.u_shape:
-                h_out = self.split.trunk(h_in, ctx)
-                self._pending[frame.step] = (h_in, h_out)
+                if self.split.sends_no_gradient:  # top-only training: no gradient will come back for it
+                    with torch.no_grad():
+                        h_out = self.split.trunk(h_in, ctx)
+                else:
+                    h_out = self.split.trunk(h_in, ctx)
+                    self._pending[frame.step] = (h_in, h_out)
                 return Frame(
                     "forward-return",
                     frame.step,
@@ -142,12 +149,67 @@ class ClientRole:
         self.opt = make_optimizer(self.params, lr)
         self.last_gradient: torch.Tensor | None = None  # gradient applied to the bottom's output
         self.last_losses: list[float] | None = None  # per document, when the client computes the loss (U-shape)
-        chain.check_split_mode(split.spec.u_shape)
+        self.last_raw_top_gradient: torch.Tensor | None = None  # label-shielded: g_t of the full loss
+        self.last_sent_top_gradient: torch.Tensor | None = None  # label-shielded: g_t as it was sent
+        chain.check_split_mode(split.spec.mode)
 
-    def exchange(self, input_ids: torch.Tensor, doc_ids: tuple[int, ...], step: int, phase: str) -> list[float] | None:
+    def _shielded_top(
+        self, h_ret: torch.Tensor, input_ids: torch.Tensor, supervised: torch.Tensor, doc_ids, step: int, phase: str
+    ) -> tuple[torch.Tensor | None, list[float]]:
+        """Label-shielded Top (003 §2, §4): the loss is the CE of the supervised targets normalised by their
+        number N over the batch. One Top forward, two gradients (dual-track) when a defence exposes another
+        loss: the full loss sets the Top's parameter gradients, the exposed one the output gradient that is
+        sent. Returns (the output gradient to send before the backward-wire defences, or None in top-only
+        training; per-document losses); keeps the raw output gradient of the full loss."""
+        split, train = self.split, phase == "train"
+        logits = split.head_logits(h_ret, split.context(*input_ids.shape))[:, :-1]
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        ce = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1), reduction="none"
+        ).view(supervised.shape)
+        mask = supervised.to(ce.dtype)
+        n = mask.sum()
+        if float(n) == 0:
+            raise ConfigError(
+                f"step {step}: no target of this batch is supervised (answer-only supervision on documents without "
+                "answer tokens); use --data instructions with a larger --doc-len, or drop --answer-only"
+            )
+        full = (ce * mask).sum() / n
+        _finite(full, "label-shielded loss", step)
+        per_doc = [float(v) for v in ((ce * mask).sum(1) / mask.sum(1).clamp(min=1)).detach()]
+        params = [p for p in split.top_parameters() if p.requires_grad] if train else []
+        sends = not split.sends_no_gradient
+        dual = sends and self.chain.exposes_other_loss
+        wanted = params + ([h_ret] if sends else [])
+        grads = torch.autograd.grad(full, wanted, retain_graph=dual) if wanted else ()
+        for p, gp in zip(params, grads):
+            p.grad = gp if p.grad is None else p.grad.copy_(gp)
+        if not sends:
+            return None, per_doc
+        raw = grads[-1]
+        self.last_raw_top_gradient = raw.detach()
+        if not dual:
+            return raw.detach(), per_doc
+        with torch.no_grad():
+            logp = torch.log_softmax(logits.detach().float(), dim=-1)
+            entropy = -(logp.exp() * logp).sum(-1)
+        w = self.chain.exposed_weights(mask.detach(), entropy, supervised, phase, step, doc_ids)
+        (sent,) = torch.autograd.grad((ce * w).sum() / n, h_ret)
+        return sent.detach(), per_doc
+
+    def exchange(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: tuple[int, ...],
+        step: int,
+        phase: str,
+        supervised: torch.Tensor | None = None,
+    ) -> list[float] | None:
         """One forward and backward through the wire; steps the client optimizer in training.
         Returns the per-document next-token loss when the client computes it (U-shape), else None
-        (in a plain split the loss stays on the server)."""
+        (in a plain split the loss stays on the server). ``supervised`` [docs, T-1] bool: which targets the
+        label-shielded loss supervises (None: all)."""
         split = self.split
         train = phase == "train"
         with torch.set_grad_enabled(train):
@@ -175,7 +237,33 @@ class ClientRole:
         )
         reply = self.channel.request(fwd)
         self.last_losses = None
-        if reply.kind == "forward-return":
+        if reply.kind == "forward-return" and split.spec.label_shielded:
+            h_ret = reply.tensor.to(split.device).requires_grad_(True)
+            if supervised is None:
+                supervised = torch.ones(input_ids.shape[0], input_ids.shape[1] - 1, dtype=torch.bool)
+            g_top, self.last_losses = self._shielded_top(
+                h_ret, input_ids, supervised.to(split.device), doc_ids, step, phase
+            )
+            if g_top is None:  # top-only training: nothing goes back, the Bottom and the Trunk do not train
+                if train and self.opt is not None:
+                    _grads_finite(self.params, "client", step)
+                    self.opt.step()
+                    self.opt.zero_grad(set_to_none=False)
+                self.last_gradient = None
+                return self.last_losses
+            self.last_sent_top_gradient = self.chain.top_gradient(g_top, phase, step, doc_ids)
+            reply = self.channel.request(
+                Frame(
+                    "backward-top",
+                    step,
+                    doc_ids,
+                    self.last_sent_top_gradient,
+                    torch.ones(input_ids.shape, dtype=torch.int64),
+                    phase,
+                    payload_bits=8 * h_ret.element_size(),
+                )
+            )
+        elif reply.kind == "forward-return":
             h_ret = reply.tensor.to(split.device).requires_grad_(True)
             ctx = split.context(*input_ids.shape)
             logits = split.head_logits(h_ret, ctx)
@@ -202,6 +290,8 @@ class ClientRole:
             )
         g = reply.tensor.to(split.device)
         _finite(g, "returned gradient", step)
+        if split.spec.label_shielded and self.chain.recovery() != 1.0:
+            g = g / self.chain.recovery()  # Bottom-gradient recovery: undo scale blinding's expected amplification
         if prepared is not None:
             assert transform is not None  # only a client transform prepares a frame
             g = transform.receive(g, len(doc_ids), state)

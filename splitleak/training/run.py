@@ -157,16 +157,24 @@ def run_training(
         )
     lm.model.to(dev)
     docs = _documents(config, lm.tokenizer)
-    split = SplitModel(lm, config.depth, config.offload_start, config.offload_length)
+    split = SplitModel(lm, config.depth, config.offload_start, config.offload_length, shielded=config.shielded)
     if config.doc_len > getattr(
         lm.model.config, "max_position_embeddings", getattr(lm.model.config, "n_positions", 10**9)
     ):
         raise ConfigError(f"--doc-len {config.doc_len} exceeds the model's context length")
-    chain_client.check_split_mode(split.spec.u_shape)
+    chain_client.check_split_mode(split.spec.mode)
     chain_client.check_run(config.n_steps)
     declaration = declare_channels(
-        u_shape=split.spec.u_shape, defences=chain_client.defences, transport=connect is not None
+        u_shape=split.spec.u_shape,
+        defences=chain_client.defences,
+        transport=connect is not None,
+        gradients=not split.sends_no_gradient,
     )
+    answer_only = config.shielded is not None and config.shielded.answer_only
+    if answer_only:
+        from splitleak.training.loop import supervision
+
+        supervision(docs.train + docs.evaluation, True)  # refuses documents without an answer, before writing
     pristine = copy.deepcopy(lm.model) if config.all_local_baseline else None
     remote = None
     if (resume is not None or checkpoint_every is not None) and connect is None:
@@ -231,7 +239,9 @@ def run_training(
     store.add_json("manifest", "manifest.json", manifest)
     store.add_json("documents", "documents.json", docs.to_json())
 
-    pre = utility(evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss"))
+    pre = utility(
+        evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss", answer_only=answer_only)
+    )
     server = remote if remote is not None else chain_server.build_server(split, config.lr)  # None: one ServerRole
     server_logits = getattr(server, "median_logits", None)
     # the tap: every frame of the training steps and of the capture pass, recorded as it crossed
@@ -285,9 +295,12 @@ def run_training(
     store.add_json("training", "training.json", train_record)
     post: dict[str, Any] | None = None
     if remote is None:
-        post = utility(evaluate_ce(split, docs.evaluation, progress=progress, server_logits=server_logits))
+        post = utility(
+            evaluate_ce(split, docs.evaluation, progress=progress, server_logits=server_logits, answer_only=answer_only)
+        )
 
     capture_tap = WireRecorder(store, "capture", declaration)
+    client_side: dict[str, list[torch.Tensor]] | None = {} if split.spec.label_shielded else None
     try:
         cap, ledgers = capture_traffic(
             split,
@@ -298,6 +311,7 @@ def run_training(
             taps=[capture_tap],
             progress=progress,
             server=server,
+            client_side=client_side,
         )
     except (NonFiniteError, UndeclaredChannelError, TransportError) as exc:
         if remote is not None:
@@ -316,6 +330,15 @@ def run_training(
         if record is not None:  # the client's own record (mixup: where each decoy came from); it never crosses
             rel, obj = record()
             store.add_json("client-record", rel, obj)
+    if client_side:  # label-shielded: the output gradient before and after the defences, kept by the client
+        raw, sent = torch.cat(client_side["raw"]), torch.cat(client_side["sent"])
+        store.add_tensors(
+            "client-record",
+            "shielded/output_gradients.safetensors",
+            {"raw": raw.contiguous(), "sent": sent.contiguous()},
+            {"phase": "capture", "note": "never crosses: the client's own copy, for the gradient-utility metrics"},
+        )
+        cap["gradient_utility"] = gradient_utility_summary(raw, sent)
     store.add_tensors(
         "client-layers",
         "client_layers.safetensors",
@@ -341,9 +364,17 @@ def run_training(
         base_lm = LoadedModel(lm.name, pristine, lm.tokenizer, lm.precision, lm.source, dict(lm.info))
         base = SplitModel(base_lm, depth=1)  # the cut is irrelevant: the whole model trains locally
         local_log = train_all_local(
-            base, docs.train, seed=config.seed, steps=config.n_steps, lr=config.lr, progress=progress
+            base,
+            docs.train,
+            seed=config.seed,
+            steps=config.n_steps,
+            lr=config.lr,
+            progress=progress,
+            answer_only=answer_only,
         )
-        local = utility(evaluate_ce(base, docs.evaluation, progress=progress, name="all-local loss"))
+        local = utility(
+            evaluate_ce(base, docs.evaluation, progress=progress, name="all-local loss", answer_only=answer_only)
+        )
         metrics.update(
             {
                 "all_local_ce": local["ce"],
@@ -366,6 +397,25 @@ def run_training(
     if checkpoint_every is not None:
         shutil.rmtree(checkpoint_folder(out), ignore_errors=True)  # the run is whole: nothing to resume
     return RunResult(Path(out), metrics, config)
+
+
+def gradient_utility_summary(raw: torch.Tensor, sent: torch.Tensor) -> dict[str, Any]:
+    """Gradient Mirage's utility metrics (003 App. C.1) of the output gradient sent against the raw one (of
+    the full loss, before any defence), per document and their means. An ASNR is null (JSON has no
+    infinity) where the document was sent unchanged."""
+    import math
+
+    from splitleak.metrics.gradient_utility import gradient_utility
+
+    per_doc = gradient_utility(raw, sent)
+    finite = [{k: (v if math.isfinite(v) else None) for k, v in d.items()} for d in per_doc]
+    keys = list(per_doc[0]) if per_doc else []
+    mean = {k: float(np.mean([d[k] for d in per_doc])) for k in keys}
+    return {
+        "against": "the raw output gradient of the full loss",
+        "mean": {k: (v if math.isfinite(v) else None) for k, v in mean.items()},
+        "per_doc": finite,
+    }
 
 
 def checkpoint_folder(out: str | Path) -> Path:

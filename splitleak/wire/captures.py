@@ -33,7 +33,7 @@ from splitleak.wire.tap import exchanges, links_of, read_wire, stack_channel, wi
 class Capture:
     doc_ids: torch.Tensor  # [n]
     activations: torch.Tensor  # [n, T, d]
-    gradients: torch.Tensor  # [n, T, d]
+    gradients: torch.Tensor | None  # [n, T, d]; None where no gradient crosses (top-only training)
     mask: torch.Tensor  # [n, T]
     steps: torch.Tensor | None = None  # [n]
     probe_activations: torch.Tensor | None = None  # [n, T, d]
@@ -43,6 +43,7 @@ class Capture:
     output_gradients: torch.Tensor | None = None
     phase: str = "capture"
     link: str = "main"
+    frames: torch.Tensor | None = None  # [n]: the index of the frame (exchange) each row crossed in
 
     def __len__(self) -> int:
         return int(self.doc_ids.numel())
@@ -59,6 +60,17 @@ def capture_shards(run_dir: str | Path) -> list[str]:
         if entry.get("kind") == "captures":
             shards.extend(sorted(entry["files"]))
     return shards
+
+
+def _declares_gradient(run_dir: str | Path) -> bool:
+    """Whether the run's manifest declares a returned gradient (every mode but top-only training does)."""
+    import json
+
+    try:
+        channels = json.loads((Path(run_dir) / "manifest.json").read_text())["channels"]["channels"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return True  # no readable declaration: expect the gradient, as every older run has it
+    return any(c.get("name") == "gradient" for c in channels)
 
 
 def load_capture(run_dir: str | Path, phase: str = "capture", link: str | None = None) -> Capture:
@@ -91,10 +103,13 @@ def load_capture(run_dir: str | Path, phase: str = "capture", link: str | None =
     act, _ = stack_channel(exs, "forward", "activations", n_docs)
     assert act is not None  # every forward frame carries the activations channel
     grad, have_grad = stack_channel(exs, "backward", "gradient", n_docs)
-    if grad is None or have_grad is None or not bool(have_grad.all()):
+    if grad is None and not _declares_gradient(run_dir):
+        pass  # label-shielded top-only training: no gradient crosses, and the run declares none
+    elif grad is None or have_grad is None or not bool(have_grad.all()):
         raise IntegrityError(f"{run_dir}: a forward frame on link {link} ({phase}) has no returned gradient")
     probe, present = stack_channel(exs, "forward", "probe-activations", n_docs)
     probe_g, _ = stack_channel(exs, "backward", "probe-gradient", n_docs)
     trunk, _ = stack_channel(exs, "forward-return", "trunk-output", n_docs)
     out_g, _ = stack_channel(exs, "backward-top", "output-gradient", n_docs)
-    return Capture(doc_ids, act, grad, mask, steps, probe, probe_g, present, trunk, out_g, phase, link)
+    frames = torch.repeat_interleave(torch.arange(len(exs)), torch.tensor(n_docs, dtype=torch.long))
+    return Capture(doc_ids, act, grad, mask, steps, probe, probe_g, present, trunk, out_g, phase, link, frames)

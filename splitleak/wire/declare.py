@@ -78,12 +78,15 @@ TIMING = ChannelDecl(
 MESSAGES_FILE = "wire/messages.json"
 
 
-def declare_channels(*, u_shape: bool, defences: Iterable[Any] = (), transport: bool = False) -> Declaration:
+def declare_channels(
+    *, u_shape: bool, defences: Iterable[Any] = (), transport: bool = False, gradients: bool = True
+) -> Declaration:
     """The channels of a plain split (``u_shape`` False: labels cross for the server's loss) or a
-    U-shape (partial offloading: the trunk's output comes back, the output gradient goes out), plus
-    what each defence adds (``Defence.declare(channels)``) and the links (``Defence.links``).
+    U-shape (partial offloading, label-shielded: the trunk's output comes back, the output gradient goes
+    out), plus what each defence adds (``Defence.declare(channels)``) and the links (``Defence.links``).
     ``transport``: client and server are two processes (``splitleak.wire.network``), so the
-    handshake and every message's envelope cross too."""
+    handshake and every message's envelope cross too. ``gradients`` False: no gradient crosses in either
+    direction (label-shielded top-only training)."""
     ch: list[ChannelDecl] = [
         ChannelDecl(
             "activations",
@@ -141,6 +144,8 @@ def declare_channels(*, u_shape: bool, defences: Iterable[Any] = (), transport: 
                 "server that computes the loss",
             )
         )
+    if not gradients:
+        ch = [c for c in ch if c.name not in ("gradient", "output-gradient")]
     if transport:
         ch += _transport_channels()
     links: tuple[str, ...] = ("main",)

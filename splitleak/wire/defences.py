@@ -46,9 +46,12 @@ class WireContext:
 #: - ``server``: changes the server side itself (``build_server``);
 #: - ``client-after-receipt``: changes what the client does with what it sent and received, with state
 #:   of its own across steps (``prepare``, ``receive``, ``after_step``);
-#: - ``backward-wire``: the output gradient the client returns in a U-shape (``top_gradient``).
-ROLES = ("client-forward", "return-wire", "server", "client-after-receipt", "backward-wire")
-SPLIT_MODES = ("plain", "u-shape")
+#: - ``backward-wire``: the output gradient the client returns in a U-shape (``top_gradient``);
+#: - ``exposed-loss``: which loss the returned output gradient derives from, in the label-shielded mode
+#:   (``exposed_weights``, per target; the Top still learns from the full loss: dual-track), and by how
+#:   much the client divides the gradient it gets back for its Bottom (``recovery``).
+ROLES = ("client-forward", "return-wire", "server", "client-after-receipt", "backward-wire", "exposed-loss")
+SPLIT_MODES = ("plain", "u-shape", "label-shielded")
 
 
 class Defence:
@@ -78,6 +81,17 @@ class Defence:
     def top_gradient(self, g: torch.Tensor, ctx: WireContext) -> torch.Tensor:
         """``backward-wire``: the output gradient the client sends back in a U-shape."""
         return g
+
+    def exposed_weights(
+        self, w: torch.Tensor, entropy: torch.Tensor, supervised: torch.Tensor, ctx: WireContext
+    ) -> torch.Tensor:
+        """``exposed-loss``: the per-target weights [docs, T-1] of the loss whose gradient is sent, from the
+        weights so far, the Top's predictive entropy at each target and which targets are supervised."""
+        return w
+
+    def recovery(self) -> float:
+        """``exposed-loss``: the factor the client divides the returned Bottom gradient by (1: none)."""
+        return 1.0
 
     # ``client-after-receipt``: what the client does around a crossing (``ClientRole.exchange``). A defence
     # acting there overrides these; the defaults change nothing.
@@ -548,7 +562,7 @@ class VMFDirection(Defence):
     direction is about 0.75. ``privacy()`` gives the metric-DP ε on directions it implies."""
 
     name = "vmf"
-    split_modes = ("u-shape",)
+    split_modes = ("u-shape", "label-shielded")
 
     def __init__(self, kappa: float = 1000.0):
         if not (isinstance(kappa, (int, float)) and math.isfinite(kappa) and kappa > 0):
@@ -645,19 +659,25 @@ class DefenceChain:
             )
         return acting[0] if acting else None
 
-    def check_split_mode(self, u_shape: bool) -> None:
-        """Refuse a defence that does not support the run's split mode, naming it."""
-        mode = "u-shape" if u_shape else "plain"
+    def check_split_mode(self, mode: str) -> None:
+        """Refuse a defence that does not support the run's split mode ("plain", "u-shape",
+        "label-shielded"), naming it and the modes it supports."""
         for d in self.defences:
             if mode not in d.split_modes:
-                if mode == "plain":
+                if mode == "plain" and "u-shape" in d.split_modes:
                     raise ConfigError(
                         f"{d.name} acts on the output gradient a U-shape returns, which a plain split does not "
                         "have; use partial offloading (--offload-start, --offload-length)"
                     )
-                raise ConfigError(
-                    f"{d.name} is implemented for the plain split only, not for partial offloading; use --depth"
-                )
+                if d.split_modes == ("label-shielded",):
+                    raise ConfigError(
+                        f"{d.name} changes the loss the label-shielded client exposes; use --mode label-shielded"
+                    )
+                if d.split_modes == ("plain",):
+                    raise ConfigError(
+                        f"{d.name} is implemented for the plain split only, not for a {mode} run; use --depth"
+                    )
+                raise ConfigError(f"{d.name} supports {', '.join(d.split_modes)} runs, not {mode}")
 
     def check_run(self, steps: int) -> None:
         for d in self.defences:
@@ -697,6 +717,27 @@ class DefenceChain:
                 g = d.top_gradient(g, self._ctx(phase, step, doc_ids, i))
         return g
 
+    def exposed_weights(
+        self, w: torch.Tensor, entropy: torch.Tensor, supervised: torch.Tensor, phase: str, step: int, doc_ids
+    ) -> torch.Tensor:
+        """The ``exposed-loss`` defences in order: per-target weights of the loss whose gradient is sent."""
+        for i, d in enumerate(self.defences):
+            if "exposed-loss" in d.roles():
+                w = d.exposed_weights(w, entropy, supervised, self._ctx(phase, step, doc_ids, i))
+        return w
+
+    @property
+    def exposes_other_loss(self) -> bool:
+        """Whether the sent gradient derives from another loss than the one the Top learns from (dual-track)."""
+        return any("exposed-loss" in d.roles() for d in self.defences)
+
+    def recovery(self) -> float:
+        """What the client divides the returned Bottom gradient by (Bottom-gradient recovery; 1: none)."""
+        out = 1.0
+        for d in self.defences:
+            out *= d.recovery()
+        return out
+
     def payload_bits(self, direction: str, base: int) -> int:
         bits = base
         for d in self.defences:
@@ -707,6 +748,11 @@ class DefenceChain:
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"name": d.name, "args": d.args()} for d in self.defences] or [{"name": "none", "args": {}}]
+
+
+from splitleak.wire.mirage import MIRAGE_DEFENCES  # noqa: E402  (one file; its classes subclass Defence above)
+
+DEFENCES.update(MIRAGE_DEFENCES)
 
 
 def parse_defence_args(items: list[str]) -> dict[str, Any]:

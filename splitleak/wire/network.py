@@ -213,7 +213,7 @@ class Session:
         if fingerprint != hello.get("fingerprint"):
             raise TransportError(_mismatch("pretrained model fingerprint", fingerprint, hello.get("fingerprint")))
         chain = DefenceChain.from_specs([d.model_dump() for d in config.defences], config.server_seed)
-        split = SplitModel(lm, config.depth, config.offload_start, config.offload_length)
+        split = SplitModel(lm, config.depth, config.offload_start, config.offload_length, shielded=config.shielded)
         if split.spec.as_dict() != hello.get("split"):
             raise TransportError(_mismatch("split", split.spec.as_dict(), hello.get("split")))
         if chain.describe() != hello.get("defences"):
@@ -223,13 +223,14 @@ class Session:
                 "this defence chain runs several server copies (replica median); over TLS each copy would be its "
                 "own server, which this version does not deploy. Run it in one process"
             )
-        chain.check_split_mode(split.spec.u_shape)
+        chain.check_split_mode(split.spec.mode)
         width = int(split.head.weight.shape[1])  # the hidden size at the cut
         self.freed = split.release_client_side()  # the server holds the layers it runs, not the client's
         set_trainable(split)
         self.split, self.config = split, config
         self.split_record, self.defence_record = split.spec.as_dict(), chain.describe()
-        self.completes = "backward-top" if split.spec.u_shape else "forward"  # the frame that ends a step
+        # the frame that ends a step (top-only training returns no gradient: its forward ends it)
+        self.completes = "backward-top" if split.spec.u_shape and not split.sends_no_gradient else "forward"
         self.loss_on_server = not split.spec.u_shape
         self.model_record = {"name": lm.name, "source": lm.source, "fingerprint": hello["fingerprint"], **lm.info}
         self.role = ServerRole(split, chain, config.lr)
@@ -241,7 +242,9 @@ class Session:
             max_rows=probe * max(config.capture_batch, 1),
             float_dtype=str(split.dtype),
         )
-        self.declaration = declare_channels(u_shape=split.spec.u_shape, defences=chain.defences, transport=True)
+        self.declaration = declare_channels(
+            u_shape=split.spec.u_shape, defences=chain.defences, transport=True, gradients=not split.sends_no_gradient
+        )
         if self.node.capture is not None:
             self._open_store()
 

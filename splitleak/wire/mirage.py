@@ -1,0 +1,294 @@
+"""Gradient Mirage (003) and the baselines it is compared with, as defences of the label-shielded mode.
+
+The label-shielded client (``splitleak.training.roles.ClientRole``) computes one Top forward and two
+gradients (dual-track backpropagation): the Top learns from the full loss, and the output gradient it
+sends, g_t, derives from the *exposed* loss, sum_l w_l CE_l / N, whose per-target weights w the
+``exposed-loss`` defences set. The parts, each usable alone:
+
+- ``sas``: selective autoregressive supervision. Per document, the supervised targets are sorted by the
+  Top's predictive entropy and cut into ``groups`` strata (high, medium, low); each step one stratum
+  is fully supervised and every other target is kept with probability ``keep``; the last ``last``
+  targets are always kept, so that no zero-gradient suffix gives the masking away (003 App. B.1: k=5).
+- ``scale-blind``: scale blinding. Each kept target's weight is multiplied by a fresh
+  s ~ Unif[m(1-r), m(1+r)] (003: m=1750, r=1/7, i.e. Unif[1500, 2000]); with ``recover`` the client
+  divides the gradient it gets back for its Bottom by E[s] = m (Bottom-gradient recovery).
+- ``vmf`` (``splitleak.wire.defences.VMFDirection``): each row of g_t keeps its norm, its direction drawn
+  from vMF(kappa).
+- ``mirage``: all three, in that order, with recovery.
+
+The baselines act on g_t only (``backward-wire``): ``grad-prune`` (zero the smallest-magnitude share of
+each document's coordinates), ``grad-dropout`` (zero each coordinate with probability p) and
+``seq-dp`` (clip each document's g_t to an L2 norm, add Gaussian noise; its epsilon from the Opacus
+accountant splitleak already uses). Top-only training, the last baseline, is a training mode
+(``ShieldedConfig.train = "top-only"``): no gradient crosses at all.
+
+Where 003 gives no number, the default is ours and says so: ``keep`` = 0.3, the strata as equal
+thirds of the entropy order, the fully supervised stratum drawn per step and document from the wire
+context, ``kappa`` = 1000, the pruning share 0.9, the dropout rate 0.5 without rescaling, and
+seq-dp's clip 1.0 and noise multiplier 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from splitleak.errors import ConfigError
+from splitleak.wire.defences import Defence, VMFDirection, WireContext, gaussian_mechanism_epsilon
+
+SHIELDED = ("label-shielded",)
+GRADIENT_MODES = ("u-shape", "label-shielded")
+
+
+def _number(name: str, arg: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > lo if lo_open else value >= lo) and (hi is None or value <= hi)
+    if not ok:
+        rng = f"{'>' if lo_open else '>='} {lo:g}" + ("" if hi is None else f" and <= {hi:g}")
+        raise ConfigError(f"{name}: {arg} must be a finite number {rng}, got {value!r}")
+    return float(value)
+
+
+def _noted(channels, note: str):
+    """The output-gradient channel with ``note`` added (what the defence did to it)."""
+    return [
+        replace(c, note=f"{c.note}; {note}" if c.note else note) if c.name == "output-gradient" else c for c in channels
+    ]
+
+
+class SelectiveSupervision(Defence):
+    """``sas``: one entropy stratum of the supervised targets fully supervised per step, the others kept
+    with probability ``keep``, the last ``last`` targets always (see the module docstring)."""
+
+    name = "sas"
+    split_modes = SHIELDED
+
+    def __init__(self, keep: float = 0.3, groups: int = 3, last: int = 5):
+        self.keep = _number("sas", "keep", keep, 0.0, 1.0)
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ConfigError(f"sas: groups must be an integer >= 1, got {groups!r}")
+        if isinstance(last, bool) or not isinstance(last, int) or last < 0:
+            raise ConfigError(f"sas: last must be an integer >= 0, got {last!r}")
+        self.groups, self.last = groups, last
+
+    def args(self):
+        return {"keep": self.keep, "groups": self.groups, "last": self.last}
+
+    def roles(self):
+        return ("exposed-loss",)
+
+    def selection(self, entropy: torch.Tensor, supervised: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """0/1 over one document's targets [T-1]: which the exposed loss keeps."""
+        idx = torch.nonzero(supervised, as_tuple=False).flatten()
+        keep = torch.zeros(supervised.shape, dtype=torch.float64)
+        if idx.numel() == 0:
+            return keep
+        order = idx[torch.argsort(entropy[idx].double(), descending=True, stable=True)]
+        strata = torch.tensor_split(order, min(self.groups, order.numel()))
+        full = int(torch.randint(len(strata), (1,), generator=gen))
+        coin = torch.rand(idx.numel(), generator=gen, dtype=torch.float64) < self.keep
+        keep[idx[coin]] = 1.0
+        keep[strata[full]] = 1.0
+        if self.last:
+            keep[idx[-self.last :]] = 1.0
+        return keep
+
+    def exposed_weights(self, w, entropy, supervised, ctx: WireContext):
+        out = w.clone()
+        for b, doc_id in enumerate(ctx.doc_ids):
+            sel = self.selection(entropy[b], supervised[b], ctx.generator("exposed-loss", doc_id))
+            out[b] = w[b] * sel.to(w.dtype)
+        return out
+
+    def declare(self, channels):
+        return _noted(
+            channels,
+            f"from sas's masked loss (one entropy stratum of {self.groups} and a share {self.keep:g} of the rest, "
+            f"the last {self.last} targets always)",
+        )
+
+
+class ScaleBlinding(Defence):
+    """``scale-blind``: every target's weight times a fresh s ~ Unif[m(1-r), m(1+r)] (003: m=1750, r=1/7);
+    with ``recover`` the client divides its returned Bottom gradient by E[s] = m."""
+
+    name = "scale-blind"
+    split_modes = SHIELDED
+
+    def __init__(self, m: float = 1750.0, r: float = 1 / 7, recover: bool = True):
+        self.m = _number("scale-blind", "m", m, 0.0, lo_open=True)
+        self.r = _number("scale-blind", "r", r, 0.0, 1.0)
+        if not isinstance(recover, bool):
+            raise ConfigError(f"scale-blind: recover must be true or false, got {recover!r}")
+        self.recover = recover
+
+    def args(self):
+        return {"m": self.m, "r": self.r, "recover": self.recover}
+
+    def roles(self):
+        return ("exposed-loss",)
+
+    def exposed_weights(self, w, entropy, supervised, ctx: WireContext):
+        out = w.clone()
+        lo, hi = self.m * (1 - self.r), self.m * (1 + self.r)
+        for b, doc_id in enumerate(ctx.doc_ids):
+            u = torch.rand(w.shape[1], generator=ctx.generator("scale", doc_id), dtype=torch.float64)
+            out[b] = w[b] * (lo + (hi - lo) * u).to(w.dtype)
+        return out
+
+    def recovery(self) -> float:
+        return self.m if self.recover else 1.0
+
+    def declare(self, channels):
+        return _noted(
+            channels, f"each target's term scaled by s ~ Unif[{self.m * (1 - self.r):g}, {self.m * (1 + self.r):g}]"
+        )
+
+
+class Mirage(Defence):
+    """``mirage``: Gradient Mirage whole (003 §4): sas, then scale blinding, then vMF on each row of the
+    exposed gradient; dual-track backpropagation and Bottom-gradient recovery by E[s]."""
+
+    name = "mirage"
+    split_modes = SHIELDED
+
+    def __init__(
+        self,
+        kappa: float = 1000.0,
+        m: float = 1750.0,
+        r: float = 1 / 7,
+        keep: float = 0.3,
+        groups: int = 3,
+        last: int = 5,
+        recover: bool = True,
+    ):
+        self.sas = SelectiveSupervision(keep, groups, last)
+        self.scale = ScaleBlinding(m, r, recover)
+        self.vmf = VMFDirection(kappa)
+
+    def args(self):
+        return {**self.vmf.args(), **self.scale.args(), **self.sas.args()}
+
+    def roles(self):
+        return ("exposed-loss", "backward-wire")
+
+    def exposed_weights(self, w, entropy, supervised, ctx: WireContext):
+        w = self.sas.exposed_weights(w, entropy, supervised, ctx)
+        return self.scale.exposed_weights(w, entropy, supervised, ctx)
+
+    def recovery(self) -> float:
+        return self.scale.recovery()
+
+    def top_gradient(self, g, ctx: WireContext):
+        return self.vmf.top_gradient(g, ctx)
+
+    def declare(self, channels):
+        return self.vmf.declare(self.scale.declare(self.sas.declare(channels)))
+
+    def privacy(self) -> dict[str, Any]:
+        return self.vmf.privacy()
+
+
+class GradientPruning(Defence):
+    """``grad-prune``: per document, zero the ``ratio`` share of g_t's coordinates smallest in magnitude
+    (per document is ours)."""
+
+    name = "grad-prune"
+    split_modes = GRADIENT_MODES
+
+    def __init__(self, ratio: float = 0.9):
+        self.ratio = _number("grad-prune", "ratio", ratio, 0.0, 1.0)
+        if self.ratio >= 1.0:
+            raise ConfigError("grad-prune: ratio must be < 1 (1 would send nothing); use top-only training instead")
+
+    def args(self):
+        return {"ratio": self.ratio}
+
+    def roles(self):
+        return ("backward-wire",)
+
+    def top_gradient(self, g, ctx):
+        flat = g.reshape(g.shape[0], -1)
+        k = int(round(self.ratio * flat.shape[1]))
+        if k == 0:
+            return g
+        idx = flat.abs().argsort(dim=1, stable=True)[:, :k]
+        return flat.scatter(1, idx, 0.0).view_as(g)
+
+    def declare(self, channels):
+        return _noted(channels, f"after grad-prune: the {self.ratio:g} share of smallest coordinates zeroed")
+
+
+class GradientDropout(Defence):
+    """``grad-dropout``: each coordinate of g_t zeroed with probability ``p``, not rescaled (ours)."""
+
+    name = "grad-dropout"
+    split_modes = GRADIENT_MODES
+
+    def __init__(self, p: float = 0.5):
+        self.p = _number("grad-dropout", "p", p, 0.0, 1.0)
+        if self.p >= 1.0:
+            raise ConfigError("grad-dropout: p must be < 1 (1 would send nothing); use top-only training instead")
+
+    def args(self):
+        return {"p": self.p}
+
+    def roles(self):
+        return ("backward-wire",)
+
+    def top_gradient(self, g, ctx):
+        out = g.clone()
+        for i, doc_id in enumerate(ctx.doc_ids):
+            drop = torch.rand(g[i].shape, generator=ctx.generator("grad-dropout", doc_id)) < self.p
+            out[i][drop.to(g.device)] = 0.0
+        return out
+
+    def declare(self, channels):
+        return _noted(channels, f"after grad-dropout: each coordinate zeroed with probability {self.p:g}")
+
+
+class SequenceDP(Defence):
+    """``seq-dp``: each document's g_t clipped to L2 norm ``clip`` and given N(0, (noise_multiplier·clip)²)
+    per coordinate, the Gaussian mechanism at sequence level (003's GradSeq-LDP baseline). ``privacy()``
+    gives its (epsilon, delta) per release and over a run's releases (Opacus's RDP accountant)."""
+
+    name = "seq-dp"
+    split_modes = GRADIENT_MODES
+
+    def __init__(self, clip: float = 1.0, noise_multiplier: float = 1.0, delta: float = 1e-5):
+        self.clip = _number("seq-dp", "clip", clip, 0.0, lo_open=True)
+        self.noise_multiplier = _number("seq-dp", "noise_multiplier", noise_multiplier, 0.0, lo_open=True)
+        self.delta = _number("seq-dp", "delta", delta, 0.0, 1.0, lo_open=True)
+
+    def args(self):
+        return {"clip": self.clip, "noise_multiplier": self.noise_multiplier, "delta": self.delta}
+
+    def roles(self):
+        return ("backward-wire",)
+
+    def top_gradient(self, g, ctx):
+        out = torch.empty_like(g)
+        for i, doc_id in enumerate(ctx.doc_ids):
+            norm = float(g[i].double().norm())
+            clipped = g[i] * min(1.0, self.clip / norm) if norm > 0 else g[i]
+            noise = torch.randn(g[i].shape, generator=ctx.generator("seq-dp", doc_id), dtype=torch.float64)
+            out[i] = clipped + (self.noise_multiplier * self.clip * noise).to(g.dtype).to(g.device)
+        return out
+
+    def declare(self, channels):
+        return _noted(
+            channels,
+            f"after seq-dp: each document clipped to norm {self.clip:g}, Gaussian noise of std "
+            f"{self.noise_multiplier * self.clip:g} per coordinate",
+        )
+
+    def privacy(self, releases: int = 1) -> dict[str, Any]:
+        return gaussian_mechanism_epsilon(self.noise_multiplier, self.delta, releases)
+
+
+MIRAGE_DEFENCES: dict[str, type[Defence]] = {
+    cls.name: cls for cls in (SelectiveSupervision, ScaleBlinding, Mirage, GradientPruning, GradientDropout, SequenceDP)
+}
