@@ -348,6 +348,7 @@ def test_registry_names_match_cli_contract():
         "mixup-unmix",
         "support-partition",
         "gma-sl",
+        "sip-gru",
         "latent-probe",
     }
 

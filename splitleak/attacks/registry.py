@@ -146,6 +146,13 @@ REGISTRY: dict[str, AttackInfo] = {
             modes=("latent",),
         ),
         AttackInfo(
+            "sip-gru",
+            f"{_A}.sip:SipGRU",
+            "a GRU trained on the observer's public text maps each activation sequence to its tokens (SIP)",
+            reads=("activations",),
+            label="SIP (GRU)",
+        ),
+        AttackInfo(
             "gma-sl",
             f"{_A}.gma:GMASL",
             "label-shielded: soft labels matched so that the pretrained Top's gradient explains the output gradient",
