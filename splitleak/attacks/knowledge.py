@@ -292,11 +292,17 @@ def read_documents(run_dir: str | Path) -> DocumentSets:
     return DocumentSets.from_json(json.loads((Path(run_dir) / "documents.json").read_text()))
 
 
-def _public_model(m: dict[str, Any], run_dir):
+def _public_model(m: dict[str, Any], run_dir, lm=None):
+    """The run's public pretrained model (``lm`` when the caller has it loaded), checked against the
+    fingerprint the run recorded."""
     cfg = m["config"]
-    lm = load_model(
-        cfg["model"], precision=cfg["precision"], seed=model_init_seed(cfg["seed"]), model_path=cfg.get("model_path")
-    )
+    if lm is None:
+        lm = load_model(
+            cfg["model"],
+            precision=cfg["precision"],
+            seed=model_init_seed(cfg["seed"]),
+            model_path=cfg.get("model_path"),
+        )
     want = (m.get("model") or {}).get("fingerprint")
     if want is not None and lm.fingerprint() != want:
         raise IntegrityError(
@@ -317,14 +323,7 @@ def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None, with_top:
     m = read_manifest(run_dir)
     cfg = m["config"]
     top = PublicTop(_public_model(m, run_dir), m["split"]) if with_top else None
-    if lm is None:
-        lm = _public_model(m, run_dir)
-    want = (m.get("model") or {}).get("fingerprint")
-    if want is not None and lm.fingerprint() != want:
-        raise IntegrityError(
-            f"the public model loaded for {run_dir} (fingerprint {lm.fingerprint()[:12]}) is not the one the run "
-            f"started from ({want[:12]}): another version of the weights"
-        )
+    lm = _public_model(m, run_dir, lm)
     client = ClientCopy(lm.model, m["split"]["cut"], lm.tokenizer)
     if copy == "trained":
         state = read_tensors(run_dir, "client_layers.safetensors")

@@ -290,8 +290,9 @@ class ClientRole:
             )
         g = reply.tensor.to(split.device)
         _finite(g, "returned gradient", step)
-        if split.spec.label_shielded and self.chain.recovery() != 1.0:
-            g = g / self.chain.recovery()  # Bottom-gradient recovery: undo scale blinding's expected amplification
+        recovery = self.chain.recovery() if split.spec.label_shielded else 1.0
+        if recovery != 1.0:
+            g = g / recovery  # Bottom-gradient recovery: undo scale blinding's expected amplification
         if prepared is not None:
             assert transform is not None  # only a client transform prepares a frame
             g = transform.receive(g, len(doc_ids), state)
