@@ -1,6 +1,6 @@
 """The attacks by name: ``ATTACKS`` (a live view of ``attacks.registry``) and ``make_attack``. Each
 attack lives in its own file (one per family): ``vmi`` (VMI, the majority control), ``beam``
-(activation-only, joint, its controls, backward-only), ``sipit``, ``property``, ``mixup_unmix``, ``sip`` (the GRU inverter), ``gma`` (GMA-SL);
+(activation-only, joint, its controls, backward-only), ``sipit``, ``property``, ``mixup_unmix``, ``sip`` (the GRU inverter), ``gma`` (GMA-SL), ``bisr`` (BiSR);
 their names are re-exported here.
 """
 

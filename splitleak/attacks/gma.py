@@ -371,7 +371,12 @@ class GMASL(Attack):
         self.knowledge_ = knowledge
         return self
 
-    def reconstruct(self, traffic, progress: Progress | None = None) -> Reconstruction:
+    def match(
+        self, traffic, init: torch.Tensor | None = None, progress: Progress | None = None
+    ) -> tuple[torch.Tensor, list[float], list[int]]:
+        """The labels [n, T-1] of each row, matched frame by frame; ``init`` (token ids [n, T-1], e.g. SIP's
+        reading for BiSR(b)) starts the soft labels there instead of at noise. Returns the labels, each row's
+        final distance and the steps each chunk took."""
         if not hasattr(self, "knowledge_"):
             raise ConfigError("gma-sl: call fit(knowledge) before reconstruct(traffic)")
         if traffic.trunk_output is None or traffic.output_gradients is None:
@@ -398,6 +403,7 @@ class GMASL(Attack):
                 distance=self.distance,
                 steps=self.steps,
                 lr=self.lr,
+                init=None if init is None else init[rows],
                 seed=self.seed + int(f),
                 batch=self.batch,
                 tag_alpha=self.tag_alpha,
@@ -407,6 +413,11 @@ class GMASL(Attack):
             for i, d in zip(rows, info["distance"]):
                 distance[i] = d
             steps += info["steps"]
+        return labels, distance, steps
+
+    def reconstruct(self, traffic, progress: Progress | None = None) -> Reconstruction:
+        labels, distance, steps = self.match(traffic, progress=progress)
+        n = labels.shape[0]
         first = self.knowledge_.calibration_ids()[:, 0]
         token0 = int(torch.mode(first).values) if first.numel() else 0
         tokens = torch.cat([torch.full((n, 1), token0, dtype=torch.long), labels], dim=1)

@@ -162,6 +162,31 @@ REGISTRY: dict[str, AttackInfo] = {
             needs_top=True,
             label="GMA-SL",
         ),
+        AttackInfo(
+            "bisr-b",
+            f"{_A}.bisr:BiSRBackward",
+            "label-shielded: SIP's reading, then GMA-SL's gradient matching from it (BiSR(b))",
+            reads=("activations", "trunk-output", "output-gradient"),
+            modes=("label-shielded",),
+            needs_top=True,
+            label="BiSR(b)",
+        ),
+        AttackInfo(
+            "bisr-f",
+            f"{_A}.bisr:BiSRForward",
+            "SIP's reading, then relaxed inputs fitted so that the Bottom's copy reproduces the activations (BiSR(f))",
+            reads=("activations",),
+            label="BiSR(f)",
+        ),
+        AttackInfo(
+            "bisr",
+            f"{_A}.bisr:BiSR",
+            "label-shielded: SIP, then backward (gradient) matching, then forward (activation) matching (BiSR)",
+            reads=("activations", "trunk-output", "output-gradient"),
+            modes=("label-shielded",),
+            needs_top=True,
+            label="BiSR(b+f)",
+        ),
     )
 }
 

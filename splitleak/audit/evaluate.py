@@ -201,6 +201,11 @@ def run_attack(
             )
         if "labels" in rec.extra:
             result.update(label_scores(rec.extra["labels"], docs, knowledge.client.tokenizer))
+        if "stage_tokens" in rec.extra:  # a chain's reading after each stage (BiSR: sip, b, f)
+            truth = torch.tensor([list(d.token_ids) for d in docs])
+            result["stage_token_recovery"] = {
+                k: float((v == truth).float().mean()) for k, v in rec.extra["stage_tokens"].items()
+            }
         if "matched" in rec.extra:
             result["certified_tokens"] = float(rec.extra["matched"].float().mean())
             result["mean_checks_per_token"] = float(rec.extra["checks"].float().mean())
