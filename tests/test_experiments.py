@@ -335,7 +335,10 @@ def test_a_readout_list_expands_into_one_attack_job_each(tmp_path):
         (("{attack: property, client_copy: public}", "{attack: sipit, k: 4}"), "does not take ['k']"),
         (("{attack: property, client_copy: public}", "{attack: activation, k: 4, defences: [mixp]}"), "'mixp'"),
         (("{attack: property, client_copy: public}", "{attack: activation, k: 4}"), "listed twice"),
-        (("defences: [none]", "defences: [mixup]\nplacements: {lengths: [1], starts: [0]}"), "plain split only"),
+        (
+            ("defences: [none]", "defences: [mixup]\nplacements: {lengths: [1], starts: [0]}"),
+            "implemented for plain runs only",
+        ),
         (("depths: [1, 2]", "depths: [0]"), "every depth must be >= 1"),
         (
             ("{attack: property, client_copy: public}", "{attack: activation, k: 5, readout: gradient}"),

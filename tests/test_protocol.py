@@ -21,7 +21,7 @@ runner = CliRunner()
 @pytest.mark.unit
 def test_shipped_protocols_parse():
     names = {parse_protocol(p).name for p in shipped_protocols()}
-    assert names == {"paper-main", "partial-offloading", "gate-002"}
+    assert names == {"paper-main", "partial-offloading", "gate-002", "mirage-003"}
     main = parse_protocol([p for p in shipped_protocols() if p.name == "paper_main.yaml"][0])
     assert main.main_test.pass_mark == 0.02 and main.family.size == 47 and len(main.victim_seeds) == 10
 

@@ -1,7 +1,8 @@
 """A spec expanded into jobs, each keyed by the SHA-256 of its full configuration.
 
 - **train** jobs, one per model x split (depth or placement) x defence chain x victim seed, and one
-  per model x latent arm (the decoy system, 002 §2) x victim seed. The key
+  per model x latent arm (the decoy system, 002 §2) or label-shielded arm (003 §2, each with its own
+  defence chain) x victim seed. The key
   hashes ``{"schema", "kind": "train", "train": TrainConfig}`` (with ``data_path`` as the spec
   writes it, so moving a checkout does not change keys; the job runs with the resolved path).
 - **attack** jobs, one per train job x attack configuration (attack, k, budget) x perturbation x
@@ -10,7 +11,8 @@
   protocol does (results carry the protocol's hash). An attack job reads its train job's run
   directory (captures, client layers) and never retrains. An attack entry applies to the train jobs
   of the modes its attack reads (``AttackInfo.modes``): the latent attacks (support-partition,
-  latent-probe) to the latent arms, the others to the splits; an entry that reads none is refused.
+  latent-probe) to the latent arms, the label-shielded ones (gma-sl, bisr) to the shielded arms, the
+  others to the splits and the shielded arms; an entry that reads none is refused.
 - **reuse** jobs: the inference-setting twin of an activation-only configuration flagged
   ``inference: true``. Its key is the key an inference attack job would have (``AttackConfig.inference
   = True``); it is not computed: the store copies the training-setting measurement (``reuse_of``
@@ -34,6 +36,8 @@ SCHEMA = 1
 KINDS = ("train", "attack", "reuse")
 #: the ``defence_name`` of a latent-mode train job (its ``defence`` column holds the arm's label)
 LATENT_DEFENCE = "latent"
+#: the ``defence_name`` of a label-shielded train job (its ``defence`` column holds the arm's label)
+SHIELDED_DEFENCE = "label-shielded"
 
 
 @dataclass(frozen=True)
@@ -113,8 +117,8 @@ def _train_fields(cfg: dict[str, Any], label: str, names: str) -> dict[str, Any]
 
 
 def _train_summary(f: dict[str, Any]) -> str:
-    if f["defence_name"] == LATENT_DEFENCE:
-        return f"{f['model']} latent {f['defence']} seed {f['victim_seed']}"
+    if f["defence_name"] in (LATENT_DEFENCE, SHIELDED_DEFENCE):
+        return f"{f['model']} {f['defence_name']} {f['defence']} seed {f['victim_seed']}"
     split = f"d{f['depth']}" if f["depth"] is not None else f"s{f['offload_length']} b{f['offload_start']}"
     return f"{f['model']} {split} {f['defence']} seed {f['victim_seed']}"
 
@@ -239,16 +243,18 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
         raise ConfigError(f"{loaded.path}: the defence chain {dup[0]!r} is listed twice")
     from splitleak.wire.defences import DEFENCES
 
-    arms = [a.label for a in spec.latent]
-    clash = sorted(set(arms) & (set(labels) | {LATENT_DEFENCE}))
+    arms = [a.label for a in spec.latent] + [a.label for a in spec.shielded]
+    split_labels = set(labels) if _splits(spec) else set()  # the chains label train jobs only where a split runs
+    clash = sorted(set(arms) & (split_labels | {LATENT_DEFENCE, SHIELDED_DEFENCE}))
     if clash:
         raise ConfigError(
-            f"{loaded.path}: the latent arm label {clash[0]!r} is also a defence chain's label (or the word "
-            f"{LATENT_DEFENCE!r}); relabel the arm, the store's defence column must tell them apart"
+            f"{loaded.path}: the arm label {clash[0]!r} is also a defence chain's label (or the word "
+            f"{LATENT_DEFENCE!r} or {SHIELDED_DEFENCE!r}); relabel the arm, the store's defence column must tell "
+            "them apart"
         )
     for i, entry in enumerate(spec.attacks):
         for lab in entry.defences or []:
-            if lab in labels or lab in names or lab in arms or lab == LATENT_DEFENCE:
+            if lab in labels or lab in names or lab in arms or lab in (LATENT_DEFENCE, SHIELDED_DEFENCE):
                 continue
             unknown = [n for n in (part.split("(")[0] for part in lab.split("+")) if n not in DEFENCES]
             if unknown:  # a typo; a known defence that this grid (profile, overrides) does not train is fine
@@ -270,20 +276,23 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
         seen[job.key] = job.summary
         jobs.append(job)
 
-    plain_only = [
-        lab
-        for lab, chain in chains  # unknown names are refused below, with the defence named
-        if any(d.name in DEFENCES and "u-shape" not in DEFENCES[d.name].split_modes for d in chain)
-    ]
-    if plain_only and spec.placements is not None:
-        raise ConfigError(
-            f"{loaded.path}: the defence {plain_only[0]!r} is implemented for the plain split only, not for "
-            "partial offloading (placements); put the placements and that defence in separate specs"
-        )
+    for split_mode, present, where in (
+        ("plain", bool(spec.depths), "a plain split (depths)"),
+        ("u-shape", spec.placements is not None, "partial offloading (placements)"),
+    ):
+        for lab, chain in chains:  # unknown names are refused below, with the defence named
+            bad = [d.name for d in chain if d.name in DEFENCES and split_mode not in DEFENCES[d.name].split_modes]
+            if present and bad:
+                supported = DEFENCES[bad[0]].split_modes
+                hint = "a shielded arm's chain" if "label-shielded" in supported else "a spec of its own"
+                raise ConfigError(
+                    f"{loaded.path}: the defence {lab!r} is implemented for {' and '.join(supported)} runs only, not "
+                    f"for {where}; put it in {hint}"
+                )
 
     used = [False] * len(attack_cfgs)
 
-    def emit(common: dict[str, Any], label: str, names: str, latent: bool) -> None:
+    def emit(common: dict[str, Any], label: str, names: str, mode: str) -> None:
         """The train job of ``common`` and the attack (and reuse) jobs of every entry that reads its mode."""
         try:
             key_cfg = make_train_config(**common, data_path=spec.data.path, model_path=spec.model_path)
@@ -301,8 +310,8 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
         tsum = _train_summary(tf)
         add(Job(tkey, "train", config, tf, tsum, run_config=run_cfg.as_dict()))
         for i, (entry, cfgs) in enumerate(attack_cfgs):
-            if latent != ("latent" in attack_info(entry.attack).modes):
-                continue  # an attack reads either the latent mode's frames or a split's positions
+            if mode not in attack_info(entry.attack).modes:
+                continue  # the latent mode's frames, a split's positions, a label-shielded run's four crossings
             if entry.defences is not None and label not in entry.defences and names not in entry.defences:
                 continue
             used[i] = True
@@ -356,7 +365,7 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
                         lr=spec.lr,
                         all_local_baseline=spec.all_local_baseline,
                     )
-                    emit(common, label, defence_names(chain), latent=False)
+                    emit(common, label, defence_names(chain), "plain" if split["depth"] is not None else "u-shape")
         for arm in spec.latent:
             try:
                 latent = arm.latent_config(model)
@@ -365,13 +374,24 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
             for seed in spec.victim_seeds:
                 # the latent mode has no all-local twin: its reference is the frozen pretrained model
                 common = dict(**shared(model, seed), latent=latent, lr=arm.lr, all_local_baseline=False)
-                emit(common, arm.label, LATENT_DEFENCE, latent=True)
+                emit(common, arm.label, LATENT_DEFENCE, "latent")
+        for sarm in spec.shielded:
+            for seed in spec.victim_seeds:
+                common = dict(
+                    **shared(model, seed),
+                    shielded=sarm.shielded_config(),
+                    defences=[d.model_dump() for d in sarm.chain],
+                    lr=sarm.lr if sarm.lr is not None else spec.lr,
+                    all_local_baseline=spec.all_local_baseline,
+                )
+                emit(common, sarm.label, SHIELDED_DEFENCE, "label-shielded")
     for i, (entry, _) in enumerate(attack_cfgs):
         if not used[i]:
             modes = " or ".join(attack_info(entry.attack).modes)
             raise ConfigError(
                 f"{loaded.path}: attacks[{i}] ({entry.attack}) reads {modes} runs and no train job of this grid "
                 f"is one{' among its defences ' + str(entry.defences) if entry.defences else ''}; add them "
-                "(latent: [...] for the decoy system, depths or placements for a split) or drop the entry"
+                "(latent: [...] for the decoy system, shielded: [...] for label-shielded fine-tuning, depths or "
+                "placements for a split) or drop the entry"
             )
     return Grid(loaded, protocol_hash, jobs)

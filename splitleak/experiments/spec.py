@@ -213,6 +213,35 @@ class LatentArm(BaseModel):
             raise ConfigError(f"latent arm {self.label!r}: {msg}") from None
 
 
+class ShieldedArm(BaseModel):
+    """One configuration of label-shielded split fine-tuning (003 §2; ``splitleak train --mode label-shielded``):
+    a ``label`` (it names the arm in the store's ``defence`` column and in the report), the cut (``bottom``
+    and ``top`` blocks kept by the client; 003's 6 and 5 by default), who trains (``train``: all,
+    trunk-frozen or top-only), ``answer_only`` supervision, the defence ``chain`` on the wire (a name, a
+    ``{name, args}`` mapping or a list of those; default none) and an ``lr`` (default: the spec's)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    label: str = Field(pattern=r"^[A-Za-z0-9_.=-]+$")
+    bottom: int = Field(6, ge=1)
+    top: int = Field(5, ge=1)
+    train: Literal["all", "trunk-frozen", "top-only"] = "all"
+    answer_only: bool = False
+    chain: list[DefenceItem] = Field(default_factory=lambda: [DefenceItem(name="none")], min_length=1)
+    lr: float | None = Field(None, gt=0)
+
+    @field_validator("chain", mode="before")
+    @classmethod
+    def _chain_forms(cls, v):
+        return [{"name": d} if isinstance(d, str) else d for d in _as_list(v)]
+
+    def shielded_config(self) -> dict[str, Any]:
+        from splitleak.training.config import ShieldedConfig
+
+        return ShieldedConfig(
+            bottom=self.bottom, top=self.top, train=self.train, answer_only=self.answer_only
+        ).as_dict()
+
+
 class Documents(BaseModel):
     """Document counts and the seed that draws the documents (``TrainConfig.data_seed``): one seed
     for the whole grid, so every victim seed trains and is evaluated on the same documents (What Gradients Add)."""
@@ -259,6 +288,7 @@ class ExperimentSpec(BaseModel):
     depths: list[int] = Field(default_factory=list)
     placements: Placements | None = None
     latent: list[LatentArm] = Field(default_factory=list)  # the decoy system's latent mode (002 §2)
+    shielded: list[ShieldedArm] = Field(default_factory=list)  # label-shielded fine-tuning (003 §2)
     defences: list[list[DefenceItem]] = Field(default_factory=lambda: [[DefenceItem(name="none")]])
     victim_seeds: list[int] = Field(min_length=1)
     attack_seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
@@ -307,15 +337,15 @@ class ExperimentSpec(BaseModel):
 
     @model_validator(mode="after")
     def _splits(self):
-        if not self.depths and self.placements is None and not self.latent:
+        if not self.depths and self.placements is None and not self.latent and not self.shielded:
             raise ValueError(
-                "give depths (plain split), placements (partial offloading: lengths, starts) and/or latent "
-                "(the decoy system's arms)"
+                "give depths (plain split), placements (partial offloading: lengths, starts), latent "
+                "(the decoy system's arms) and/or shielded (label-shielded fine-tuning's arms)"
             )
-        labels = [a.label for a in self.latent]
+        labels = [a.label for a in self.latent] + [a.label for a in self.shielded]
         twice = sorted({lab for lab in labels if labels.count(lab) > 1})
         if twice:
-            raise ValueError(f"the latent arm label {twice[0]!r} is used twice; give each arm its own label")
+            raise ValueError(f"the arm label {twice[0]!r} is used twice; give each arm its own label")
         if self.model_path is not None and len(self.models) != 1:
             raise ValueError("model_path names one local model directory; list exactly one model with it")
         return self

@@ -21,7 +21,10 @@ as the store's data allows (a section without data says why in one line):
    (What Gradients Add Tables 10 and 5);
 8. the decoy system (002), when the grid trained latent arms: the support partition, the probe
    battery with its shuffled-label twins and seed-level pooling, the held-out loss and the output
-   gradient's cost, beside the paper's numbers (``splitleak.report.grid_latent``).
+   gradient's cost, beside the paper's numbers (``splitleak.report.grid_latent``);
+9. label-shielded fine-tuning (003), when the grid trained shielded arms: per arm the held-out loss, the
+   output gradient's utility and what GMA-SL and BiSR read, the privacy–utility figure and the paper's
+   claims of shape checked on the grid's numbers (``splitleak.report.grid_shielded``).
 
 Results written under another protocol hash are refused before anything is written, naming them.
 ``store_report`` does the same from a store and a protocol file without a spec (no pending count).
@@ -39,6 +42,7 @@ from splitleak.report import grid_sections as sec
 from splitleak.report.document import Document, render_html, render_markdown
 from splitleak.report.grid_latent import is_latent, latent_section
 from splitleak.report.grid_sections import GridReport
+from splitleak.report.grid_shielded import is_shielded, shielded_section
 from splitleak.report.grid_stats import Config, recovery_cells, split_text
 
 #: bootstrap replicates of the descriptive intervals (sections 3-6); the protocol's tests use its own count
@@ -307,6 +311,10 @@ def build_report(
     attack_rows = [r for r in attack_rows if not is_latent(r)]
     latent_train = [t for t in train_rows if is_latent(t)]
     train_rows = [t for t in train_rows if not is_latent(t)]
+    shielded_rows = [r for r in attack_rows if is_shielded(r)]  # label attacks on 003's setting: their own section
+    attack_rows = [r for r in attack_rows if not is_shielded(r)]
+    shielded_train = [t for t in train_rows if is_shielded(t)]
+    train_rows = [t for t in train_rows if not is_shielded(t)]
     rows = analysis_rows(attack_rows)
     run_rows = offload_run_rows(attack_rows, train_rows, protocol_hash)
     analysis, error = None, None
@@ -326,6 +334,7 @@ def build_report(
     sec.heatmap_section(doc, ctx, cells)
     sec.offload_section(doc, ctx, run_rows, analysis, error)
     latent_section(doc, latent_rows, latent_train)
+    shielded_section(doc, shielded_rows, shielded_train, out, used.thresholds)
     rep.markdown.write_text(render_markdown(doc), encoding="utf-8")
     rep.html.write_text(render_html(doc), encoding="utf-8")
     return rep
