@@ -18,7 +18,10 @@ from splitleak.report.grid_shielded import ArmCell, shape_claims
 @pytest.mark.unit
 def test_the_shipped_mirage_spec_plans_one_train_job_per_arm_and_seed():
     full = plan_grid("mirage")
-    assert full.counts() == {"train": 34, "attack": 42, "reuse": 0}  # 17 arms x 2 seeds; gma-sl on all, BiSR on 2
+    # 17 arms x 2 seeds; gma-sl on all but top-only (which sends no gradient to match), BiSR(b+f) and BiSR(f) on 2
+    assert full.counts() == {"train": 34, "attack": 32 + 8, "reuse": 0}
+    top_only = {j.key for j in full.of_kind("train") if j.fields["defence"] == "top-only"}
+    assert len(top_only) == 2 and not [j for j in full.of_kind("attack") if j.train_key in top_only]
     tiny = plan_grid("mirage", profile="tiny")
     trains = tiny.of_kind("train")
     assert len(trains) == 11 and {j.fields["defence_name"] for j in trains} == {"label-shielded"}

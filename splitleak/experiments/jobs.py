@@ -312,6 +312,8 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
         for i, (entry, cfgs) in enumerate(attack_cfgs):
             if mode not in attack_info(entry.attack).modes:
                 continue  # the latent mode's frames, a split's positions, a label-shielded run's four crossings
+            if (common.get("shielded") or {}).get("train") == "top-only" and attack_info(entry.attack).needs_top:
+                continue  # a top-only client sends no gradient: the attacks that match one have nothing to read
             if entry.defences is not None and label not in entry.defences and names not in entry.defences:
                 continue
             used[i] = True
