@@ -349,6 +349,9 @@ def test_registry_names_match_cli_contract():
         "support-partition",
         "gma-sl",
         "sip-gru",
+        "bisr-b",
+        "bisr-f",
+        "bisr",
         "latent-probe",
     }
 

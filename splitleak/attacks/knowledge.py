@@ -13,22 +13,23 @@ section of ``documents.json``.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
 from splitleak.attacks.registry import COPIES
 from splitleak.data import Document, DocumentSets
-from splitleak.errors import ConfigError, IntegrityError
+from splitleak.errors import ConfigError, DataError, IntegrityError
 from splitleak.models import load_model
 from splitleak.models.presets import _NORM_NAMES, find_blocks
 from splitleak.seeds import model_init_seed
 from splitleak.wire import Capture, load_capture, read_tensors
+from splitleak.wire.store import config_hash, read_run_json
 
 
 class ClientCopy:
@@ -231,10 +232,39 @@ class Traffic:
 
 
 def read_manifest(run_dir: str | Path) -> dict[str, Any]:
+    """The run's manifest, its structure checked: the fields every reader relies on are there, with
+    their types (``ManifestCore``); an IntegrityError in one line names the file and the field."""
     path = Path(run_dir) / "manifest.json"
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise IntegrityError(f"{run_dir} has no manifest.json; pass a run directory written by `splitleak train`")
-    return json.loads(path.read_text())
+    m = read_run_json(run_dir, "manifest.json")
+    fix = f"the manifest is damaged: run `splitleak verify {run_dir}`, or rerun `splitleak train`"
+    try:
+        ManifestCore.model_validate(m)
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        raise IntegrityError(
+            f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']} ({len(exc.errors())} problem(s)); {fix}"
+        ) from None
+    if config_hash(m["config"]) != m["config_hash"]:
+        raise IntegrityError(f"{path}: config_hash does not match its config (one of them was changed); {fix}")
+    return m
+
+
+class _Split(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    cut: int = Field(ge=1)
+
+
+class ManifestCore(BaseModel):
+    """What every reader of a manifest relies on; the rest is free (it grows with the modes)."""
+
+    model_config = ConfigDict(extra="allow")
+    config: dict[str, Any]
+    config_hash: str
+    split: _Split
+    channels: dict[str, Any]
+    model: dict[str, Any] | None = None
 
 
 def pair_session(session: str | Path, client_run: str | Path, phase: str) -> None:
@@ -289,7 +319,13 @@ def find_session(capture: str | Path, client_run: str | Path) -> Path:
 
 
 def read_documents(run_dir: str | Path) -> DocumentSets:
-    return DocumentSets.from_json(json.loads((Path(run_dir) / "documents.json").read_text()))
+    data = read_run_json(run_dir, "documents.json")
+    try:
+        return DocumentSets.from_json(data)
+    except DataError as exc:
+        raise IntegrityError(
+            f"{Path(run_dir) / 'documents.json'}: {exc}; run `splitleak verify {run_dir}`, or rerun `splitleak train`"
+        ) from None
 
 
 def _public_model(m: dict[str, Any], run_dir, lm=None):

@@ -34,6 +34,7 @@ from splitleak.errors import ConfigError, SplitleakError
 from splitleak.files import json_default
 from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
 from splitleak.progress import Progress, Silent
+from splitleak.wire.store import require_verified
 
 
 def attack_label(result: dict[str, Any]) -> str:
@@ -106,9 +107,13 @@ def run_attack(
     device: str | None = None,
     protocol_hash: str | None = None,
     documents: str | Path | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Fit and run the attack, score it, and (with ``out``) write RESULT.json and the per-document
     predictions as Parquet beside it. Returns the result dictionary.
+
+    ``verify``: first check the run (and ``documents``) against its journal (``splitleak verify``), and
+    read nothing from one that fails; ``verify=False`` reads it as it is, and the result says so.
 
     ``run_dir`` may be a server's capture (one ``session-NNNN/`` of ``splitleak serve --capture``):
     the traffic is then what the server recorded, and ``documents`` names the client's run directory
@@ -120,6 +125,10 @@ def run_attack(
     out_path = Path(out) if out is not None else None
     if out_path is not None and out_path.exists() and not force:
         raise SplitleakError(f"{out_path} already exists; choose another --out or pass --force")
+    if verify:
+        for d in (run_dir, documents):
+            if d is not None:
+                require_verified(d, "the attack")
     manifest = read_manifest(run_dir)
     doc_dir = run_dir
     if manifest.get("role") == "server":
@@ -186,6 +195,7 @@ def run_attack(
         "protocol_hash": protocol_hash,
         "phase": config.phase,
         "channels_read": list(attack.channels_read()),
+        "verified": verify,
         "n_docs": len(traffic),
         "n_tokens": int(traffic.activations.shape[0] * traffic.activations.shape[1]),
         "seconds": seconds,

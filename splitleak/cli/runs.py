@@ -427,6 +427,9 @@ def attack_cmd(
         [], "--param", help="KEY=VALUE: any parameter the attack's class takes (e.g. rule=classifier)"
     ),
     force: bool = typer.Option(False, "--force", help="replace an existing RESULT.json"),
+    no_verify: bool = typer.Option(
+        False, "--no-verify", help="read the run without checking it against its journal first (the result says so)"
+    ),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
     quiet: bool = typer.Option(False, "--quiet"),
@@ -476,6 +479,11 @@ def attack_cmd(
                 device=str(dev),
                 protocol_hash=protocol_hash,
                 documents=documents,
+                verify=not no_verify,
+            )
+        if no_verify:
+            console.print(
+                f"[yellow]not verified[/]: --no-verify read {run_dir} without checking it against its journal"
             )
         t = Table(title=f"{attack} on {run_dir}")
         t.add_column("measure")

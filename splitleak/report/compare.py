@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from splitleak.audit.evaluate import attack_label as _label
 from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
+from splitleak.wire.store import read_run_json
 
 
 @dataclass
@@ -72,8 +73,7 @@ def load_summary(path: str | Path) -> RunSummary:
             f"{path} is neither a finished run directory nor an audit folder (no manifest.json and metrics.json); "
             "pass folders written by `splitleak train` or `splitleak audit`"
         )
-    manifest = json.loads((run / "manifest.json").read_text())
-    metrics = json.loads((run / "metrics.json").read_text())
+    manifest, metrics = read_run_json(run, "manifest.json"), read_run_json(run, "metrics.json")
     attacks = []
     adir = path / "attacks"
     if adir.is_dir():

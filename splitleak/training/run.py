@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
-import json
 import platform
 import shutil
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from splitleak.training.config import ServerConfig, TrainConfig
 from splitleak.training.loop import TrainLog, capture_traffic, evaluate_ce, train_all_local, train_split, utility
 from splitleak.wire.declare import MESSAGES_FILE, declare_channels
 from splitleak.wire.defences import DefenceChain
-from splitleak.wire.store import RunStore
+from splitleak.wire.store import RunStore, read_run_json
 from splitleak.wire.tap import WireRecorder
 from splitleak.wire.transport import TransportError
 
@@ -442,7 +441,7 @@ def resume_point(run: str | Path, config: TrainConfig) -> ResumePoint:
         raise ConfigError(f"{run} does not verify ({v.message}); it cannot be resumed")
     if v.status == "complete":
         raise ConfigError(f"{run} is complete; there is nothing to resume")
-    m = json.loads((run / "manifest.json").read_text())
+    m = read_run_json(run, "manifest.json")
     if m.get("config_hash") != config.hash():
         raise ConfigError(f"{run} was trained with another configuration ({m.get('config_hash', '?')[:12]})")
     why = (m.get("checkpoints") or {}).get("not_resumable")
@@ -455,4 +454,4 @@ def resume_point(run: str | Path, config: TrainConfig) -> ResumePoint:
 
 
 def read_metrics(run_dir: str | Path) -> dict[str, Any]:
-    return json.loads((Path(run_dir) / "metrics.json").read_text())
+    return read_run_json(run_dir, "metrics.json")

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from splitleak.errors import IntegrityError
-from splitleak.wire.store import JOURNAL, read_tensors
+from splitleak.wire.store import journal_entries, read_tensors
 from splitleak.wire.tap import exchanges, links_of, read_wire, stack_channel, wire_phases
 
 
@@ -51,12 +51,8 @@ class Capture:
 
 def capture_shards(run_dir: str | Path) -> list[str]:
     """Shards of the legacy capture format (journal kind ``captures``)."""
-    root = Path(run_dir)
-    if not (root / JOURNAL).is_file():
-        raise IntegrityError(f"{root} has no {JOURNAL}; pass a run directory written by `splitleak train`")
     shards = []
-    for raw in (root / JOURNAL).read_bytes().splitlines():
-        entry = json.loads(raw)
+    for entry in journal_entries(run_dir):
         if entry.get("kind") == "captures":
             shards.extend(sorted(entry["files"]))
     return shards
@@ -64,7 +60,6 @@ def capture_shards(run_dir: str | Path) -> list[str]:
 
 def _declares_gradient(run_dir: str | Path) -> bool:
     """Whether the run's manifest declares a returned gradient (every mode but top-only training does)."""
-    import json
 
     try:
         channels = json.loads((Path(run_dir) / "manifest.json").read_text())["channels"]["channels"]

@@ -181,8 +181,10 @@ def verify_run(root: str | Path) -> VerifyResult:
         where = f"{JOURNAL} line {n + 1}"
         try:
             entry = json.loads(raw)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or not UTF-8
             return VerifyResult(False, f"{where}: not valid JSON; the journal is corrupt", n)
+        if not isinstance(entry, dict) or not isinstance(entry.get("files", {}), dict):
+            return VerifyResult(False, f"{where}: not a journal entry (an object with a files mapping)", n)
         if raw + b"\n" != canonical_json(entry) + b"\n":
             return VerifyResult(False, f"{where}: not in canonical form; the entry was edited", n)
         if entry.get("seq") != n:
@@ -219,6 +221,13 @@ def verify_run(root: str | Path) -> VerifyResult:
     if not lines:
         return VerifyResult(False, f"{JOURNAL} is empty")
     for path in sorted(root.rglob("*")):
+        if path.is_symlink() and not path.resolve().is_relative_to(root.resolve()):
+            return VerifyResult(
+                False,
+                f"{path.relative_to(root).as_posix()}: a link out of the run directory; a run holds its own files",
+                len(lines),
+                len(recorded),
+            )
         if path.is_file():
             rel = path.relative_to(root).as_posix()
             if rel != JOURNAL and rel not in recorded:
@@ -236,9 +245,11 @@ def verify_run(root: str | Path) -> VerifyResult:
             len(lines),
             len(recorded),
         )
-    manifest = root / "manifest.json"
     if "manifest.json" in recorded:
-        m = json.loads(manifest.read_text())
+        try:
+            m = read_run_json(root, "manifest.json")
+        except IntegrityError as exc:
+            return VerifyResult(False, str(exc), len(lines), len(recorded))
         if "config" in m and m.get("config_hash") != config_hash(m["config"]):
             return VerifyResult(
                 False, "manifest.json: config_hash does not match its config", len(lines), len(recorded)
@@ -252,17 +263,84 @@ def verify_run(root: str | Path) -> VerifyResult:
     )
 
 
-def recorded_digest(root: str | Path, rel: str) -> str | None:
-    """The SHA-256 the journal records for ``rel``, or None when it records none."""
+def inside_run(root: Path, rel: str) -> Path:
+    """``root / rel``, refused (IntegrityError) when it is a link that leads out of the run directory: a
+    run is self-contained, and what lies outside it is not what the journal vouches for."""
+    path = root / rel
+    if path.is_symlink() and not path.resolve().is_relative_to(root.resolve()):
+        raise IntegrityError(
+            f"{path} is a link out of the run directory; splitleak reads no file of a run from elsewhere: put the "
+            f"file itself there, or run `splitleak verify {root}`"
+        )
+    return path
+
+
+def read_run_json(root: str | Path, rel: str, *, mapping: bool = True) -> Any:
+    """A JSON file of a run directory (``manifest.json``, ``metrics.json``, ``documents.json`` …), or an
+    IntegrityError in one line naming the file, what is wrong and the fix: missing, a directory, a link
+    out of the run, not UTF-8, not JSON (with line and column), or (``mapping``) not an object."""
     root = Path(root)
-    expected = None
-    for raw in (root / JOURNAL).read_bytes().splitlines():
+    path = inside_run(root, rel)
+    fix = f"run `splitleak verify {root}` to see what else changed, or rerun what wrote it"
+    if path.is_dir():
+        raise IntegrityError(f"{path} is a directory where a JSON file belongs; {fix}")
+    if not path.is_file():
+        raise IntegrityError(f"{path} does not exist; {fix}")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise IntegrityError(f"{path} is not UTF-8 text (byte {exc.start}); {fix}") from None
+    except json.JSONDecodeError as exc:
+        raise IntegrityError(
+            f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); {fix}"
+        ) from None
+    if mapping and not isinstance(data, dict):
+        raise IntegrityError(f"{path} holds a JSON {type(data).__name__}, not an object; {fix}")
+    return data
+
+
+def require_verified(root: str | Path, what: str) -> VerifyResult:
+    """``verify_run(root)``, raising IntegrityError when the run does not verify: ``what`` (``the attack``)
+    reads nothing from a run whose recorded files, journal or closing entry are not whole."""
+    v = verify_run(root)
+    if not v.ok:
+        raise IntegrityError(
+            f"{root} does not verify: {v.message}. {what[0].upper()}{what[1:]} read nothing from it; retrain or restore "
+            "the run, or pass --no-verify to read it as it is"
+        )
+    return v
+
+
+def journal_entries(root: str | Path) -> list[dict[str, Any]]:
+    """The journal's entries, parsed, for the readers that look things up in it (``verify_run`` checks the
+    chain itself). IntegrityError in one line when the journal is missing, a link out of the run, or has a
+    line that is not a JSON object with a ``files`` mapping of names to digests."""
+    root = Path(root)
+    journal = inside_run(root, JOURNAL)
+    if not journal.is_file():
+        raise IntegrityError(
+            f"{root} has no {JOURNAL} (or it is not a file); pass a run directory written by `splitleak train`"
+        )
+    out = []
+    for n, raw in enumerate(journal.read_bytes().splitlines()):
         try:
             entry = json.loads(raw)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or not UTF-8
+            raise IntegrityError(f"{journal} has a line that is not JSON; run `splitleak verify {root}`") from None
+        files = entry.get("files", {}) if isinstance(entry, dict) else None
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
             raise IntegrityError(
-                f"{root / JOURNAL} has a line that is not JSON; run `splitleak verify {root}`"
-            ) from None
+                f"{journal} line {n + 1} is not a journal entry (an object whose files map names to digests); "
+                f"run `splitleak verify {root}`"
+            )
+        out.append(entry)
+    return out
+
+
+def recorded_digest(root: str | Path, rel: str) -> str | None:
+    """The SHA-256 the journal records for ``rel``, or None when it records none."""
+    expected = None
+    for entry in journal_entries(root):
         if rel in entry.get("files", {}):
             expected = entry["files"][rel]
     return expected
@@ -274,7 +352,12 @@ def read_recorded(root: str | Path, rel: str) -> bytes:
     expected = recorded_digest(root, rel)
     if expected is None:
         raise IntegrityError(f"{rel} is not recorded in {root / JOURNAL}; run `splitleak verify {root}`")
-    data = (root / rel).read_bytes()
+    path = inside_run(root, rel)
+    if not path.is_file():
+        raise IntegrityError(
+            f"{path} is recorded in the journal but missing or not a file; run `splitleak verify {root}`"
+        )
+    data = path.read_bytes()
     if sha256_bytes(data) != expected:
         raise IntegrityError(f"{rel} does not match its recorded sha256; run `splitleak verify {root}` for details")
     return data

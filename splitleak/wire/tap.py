@@ -30,7 +30,7 @@ from splitleak.errors import IntegrityError
 from splitleak.wire.channel import Crossing
 from splitleak.wire.declare import Declaration, check_declared
 from splitleak.wire.frames import Frame, _metadata, encode
-from splitleak.wire.store import JOURNAL, RunStore, sha256_bytes, sha256_file
+from splitleak.wire.store import RunStore, inside_run, journal_entries, sha256_bytes, sha256_file
 
 WIRE_KIND = "wire"
 LEDGER_KIND = "wire-ledger"
@@ -128,16 +128,8 @@ class WireRecord:
 
 
 def _journal_files(root: Path, kind: str) -> dict[str, str]:
-    if not (root / JOURNAL).is_file():
-        raise IntegrityError(f"{root} has no {JOURNAL}; pass a run directory written by `splitleak train`")
     out: dict[str, str] = {}
-    for raw in (root / JOURNAL).read_bytes().splitlines():
-        try:
-            entry = json.loads(raw)
-        except json.JSONDecodeError:
-            raise IntegrityError(
-                f"{root / JOURNAL} has a line that is not JSON; run `splitleak verify {root}`"
-            ) from None
+    for entry in journal_entries(root):
         if entry.get("kind") == kind:
             out.update(entry.get("files", {}))
     return out
@@ -161,7 +153,7 @@ def read_wire(run_dir: str | Path, phase: str) -> list[WireRecord]:
     files = {rel: h for rel, h in _journal_files(root, WIRE_KIND).items() if rel.startswith(f"wire/{phase}-")}
     records: list[WireRecord] = []
     for rel in sorted(files):
-        path = root / rel
+        path = inside_run(root, rel)
         if not path.is_file():
             raise IntegrityError(f"{rel} is recorded in the journal but missing; run `splitleak verify {root}`")
         blob = path.read_bytes()
@@ -195,9 +187,10 @@ def read_ledger(run_dir: str | Path, phase: str) -> list[dict]:
         raise IntegrityError(
             f"{root} records no wire ledger for phase {phase!r}; the run stopped before it was written"
         )
-    if sha256_file(root / rel) != files[rel]:
+    path = inside_run(root, rel)
+    if not path.is_file() or sha256_file(path) != files[rel]:
         raise IntegrityError(f"{rel} does not match its recorded sha256; run `splitleak verify {root}` for details")
-    return json.loads((root / rel).read_text())
+    return json.loads(path.read_text())
 
 
 def check_wire(run_dir: str | Path, phase: str) -> dict[str, Any]:
