@@ -25,23 +25,67 @@ class Silent:
         pass
 
 
-class RichProgress:
-    """rich bars on a terminal; in a plain log, one line when each task starts and ends."""
+#: in a plain log, the least time between two progress lines of one task (ours)
+LOG_INTERVAL_S = 30.0
 
-    def __init__(self, progress):
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class RichProgress:
+    """rich bars on a terminal. In a plain log (CI, ``nohup``, a pipe), where bars do not show: a line
+    when each task starts, a line at most every ``interval`` seconds while it runs (done/total, time
+    so far and an estimate of the time left, at the rate so far), and a line when it ends."""
+
+    def __init__(self, progress, interval: float = LOG_INTERVAL_S, clock=None):
+        import time
+
         self.p = progress
+        self.interval = interval
+        self.clock = clock or time.monotonic
+        self._times: dict[object, list[float]] = {}  # task -> [started, last line]
+
+    @property
+    def _log(self) -> bool:
+        return not self.p.console.is_terminal
+
+    def _task(self, task: object):
+        return self.p.tasks[[x.id for x in self.p.tasks].index(task)]
 
     def start(self, name: str, total: int) -> object:
-        return self.p.add_task(name, total=total)
+        task = self.p.add_task(name, total=total)
+        now = self.clock()
+        self._times[task] = [now, now]
+        if self._log:
+            self.p.console.print(f"start: {name} ({total:g})", highlight=False)
+        return task
 
     def advance(self, task: object, n: int = 1) -> None:
         self.p.advance(task, n)
+        if not self._log or task not in self._times:
+            return
+        now = self.clock()
+        started, last = self._times[task]
+        if now - last < self.interval:
+            return
+        self._times[task][1] = now
+        t = self._task(task)
+        done, total, spent = float(t.completed), float(t.total or 0), now - started
+        left = f", about {_duration(spent / done * (total - done))} left" if 0 < done < total else ""
+        self.p.console.print(f"… {t.description}: {done:g}/{total:g} after {_duration(spent)}{left}", highlight=False)
 
     def finish(self, task: object) -> None:
-        t = self.p.tasks[[x.id for x in self.p.tasks].index(task)]
+        t = self._task(task)
         self.p.update(task, completed=t.total)
-        if not self.p.console.is_terminal:
-            self.p.console.print(f"done: {t.description} ({t.total:g})")
+        if self._log:
+            started = self._times.pop(task, [self.clock()])[0]
+            self.p.console.print(
+                f"done: {t.description} ({t.total:g}) in {_duration(self.clock() - started)}", highlight=False
+            )
 
 
 @contextmanager

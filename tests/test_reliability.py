@@ -40,3 +40,33 @@ def test_a_second_driver_is_refused_with_the_holders_pid_and_a_dead_ones_lock_is
         with store.lock():
             pass
     assert lock.exists()
+
+
+@pytest.mark.unit
+def test_a_plain_log_gets_a_start_line_periodic_progress_with_time_left_and_an_end_line():
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress as RP
+
+    from splitleak.progress import RichProgress
+
+    now = [100.0]
+    out = io.StringIO()
+    with RP(console=Console(file=out, force_terminal=False, width=200)) as bars:
+        prog = RichProgress(bars, interval=30, clock=lambda: now[0])
+        task = prog.start("beam search", 10)
+        for _ in range(4):  # 4 of 10 done at 10 s each: the first line after 30 s, then silent until 60 s
+            now[0] += 10
+            prog.advance(task)
+        now[0] += 60
+        prog.advance(task)  # 5 of 10 after 100 s
+        prog.finish(task)
+    # rich also draws the finished bar once when it stops; these are the lines a log reader follows
+    lines = [line for line in out.getvalue().splitlines() if line.strip() and "━" not in line]
+    assert lines == [
+        "start: beam search (10)",
+        "… beam search: 3/10 after 30s, about 1m10s left",
+        "… beam search: 5/10 after 1m40s, about 1m40s left",
+        "done: beam search (10) in 1m40s",
+    ]
