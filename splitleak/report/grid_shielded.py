@@ -308,41 +308,20 @@ def shape_claims(cells: Sequence[ArmCell], thresholds: dict[str, float] | None =
 
 def privacy_utility_figure(cells: Sequence[ArmCell], out_stem: str | Path, attack: str = CLAIM_ATTACK) -> list[Path]:
     """Reconstruction (ROUGE-L F of the label text, and label-token recovery) against held-out CE, one point per
-    arm, the undefended one in blue. Writes OUT.png and OUT.svg."""
-    from splitleak.report.figures import pyplot, save_png_svg
+    arm, the undefended one in blue (the grid report's cost figure, with the loss as the cost). Writes OUT.png
+    and OUT.svg."""
+    from splitleak.report.figures import recovery_cost_figure
 
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), constrained_layout=True)
-    for ax, (metric, title) in zip(
-        axes, (("rougeL_f", "ROUGE-L F of the labels"), ("label_recovery", "label tokens recovered"))
-    ):
-        pts: list[tuple[float, float, ArmCell]] = []
-        for c in cells:
-            x, y = c.heldout_ce, c.reads(attack, metric)
-            if x is not None and y is not None:
-                pts.append((x, y, c))
-        xs = [p[0] for p in pts] or [0.0]
-        mid = (min(xs) + max(xs)) / 2
-        for x, y, c in pts:
-            undefended = c.chain_names == "none" and c.train == "all"
-            ax.scatter([x], [100 * y], s=42, color="C0" if undefended else "C3", zorder=3)
-            right = x > mid
-            ax.annotate(
-                c.arm,
-                (x, 100 * y),
-                textcoords="offset points",
-                xytext=(-6 if right else 6, -4),
-                fontsize=8,
-                va="top",
-                ha="right" if right else "left",
-            )
-        ax.margins(x=0.3)
-        ax.set_xlabel("held-out cross-entropy (nats; lower is better)")
-        ax.set_ylabel(f"{title} (%), {attack}")
-        ax.set_ylim(-3, 103)
-        ax.grid(alpha=0.3)
-        ax.set_title(f"{title} against utility")
-    return save_png_svg(fig, out_stem)
+    panels = {}
+    for metric, title in (("rougeL_f", "ROUGE-L F of the labels"), ("label_recovery", "label tokens recovered")):
+        panels[title] = [
+            (c.heldout_ce, 100 * y, c.arm, c.chain_names == "none" and c.train == "all")
+            for c in cells
+            if c.heldout_ce is not None and (y := c.reads(attack, metric)) is not None
+        ]
+    return recovery_cost_figure(
+        panels, out_stem, xlabel="held-out cross-entropy (nats; lower is better)", ylabel="{title} (%), " + attack
+    )
 
 
 def shielded_section(
