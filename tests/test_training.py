@@ -227,3 +227,42 @@ def test_smollm2_trains_and_captures_on_wikitext(tmp_path, smollm2, wikitext_dir
     assert cap.activations.shape == (4, 32, 576)
     assert np.isfinite(res.metrics["heldout_ce"]) and res.metrics["heldout_ce"] < 6.0
     assert verify_run(tmp_path / "run").ok
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("defence", ["none", "replica-median"])
+def test_the_all_local_twin_loads_only_after_the_split_phase_is_freed_and_trains_the_same(tmp_path, defence):
+    """Memory (issue 17): given a model it alone holds and a factory of pristine weights (a grid worker's
+    way), run_training frees the split phase's model (and the server replicas) before it asks for the
+    all-local twin's weights, so the two never sit in memory together; the metrics are those of a run that
+    copied the weights up front."""
+    import gc
+    import weakref
+
+    defences = [{"name": defence, "args": {"k": 3}}] if defence != "none" else [{"name": "none"}]
+    cfg = make_train_config(
+        model="tiny-gpt2", depth=2, n_calib=4, n_train=4, n_eval=4, doc_len=16, seed=5, defences=defences
+    )
+
+    def fresh():
+        return load_model("tiny-gpt2", precision="float32", seed=model_init_seed(5))
+
+    refs: list = []
+
+    def handed_over():
+        lm = fresh()
+        refs.append(weakref.ref(lm.model))
+        return lm
+
+    freed: list[bool] = []
+
+    def pristine():
+        gc.collect()
+        freed.append(refs[0]() is None)
+        return fresh()
+
+    res = run_training(cfg, tmp_path / "a", device="cpu", lm=handed_over(), pristine=pristine)
+    assert freed == [True]  # asked once, and only after the split phase's model was gone
+    copied = run_training(cfg, tmp_path / "b", device="cpu", lm=fresh())  # the twin copied before training
+    for key in ("heldout_ce", "all_local_ce", "delta_u", "pretrained_ce"):
+        assert res.metrics[key] == copied.metrics[key], key

@@ -15,7 +15,11 @@ which count a causal attention as a full one), which carry almost all of a trans
 and only on the job's own thread.
 
 Each worker process keeps the pristine weights of the last few models it loaded and hands every
-job a deep copy, so a grid loads each model once per worker, not once per job.
+attack job a deep copy, so a grid loads each model once per worker, not once per job. A train job
+takes the cached weights themselves (and loads them again for its all-local twin), so that it never
+holds the cache, its copy and the optimiser state at once; after every job the worker collects what
+the job held and gives the freed heap back to the system (``release_memory``). See
+``benchmarks/worker_memory.py`` for the memory of one worker, job by job.
 """
 
 from __future__ import annotations
@@ -105,9 +109,11 @@ class QueueProgress:
         self._pending.pop(t, None)
 
 
-def cached_model(name: str, precision: str, run_seed: int, model_path: str | None):
+def cached_model(name: str, precision: str, run_seed: int, model_path: str | None, *, take: bool = False):
     """A fresh copy of a model's pristine weights for a run with ``run_seed`` (loaded at most once
-    per process and key)."""
+    per process and key). ``take``: hand over the cached weights themselves and forget them (or load
+    them, uncached), for a job that would otherwise hold the cache and a copy of it at once: a train
+    job, whose optimiser state makes it a worker's largest."""
     from splitleak.models import LoadedModel, load_model
     from splitleak.models.presets import PRESETS
     from splitleak.seeds import model_init_seed
@@ -116,6 +122,11 @@ def cached_model(name: str, precision: str, run_seed: int, model_path: str | Non
     seeded = preset is not None and preset.kind == "tiny"  # only the random tiny model depends on the seed
     key = (name, precision, run_seed if seeded else None, model_path)
     with _LOCK:
+        if take:
+            lm = _MODELS.pop(key, None)
+            if lm is None:
+                lm = load_model(name, precision=precision, seed=model_init_seed(run_seed), model_path=model_path)
+            return lm
         lm = _MODELS.get(key)
         if lm is None:
             lm = load_model(name, precision=precision, seed=model_init_seed(run_seed), model_path=model_path)
@@ -138,9 +149,18 @@ def _train(job: dict[str, Any], store, device: str, threads: int | None, progres
 
     cfg = make_train_config(**job["run_config"])
     run_dir = store.run_dir(job["key"])
-    lm = cached_model(cfg.model, cfg.precision, cfg.seed, cfg.model_path)
+    args = (cfg.model, cfg.precision, cfg.seed, cfg.model_path)
     t0 = time.perf_counter()
-    res = run_training(cfg, run_dir, force=True, device=device, threads=threads, progress=progress, lm=lm)
+    res = run_training(
+        cfg,
+        run_dir,
+        force=True,
+        device=device,
+        threads=threads,
+        progress=progress,
+        lm=cached_model(*args, take=True),  # held by run_training alone, which frees it before the all-local twin
+        pristine=lambda: cached_model(*args, take=True),
+    )
     seconds = time.perf_counter() - t0
     v = verify_run(run_dir)
     if not v.ok or v.status != "complete":
@@ -288,6 +308,22 @@ def execute_job(
         }
     finally:
         store.release(key)
+        release_memory()
+
+
+def release_memory() -> None:
+    """Give back what a finished job held: collect its objects (model copies, optimiser state, captures),
+    then ask glibc to return the freed heap to the system (``malloc_trim``), which it otherwise keeps for
+    the process's lifetime, so that a worker's resident memory after a job is the model cache, not the
+    largest job's peak."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def ray_execute_job(

@@ -7,13 +7,14 @@ model, documents, split), so bad input writes nothing.
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.metadata
 import platform
 import shutil
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -119,10 +120,17 @@ def run_training(
     tls_dir: str | Path | None = None,
     checkpoint_every: int | None = None,
     resume: str | Path | None = None,
+    pristine: Callable[[], LoadedModel] | None = None,
 ) -> RunResult:
     """Train one split run and write its directory (manifest, documents, training log, captures,
     trained client layers, metrics, journal). ``lm`` lets a caller pass a model already loaded
     with the same name, precision and seed.
+
+    The all-local baseline starts from the pristine weights, which it gets only after the split phase's
+    model, optimiser state and captures are freed, so that the two never sit in memory together: from
+    ``pristine`` (a factory of a fresh copy, as a grid worker's model cache gives), else by loading the
+    model again; a caller that passes ``lm`` and no ``pristine`` gets a copy taken before training (the
+    caller still holds ``lm``, so nothing would be saved).
 
     ``connect`` (``HOST:PORT``, with ``tls_dir``): run the trusted node only, against a server
     started with ``splitleak serve`` (``splitleak.wire.network``). The handshake happens before the
@@ -148,6 +156,16 @@ def run_training(
     progress = progress or Silent()
     apply_threads(threads)
     dev = resolve_device(device)
+    if pristine is None and lm is None:
+
+        def pristine() -> LoadedModel:
+            return load_model(
+                config.model,
+                precision=config.precision,
+                seed=model_init_seed(config.seed),
+                model_path=config.model_path,
+            )
+
     chain_client = DefenceChain.from_specs([d.model_dump() for d in config.defences], config.seed)
     chain_server = DefenceChain.from_specs([d.model_dump() for d in config.defences], server_seed(config.seed))
     if lm is None:
@@ -174,7 +192,10 @@ def run_training(
         from splitleak.training.loop import supervision
 
         supervision(docs.train + docs.evaluation, True)  # refuses documents without an answer, before writing
-    pristine = copy.deepcopy(lm.model) if config.all_local_baseline else None
+    if config.all_local_baseline and pristine is None:
+        assert lm is not None
+        kept = LoadedModel(lm.name, copy.deepcopy(lm.model), lm.tokenizer, lm.precision, lm.source, dict(lm.info))
+        pristine = lambda: kept  # noqa: E731
     remote = None
     if (resume is not None or checkpoint_every is not None) and connect is None:
         raise ConfigError("checkpoints and --resume are for a deployment: pass --connect and --tls-dir")
@@ -358,9 +379,14 @@ def run_training(
     if server is not None and hasattr(server, "flag_log"):
         metrics["replica_flagged_messages"] = sum(1 for f in server.flag_log if f["flagged"])
         metrics["replica_max_deviation"] = max((max(f["deviation"]) for f in server.flag_log), default=0.0)
-    if pristine is not None:
+    if config.all_local_baseline:
+        assert pristine is not None
+        # free the split phase first (its model, the server's replicas and optimisers, the client's record)
         del split
-        base_lm = LoadedModel(lm.name, pristine, lm.tokenizer, lm.precision, lm.source, dict(lm.info))
+        lm = server = server_logits = client_side = None
+        gc.collect()
+        base_lm = pristine()
+        base_lm.model.to(dev)
         base = SplitModel(base_lm, depth=1)  # the cut is irrelevant: the whole model trains locally
         local_log = train_all_local(
             base,
