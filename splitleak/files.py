@@ -51,3 +51,101 @@ def json_default(o: Any) -> Any:
     if type(o).__module__.startswith("torch") and hasattr(o, "tolist"):
         return o.tolist()
     raise TypeError(f"{type(o).__name__} is not JSON serialisable")
+
+
+def read_json(path: str | Path, what: str, fix: str, *, mapping: bool = True) -> Any:
+    """The JSON document in ``path``, or an IntegrityError in one line that names the file, what is wrong
+    (missing, a directory, not UTF-8, not JSON with line and column, or with ``mapping`` not an object)
+    and ``fix``. ``what`` names the file's role (``attack result``)."""
+    import json
+
+    from splitleak.errors import IntegrityError
+
+    path = Path(path)
+    if path.is_dir():
+        raise IntegrityError(f"{path} is a directory where a JSON file ({what}) belongs; {fix}")
+    if not path.is_file():
+        raise IntegrityError(f"{path} does not exist; {fix}")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise IntegrityError(f"{path} is not UTF-8 text (byte {exc.start}); {fix}") from None
+    except json.JSONDecodeError as exc:
+        raise IntegrityError(
+            f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); {fix}"
+        ) from None
+    except RecursionError:
+        raise IntegrityError(f"{path} nests too deep to be a {what}; {fix}") from None
+    if mapping and not isinstance(data, dict):
+        raise IntegrityError(f"{path} holds a JSON {type(data).__name__}, not an object; {fix}")
+    return data
+
+
+def validated(model: Any, data: Any, path: str | Path, fix: str) -> Any:
+    """``model.model_validate(data)`` (a pydantic model of the fields a reader relies on), or an
+    IntegrityError in one line naming the file, the first wrong field and ``fix``."""
+    from pydantic import ValidationError
+
+    from splitleak.errors import IntegrityError
+
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise IntegrityError(f"{path}: field {where}: {err['msg']}{more}; {fix}") from None
+
+
+DIGEST_KEY = b"splitleak.content_sha256"
+
+
+def table_digest(table: Any) -> str:
+    """SHA-256 of a table's column names and values (canonical JSON of its rows), independent of how
+    Parquet lays it out: what ``read_parquet`` compares with the digest ``parquet_bytes`` recorded."""
+    import hashlib
+    import json
+
+    body = {"names": list(table.column_names), "rows": table.to_pylist()}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def read_parquet(path: str | Path, what: str, fix: str, *, columns: list[str] | None = None, schema: Any = None) -> Any:
+    """The ``pyarrow.Table`` in the Parquet file ``path``, or an IntegrityError in one line that names
+    the file, what is wrong (missing, a directory, not Parquet, a damaged page, a column missing or of
+    another type, content that does not hash to the digest its writer recorded) and ``fix``. Page
+    checksums are verified where the writer recorded them, and the content digest of ``parquet_bytes``
+    (which also covers the footer: a changed row count or column chunk offset) where it is there."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from splitleak.errors import IntegrityError
+
+    path = Path(path)
+    if path.is_dir():
+        raise IntegrityError(f"{path} is a directory where the {what} (Parquet) belongs; {fix}")
+    if not path.is_file():
+        raise IntegrityError(f"{what} {path} does not exist; {fix}")
+    try:
+        table = pq.read_table(path, page_checksum_verification=True)
+        recorded = (table.schema.metadata or {}).get(DIGEST_KEY)
+        if recorded is not None and recorded.decode("ascii", "replace") != table_digest(table):
+            raise IntegrityError(f"{path} does not hash to the content digest its writer recorded; {fix}")
+        if schema is not None:
+            table = table.select(schema.names).cast(schema)
+        return table if columns is None else table.select(columns)
+    except (pa.ArrowException, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise IntegrityError(f"{path} is not a readable {what} ({why}); {fix}") from None
+
+
+def parquet_bytes(table: Any) -> bytes:
+    """``table`` as Parquet bytes with page checksums and a content digest in its metadata, so that
+    ``read_parquet`` notices a damaged page or footer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    meta = {**(table.schema.metadata or {}), DIGEST_KEY: table_digest(table).encode()}
+    sink = pa.BufferOutputStream()
+    pq.write_table(table.replace_schema_metadata(meta), sink, write_page_checksum=True)
+    return bytes(sink.getvalue().to_pybytes())

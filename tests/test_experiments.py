@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+from damage import damaged, fuzz
+from hypothesis import given
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from splitleak.audit.protocol import SHIPPED
@@ -758,3 +761,117 @@ def test_clear_stale_removes_claims_of_dead_workers_and_half_written_files(tmp_p
     half.write_text('{"pid": 42')
     rs.clear_stale()
     assert sorted(p.name for p in (rs.root / "claims").iterdir()) == ["live.json"]
+
+
+STORE_OPS = ("truncate", "flip", "insert", "delete", "empty", "swap")
+
+
+@pytest.mark.e2e
+@fuzz(60)
+@given(
+    kind=st.sampled_from(["attack", "train"]),
+    which=st.integers(0, 10**6),
+    op=st.sampled_from(STORE_OPS),
+    at=st.floats(0, 1),
+    byte=st.integers(0, 255),
+)
+def test_a_damaged_store_row_file_reads_as_written_or_is_refused_naming_it(tiny_grid, kind, which, op, at, byte):
+    """Parquet store rows (issue 17): a damaged row file is read back exactly as written or refused in one
+    line that names it and says how to redo the job; the store is left as it was."""
+    import tempfile
+
+    from splitleak.errors import IntegrityError
+    from splitleak.experiments import read_results
+
+    _, clean_store, _ = tiny_grid
+    sub = {"attack": "attacks", "train": "train"}[kind]
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Path(tmp) / "store"
+        shutil.copytree(clean_store, store)
+        files = sorted((store / sub).glob("*.parquet"))
+        path = files[which % len(files)]
+        data = path.read_bytes()
+        # "swap": another job's rows under this job's name
+        bad = files[(which + 1) % len(files)].read_bytes() if op == "swap" else damaged(data, op, at, byte)
+        path.write_bytes(bad)
+        before = {p: p.read_bytes() for p in store.rglob("*") if p.is_file()}
+        try:
+            rows = read_results(store, kind, as_rows=True)
+        except IntegrityError as exc:
+            msg = str(exc)
+            assert "\n" not in msg and str(path) in msg
+            assert "delete it and run `splitleak experiment run`" in msg
+        else:
+            assert bad == data or rows == read_results(clean_store, kind, as_rows=True)
+        assert {p: p.read_bytes() for p in store.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.e2e
+def test_the_grid_report_names_a_damaged_row_file(tiny_grid, tmp_path):
+    spec, clean_store, _ = tiny_grid
+    store = tmp_path / "store"
+    shutil.copytree(clean_store, store)
+    victim = sorted((store / "attacks").glob("*.parquet"))[0]
+    victim.write_bytes(victim.read_bytes()[:-20])
+    r = runner.invoke(app, ["experiment", "report", str(spec), "--store", str(store), "--out", str(tmp_path / "rep")])
+    assert r.exit_code == 2 and r.output.lstrip().startswith("error:") and "Traceback" not in r.output
+    flat = "".join(r.output.split())
+    assert str(victim) in flat and "deleteitandrun`splitleakexperimentrun`" in flat
+    assert not (tmp_path / "rep").exists() or not any((tmp_path / "rep").iterdir())
+
+
+@pytest.mark.e2e
+def test_a_killed_worker_s_job_runs_again_once_and_is_recorded_as_retried(tiny_grid, tmp_path):
+    """Issue 17: SIGKILL the worker process (not the driver) while it runs an attack job. The driver sees the
+    dead worker, records the attempt as retried, runs the job again on a new worker, and finishes the grid
+    with every job once and the clean grid's scores."""
+    from splitleak.experiments import plan_grid, read_results
+
+    clean_spec, clean_store, _ = tiny_grid
+    spec = write_spec(tmp_path)
+    store = tmp_path / "store"
+    g = plan_grid(spec)
+    attack_keys = {j.key for j in g.of_kind("attack")}
+    cmd = [sys.executable, "-m", "splitleak.cli", "experiment", "run", str(spec), "--store", str(store)]
+    cmd += ["--workers", "1", "--threads", "1", "--device", "cpu", "--quiet"]
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    killed = None
+    try:
+        t0 = time.monotonic()
+        while killed is None:
+            assert proc.poll() is None, "the grid ended before a worker could be killed"
+            assert time.monotonic() - t0 < 120, "no attack job was claimed within 120 s"
+            for p in (store / "claims").glob("*.json") if (store / "claims").is_dir() else []:
+                if p.stem in attack_keys:
+                    try:
+                        killed = json.loads(p.read_text())["pid"]
+                    except (FileNotFoundError, json.JSONDecodeError):
+                        continue
+                    os.kill(killed, signal.SIGKILL)
+                    break
+            time.sleep(0.01)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert killed != proc.pid
+    assert proc.returncode == 0, out
+    retried = read_results(store, "retried", as_rows=True)
+    assert len(retried) == 1 and retried[0]["attempt"] == 1 and retried[0]["key"] in {j.key for j in g.jobs}
+    assert "died" in retried[0]["error"]
+    assert "1 attempt(s) ran again after their worker died" in " ".join(out.split())
+    counts: dict[str, int] = {}
+    for row in read_results(store).to_pylist():
+        counts[row["key"]] = counts.get(row["key"], 0) + 1
+    assert counts == {j.key: 4 for j in g.jobs if j.kind != "train"}
+    assert scores(store) == scores(clean_store) and scores(store, "train") == scores(clean_store, "train")
+    assert read_results(store, "failed").num_rows == 0

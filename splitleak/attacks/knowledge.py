@@ -19,12 +19,13 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from splitleak.attacks.registry import COPIES
 from splitleak.data import Document, DocumentSets
 from splitleak.errors import ConfigError, DataError, IntegrityError
+from splitleak.files import validated
 from splitleak.models import load_model
 from splitleak.models.presets import _NORM_NAMES, find_blocks
 from splitleak.seeds import model_init_seed
@@ -239,13 +240,7 @@ def read_manifest(run_dir: str | Path) -> dict[str, Any]:
         raise IntegrityError(f"{run_dir} has no manifest.json; pass a run directory written by `splitleak train`")
     m = read_run_json(run_dir, "manifest.json")
     fix = f"the manifest is damaged: run `splitleak verify {run_dir}`, or rerun `splitleak train`"
-    try:
-        ManifestCore.model_validate(m)
-    except ValidationError as exc:
-        e = exc.errors()[0]
-        raise IntegrityError(
-            f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']} ({len(exc.errors())} problem(s)); {fix}"
-        ) from None
+    validated(ManifestCore, m, path, fix)
     if config_hash(m["config"]) != m["config_hash"]:
         raise IntegrityError(f"{path}: config_hash does not match its config (one of them was changed); {fix}")
     return m
@@ -363,7 +358,14 @@ def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None, with_top:
     client = ClientCopy(lm.model, m["split"]["cut"], lm.tokenizer)
     if copy == "trained":
         state = read_tensors(run_dir, "client_layers.safetensors")
-        missing, unexpected = lm.model.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = lm.model.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # a tensor whose shape differs from the model's
+            detail = next((ln.strip() for ln in str(exc).splitlines() if "size mismatch" in ln), str(exc)[:200])
+            raise IntegrityError(
+                f"{run_dir}/client_layers.safetensors does not fit the model {cfg['model']} ({detail}); the run was "
+                "written for another model, or the file was altered: run `splitleak verify` on it"
+            ) from None
         if unexpected:
             raise IntegrityError(
                 f"client_layers.safetensors holds tensors this model does not have ({unexpected[:3]}...); "

@@ -25,17 +25,18 @@ the experiment store yields the same records.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from splitleak.attacks.registry import readout_attacks
 from splitleak.audit.protocol import Protocol, check_results
-from splitleak.errors import ConfigError, DataError, SplitleakError
+from splitleak.errors import ConfigError, DataError, IntegrityError, SplitleakError
 from splitleak.stats import bonferroni_alpha, heldout_rmse, paired_difference_ci, partial_r2_test
+from splitleak.wire.store import read_run_json
 
 ATTACK_FIELDS = (
     "attack",
@@ -135,48 +136,101 @@ def run_fields(run_config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _read_result(path: Path) -> dict[str, Any] | None:
-    try:
-        res = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    if not isinstance(res, dict) or not {"attack", "config_hash", "run", "config"} <= res.keys():
-        return None
-    return res
+class _ResultRun(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    dir: str
+    config_hash: str
+    config: dict[str, Any]
 
 
-def find_results(paths: Iterable[str | Path]) -> list[tuple[Path, dict[str, Any]]]:
+class ResultCore(BaseModel):
+    """What the analysis reads from an attack's RESULT.json; the rest is free (it grows with the attacks)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)  # a leakage index may be NaN; a recovery never
+    attack: str
+    config: dict[str, Any]
+    config_hash: str
+    run: _ResultRun
+    protocol_hash: str | None = None
+    token_recovery: float | None = Field(default=None, ge=0, le=1)
+    leakage_index: float | None = None
+    predictions: str | None = None
+    predictions_sha256: str | None = None
+
+
+RESULT_FIX = "rerun `splitleak attack` (or the audit) that wrote it, or move it out of the folder"
+
+
+def read_result(path: str | Path) -> dict[str, Any] | None:
+    """An attack result (RESULT.json of ``splitleak attack --out`` or of the audit), checked: valid JSON,
+    the fields the analysis reads with their types (``ResultCore``), and both configuration hashes
+    matching their configurations. ``None`` for a JSON file that is no attack result (a run's metrics,
+    a report); an IntegrityError in one line, naming the file and the fix, for one that is not JSON or
+    claims to be a result and is damaged."""
+    from splitleak.files import read_json, validated
+    from splitleak.wire.store import config_hash
+
+    path = Path(path)
+    data = read_json(path, "attack result", RESULT_FIX, mapping=False)
+    if not isinstance(data, dict) or not {"attack", "config_hash"} <= data.keys():
+        return None
+    res = validated(ResultCore, data, path, RESULT_FIX)
+    if config_hash(res.config) != res.config_hash:
+        raise IntegrityError(f"{path}: config_hash does not match the attack's config (one was changed); {RESULT_FIX}")
+    if config_hash(res.run.config) != res.run.config_hash:
+        raise IntegrityError(f"{path}: run.config_hash does not match the run's config (one was changed); {RESULT_FIX}")
+    return data
+
+
+def find_results(paths: Iterable[str | Path], skipped: list[Path] | None = None) -> list[tuple[Path, dict[str, Any]]]:
     """Attack results among ``paths``: JSON files written by ``splitleak attack --out`` or the audit,
-    given directly or found under directories."""
+    given directly or found under directories. A damaged JSON file among them is refused (``read_result``),
+    never skipped: an analysis that silently dropped a result would test another family. JSON objects
+    that are no attack result (a run's metrics, a report) are appended to ``skipped``, for the caller to
+    name."""
     found = []
     for p in map(Path, paths):
         if not p.exists():
             raise SplitleakError(f"{p} does not exist; pass attack result files or folders holding them")
-        files = sorted(p.rglob("*.json")) if p.is_dir() else [p]
+        files = sorted(f for f in p.rglob("*.json") if not f.name.startswith(".")) if p.is_dir() else [p]
         for f in files:
-            res = _read_result(f)
+            res = read_result(f)
             if res is not None:
                 found.append((f, res))
+            elif skipped is not None:
+                skipped.append(f)
     if not found:
         raise SplitleakError("no attack results found; pass RESULT.json files written by `splitleak attack --out`")
     return found
 
 
+def read_predictions(path: Path, res: dict[str, Any], columns: list[str]) -> list[dict[str, Any]]:
+    """The per-document predictions beside a result, checked against the digest the result records."""
+    from splitleak.files import read_parquet
+    from splitleak.wire.store import sha256_file
+
+    name = res.get("predictions") or path.with_suffix(".parquet").name
+    if name in ("", ".", "..") or Path(name).name != name:
+        raise IntegrityError(f"{path} names predictions {name!r}, not a file beside it; {RESULT_FIX}")
+    pq_path = path.with_name(name)
+    if not pq_path.is_file():
+        raise SplitleakError(f"{path} names predictions {pq_path.name}, which are missing beside it")
+    want = res.get("predictions_sha256")
+    if want is not None and sha256_file(pq_path) != want:
+        raise IntegrityError(f"{pq_path} does not hash to the digest {path.name} records; {RESULT_FIX}")
+    return read_parquet(pq_path, "predictions file", RESULT_FIX, columns=columns).to_pylist()
+
+
 def rows_from_results(found: Sequence[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
     """One record per (result, document) from results and their Parquet predictions."""
-    import pyarrow.parquet as pq
-
     rows = []
     for path, res in found:
         if res.get("token_recovery") is None:
             continue  # property inference: no per-token scores
-        pq_path = path.with_name(res.get("predictions", path.with_suffix(".parquet").name))
-        if not pq_path.is_file():
-            raise SplitleakError(f"{path} names predictions {pq_path.name}, which are missing beside it")
         base = {f: res["config"].get(f) for f in ATTACK_FIELDS}
         base.update(run_fields(res["run"]["config"]))
         base.update({"protocol_hash": res.get("protocol_hash"), "config_hash": res["config_hash"]})
-        for d in pq.read_table(pq_path, columns=["doc_id", "token_correct", "token_counted", "exact"]).to_pylist():
+        for d in read_predictions(path, res, ["doc_id", "token_correct", "token_counted", "exact"]):
             rows.append({**base, **d})
     return rows
 
@@ -195,7 +249,9 @@ def run_rows_from_results(found: Sequence[tuple[Path, dict[str, Any]]]) -> list[
                 f"result {res['config_hash'][:12]} names run {res['run']['dir']}, which has no "
                 "metrics.json; keep the run directories beside their results"
             )
-        m = json.loads(metrics_path.read_text())
+        m = read_run_json(res["run"]["dir"], "metrics.json")
+        if not isinstance(m.get("delta_u"), (int, float, type(None))) or isinstance(m.get("delta_u"), bool):
+            raise IntegrityError(f"{metrics_path}: delta_u is not a number; rerun `splitleak train` for that run")
         rows.append(
             {
                 **run_fields(res["run"]["config"]),

@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
 from splitleak.attacks.core import make_attack
@@ -49,7 +50,7 @@ from splitleak.attacks.knowledge import Knowledge, Traffic, eval_token_ids, read
 from splitleak.attacks.ridge import RidgeMap
 from splitleak.audit.defaults import DEFAULT_COVERAGES
 from splitleak.audit.verdicts import GATE, constant_baseline
-from splitleak.errors import ConfigError, SplitleakError
+from splitleak.errors import ConfigError, IntegrityError, SplitleakError
 from splitleak.metrics import roc_auc
 from splitleak.progress import Progress, Silent
 from splitleak.stats import Interval, frame_weights, ratio_bootstrap_ci, wilson_upper
@@ -399,9 +400,73 @@ def _num(o):
     raise TypeError(type(o).__name__)
 
 
+class _Effect(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+    effect: float
+    low: float
+    high: float
+    detected: bool
+
+
+class _Dose(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+    coverage: float = Field(ge=0, le=1)
+    amplitude: float = Field(ge=0)
+    dose: float
+    token_top1: float = Field(ge=0, le=1)
+    rare_token_top1: float = Field(ge=0, le=1)
+    token_cross_entropy: float
+    membership_auc: float = Field(ge=0, le=1)
+    gate_G: float
+    gate_breaks: bool
+    effects: dict[str, _Effect | None]
+
+
+class _Onset(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+    coverage: float
+    amplitude: float
+
+
+class _CalRun(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    dir: str
+    config_hash: str
+    cut: int
+
+
+class CalibrationRecord(BaseModel):
+    """What the calibration report reads from ``calibration.json``; the rest is free."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+    run: _CalRun
+    attack: dict[str, Any]
+    documents: int = Field(ge=1)
+    tokens: int = Field(ge=1)
+    rare_tokens: int = Field(ge=0)
+    members: int = Field(ge=0)
+    constant_baseline: dict[str, float]
+    doses: list[_Dose] = Field(min_length=1)
+    onsets: dict[str, _Onset | None]
+
+
 def read_calibration(path: str | Path) -> dict[str, Any]:
+    """The record of ``splitleak calibrate`` (a folder holding ``calibration.json``, or the file),
+    checked: valid JSON with the fields the report reads, of their types, every metric's effect and
+    onset present; else an IntegrityError in one line naming the file and the fix."""
+    from splitleak.files import read_json, validated
+
     p = Path(path)
     p = p / "calibration.json" if p.is_dir() else p
-    if not p.is_file():
+    if not p.exists():
         raise SplitleakError(f"{p} does not exist; run `splitleak calibrate RUN_DIR --attack NAME` first")
-    return json.loads(p.read_text())
+    fix = "rerun `splitleak calibrate` to write it again (with --force over the folder)"
+    data = read_json(p, "calibration record", fix)
+    rec = validated(CalibrationRecord, data, p, fix)
+    missing = [m for m in METRICS if m not in rec.onsets] + [
+        f"doses[{i}].effects.{m}" for i, d in enumerate(rec.doses) for m in METRICS if m not in d.effects
+    ]
+    if missing or "attack" not in rec.attack or "rate" not in rec.constant_baseline:
+        what = ", ".join(missing[:3]) if missing else "attack.attack or constant_baseline.rate"
+        raise IntegrityError(f"{p}: {what} missing; {fix}")
+    return data

@@ -439,8 +439,18 @@ def run_probe_attack(
 
 
 def write_result(out_path: Path, result: dict[str, Any], per_doc_rows: list[dict[str, Any]]) -> None:
+    """RESULT.json and its predictions (``.parquet`` beside it, with page checksums and a content digest,
+    its SHA-256 recorded in RESULT.json as ``predictions_sha256``), each written whole to a temporary
+    file of this process, flushed to disk and renamed into place (``write_atomic``), the predictions
+    first: a job killed at any point leaves no partial file under either name and no RESULT.json without
+    its predictions. Temporary files that a killed writer of the same result left behind are removed;
+    they never block a rerun."""
+    import hashlib
+
     import pyarrow as pa
-    import pyarrow.parquet as pq
+
+    from splitleak.files import parquet_bytes
+    from splitleak.wire.store import write_atomic
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     pq_path = out_path.with_suffix(".parquet")
@@ -450,12 +460,40 @@ def write_result(out_path: Path, result: dict[str, Any], per_doc_rows: list[dict
         for k, v in row.items():
             r[k] = json.dumps(v, sort_keys=True) if isinstance(v, dict) else v
         flat.append(r)
-    table = pa.Table.from_pylist(flat) if flat else pa.table({})
-    tmp = pq_path.with_name(f".{pq_path.name}.tmp")
-    pq.write_table(table, tmp)
-    tmp.replace(pq_path)
+    data = parquet_bytes(pa.Table.from_pylist(flat) if flat else pa.table({}))
     result = dict(result)
     result["predictions"] = pq_path.name
-    tmpj = out_path.with_name(f".{out_path.name}.tmp")
-    tmpj.write_text(json.dumps(result, indent=2, sort_keys=True, default=json_default) + "\n")
-    tmpj.replace(out_path)
+    result["predictions_sha256"] = hashlib.sha256(data).hexdigest()
+    text = json.dumps(result, indent=2, sort_keys=True, default=json_default) + "\n"  # before any file is written
+    write_atomic(pq_path, data)
+    write_atomic(out_path, text.encode())
+    for path in (pq_path, out_path):
+        _remove_stale_temps(path)
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Delete the temporary files of ``path`` (``.NAME.PID.tmp``, or ``.NAME.tmp`` of earlier versions)
+    whose writing process is gone: what a job killed mid-write left behind."""
+    import glob
+    import os
+
+    stale = [path.with_name(f".{path.name}.tmp")]
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2 : -len(".tmp")]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            stale.append(tmp)
+    for tmp in stale:
+        if tmp.is_file() and not tmp.is_symlink():
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True

@@ -139,14 +139,35 @@ def parse_protocol(path: str | Path) -> Protocol:
     return proto
 
 
+def read_frozen_record(path: Path) -> str:
+    """The SHA-256 that ``freeze_protocol`` recorded for the protocol ``path`` (FILE.frozen.json), checked:
+    a JSON object whose ``sha256`` is 64 hex digits and whose ``file`` is the protocol's name."""
+    import re
+
+    from splitleak.files import read_json
+
+    rec = frozen_record_path(path)
+    fix = (
+        "the freeze record is damaged: restore it from version control; a protocol cannot be re-frozen after "
+        "the runs (write a new protocol file under a new name)"
+    )
+    data = read_json(rec, "freeze record", fix)
+    digest = data.get("sha256")
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise IntegrityError(f"{rec}: sha256 is not 64 hex digits; {fix}")
+    if data.get("file", path.name) != path.name:
+        raise IntegrityError(f"{rec} records the freeze of {data.get('file')!r}, not of {path.name}; {fix}")
+    return digest
+
+
 def freeze_protocol(path: str | Path) -> str:
     """Validate the protocol and record its SHA-256 beside it; refreezing an edited file is refused."""
     path = Path(path)
     parse_protocol(path)
     digest = file_sha256(path)
     rec = frozen_record_path(path)
-    if rec.is_file():
-        old = json.loads(rec.read_text())["sha256"]
+    if rec.exists():
+        old = read_frozen_record(path)
         if old != digest:
             raise IntegrityError(
                 f"{path} was frozen with sha256 {old} and now hashes to {digest}: it was edited after freezing. "
@@ -170,10 +191,12 @@ def freeze_protocol(path: str | Path) -> str:
 def load_protocol(path: str | Path) -> tuple[Protocol, str]:
     """The protocol and its hash, only if it was frozen and is unchanged since."""
     path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"protocol file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""))
     rec = frozen_record_path(path)
-    if not rec.is_file():
+    if not rec.exists():
         raise IntegrityError(f"{path} has not been frozen; run `splitleak protocol freeze {path}` before the runs")
-    frozen = json.loads(rec.read_text())["sha256"]
+    frozen = read_frozen_record(path)
     now = file_sha256(path)
     if now != frozen:
         raise IntegrityError(

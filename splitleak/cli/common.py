@@ -30,6 +30,34 @@ def user_errors():
     except SplitleakError as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2) from None
+    except OSError as exc:
+        msg = place_error(exc)
+        if msg is None:
+            raise
+        err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+def place_error(exc: OSError) -> str | None:
+    """One line for an OSError that the place causes, not the program: a full disk or file-size limit,
+    a read-only file system, no permission. ``None`` for any other OSError (a bug shows its traceback)."""
+    import errno
+
+    full = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+    closed = (errno.EROFS, errno.EACCES, errno.EPERM)
+    if exc.errno not in full + closed:
+        return None
+    what = exc.filename or "a file"
+    if exc.errno in full:
+        return (
+            f"cannot write {what}: {exc.strerror}; free space on that disk (or lift the file-size limit) and run "
+            "the command again. What was written before stays whole: `splitleak verify` checks a run, and a "
+            "grid resumes where it stopped"
+        )
+    return (
+        f"cannot write {what}: {exc.strerror}; that place is read-only for this user, so choose an --out (or "
+        "--store) you can write, or change its permissions"
+    )
 
 
 def first_line(text: str, limit: int = 300) -> str:

@@ -75,7 +75,9 @@ def run_cmd(
     n = len(res.grid.jobs)
     console.print(
         f"{res.ran} job(s) ran, {res.reused} reused, {res.done_before} were already done, "
-        f"{len(res.failures)} failed or skipped, of {n}; {res.seconds:.1f} s; store {res.store}",
+        f"{len(res.failures)} failed or skipped, of {n}"
+        + (f"; {res.retried} attempt(s) ran again after their worker died" if res.retried else "")
+        + f"; {res.seconds:.1f} s; store {res.store}",
         highlight=False,
     )
     if len(res.nodes) > 1:

@@ -41,8 +41,12 @@ def protocol_analyse_cmd(
 
     with user_errors():
         proto, digest = load_protocol(file)
-        found = find_results(results)
+        skipped: list[Path] = []
+        found = find_results(results, skipped)
         a = analyse(proto, digest, rows_from_results(found), run_rows_from_results(found))
+        console.print(f"{len(found)} attack result(s) read", markup=False, highlight=False)
+        for f in skipped:
+            console.print(f"skipped {f}: a JSON object that is no attack result", markup=False, highlight=False)
         md = analysis_markdown(a)
         console.print(md, markup=False, highlight=False)
         if out is not None:

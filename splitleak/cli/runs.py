@@ -47,7 +47,7 @@ def _train_config(**kw):
 
 @app.command("train")
 def train_cmd(
-    out: Path = typer.Option(..., "--out", help="run directory to write (must not exist, unless --force)"),
+    out: Path = typer.Option(..., "--out", help="run directory to write (must not exist or be empty, unless --force)"),
     config: Optional[Path] = typer.Option(
         None,
         "--config",
@@ -113,7 +113,12 @@ def train_cmd(
     n_eval: int = typer.Option(N_EVAL, "--n-eval"),
     doc_len: int = typer.Option(DOC_LEN, "--doc-len"),
     no_baseline: bool = typer.Option(False, "--no-baseline", help="skip the paired all-local baseline"),
-    force: bool = typer.Option(False, "--force", help="replace an existing run directory"),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="delete an existing run directory and write the run there anew (the way to rerun one that a kill or "
+        "a failure left unfinished: the in-process run starts again from the beginning)",
+    ),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
     quiet: bool = typer.Option(False, "--quiet", help="no progress bars"),

@@ -72,7 +72,11 @@ class LocalExecutor:
         return f"local process pool, {self.workers} worker(s) x {self.threads} thread(s), device {self.device}"
 
     def submit(self, job: dict[str, Any], store_root: str):
-        return self._pool.submit(execute_job, job, store_root, self.device, self.threads, self.driver)
+        try:
+            return self._pool.submit(execute_job, job, store_root, self.device, self.threads, self.driver)
+        except BrokenProcessPool:  # a worker died between jobs: a new pool takes the job
+            self.recover()
+            return self._pool.submit(execute_job, job, store_root, self.device, self.threads, self.driver)
 
     def wait(self, handles: list, timeout: float) -> list:
         if not handles:

@@ -41,6 +41,11 @@ class JobFailure:
     error: str
 
 
+#: how often one call runs a job again after its worker died (killed, out of memory) before recording
+#: it as failed: once, so that one stray kill costs nothing and a job that kills every worker stops
+WORKER_RETRIES = 1
+
+
 @dataclass
 class GridRun:
     """What one ``run_grid`` call did."""
@@ -51,6 +56,7 @@ class GridRun:
     done_before: int
     ran: int = 0
     reused: int = 0
+    retried: int = 0  # attempts run again because their worker died
     failures: list[JobFailure] = field(default_factory=list)
     seconds: float = 0.0
     nodes: dict[str, int] = field(default_factory=dict)  # where the executed jobs ran: node -> jobs
@@ -94,7 +100,7 @@ def _protocol_hash(loaded: LoadedSpec) -> str:
     from splitleak.audit.protocol import file_sha256, frozen_record_path, load_protocol, parse_protocol
 
     parse_protocol(loaded.protocol_path)  # a clear error for an invalid protocol
-    if frozen_record_path(loaded.protocol_path).is_file():
+    if frozen_record_path(loaded.protocol_path).exists():
         return load_protocol(loaded.protocol_path)[1]
     return file_sha256(loaded.protocol_path)
 
@@ -261,6 +267,7 @@ def _schedule(grid: Grid, rs: ResultsStore, ex, done: set[str], result: GridRun,
     pending_train: deque[Job] = deque(j for j in grid.of_kind("train") if j.key not in done)
     ready: deque[Job] = deque(j for j in grid.of_kind("attack") if j.key not in done and j.train_key in done)
     inflight: dict[Any, Job] = {}
+    attempts: dict[str, int] = {}  # retries after a dead worker, per job, in this call
 
     def finished(job: Job, status: str, seconds: float | None, error: str | None = None) -> None:
         reporter.job_finished(job.key, job.summary, status, seconds, error)
@@ -330,7 +337,14 @@ def _schedule(grid: Grid, rs: ResultsStore, ex, done: set[str], result: GridRun,
                 res = ex.result(h)
             except WorkerDied as exc:
                 broken = True
-                fail(job, "WorkerDied", str(exc))
+                if attempts.get(job.key, 0) < WORKER_RETRIES:
+                    attempts[job.key] = attempts.get(job.key, 0) + 1
+                    n = rs.record_retry(job.to_dict(), str(exc))
+                    result.retried += 1
+                    reporter.note(f"{job.key[:12]} ({job.summary}): its worker died (attempt {n}); running it again")
+                    (pending_train if job.kind == "train" else ready).appendleft(job)
+                else:
+                    fail(job, "WorkerDied", str(exc))
                 continue
             node = res.get("node")
             if node:

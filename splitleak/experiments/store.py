@@ -30,14 +30,13 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from splitleak.data.documents import LABELS
-from splitleak.errors import SplitleakError
-from splitleak.files import json_default
+from splitleak.errors import IntegrityError, SplitleakError
+from splitleak.files import json_default, parquet_bytes, read_parquet
 from splitleak.wire.store import write_atomic
 
-KIND_DIRS = {"attack": "attacks", "train": "train", "failed": "failed"}
+KIND_DIRS = {"attack": "attacks", "train": "train", "failed": "failed", "retried": "retried"}
 
 _JOB = [
     ("key", pa.string()),
@@ -138,7 +137,20 @@ FAILED_SCHEMA = pa.schema(
     ]
 )
 
-SCHEMAS = {"attack": ATTACK_SCHEMA, "train": TRAIN_SCHEMA, "failed": FAILED_SCHEMA}
+#: one row per attempt of a job that its worker did not live to finish (killed, out of memory), and
+#: that the driver therefore ran again
+RETRIED_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("kind", pa.string()),
+        ("summary", pa.string()),
+        ("attempt", pa.int64()),
+        ("error", pa.string()),
+        ("time", pa.string()),
+    ]
+)
+
+SCHEMAS = {"attack": ATTACK_SCHEMA, "train": TRAIN_SCHEMA, "failed": FAILED_SCHEMA, "retried": RETRIED_SCHEMA}
 
 
 def _json(obj: Any) -> str:
@@ -160,10 +172,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def table_bytes(rows: list[dict[str, Any]], schema: pa.Schema) -> bytes:
-    table = pa.Table.from_pylist([{n: r.get(n) for n in schema.names} for r in rows], schema=schema)
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
-    return sink.getvalue().to_pybytes()
+    return parquet_bytes(pa.Table.from_pylist([{n: r.get(n) for n in schema.names} for r in rows], schema=schema))
 
 
 # ------------------------------------------------------------------ rows
@@ -307,7 +316,25 @@ class ResultsStore:
         return p
 
     def read_job(self, kind: str, key: str) -> pa.Table:
-        return pq.read_table(self.path(kind, key), schema=SCHEMAS[kind])
+        """The rows of one job, checked: a readable Parquet file of the kind's schema (page checksums
+        verified), at least one row, and every row of this job's key; else an IntegrityError in one
+        line that names the file and says how to redo the job."""
+        p = self.path(kind, key)
+        fix = (
+            f"delete it and run `splitleak experiment run` on this store again to redo job {key[:12]}"
+            if kind != "failed"
+            else "delete it (the job is then pending again)"
+        )
+        table = read_parquet(p, f"{kind} row file", fix, schema=SCHEMAS[kind])
+        if table.num_rows == 0:
+            raise IntegrityError(f"{p} holds no rows; {fix}")
+        keys = set(table.column("key").to_pylist())
+        if keys != {key}:
+            raise IntegrityError(
+                f"{p} holds rows of job(s) {sorted(str(k)[:12] for k in keys)}, not of job {key[:12]} its name "
+                f"gives; {fix}"
+            )
+        return table
 
     def remove(self, kind: str, key: str) -> None:
         try:
@@ -328,6 +355,21 @@ class ResultsStore:
             "job_config": _json(job["config"]),
         }
         self.write_rows("failed", job["key"], [row])
+
+    def record_retry(self, job: dict[str, Any], error: str) -> int:
+        """Record that ``job``'s worker died while it ran and that it runs again; returns the attempt
+        that failed (1 for the first). Earlier attempts' rows are kept."""
+        rows = self.read_job("retried", job["key"]).to_pylist() if self.path("retried", job["key"]).is_file() else []
+        row = {
+            "key": job["key"],
+            "kind": job["kind"],
+            "summary": job["summary"],
+            "attempt": len(rows) + 1,
+            "error": error,
+            "time": _now(),
+        }
+        self.write_rows("retried", job["key"], [*rows, row])
+        return len(rows) + 1
 
     def failures(self) -> dict[str, dict[str, Any]]:
         keys = self.keys("failed")
@@ -430,10 +472,11 @@ def read_results(store: str | Path, kind: str = "attack", *, as_rows: bool = Fal
 
     ``kind``: ``attack`` (one row per attack or reuse job and evaluation document; reuse rows have
     ``kind == "reuse"``, ``inference == True`` and ``reuse_of`` set to the measured job's key),
-    ``train`` (one row per train job) or ``failed`` (one row per job whose last attempt failed).
+    ``train`` (one row per train job), ``failed`` (one row per job whose last attempt failed) or
+    ``retried`` (one row per attempt whose worker died, after which the job ran again).
     """
     if kind not in SCHEMAS:
-        raise SplitleakError(f"unknown kind {kind!r}; use attack, train or failed")
+        raise SplitleakError(f"unknown kind {kind!r}; use {', '.join(SCHEMAS)}")
     rs = ResultsStore(store)
     if not rs.root.is_dir():
         raise SplitleakError(f"{rs.root} is not a results store (no such folder)")
@@ -442,7 +485,13 @@ def read_results(store: str | Path, kind: str = "attack", *, as_rows: bool = Fal
     tables = [rs.read_job(kind, k) for k in keys]
     table = pa.concat_tables(tables) if tables else schema.empty_table()
     if table.num_rows:
-        order = [("key", "ascending")] + ([("doc_id", "ascending"), ("arm", "ascending")] if kind == "attack" else [])
+        order = [("key", "ascending")] + (
+            [("doc_id", "ascending"), ("arm", "ascending")]
+            if kind == "attack"
+            else [("attempt", "ascending")]
+            if kind == "retried"
+            else []
+        )
         table = table.sort_by(order)
     return table.to_pylist() if as_rows else table
 

@@ -8,7 +8,6 @@ its JSON at any time, without rerunning anything.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -169,13 +168,13 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
 
 
 def read_audit_report(out: str | Path) -> dict[str, Any]:
+    """The audit's ``report.json``, checked to be a JSON object (IntegrityError in one line otherwise)."""
+    from splitleak.files import read_json
+
     p = Path(out) / "report.json"
-    if not p.is_file():
+    if not p.exists():
         raise SplitleakError(f"{p} does not exist; run `splitleak audit --out {Path(out)}` first")
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise SplitleakError(f"{p} is not valid JSON ({exc.msg}, line {exc.lineno}); rerun the audit") from None
+    return read_json(p, "audit report", f"rerun `splitleak audit --out {Path(out)} --force`")
 
 
 def write_audit_report(out: str | Path) -> list[Path]:

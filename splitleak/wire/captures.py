@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from splitleak.errors import IntegrityError
+from splitleak.errors import IntegrityError, NonFiniteError
 from splitleak.wire.store import journal_entries, read_tensors
 from splitleak.wire.tap import exchanges, links_of, read_wire, stack_channel, wire_phases
 
@@ -107,4 +107,10 @@ def load_capture(run_dir: str | Path, phase: str = "capture", link: str | None =
     trunk, _ = stack_channel(exs, "forward-return", "trunk-output", n_docs)
     out_g, _ = stack_channel(exs, "backward-top", "output-gradient", n_docs)
     frames = torch.repeat_interleave(torch.arange(len(exs)), torch.tensor(n_docs, dtype=torch.long))
+    for name, t in (("activations", act), ("gradients", grad), ("trunk outputs", trunk), ("output gradients", out_g)):
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise NonFiniteError(
+                f"{run_dir}: the recorded {phase} {name} on link {link} hold NaN or Inf, which never cross (both ends "
+                f"refuse non-finite frames): the capture was altered; run `splitleak verify {run_dir}`"
+            )
     return Capture(doc_ids, act, grad, mask, steps, probe, probe_g, present, trunk, out_g, phase, link, frames)

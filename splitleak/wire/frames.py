@@ -94,22 +94,25 @@ def encode(frame: Frame) -> bytes:
 
 
 def decode(blob: bytes) -> Frame:
+    """The frame ``encode`` wrote, or an IntegrityError in one line for bytes that are not one (not
+    safetensors, no frame header, a header field missing or of the wrong type, an unknown kind)."""
     try:
         tensors = st_load(blob)
         header = json.loads(_metadata(blob)["frame"])
-    except Exception as exc:  # noqa: BLE001
-        raise IntegrityError(f"cannot decode a frame ({type(exc).__name__}: {exc}); the message is corrupt") from None
-    return Frame(
-        kind=header["kind"],
-        step=header["step"],
-        doc_ids=tuple(header["doc_ids"]),
-        tensor=tensors["tensor"],
-        mask=tensors["mask"],
-        phase=header["phase"],
-        labels=tensors.get("labels"),
-        payload_bits=header["payload_bits"],
-        meta=header["meta"],
-    )
+        return Frame(
+            kind=header["kind"],
+            step=header["step"],
+            doc_ids=tuple(header["doc_ids"]),
+            tensor=tensors["tensor"],
+            mask=tensors["mask"],
+            phase=header["phase"],
+            labels=tensors.get("labels"),
+            payload_bits=header["payload_bits"],
+            meta=header["meta"],
+        )
+    except Exception as exc:  # noqa: BLE001 (safetensors, JSON, a missing key or a refused field alike)
+        why = (str(exc).splitlines() or [""])[0][:200]
+        raise IntegrityError(f"cannot decode a frame ({type(exc).__name__}: {why}); the message is corrupt") from None
 
 
 def _metadata(blob: bytes) -> dict[str, str]:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from splitleak.errors import ConfigError, NonFiniteError
+from splitleak.errors import ConfigError
 from splitleak.wire.channel import MAIN_LINK, WireLedger
 from splitleak.wire.declare import MESSAGES_FILE
 from splitleak.wire.frames import Frame, decode, encode
@@ -46,10 +46,10 @@ from splitleak.wire.transport import (
     Limits,
     ReplayGuard,
     TransportError,
-    check_frame_message,
     frame_header,
     new_nonce,
     pack,
+    receive_frame,
     unpack,
 )
 
@@ -387,17 +387,7 @@ class Session:
     def _frame(self, header: dict[str, Any], payload: bytes) -> None:
         assert self.limits is not None and self.role is not None
         self.guard.check(header)
-        check_frame_message(header, payload, self.limits, CLIENT_KINDS)
-        frame = decode(payload)
-        if (frame.kind, frame.step, frame.phase, list(frame.doc_ids)) != (
-            header["kind"],
-            header["step"],
-            header["phase"],
-            header["doc_ids"],
-        ):
-            raise TransportError("the envelope and the frame it carries disagree on kind, step, phase or rows")
-        if not bool(torch.isfinite(frame.tensor).all()):
-            raise NonFiniteError(f"a {frame.kind} frame at step {frame.step} holds NaN or Inf; refused")
+        frame = receive_frame(header, payload, self.limits, CLIENT_KINDS)
         if frame.kind == "backward-top" and frame.step not in self.role._pending:
             raise TransportError(f"a backward-top frame for step {frame.step} arrived with no pending forward")
         if frame.phase == "train" and frame.kind == "forward" and frame.step <= self.last_step:
@@ -696,8 +686,7 @@ class RemoteServer(WireLedger):
             raise TransportError(f"the server sent a {header.get('type')!r} message during {what}")
         assert self.limits is not None
         self.guard.check(header)
-        check_frame_message(header, payload, self.limits, SERVER_KINDS)
-        reply = decode(payload)
+        reply = receive_frame(header, payload, self.limits, SERVER_KINDS)
         self.record(reply, payload)
         return reply
 

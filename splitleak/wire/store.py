@@ -57,11 +57,17 @@ def write_atomic(path: Path, data: bytes) -> None:
     disk and rename it over ``path``: a reader or a crash sees the whole file or none of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:  # a full disk, a size limit, an interrupt: no half-written file stays behind
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = str(path)  # a failed write names no file by itself
+        raise
 
 
 class RunStore:
@@ -76,19 +82,71 @@ class RunStore:
 
     @classmethod
     def create(cls, root: str | Path, force: bool = False) -> "RunStore":
+        """An empty run directory at ``root``. A folder that exists and is not empty is refused (nothing
+        already written is replaced) unless ``force`` deletes it first; the refusal says what the folder
+        holds: a complete run, a run that failed, or an unfinished one (killed, or failed before it could
+        record it), which ``--force`` starts again from the beginning."""
         root = Path(root)
         if root.exists() and (not root.is_dir() or any(root.iterdir())):
             if not force:
-                raise SplitleakError(
-                    f"{root} already exists and is not empty; choose another --out, or pass --force "
-                    "to delete it and write a new run there"
-                )
+                raise SplitleakError(cls._refusal(root))
             if root.is_dir():
                 shutil.rmtree(root)
             else:
                 root.unlink()
         root.mkdir(parents=True, exist_ok=True)
         return cls(root)
+
+    @staticmethod
+    def _refusal(root: Path) -> str:
+        """``create``'s refusal of a non-empty ``root``, in one line: what the folder holds, read cheaply
+        from the end of its journal (no file is re-hashed), and the fix."""
+        other = "choose another --out, or pass --force to delete it and write a new run there"
+        generic = f"{root} already exists and is not empty; {other}"
+        again = (
+            "pass --force to delete it and start the run again (nothing there is replaced without it), "
+            "or choose another --out"
+        )
+        try:
+            if not root.is_dir():
+                return generic
+            jpath = root / JOURNAL
+            if not jpath.is_file():
+                names = [p.name for p in root.iterdir()]
+                if all(n == "manifest.json" or (n.startswith(".") and n.endswith(".tmp")) for n in names):
+                    return f"{root} holds an unfinished run, killed before its first journal entry; {again}"
+                return generic
+            raw = jpath.read_bytes()
+        except OSError:
+            return generic
+        lines = raw.split(b"\n")
+        cut = lines.pop() != b""  # text after the last newline: an entry cut off mid-write
+        entries = []
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                entry = None
+            if not isinstance(entry, dict):
+                return f"{root} holds a run whose {JOURNAL} does not parse (run `splitleak verify {root}`); {other}"
+            entries.append(entry)
+        kind = entries[-1].get("kind") if entries else None
+        info = entries[-1].get("info") if entries else None
+        info = info if isinstance(info, dict) else {}
+        if kind == "complete" and not cut:
+            return f"{root} already holds a complete run ({len(entries)} journal entries); {other}"
+        if kind == "failed" and not cut:
+            why = str(info.get("error") or info.get("stage") or "no reason recorded").strip()
+            return f"{root} holds a run that failed ({(why.splitlines() or [''])[0][:200]}); {again}"
+        last = ""
+        if entries:
+            where = info.get("phase") or info.get("stage")
+            last = f", the last of kind {kind!r}" + (f" ({where})" if where else "")
+        return (
+            f"{root} holds an unfinished run (killed, or failed before it could record it): its {JOURNAL} has "
+            f"{len(entries)} whole entries{last}{', then one cut off mid-write' if cut else ''}, and no closing "
+            f"entry; {again}"
+        )
 
     # ---------------------------------------------------------------- writing
     def _write_atomic(self, rel: str, data: bytes) -> str:
@@ -102,7 +160,13 @@ class RunStore:
         """Write ``files`` (relative path -> bytes) and append one journal entry recording them."""
         if self.closed:
             raise IntegrityError(f"run {self.root} is closed; nothing more can be added")
-        hashes = {rel: self._write_atomic(rel, data) for rel, data in (files or {}).items()}
+        hashes: dict[str, str] = {}
+        try:
+            for rel, data in (files or {}).items():
+                hashes[rel] = self._write_atomic(rel, data)
+        except BaseException:  # a write failed (a full disk): the entry's other files go too, unrecorded
+            self._forget(hashes)
+            raise
         entry = {
             "seq": self._seq,
             "kind": kind,
@@ -112,15 +176,33 @@ class RunStore:
             "prev": self._prev,
         }
         line = canonical_json(entry) + b"\n"
-        with open(self.root / JOURNAL, "ab") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(self.root / JOURNAL, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            except BaseException as exc:  # the journal ends at its last whole entry, and this entry's files go
+                os.ftruncate(fd, size)
+                self._forget(hashes)
+                if isinstance(exc, OSError) and exc.filename is None:
+                    exc.filename = str(self.root / JOURNAL)
+                raise
+        finally:
+            os.close(fd)
         self._prev = sha256_bytes(line)
         self._seq += 1
         if kind in CLOSING:
             self.closed = True
         return entry
+
+    def _forget(self, written: dict[str, str]) -> None:
+        """Remove files an entry wrote before it failed: the run stays as its journal's last whole entry left it."""
+        for rel in written:
+            (self.root / rel).unlink(missing_ok=True)
+            self._files.discard(rel)
 
     def add_json(self, kind: str, rel: str, obj: Any, info: dict[str, Any] | None = None) -> dict:
         return self.add(kind, {rel: json.dumps(obj, indent=2, sort_keys=True).encode() + b"\n"}, info)
@@ -172,7 +254,9 @@ def verify_run(root: str | Path) -> VerifyResult:
         lines.pop()
     else:
         return VerifyResult(
-            False, f"{JOURNAL}: the last line is incomplete (no newline); the journal was cut or edited"
+            False,
+            f"{JOURNAL}: the last line is incomplete (no newline); the run was killed while writing it, or the "
+            "journal was cut or edited",
         )
     prev = GENESIS
     recorded: dict[str, str] = {}
@@ -220,6 +304,7 @@ def verify_run(root: str | Path) -> VerifyResult:
         prev = sha256_bytes(raw + b"\n")
     if not lines:
         return VerifyResult(False, f"{JOURNAL} is empty")
+    leftovers = []  # hidden temporary files of writes a kill cut off (write_atomic's .NAME.PID.tmp)
     for path in sorted(root.rglob("*")):
         if path.is_symlink() and not path.resolve().is_relative_to(root.resolve()):
             return VerifyResult(
@@ -230,6 +315,9 @@ def verify_run(root: str | Path) -> VerifyResult:
             )
         if path.is_file():
             rel = path.relative_to(root).as_posix()
+            if not status and path.name.startswith(".") and path.name.endswith(".tmp"):
+                leftovers.append(rel)
+                continue
             if rel != JOURNAL and rel not in recorded:
                 return VerifyResult(
                     False,
@@ -240,8 +328,9 @@ def verify_run(root: str | Path) -> VerifyResult:
     if not status:
         return VerifyResult(
             False,
-            f"{JOURNAL} ends without a closing entry after {len(lines)} entries: the last entry was removed, "
-            "or the run was killed before it finished",
+            f"{JOURNAL} ends without a closing entry after {len(lines)} entries: the run was killed or stopped by an "
+            "error (a full disk) before it finished, or its last entry was removed"
+            + (f" (it left {len(leftovers)} half-written temporary file(s), {leftovers[0]})" if leftovers else ""),
             len(lines),
             len(recorded),
         )
@@ -279,24 +368,12 @@ def read_run_json(root: str | Path, rel: str, *, mapping: bool = True) -> Any:
     """A JSON file of a run directory (``manifest.json``, ``metrics.json``, ``documents.json`` …), or an
     IntegrityError in one line naming the file, what is wrong and the fix: missing, a directory, a link
     out of the run, not UTF-8, not JSON (with line and column), or (``mapping``) not an object."""
+    from splitleak.files import read_json
+
     root = Path(root)
     path = inside_run(root, rel)
     fix = f"run `splitleak verify {root}` to see what else changed, or rerun what wrote it"
-    if path.is_dir():
-        raise IntegrityError(f"{path} is a directory where a JSON file belongs; {fix}")
-    if not path.is_file():
-        raise IntegrityError(f"{path} does not exist; {fix}")
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise IntegrityError(f"{path} is not UTF-8 text (byte {exc.start}); {fix}") from None
-    except json.JSONDecodeError as exc:
-        raise IntegrityError(
-            f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); {fix}"
-        ) from None
-    if mapping and not isinstance(data, dict):
-        raise IntegrityError(f"{path} holds a JSON {type(data).__name__}, not an object; {fix}")
-    return data
+    return read_json(path, rel, fix, mapping=mapping)
 
 
 def require_verified(root: str | Path, what: str) -> VerifyResult:
@@ -307,6 +384,28 @@ def require_verified(root: str | Path, what: str) -> VerifyResult:
         raise IntegrityError(
             f"{root} does not verify: {v.message}. {what[0].upper()}{what[1:]} read nothing from it; retrain or restore "
             "the run, or pass --no-verify to read it as it is"
+        )
+    if v.status == "complete":  # the frames re-encode to what the ledgers say crossed (`splitleak verify` too)
+        from splitleak.wire.tap import verify_wire
+
+        try:
+            verify_wire(root)
+        except IntegrityError as exc:
+            raise IntegrityError(
+                f"{root} does not verify: {exc}. {what[0].upper()}{what[1:]} read nothing from it; retrain or restore "
+                "the run, or pass --no-verify to read it as it is"
+            ) from None
+    if v.status == "failed":
+        why = ""
+        try:
+            info = journal_entries(root)[-1].get("info") or {}
+            why = str(info.get("error") or info.get("stage") or "").strip().splitlines()[0][:200] if info else ""
+        except (IntegrityError, IndexError):
+            pass
+        raise IntegrityError(
+            f"{root} is intact but the run failed ({why or 'no reason recorded'}): its traffic stops where it failed "
+            f"and it has no metrics. {what[0].upper()}{what[1:]} read nothing from it; retrain it, or pass --no-verify "
+            "to read what it holds"
         )
     return v
 

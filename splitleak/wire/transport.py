@@ -201,6 +201,29 @@ def check_frame_message(header: dict[str, Any], payload: bytes, limits: Limits, 
         raise TransportError(f"the envelope names {doc_ids!r} as row ids for {rows} rows")
 
 
+def receive_frame(header: dict[str, Any], payload: bytes, limits: Limits, allowed_kinds: tuple[str, ...]) -> Frame:
+    """What a receiver does with a frame message, in order: the limits (``check_frame_message``, before
+    any tensor is decoded), the decode, the envelope's agreement with the frame it carries, and finite
+    values. Every refusal is a TransportError, IntegrityError or NonFiniteError in one line."""
+    import torch
+
+    from splitleak.errors import NonFiniteError
+    from splitleak.wire.frames import decode
+
+    check_frame_message(header, payload, limits, allowed_kinds)
+    frame = decode(payload)
+    if (frame.kind, frame.step, frame.phase, list(frame.doc_ids)) != (
+        header["kind"],
+        header["step"],
+        header["phase"],
+        header["doc_ids"],
+    ):
+        raise TransportError("the envelope and the frame it carries disagree on kind, step, phase or rows")
+    if not bool(torch.isfinite(frame.tensor).all()):
+        raise NonFiniteError(f"a {frame.kind} frame at step {frame.step} holds NaN or Inf; refused")
+    return frame
+
+
 class ReplayGuard:
     """Refuses a nonce seen before in the session and a sequence number outside the sliding window
     (more than ``window`` behind the highest seen, or seen before)."""
