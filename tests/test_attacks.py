@@ -420,3 +420,92 @@ def test_the_attacker_refuses_a_public_copy_that_is_not_the_runs_starting_model(
     assert model_init_seed(0) != 0
     with pytest.raises(IntegrityError, match="not the one the run started from"):
         load_knowledge(run, "public", lm=stale)
+
+
+# ------------------------------------------------------------------ exhaustive SipIt: wide rounds, margin rule
+
+
+@pytest.mark.unit
+def test_rounds_widen_geometrically_and_end_at_the_limit():
+    from splitleak.attacks.search import round_sizes
+
+    assert round_sizes(16, 16, 49152) == [16, 256, 4096, 44784]
+    assert round_sizes(16, 1, 40) == [16, 16, 8]
+    assert round_sizes(16, 16, 32) == [16, 16]  # a budget of 32 checks the same two rounds either way
+    assert sum(round_sizes(16, 16, 615)) == 615
+
+
+def _weak_search(seed: int):
+    """A tiny client, three random documents and a ridge order from two calibration documents: a weak
+    order, so that many positions need a deep search."""
+    from splitleak.attacks.sipit import _RidgeOrder
+
+    lm = load_model("tiny-gpt2", seed=seed)
+    client = ClientCopy(lm.model, 2)
+    g = torch.Generator().manual_seed(seed)
+    calib = torch.randint(0, client.vocab_size, (2, 12), generator=g)
+    ev = torch.randint(0, client.vocab_size, (3, 10), generator=g)
+    obs = client.activations(ev)
+    x = client.activations(calib)
+    rm = RidgeMap.fit(x.reshape(-1, x.shape[-1]), client.embedding[calib].reshape(-1, x.shape[-1]))
+    est = rm(obs)
+    return client, ev, obs, lambda c: _RidgeOrder(est, c.embedding, 256), g
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1])
+def test_wide_exhaustive_rounds_certify_the_same_tokens_in_far_fewer_rounds(seed):
+    from splitleak.attacks.search import round_sizes, sipit
+
+    client, ev, obs, order, _ = _weak_search(seed)
+    tol = 1e-3 * obs.double().norm(dim=-1)
+    res, calls = {}, {}
+    for growth in (1, 16):
+        inner = order(client)
+
+        def counted(*a, growth=growth, inner=inner, **k):
+            calls[growth] = calls.get(growth, 0) + 1
+            return inner(*a, **k)
+
+        res[growth] = sipit(client, obs, counted, None, tol, 16, growth=growth)
+    for r in res.values():  # exhaustive through the exact copy: every token found and certified
+        assert torch.equal(r.tokens, ev) and bool(r.matched.all())
+    assert calls[16] * 3 < calls[1]  # measured 21 against 108 and 94 rounds
+    cumulative = {sum(round_sizes(16, 16, client.vocab_size)[: i + 1]) for i in range(4)}
+    assert set(res[16].checks.flatten().tolist()) <= cumulative
+    assert int(res[1].checks.max()) > 16  # some position needed more than one round
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_margin_rule_stops_a_copy_that_cannot_match_early_with_the_same_reading(seed):
+    """Through a copy that differs from the client's (as the public copy after fine-tuning), nothing ever
+    matches, so the plain exhaustive search checks the whole vocabulary at every position; the margin
+    rule stops a position once a whole round comes nowhere near its best, and reads the same tokens."""
+    from splitleak.attacks.search import sipit
+
+    client, ev, obs, order, g = _weak_search(seed)
+    other = load_model("tiny-gpt2", seed=seed)
+    with torch.no_grad():
+        for p in other.model.parameters():
+            p.add_(0.02 * p.std() * torch.randn(p.shape, generator=g))
+    public = ClientCopy(other.model, 2)
+    tol = 1e-3 * obs.double().norm(dim=-1)
+    full = sipit(public, obs, order(public), None, tol, 16, growth=16)
+    early = sipit(public, obs, order(public), None, tol, 16, growth=16, margin=0.5)
+    assert not bool(full.matched.any()) and not bool(early.matched.any())  # nothing is certified
+    assert bool((full.checks == public.vocab_size).all())
+    assert float(early.checks.double().mean()) < 0.85 * public.vocab_size  # measured 489 and 478 of 615
+    assert bool((early.checks == 272).any())  # stopped after the second round
+    assert torch.equal(early.tokens, full.tokens) and float((full.tokens == ev).float().mean()) >= 0.9
+
+
+@pytest.mark.integration
+def test_sipit_refuses_a_bad_growth_or_margin_by_name(easy_run):
+    from splitleak.attacks.sipit import SipIt
+
+    with pytest.raises(ConfigError, match="SipIt growth must be a positive integer"):
+        _score(easy_run, "sipit", budget="exhaustive", params={"growth": 0})
+    with pytest.raises(ConfigError, match="SipIt margin must be a number >= 0"):
+        _score(easy_run, "sipit", budget="exhaustive", params={"margin": -1})
+    assert SipIt(budget="exhaustive").params()["growth"] is None  # auto: 16 for exhaustive, 1 for a budget

@@ -129,6 +129,17 @@ def beam_search_naive(
     )
 
 
+def round_sizes(first: int, growth: int, limit: int) -> list[int]:
+    """The candidates checked per round until ``limit``: ``first``, then ``growth`` times more each round
+    (16 -> 256 -> 4,096 -> the rest, with growth 16), the last round cut to what is left."""
+    sizes, start, r = [], 0, first
+    while start < limit:
+        sizes.append(min(r, limit - start))
+        start += sizes[-1]
+        r *= max(1, growth)
+    return sizes
+
+
 def sipit(
     client: ClientCopy,
     observed: torch.Tensor,
@@ -139,11 +150,23 @@ def sipit(
     chunk_docs: int = 64,
     progress: Progress | None = None,
     name: str = "SipIt",
+    growth: int = 1,
+    pass_size: int = 512,
+    margin: float | None = None,
 ) -> SearchResult:
     """Position by position, check candidates in ``order`` until one's recomputed activation lies
     within ``tol`` (L2) of the observed one; keep it. With a ``budget``, stop after that many checks
     and keep the best checked candidate; ``budget=None`` checks the whole vocabulary if needed
     (exhaustive: a match certifies the token).
+
+    Rounds: the first checks ``round_size`` candidates, each later one ``growth`` times more (``growth=1``:
+    rounds of one size, What Gradients Add's budgeted SipIt; 16 makes an exhaustive search of a
+    position with no exact match a handful of wide rounds instead of thousands of narrow ones). A round
+    is recomputed in forward passes of at most ``pass_size`` candidates per document (the candidates'
+    masked attention grows with its square). ``margin`` (ours; None: off) stops a position that has no
+    match when a whole round found nothing within (1 + margin) times the best distance so far: the
+    order proposes the likeliest candidates first, so a round that comes nowhere near says the rest will
+    not either. Such a token is the best checked, not certified (``matched`` stays False).
 
     ``order(rows, t, start, size, prefix)`` returns, for documents ``rows`` (indices into
     ``observed``), the candidate token ids of ranks [start, start + size) at position ``t``:
@@ -153,6 +176,7 @@ def sipit(
     n, T, _ = observed.shape
     vocab = client.vocab_size
     limit = vocab if budget is None else min(budget, vocab)
+    sizes = round_sizes(round_size, growth, limit)
     task = progress.start(name, n * T)
     tokens = torch.zeros(n, T, dtype=torch.long)
     dist = torch.full((n, T), float("inf"), dtype=torch.float64)
@@ -167,25 +191,33 @@ def sipit(
         for t in range(T):
             active = torch.arange(m)
             start = 0
-            while len(active) and start < limit:
-                r = min(round_size, limit - start)
+            for r in sizes:
+                if not len(active):
+                    break
 
                 def prefix(act=active):  # called within this iteration only
                     return _subset_cache(client, cache, act) if t > 0 else None  # noqa: B023
 
                 cand = order(rows_all[active], t, start, r, prefix).to(client.device)
-                sub = prefix() or client.new_cache()
-                h = client.extend(sub, cand, t)  # [a, r, d]
-                d = (h - obs[active, t].unsqueeze(1)).norm(dim=-1).double().cpu()  # [a, r]
+                parts = []
+                for c0 in range(0, r, pass_size):  # each pass extends a fresh copy of the prefixes
+                    sub = prefix() or client.new_cache()
+                    h = client.extend(sub, cand[:, c0 : c0 + pass_size], t)  # [a, <=pass_size, d]
+                    parts.append((h - obs[active, t].unsqueeze(1)).norm(dim=-1).double().cpu())
+                d = torch.cat(parts, dim=1)  # [a, r]
                 bd, bj = d.min(dim=1)
                 gi = rows_all[active]
-                better = bd < dist[gi, t]
+                before = dist[gi, t].clone()
+                better = bd < before
                 dist[gi[better], t] = bd[better]
                 tokens[gi[better], t] = cand.cpu()[better, bj[better]]
                 checks[gi, t] += r
                 hit = bd <= tolv[gi, t]
                 matched[gi[hit], t] = True
-                active = active[~hit]
+                done = hit
+                if margin is not None:  # nothing in this round came within the margin of the best so far
+                    done = done | (bd > (1 + margin) * before)
+                active = active[~done]
                 start += r
             client.extend(cache, tokens[rows_all, t].unsqueeze(1).to(client.device), t)  # grow the prefix
             progress.advance(task, m)
