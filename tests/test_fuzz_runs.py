@@ -364,7 +364,7 @@ def calibrated(pristine, tmp_path_factory) -> Path:
 
 
 @pytest.mark.integration
-@fuzz(60)
+@fuzz(30)
 @given(op=st.sampled_from(FILE_OPS), at=st.floats(0, 1), byte=st.integers(0, 255))
 def test_a_damaged_calibration_record_is_rendered_or_refused_in_one_line(calibrated, op, at, byte):
     """The calibration report's reader: a damaged ``calibration.json`` renders (its content still holds every
