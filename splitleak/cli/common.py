@@ -54,9 +54,10 @@ def place_error(exc: OSError) -> str | None:
             "the command again. What was written before stays whole: `splitleak verify` checks a run, and a "
             "grid resumes where it stopped"
         )
+    verb = "cannot write" if exc.errno == errno.EROFS else "cannot write (or read)"  # no permission: either
     return (
-        f"cannot write {what}: {exc.strerror}; that place is read-only for this user, so choose an --out (or "
-        "--store) you can write, or change its permissions"
+        f"{verb} {what}: {exc.strerror}; that place is read-only for this user (or closed to it), so choose an "
+        "--out (or --store) you can write, or change its permissions"
     )
 
 
