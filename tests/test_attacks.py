@@ -179,15 +179,8 @@ def test_budgeted_sipit_stops_at_its_budget(weak_runs):
 @pytest.mark.integration
 @pytest.mark.parametrize("seed", [0, 1])
 def test_batched_and_naive_beam_search_agree_exactly(seed):
-    lm = load_model("tiny-gpt2", seed=seed)
-    client = ClientCopy(lm.model, 2)
-    g = torch.Generator().manual_seed(seed)
-    calib = torch.randint(0, client.vocab_size, (16, 12), generator=g)
-    ev = torch.randint(0, client.vocab_size, (3, 12), generator=g)
-    obs = client.activations(ev)
-    x = client.activations(calib)
-    rm = RidgeMap.fit(x.reshape(-1, x.shape[-1]), client.embedding[calib].reshape(-1, x.shape[-1]))
-    cand = cosine_topk(rm(obs), client.embedding, 5)
+    client, ev, obs, est, g = _ridge_setup(seed, n_calib=16, length=12)
+    cand = cosine_topk(est, client.embedding, 5)
     # drop the true token from the lists at odd positions: the search must rank wrong candidates there
     odd = torch.arange(12) % 2 == 1
     wrong = torch.randint(0, client.vocab_size, cand.shape, generator=g)
@@ -435,20 +428,27 @@ def test_rounds_widen_geometrically_and_end_at_the_limit():
     assert sum(round_sizes(16, 16, 615)) == 615
 
 
-def _weak_search(seed: int):
-    """A tiny client, three random documents and a ridge order from two calibration documents: a weak
-    order, so that many positions need a deep search."""
-    from splitleak.attacks.sipit import _RidgeOrder
-
+def _ridge_setup(seed: int, n_calib: int, length: int):
+    """A tiny client cut after 2 blocks, three random documents of ``length`` tokens, their activations,
+    the ridge estimate of their input embeddings fitted on ``n_calib`` random calibration documents of 12
+    tokens, and the generator (to draw more from, in the same order on every run)."""
     lm = load_model("tiny-gpt2", seed=seed)
     client = ClientCopy(lm.model, 2)
     g = torch.Generator().manual_seed(seed)
-    calib = torch.randint(0, client.vocab_size, (2, 12), generator=g)
-    ev = torch.randint(0, client.vocab_size, (3, 10), generator=g)
+    calib = torch.randint(0, client.vocab_size, (n_calib, 12), generator=g)
+    ev = torch.randint(0, client.vocab_size, (3, length), generator=g)
     obs = client.activations(ev)
     x = client.activations(calib)
     rm = RidgeMap.fit(x.reshape(-1, x.shape[-1]), client.embedding[calib].reshape(-1, x.shape[-1]))
-    est = rm(obs)
+    return client, ev, obs, rm(obs), g
+
+
+def _weak_search(seed: int):
+    """A ridge order from two calibration documents: a weak order, so that many positions need a deep
+    search."""
+    from splitleak.attacks.sipit import _RidgeOrder
+
+    client, ev, obs, est, g = _ridge_setup(seed, n_calib=2, length=10)
     return client, ev, obs, lambda c: _RidgeOrder(est, c.embedding, 256), g
 
 
