@@ -336,6 +336,7 @@ def test_registry_names_match_cli_contract():
         "shuffled-gradient",
         "random-candidate",
         "backward-only",
+        "joint-adaptive",
         "sipit",
         "property",
         "mixup-unmix",

@@ -123,6 +123,13 @@ REGISTRY: dict[str, AttackInfo] = {
             output="doc-score",
         ),
         AttackInfo(
+            "joint-adaptive",
+            f"{_A}.adaptive:AdaptiveJointBeam",
+            "as joint, with gradient candidates only where their precision, estimated on the traffic, "
+            "beats the activation candidates they displace",
+            reads=("activations", "gradient", "output-gradient"),
+        ),
+        AttackInfo(
             "mixup-unmix",
             f"{_A}.mixup_unmix:MixupUnmix",
             "undo mixup from its probe rows, then the activation attacker",
