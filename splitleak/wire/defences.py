@@ -54,6 +54,23 @@ ROLES = ("client-forward", "return-wire", "server", "client-after-receipt", "bac
 SPLIT_MODES = ("plain", "u-shape", "label-shielded")
 
 
+@dataclass(frozen=True)
+class SearchRange:
+    """The range ``splitleak tune`` searches for one argument of a defence (``Defence.search``): a float
+    (on a log scale when ``log``) or, with ``integer``, an int from ``low`` to ``high`` inclusive. Every
+    range declared here is ours (no paper gives one); ``why`` says what its ends mean."""
+
+    low: float
+    high: float
+    log: bool = False
+    integer: bool = False
+    why: str = ""
+
+    def __post_init__(self):
+        if not self.low < self.high or (self.log and self.low <= 0):
+            raise ValueError(f"a search range needs low < high (and low > 0 on a log scale), got {self}")
+
+
 class Defence:
     """Base class. Subclasses set ``name`` and override ``forward``/``backward``; the default
     direction is the identity. A defence says where it acts (``roles``, from ``ROLES``) and which
@@ -63,6 +80,9 @@ class Defence:
     #: bits per element on the wire after this defence, per direction; None leaves it unchanged
     bits: ClassVar[dict[str, int | None]] = {"forward": None, "backward": None}
     split_modes: ClassVar[tuple[str, ...]] = SPLIT_MODES
+    #: what ``splitleak tune`` may search: argument -> range (ours); ``{}`` offers the defence with its defaults
+    #: and no strength to search; ``None`` (the default) leaves it out of a tune unless named
+    search: ClassVar[dict[str, SearchRange] | None] = None
 
     def roles(self) -> tuple[str, ...]:
         """Where this configured defence acts: both wire directions unless a subclass says less."""
@@ -150,6 +170,7 @@ def gaussian_noise_rms(g: torch.Tensor, rel_sigma: float, ctx: WireContext, dire
 
 class NoDefence(Defence):
     name = "none"
+    search = {}
 
     def roles(self):
         return ()
@@ -161,6 +182,7 @@ class Quant(Defence):
     name = "quant8"
     n_bits: ClassVar[int] = 8
     bits = {"forward": 8, "backward": 8}
+    search = {}
 
     def forward(self, x, ctx):
         return quantize_symmetric(x, self.n_bits)
@@ -181,6 +203,9 @@ class Quant4Noisy(Quant4):
     is rounded to 4 bits — in that order."""
 
     name = "quant4-noisy"
+    search = {
+        "noise": SearchRange(0.01, 3.0, log=True, why="ours: from 1 % of the clipped gradient's RMS to 3 times it")
+    }
 
     def __init__(self, clip: float = 1.0, noise: float = 0.1):
         if not clip > 0:
@@ -219,6 +244,20 @@ class ClipNoise(Defence):
     the returned gradient, or both (``where``)."""
 
     name = "clip-noise"
+    search = {
+        "clip": SearchRange(
+            0.1,
+            1000.0,
+            log=True,
+            why="ours: from far below to above the rows' norms (SmolLM2-135M at depth 6: median about 100)",
+        ),
+        "sigma": SearchRange(
+            1e-3,
+            3.0,
+            log=True,
+            why="ours: per-entry noise from 0.1 % of the clip norm C to 3 C (a row of norm C drowns)",
+        ),
+    }
 
     def __init__(self, clip: float = 1.0, sigma: float = 0.1, where: str = "both"):
         if not clip > 0:
@@ -256,6 +295,17 @@ class DPForward(Defence):
     and that of one whole document (``tokens`` releases composed), from Opacus's RDP accountant."""
 
     name = "dp-forward"
+    search = {
+        "clip": SearchRange(
+            0.1,
+            1000.0,
+            log=True,
+            why="ours: from far below to above the rows' norms (SmolLM2-135M at depth 6: median about 100)",
+        ),
+        "noise_multiplier": SearchRange(
+            0.01, 10.0, log=True, why="ours: from no meaningful (epsilon, delta) to epsilon well under 1 per row"
+        ),
+    }
 
     def __init__(self, noise_multiplier: float = 1.0, clip: float = 1.0, delta: float = 1e-5):
         if not noise_multiplier > 0:
@@ -341,6 +391,7 @@ class SecretMixup(Defence):
 
     name = "mixup"
     split_modes = ("plain",)
+    search = {"lambda": SearchRange(0.3, 0.95, why="ours: from mostly decoy to almost no mixing")}
 
     def roles(self):
         return ("client-forward", "client-after-receipt")
