@@ -338,6 +338,7 @@ def test_registry_names_match_cli_contract():
         "backward-only",
         "joint-adaptive",
         "sipit",
+        "refit",
         "property",
         "mixup-unmix",
         "support-partition",

@@ -83,6 +83,12 @@ REGISTRY: dict[str, AttackInfo] = {
             reads=("activations",),
         ),
         AttackInfo(
+            "refit",
+            f"{_A}.refit:Refit",
+            "the public copy re-fitted to the activations on its own pseudo-tokens, then decoded through it",
+            reads=("activations",),
+        ),
+        AttackInfo(
             "joint",
             f"{_A}.beam:JointBeam",
             "as activation, with half the candidates from the gradient",

@@ -211,11 +211,13 @@ def run_attack(
             )
         if "labels" in rec.extra:
             result.update(label_scores(rec.extra["labels"], docs, knowledge.client.tokenizer))
-        if "stage_tokens" in rec.extra:  # a chain's reading after each stage (BiSR: sip, b, f)
+        if "stage_tokens" in rec.extra:  # a chain's reading after each stage (BiSR: sip, b, f; refit: its rounds)
             truth = torch.tensor([list(d.token_ids) for d in docs])
-            result["stage_token_recovery"] = {
-                k: float((v == truth).float().mean()) for k, v in rec.extra["stage_tokens"].items()
+            result["stage_token_recovery"] = {  # -1: a token the stage did not read (scored on the others)
+                k: float((v == truth)[v >= 0].float().mean()) for k, v in rec.extra["stage_tokens"].items()
             }
+        if "summary" in rec.extra:  # what the attack measured on the traffic alone (refit: per round)
+            result["attack_summary"] = rec.extra["summary"]
         if "matched" in rec.extra:
             result["certified_tokens"] = float(rec.extra["matched"].float().mean())
             result["mean_checks_per_token"] = float(rec.extra["checks"].float().mean())
