@@ -503,6 +503,33 @@ def test_the_margin_rule_stops_a_copy_that_cannot_match_early_with_the_same_read
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1])
+def test_after_a_miss_the_exhaustive_search_stops_early_and_changes_nothing_where_all_match(seed):
+    """A position whose previous one found no match has a prefix that cannot reproduce the observed
+    activation, so ``after_miss`` gives it one round instead of the whole vocabulary; through the exact
+    copy every position matches, so the rule never acts and the result is the same."""
+    from splitleak.attacks.search import sipit
+
+    client, ev, obs, order, g = _weak_search(seed)
+    tol = 1e-3 * obs.double().norm(dim=-1)
+    plain = sipit(client, obs, order(client), None, tol, 16, growth=16)
+    ruled = sipit(client, obs, order(client), None, tol, 16, growth=16, after_miss=16)
+    assert bool(ruled.matched.all()) and torch.equal(ruled.tokens, plain.tokens)
+    assert torch.equal(ruled.checks, plain.checks)
+    other = load_model("tiny-gpt2", seed=seed)
+    with torch.no_grad():
+        for p in other.model.parameters():
+            p.add_(0.02 * p.std() * torch.randn(p.shape, generator=g))
+    public = ClientCopy(other.model, 2)
+    full = sipit(public, obs, order(public), None, tol, 16, growth=16)
+    cut = sipit(public, obs, order(public), None, tol, 16, growth=16, after_miss=16)
+    assert not bool(cut.matched.any())
+    assert bool((cut.checks[:, 0] == public.vocab_size).all())  # the first position: nothing before it missed
+    assert bool((cut.checks[:, 1:] == 16).all()) and bool((full.checks[:, 1:] == public.vocab_size).all())
+    assert torch.equal(cut.tokens[:, 0], full.tokens[:, 0])
+
+
+@pytest.mark.integration
 def test_sipit_refuses_a_bad_growth_or_margin_by_name(easy_run):
     from splitleak.attacks.sipit import SipIt
 
@@ -510,4 +537,6 @@ def test_sipit_refuses_a_bad_growth_or_margin_by_name(easy_run):
         _score(easy_run, "sipit", budget="exhaustive", params={"growth": 0})
     with pytest.raises(ConfigError, match="SipIt margin must be a number >= 0"):
         _score(easy_run, "sipit", budget="exhaustive", params={"margin": -1})
+    with pytest.raises(ConfigError, match="SipIt after_miss must be a positive number of checks"):
+        _score(easy_run, "sipit", budget="exhaustive", params={"after_miss": 0})
     assert SipIt(budget="exhaustive").params()["growth"] is None  # auto: 16 for exhaustive, 1 for a budget

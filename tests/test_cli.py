@@ -107,12 +107,23 @@ def test_audit_on_tiny_model(tmp_path):
     assert "depth: 2" in r.output and "verified" in r.output and "LEAKS" in r.output
     report = json.loads((out / "report.json").read_text())
     assert report["capture"]["documents"] == 10 and report["capture"]["width"] == 64
-    by_name = {a["attack"]: a for a in report["attacks"]}
-    assert set(by_name) == {"majority", "vmi", "activation", "joint", "sipit"}
+    by_name = {(a["attack"], a["threat_model"]): a for a in report["attacks"]}
+    public = {"majority", "vmi", "activation", "joint", "sipit"}
+    assert set(by_name) == {(a, "public") for a in public} | {("sipit", "trained")}
     # on the tiny model at depth 2 the activation attacker beats the majority control by far
-    assert by_name["activation"]["token_recovery"] > by_name["majority"]["token_recovery"] + 0.5
+    assert by_name["activation", "public"]["token_recovery"] > by_name["majority", "public"]["token_recovery"] + 0.5
+    # the exact-inversion check: through the trained layers every observed activation is matched
+    # exactly; through the public copy after training, none is
+    cert = by_name["sipit", "trained"]
+    assert cert["attack_params"]["budget"] == 32 and cert["certified_tokens"] == 1.0
+    assert cert["token_recovery"] == 1.0 and by_name["sipit", "public"]["certified_tokens"] < 0.5
+    assert "Worst-case reader:" in report["verdict"] and "the cut is injective on these documents" in report["verdict"]
+    assert (out / "attacks" / "sipit-trained.parquet").is_file() and (out / "attacks" / "sipit.parquet").is_file()
+    shown = report["examples"]["documents"]
+    assert len(shown) == 3 and all(len(d["readings"]) == 5 for d in shown)  # every reader but the control
     md = (out / "report.md").read_text()
-    assert re.search(r"^\| activation k=32 +\|", md, re.M) and report["verdict"] in md
+    assert re.search(r"^\| activation k=32 +\|", md, re.M) and all(p in md for p in report["verdict_parts"])
+    assert " ".join(report["verdict_parts"]) == report["verdict"] and len(report["verdict_parts"]) == 3
     # verdict words: the activation arms are detected, no shuffled-label control is, the gate breaks
     arms = {a["attack"]: a["arm"] for a in report["attacks"]}
     assert arms["activation"]["verdict"] == "detected" and arms["activation"]["effect"]["low"] > 0.3
@@ -129,7 +140,16 @@ def test_audit_on_tiny_model(tmp_path):
     assert "Channels not attacked: row-ids, shapes, timing, labels." in report["verdict"]
     assert "## Channels (Politis & Pappas 2026, §3)" in md
     assert re.search(r"^\| labels +\| main +\| client->server +\|", md, re.M)
-    assert "client-&gt;server" in (out / "report.html").read_text()  # escaped in HTML
+    page = (out / "report.html").read_text()
+    assert "client-&gt;server" in page  # escaped in HTML
+    # self-contained: nothing loaded from elsewhere, no script; every section present and linked
+    assert "<script" not in page and "<link" not in page and "url(" not in page and 'src="http' not in page
+    assert all(s.startswith("data:image/png;base64,") for s in re.findall(r'<img [^>]*src="([^"]+)"', page))
+    sections = ["Who reads what", "Channels (Politis &amp; Pappas 2026, §3)", "Your text coming back",
+                "Recovery by span class", "Verdict words (Politis &amp; Pappas 2026, §3)",
+                "Instrument calibration (Politis &amp; Pappas 2026, §4)", "Utility"]  # fmt: skip
+    assert re.findall(r"<h2 [^>]*>(.*?)</h2>", page) == sections
+    assert page.count('<table class="recon">') == 3 and page.index("Worst-case reader") < page.index("Who reads")
     assert runner.invoke(app, ["verify", str(out / "run")]).exit_code == 0
 
 

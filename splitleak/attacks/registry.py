@@ -122,18 +122,18 @@ REGISTRY: dict[str, AttackInfo] = {
             takes_readout=True,
         ),
         AttackInfo(
-            "property",
-            f"{_A}.property:PropertyInference",
-            "per document, gradient norms predict property tokens (ROC AUC) and the leakage index",
-            reads=("gradient",),
-            output="doc-score",
-        ),
-        AttackInfo(
             "joint-adaptive",
             f"{_A}.adaptive:AdaptiveJointBeam",
             "as joint, with gradient candidates only where their precision, estimated on the traffic, "
             "beats the activation candidates they displace",
             reads=("activations", "gradient", "output-gradient"),
+        ),
+        AttackInfo(
+            "property",
+            f"{_A}.property:PropertyInference",
+            "per document, gradient norms predict property tokens (ROC AUC) and the leakage index",
+            reads=("gradient",),
+            output="doc-score",
         ),
         AttackInfo(
             "mixup-unmix",

@@ -153,6 +153,7 @@ def sipit(
     growth: int = 1,
     pass_size: int = 512,
     margin: float | None = None,
+    after_miss: int | None = None,
 ) -> SearchResult:
     """Position by position, check candidates in ``order`` until one's recomputed activation lies
     within ``tol`` (L2) of the observed one; keep it. With a ``budget``, stop after that many checks
@@ -167,6 +168,10 @@ def sipit(
     match when a whole round found nothing within (1 + margin) times the best distance so far: the
     order proposes the likeliest candidates first, so a round that comes nowhere near says the rest will
     not either. Such a token is the best checked, not certified (``matched`` stays False).
+    ``after_miss`` (ours; None: off) bounds the search of a position whose previous position found no
+    match: its prefix is then not the true one, so no candidate can reproduce the observed activation
+    (the activation at t depends on every token before it) and checking the whole vocabulary there
+    buys nothing; it stops after the first round that reaches ``after_miss`` checks.
 
     ``order(rows, t, start, size, prefix)`` returns, for documents ``rows`` (indices into
     ``observed``), the candidate token ids of ranks [start, start + size) at position ``t``:
@@ -191,6 +196,9 @@ def sipit(
         for t in range(T):
             active = torch.arange(m)
             start = 0
+            missed = (
+                ~matched[rows_all, t - 1] if (after_miss is not None and t > 0) else torch.zeros(m, dtype=torch.bool)
+            )
             for r in sizes:
                 if not len(active):
                     break
@@ -217,6 +225,8 @@ def sipit(
                 done = hit
                 if margin is not None:  # nothing in this round came within the margin of the best so far
                     done = done | (bd > (1 + margin) * before)
+                if after_miss is not None:  # a prefix without a match: no candidate can match here
+                    done = done | (missed[active] & (start + r >= after_miss))
                 active = active[~done]
                 start += r
             client.extend(cache, tokens[rows_all, t].unsqueeze(1).to(client.device), t)  # grow the prefix

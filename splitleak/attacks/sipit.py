@@ -53,7 +53,10 @@ class SipIt(_RidgeAttack):
     candidate matches, as through a public copy after fine-tuning, costs a few wide rounds instead of
     some 3,000 narrow ones). ``margin`` (ours; off by default) lets an exhaustive search through a copy
     that cannot match exactly stop a position once a whole round comes no closer than (1 + margin) times
-    its best distance; such tokens are not certified."""
+    its best distance; such tokens are not certified. ``after_miss`` (ours; off by default) gives a
+    position whose previous position found no match only the rounds up to that many checks: with a
+    wrong prefix no candidate can match, so an exhaustive search there would check the whole
+    vocabulary for nothing."""
 
     name = "sipit"
 
@@ -68,6 +71,7 @@ class SipIt(_RidgeAttack):
         step: float = 0.5,
         growth: int | None = None,
         margin: float | None = None,
+        after_miss: int | None = None,
     ):
         self.budget = budget
         self.order = order
@@ -78,6 +82,7 @@ class SipIt(_RidgeAttack):
         self.chunk_docs = chunk_docs
         self.growth = growth
         self.margin = margin
+        self.after_miss = after_miss
 
     def params(self):
         return {
@@ -89,6 +94,7 @@ class SipIt(_RidgeAttack):
             "step": self.step,
             "growth": self.growth,
             "margin": self.margin,
+            "after_miss": self.after_miss,
         }
 
     def reconstruct(self, traffic, progress=None):
@@ -104,6 +110,12 @@ class SipIt(_RidgeAttack):
             raise ConfigError(f"SipIt growth must be a positive integer (1: rounds of one size), got {self.growth!r}")
         if self.margin is not None and not (isinstance(self.margin, (int, float)) and self.margin >= 0):
             raise ConfigError(f"SipIt margin must be a number >= 0 (or left out), got {self.margin!r}")
+        if self.after_miss is not None and (
+            isinstance(self.after_miss, bool) or not isinstance(self.after_miss, int) or self.after_miss < 1
+        ):
+            raise ConfigError(
+                f"SipIt after_miss must be a positive number of checks (or left out), got {self.after_miss!r}"
+            )
         growth = self.growth if self.growth is not None else (16 if budget is None else 1)
         if self.order == "ridge":
             order = _RidgeOrder(est, client.embedding, 256 if budget is None else max(budget, self.round_size))
@@ -125,5 +137,6 @@ class SipIt(_RidgeAttack):
             name=f"SipIt (budget {self.budget})",
             growth=growth,
             margin=self.margin,
+            after_miss=self.after_miss,
         )
         return Reconstruction(res.tokens, {"matched": res.matched, "checks": res.checks, "distance": res.distance})

@@ -38,10 +38,13 @@ from splitleak.wire.store import require_verified
 
 
 def attack_label(result: dict[str, Any]) -> str:
-    """An attack result's short name with its main hyperparameter (``activation k=32``, ``sipit budget=32``)."""
+    """An attack result's short name with its main hyperparameter (``activation k=32``, ``sipit budget=32``),
+    and ``, trained copy`` when the attacker held the client's trained layers (``sipit budget=exhaustive,
+    trained copy``)."""
     p = result.get("attack_params", {})
     extra = f" k={p['k']}" if "k" in p else (f" budget={p['budget']}" if "budget" in p else "")
-    return f"{result['attack']}{extra}"
+    copy = (result.get("config") or {}).get("client_copy", "public")
+    return f"{result['attack']}{extra}" + ("" if copy == "public" else f", {copy} copy")
 
 
 def probe_scores(run_dir: Path, traffic: Traffic, probe_tokens: torch.Tensor, rows: list[int]) -> dict[str, Any]:

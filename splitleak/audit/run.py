@@ -1,4 +1,6 @@
-"""`splitleak audit`: train and capture on embedded defaults, attack the captured traffic, report.
+"""`splitleak audit`: train and capture on embedded defaults, attack the captured traffic under both
+threat models (the public copy of the client layers and the client's trained layers, with the
+exact-inversion check on the latter), report.
 
 Layout of the output folder: ``run/`` is the verifiable run directory (see ``splitleak.wire.store``),
 ``attacks/`` one RESULT.json + Parquet per attack, ``calibration/`` the injected-leak dose ladder
@@ -42,14 +44,33 @@ from splitleak.wire import load_capture, verify_run
 DEFAULT_MODEL = "smollm2-135m"
 FALLBACK_MODEL = "tiny-gpt2"
 DEFAULT_DEPTH = 6
-#: the attacks the audit runs, with the main setting of What Gradients Add (k = 32; SipIt with 32 checks per token)
-AUDIT_ATTACKS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("majority", {}),
-    ("vmi", {}),
-    ("activation", {"k": 32}),
-    ("joint", {"k": 32}),
-    ("sipit", {"budget": 32}),
+#: checks per position of the audit's exact-inversion check on the trained copy (two rounds of 16)
+CERTIFY_CHECKS = 32
+#: the attacks the audit runs, (name, parameters, copy), in the main setting of What Gradients Add
+#: (k = 32; SipIt with 32 checks per token). Two threat models (What Gradients Add §3): an observer
+#: with the public pretrained copy of the client layers, and an attacker holding the client's trained
+#: layers. On the trained copy, SipIt is also the exact-inversion check: a position whose recomputed
+#: activation matches the observed one is certified (the cut is injective there). The audit bounds it
+#: at What Gradients Add's 32 checks per position: where the candidate order ranks the true token
+#: deeper, a wider search costs far more on a CPU than it reads (measured on SmolLM2: 272 checks per
+#: position took four times as long; the whole vocabulary, 49,152 tokens, would take hours), so those
+#: positions are read but not certified, and the report says within how many checks. ``splitleak
+#: attack RUN --attack sipit --copy trained --budget exhaustive`` runs the whole check.
+AUDIT_ATTACKS: tuple[tuple[str, dict[str, Any], str], ...] = (
+    ("majority", {}, "public"),
+    ("vmi", {}, "public"),
+    ("activation", {"k": 32}, "public"),
+    ("joint", {"k": 32}, "public"),
+    ("sipit", {"budget": 32}, "public"),
+    ("sipit", {"budget": CERTIFY_CHECKS}, "trained"),
 )
+#: what each copy means for a reader of the report
+THREAT_MODELS = {
+    "public": "an observer with the public pretrained weights of the client layers",
+    "trained": "an attacker holding the client's trained layers",
+}
+#: documents the report shows token by token (those whose scores lie closest to the attacks' means)
+EXAMPLE_DOCS = 3
 #: the calibration the audit runs before it may give a verdict on token top-1
 CALIBRATION_ATTACK = "vmi"
 CALIBRATION_COVERAGES = (0.02, 0.06, 0.10, 0.30, 1.0)
@@ -59,14 +80,16 @@ ARM_BOOT = 10_000
 
 
 #: defence-aware attacks the audit adds when the traffic carries the channel they read
-CONDITIONAL_ATTACKS = (("probe_activations", "mixup-unmix", {"k": 32}),)
+CONDITIONAL_ATTACKS = (("probe_activations", "mixup-unmix", {"k": 32}, "public"),)
 #: the channels the audit's injected-leak calibration doses (its positive control)
 CALIBRATED_CHANNELS = ("activations",)
 
 
-def audit_attacks(traffic) -> list[tuple[str, dict[str, Any]]]:
+def audit_attacks(traffic) -> list[tuple[str, dict[str, Any], str]]:
     """``AUDIT_ATTACKS``, plus each defence-aware attack whose channel the traffic carries."""
-    extra = [(name, params) for field, name, params in CONDITIONAL_ATTACKS if getattr(traffic, field) is not None]
+    extra = [
+        (name, params, copy) for field, name, params, copy in CONDITIONAL_ATTACKS if getattr(traffic, field) is not None
+    ]
     return list(AUDIT_ATTACKS) + extra
 
 
@@ -166,7 +189,7 @@ def run_audit(
     if not ver.ok:
         raise SplitleakError(f"the run just written does not verify: {ver.message}")
     cap = capture_summary(out / "run")
-    knowledge = load_knowledge(out / "run", "public")
+    knowledges = {"public": load_knowledge(out / "run", "public")}
     traffic_dir, session = out / "run", None
     if server_capture is not None:  # attack what the server recorded, once it is shown to be what crossed
         session = find_session(server_capture, out / "run")
@@ -178,21 +201,26 @@ def run_audit(
     traffic = load_traffic(traffic_dir)
     results = []
     predictions = {}
-    for name, params in audit_attacks(traffic):
-        acfg = make_attack_config(attack=name, client_copy="public", attack_seed=seed, **params)
+    for name, params, copy in audit_attacks(traffic):
+        if copy not in knowledges:
+            knowledges[copy] = load_knowledge(out / "run", copy)
+        acfg = make_attack_config(attack=name, client_copy=copy, attack_seed=seed, params=params)
+        stem = name if copy == "public" else f"{name}-{copy}"
         res = run_attack(
             traffic_dir,
             acfg,
-            out=out / "attacks" / f"{name}.json",
-            knowledge=knowledge,
+            out=out / "attacks" / f"{stem}.json",
+            knowledge=knowledges[copy],
             traffic=traffic,
             progress=progress,
             force=force,
             documents=out / "run" if session is not None else None,
         )
         predictions[attack_label(res)] = [row["predicted"] for row in res.pop("per_doc")]
+        res["threat_model"] = copy
         results.append(res)
     truth = eval_token_ids(out / "run", traffic.doc_ids)
+    examples = example_documents(out / "run", traffic.doc_ids, results, predictions, knowledges["public"])
     base, arms = arm_effects(predictions, truth, n_boot=ARM_BOOT, seed=seed)
     probe_arms = [a for a in arms if not a.name.startswith("majority")]
     gate = arm_gate(probe_arms, base)
@@ -205,7 +233,7 @@ def run_audit(
         seed=seed,
         force=force,
         progress=progress,
-        knowledge=knowledge,
+        knowledge=knowledges["public"],
         traffic=traffic,
     )
     for res in results:
@@ -243,7 +271,12 @@ def run_audit(
         },
     }
     channels = channel_table(out / "run", results, calibrated=CALIBRATED_CHANNELS)
-    verdict = verdict_line(results, arms, probe_arms, gate, cal.record) + " " + channels_sentence(channels)
+    verdict_parts = [
+        verdict_line(results, arms, probe_arms, gate, cal.record),
+        readers_sentence(results),
+        channels_sentence(channels),
+    ]
+    verdict = " ".join(p for p in verdict_parts if p)
     utility_text = (
         f"held-out CE {m['heldout_ce']:.4f} (all-local {m['all_local_ce']:.4f}, ΔU {m['delta_u']:+.4f})"
         if m["heldout_ce"] is not None
@@ -272,10 +305,13 @@ def run_audit(
         "verify": ver.message,
         "attacks": results,
         "verdict": verdict,
+        "verdict_parts": [p for p in verdict_parts if p],
         "verdicts": verdicts,
         "summary": summary,
         "cost": cost,
         "channels": channels,
+        "threat_models": THREAT_MODELS,
+        "examples": examples,
         "channel_notes": list(run_declaration(out / "run").notes),
         "deployment": None
         if connect is None
@@ -342,3 +378,120 @@ def verdict_line(results: list[dict[str, Any]], arms, probe_arms, gate, calibrat
         f"{100 * best.effect.high:+.2f}]); {gate_words}; no shuffled-label control detected; {cal}, so a "
         "leak of that size would have been seen."
     )
+
+
+def _reader_results(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The attacks that read text (token outputs, not controls), in the audit's order."""
+    from splitleak.attacks.registry import attack_info
+
+    return [r for r in results if r.get("token_recovery") is not None and not attack_info(r["attack"]).control]
+
+
+def worst_reader(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The reader that recovers the most: most whole documents, then most tokens."""
+    readers = _reader_results(results)
+    return max(readers, key=lambda r: (r["doc_recovery"], r["token_recovery"])) if readers else None
+
+
+def readers_sentence(results: list[dict[str, Any]]) -> str:
+    """The worst-case reader under each threat model, the worst of all, and the exact-inversion
+    certificate (SipIt without a budget on the trained copy)."""
+    parts = []
+    for copy, who in THREAT_MODELS.items():
+        best = worst_reader([r for r in results if r.get("threat_model", "public") == copy])
+        if best is not None:
+            parts.append(
+                f"{who} ({attack_label(best)}) reads {fmt_pct(best['token_recovery'])} % of tokens and "
+                f"{fmt_pct(best['doc_recovery'])} % of whole documents"
+            )
+    if not parts:
+        return ""
+    worst = worst_reader(results)
+    assert worst is not None
+    out = "Worst-case reader: " + "; ".join(parts) + f"; the worst is {attack_label(worst)}."
+    cert = next(
+        (
+            r
+            for r in results
+            if r["attack"] == "sipit" and r.get("threat_model") == "trained" and r.get("certified_tokens") is not None
+        ),
+        None,
+    )
+    if cert is not None:
+        budget = cert.get("attack_params", {}).get("budget")
+        bound = "the whole vocabulary if needed" if budget == "exhaustive" else f"up to {budget} checks per position"
+        out += (
+            f" Exact-inversion check (SipIt through the trained layers, {bound}): "
+            f"{fmt_pct(cert['certified_tokens'])} % of positions matched an observed activation exactly "
+            f"({cert['mean_checks_per_token']:.1f} checks per position on average)"
+            + (
+                ": the cut is injective on these documents, and the traffic is the text."
+                if cert["certified_tokens"] == 1.0
+                else "; the others were read as the nearest checked candidate (a defence, a copy that differs from "
+                "the weights that produced the traffic"
+                + ("" if budget == "exhaustive" else ", or a true token the order ranks beyond the bound")
+                + ")."
+            )
+        )
+    return out
+
+
+def example_documents(
+    run_dir: Path,
+    doc_ids,
+    results: list[dict[str, Any]],
+    predictions: dict[str, list[list[int]]],
+    knowledge,
+    n: int = EXAMPLE_DOCS,
+) -> dict[str, Any]:
+    """A few evaluation documents token by token: the true text, its annotated spans, and each
+    reader's reconstruction with its wrong tokens. The documents shown are those whose token accuracy
+    lies closest to each reader's mean (the mean over readers of |document accuracy − mean accuracy|),
+    so that they are typical, not picked for show."""
+    from splitleak.attacks.knowledge import phase_documents
+
+    readers = _reader_results(results)
+    tok = knowledge.client.tokenizer
+    if not readers or tok is None:
+        return {"documents": [], "how": "no reader of text ran" if not readers else "no tokenizer"}
+    by_id = {d.doc_id: d for d in phase_documents(run_dir, "capture")}
+    docs = [by_id[int(i)] for i in doc_ids]
+    truth = [list(d.token_ids) for d in docs]
+    acc = {}
+    for r in readers:
+        pred = predictions[attack_label(r)]
+        acc[attack_label(r)] = [sum(a == b for a, b in zip(pr, tr)) / len(tr) for pr, tr in zip(pred, truth)]
+    means = {k: sum(v) / len(v) for k, v in acc.items()}
+    spread = [sum(abs(acc[k][i] - means[k]) for k in acc) / len(acc) for i in range(len(docs))]
+    chosen = sorted(range(len(docs)), key=lambda i: (spread[i], docs[i].doc_id))[:n]
+
+    def text(ids):
+        return [tok.decode([int(t)]) for t in ids]
+
+    shown = []
+    for i in chosen:
+        d = docs[i]
+        spans: list[str | None] = [None] * len(truth[i])
+        for s in d.spans:
+            for t in range(s.token_start, s.token_end):
+                spans[t] = s.label
+        readings = []
+        for r in readers:
+            label = attack_label(r)
+            row = predictions[label][i]
+            readings.append(
+                {
+                    "attack": label,
+                    "threat_model": r.get("threat_model", "public"),
+                    "tokens": text(row),
+                    "wrong": [a != b for a, b in zip(row, truth[i])],
+                    "accuracy": acc[label][i],
+                }
+            )
+        shown.append({"doc_id": d.doc_id, "tokens": text(truth[i]), "spans": spans, "readings": readings})
+    return {
+        "documents": shown,
+        "how": f"the {len(shown)} of {len(docs)} evaluation documents whose token accuracy lies closest to each "
+        "reader's mean (mean over readers of |document accuracy − mean accuracy|)",
+        "mean_accuracy": means,
+    }

@@ -60,7 +60,7 @@ DIGITS = 3
 def attack_suite() -> dict[str, dict[str, Any]]:
     """The attacks a tune may run, named as the audit names its results (the attack, ``-trained`` for the
     trained copy), with the audit's parameters (``AUDIT_ATTACKS``) except ``sipit-trained``: a budget of
-    32 checks per position in rounds of 16 (ours) instead of the audit's 272, cheap enough for every trial.
+    32 checks per position, as the audit now uses too, cheap enough for every trial.
     The majority control is left out (it is no reader)."""
     from splitleak.audit.run import AUDIT_ATTACKS
 

@@ -19,9 +19,23 @@ from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
 from splitleak.metrics import fmt_pct
 from splitleak.report.calibration import write_calibration_report
-from splitleak.report.document import Document, Figure, Heading, Para, Table, render_html, render_markdown
+from splitleak.report.document import (
+    Block,
+    Contents,
+    Document,
+    Figure,
+    Heading,
+    Para,
+    Table,
+    TextComparison,
+    TokenLine,
+    render_html,
+    render_markdown,
+)
 
-ATTACK_HEADER = ["attack", "token %", "document %", "name spans %", "number spans %", "identifier spans %", "seconds"]
+ATTACK_HEADER = ["attack", "threat model", "token %", "document %", "certified %", "seconds"]
+SPAN_HEADER = ["attack", *(f"{c} spans %" for c in LABELS)]
+COPY_WORDS = {"public": "public copy", "trained": "trained layers"}
 ARM_HEADER = ["attack", "token top-1 %", "A over constant (pp)", "verdict", "shuffled-label N (pp)", "control"]
 CALIBRATION_METRICS = ("token_top1", "rare_token_top1", "token_cross_entropy", "membership_auc")
 
@@ -29,13 +43,54 @@ CALIBRATION_METRICS = ("token_top1", "rare_token_top1", "token_cross_entropy", "
 def attack_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for r in results:
-        spans = r.get("span_recovery") or {}
+        cert = r.get("certified_tokens")
         rows.append(
-            [attack_label(r), fmt_pct(r["token_recovery"]), fmt_pct(r["doc_recovery"])]
-            + ["n/a" if spans.get(c) is None else fmt_pct(spans[c]) for c in LABELS]
-            + [f"{r['seconds']:.0f}"]
+            [
+                attack_label(r),
+                COPY_WORDS.get(r.get("threat_model", "public"), r.get("threat_model", "")),
+                fmt_pct(r["token_recovery"]),
+                fmt_pct(r["doc_recovery"]),
+                "—" if cert is None else fmt_pct(cert),
+                f"{r['seconds']:.0f}",
+            ]
         )
     return rows
+
+
+def span_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for r in results:
+        spans, counts = r.get("span_recovery") or {}, r.get("span_counts") or {}
+        rows.append(
+            [attack_label(r)]
+            + [
+                "n/a" if spans.get(c) is None else f"{fmt_pct(spans[c])} ({r['span_hits'][c]}/{counts[c]})"
+                for c in LABELS
+            ]
+        )
+    return rows
+
+
+def example_blocks(examples: dict[str, Any] | None) -> list[Block]:
+    """The true text beside each reader's reconstruction, for the documents the audit chose."""
+    if not examples or not examples.get("documents"):
+        why = (examples or {}).get("how", "this report predates them")
+        return [Para(f"No documents are shown ({why}).")]
+    blocks: list[Block] = [
+        Para(
+            f"Shown: {examples['how']}, so they are typical rather than chosen for show. Wrong tokens are struck "
+            "through; annotated spans are underlined by class (a span counts as recovered only when all its tokens "
+            "are right)."
+        )
+    ]
+    for d in examples["documents"]:
+        n = len(d["tokens"])
+        lines = [TokenLine("true text", d["tokens"], [False] * n, d["spans"])]
+        for r in d["readings"]:
+            label = f"{r['attack']} ({fmt_pct(r['accuracy'])} %)"
+            lines.append(TokenLine(label, r["tokens"], r["wrong"], d["spans"]))
+        blocks.append(TextComparison(f"Evaluation document {d['doc_id']}", lines))
+    return blocks
 
 
 def arm_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
@@ -64,6 +119,13 @@ def channel_table(rows: list[dict[str, Any]], notes: list[str] | tuple[str, ...]
     return blocks
 
 
+def verdict_blocks(report: dict[str, Any]) -> list[Block]:
+    """The verdict first: its main sentence in bold, then the worst-case reader and the channels it
+    does not cover (older reports hold the verdict as one string)."""
+    parts = report.get("verdict_parts") or [report["verdict"]]
+    return [Para(f"**{parts[0]}**"), *(Para(p) for p in parts[1:])]
+
+
 def _onset(o: dict[str, float] | None) -> str:
     if o is None:
         return "not detected at any dose"
@@ -76,19 +138,40 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
     doc = Document("splitleak audit")
     doc.add(
         Heading(1, "splitleak audit"),
-        Para(f"**{report['verdict']}**"),
+        *verdict_blocks(report),
         Para(
             f"Model `{cfg['model']}`, cut after {cfg['depth']} blocks, defence `{defence}`, data `{cfg['data']}` "
             f"(seed {cfg['seed']}; {cfg['n_calib']} calibration / {cfg['n_train']} training / {cfg['n_eval']} "
             f"evaluation documents of {cfg['doc_len']} tokens). Configuration hash `{report['config_hash'][:16]}`."
         ),
-        Heading(2, "Leakage (public copy of the client layers, evaluation documents)"),
+        Contents(),
+        Heading(2, "Who reads what"),
+        Para(
+            "Each attack read the evaluation documents' captured traffic under one of two threat models (What "
+            "Gradients Add §3): "
+            + "; ".join(f"**{COPY_WORDS.get(k, k)}**: {v}" for k, v in report.get("threat_models", {}).items())
+            + ". `certified` is the share of positions whose recomputed activation matched the observed one "
+            "exactly (SipIt); without a budget, on the trained layers, it is the exact-inversion check of the cut."
+        ),
         Table(ATTACK_HEADER, attack_table_rows(report["attacks"])),
         Para(
-            "Percentages are rounded half-up to two decimals. Span recovery counts a span only when all its "
-            "tokens are right. `majority` is the control that guesses the calibration documents' most frequent "
-            "token at every position."
+            "Percentages are rounded half-up to two decimals. A whole document counts only when every token is "
+            "right. `majority` is the control that guesses the calibration documents' most frequent token at "
+            "every position."
         ),
+        Heading(2, "Channels (Politis & Pappas 2026, §3)"),
+        Para(
+            "Every channel the split mode and its defences declare, whether the tap captured it, which attacks of "
+            "this audit read it, and its status: **measured** (attacked, and the injected-leak calibration doses "
+            "it), **no positive control** (attacked, not calibrated), **no attack** (no attack of this audit read "
+            "it; the verdict above says nothing about it)."
+        ),
+        *channel_table(report.get("channels", []), report.get("channel_notes", [])),
+        Heading(2, "Your text coming back"),
+        *example_blocks(report.get("examples")),
+        Heading(2, "Recovery by span class"),
+        Table(SPAN_HEADER, span_table_rows([r for r in report["attacks"] if r.get("span_recovery") is not None])),
+        Para("Spans recovered whole, with hits/spans; n/a where the evaluation documents hold no span of the class."),
         Heading(2, "Verdict words (Politis & Pappas 2026, §3)"),
         Table(ARM_HEADER, arm_table_rows(report["attacks"])),
         Para(
@@ -123,14 +206,6 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
     if calibration_figure is not None:
         doc.add(Figure(calibration_figure, "Dose-response of the calibration attack per metric."))
     doc.add(
-        Heading(2, "Channels (Politis & Pappas 2026, §3)"),
-        Para(
-            "Every channel the split mode and its defences declare, whether the tap captured it, which attacks of "
-            "this audit read it, and its status: **measured** (attacked, and the injected-leak calibration doses "
-            "it), **no positive control** (attacked, not calibrated), **no attack** (no attack of this audit read "
-            "it; the verdict above says nothing about it)."
-        ),
-        *channel_table(report.get("channels", []), report.get("channel_notes", [])),
         Heading(2, "Utility"),
     )
 
@@ -153,6 +228,20 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
             ["relative perplexity change against the twin", "not measured" if rel is None else f"{100 * rel:+.2f} %"],
         ]
     doc.add(Table(["measure", "value"], utility))
+    readers = [r for r in report["attacks"] if r.get("doc_recovery") is not None and r["attack"] != "majority"]
+    if cost and readers:
+        worst = max(readers, key=lambda r: (r["doc_recovery"], r["token_recovery"]))
+        rel = cost["rel_ppl_change"]
+        doc.add(
+            Para(
+                f"Leakage against cost: under `{defence}` the worst-case reader ({attack_label(worst)}) recovers "
+                f"{fmt_pct(worst['token_recovery'])} % of tokens and {fmt_pct(worst['doc_recovery'])} % of whole "
+                "documents, at "
+                + ("an unmeasured cost" if rel is None else f"{100 * rel:+.2f} % perplexity against the twin")
+                + ". The undefended twin is trained for the cost only, not attacked; `splitleak compare` puts "
+                "several audit folders on one leakage-against-cost figure."
+            )
+        )
     if m.get("heldout_measured"):
         doc.add(Para(f"Held-out loss: {m['heldout_measured']}."))
     deployed = report.get("deployment")

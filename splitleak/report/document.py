@@ -51,11 +51,30 @@ class Figure:
 
 
 @dataclass
+class TokenLine:
+    """One line of a text comparison: a label and the text token by token."""
+
+    label: str
+    tokens: list[str]  # decoded token strings, leading spaces kept
+    wrong: list[bool]  # per token: not the true token (all False on the true line)
+    spans: list[str | None]  # per token: the annotated span class it lies in, or None
+
+
+@dataclass
+class TextComparison:
+    """A document's true text beside each attack's reconstruction (What Gradients Add, Figure 1b):
+    wrong tokens struck through, annotated spans underlined by class."""
+
+    title: str
+    lines: list[TokenLine]
+
+
+@dataclass
 class Contents:
     """A table of contents of the level-2 headings that follow it."""
 
 
-Block = Union[Heading, Para, Table, Figure, Contents]
+Block = Union[Heading, Para, Table, Figure, Contents, TextComparison]
 
 
 @dataclass
@@ -124,6 +143,8 @@ def render_markdown(doc: Document, base: Path | None = None) -> str:
             else:
                 out += _md_table(b)
             out.append("")
+        elif isinstance(b, TextComparison):
+            out += _md_comparison(b)
         elif isinstance(b, Figure):
             png = b.png.name if base is None else Path(os.path.relpath(b.png, base)).as_posix()
             svg = png[: -len(b.png.suffix)] + ".svg"
@@ -134,6 +155,31 @@ def render_markdown(doc: Document, base: Path | None = None) -> str:
                 "",
             ]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _visible(token: str) -> str:
+    """A token as it shows inside one line of text: line breaks and tabs become visible marks."""
+    return token.replace("\r", "").replace("\n", "⏎").replace("\t", "⇥")
+
+
+def _md_comparison(c: TextComparison) -> list[str]:
+    """A fenced block, one line per reading: wrong tokens in ⟦ ⟧, spans as [class: …] on every line."""
+    width = max(len(line.label) for line in c.lines)
+    rows = []
+    for line in c.lines:
+        text, open_span = "", None
+        for tok, bad, span in zip(line.tokens, line.wrong, line.spans):
+            if span != open_span:
+                if open_span is not None:
+                    text += "]"
+                if span is not None:
+                    text += f"[{span}:"
+                open_span = span
+            text += f"⟦{_visible(tok)}⟧" if bad else _visible(tok)
+        if open_span is not None:
+            text += "]"
+        rows.append(f"{line.label.ljust(width)} | {text}")
+    return [f"*{c.title}*", "", "```text", *rows, "```", ""]
 
 
 def _md_table(t: Table) -> list[str]:
@@ -180,6 +226,18 @@ tbody tr:nth-child(even) td { background: var(--zebra); }
 figure { margin: 12px 0 28px; }
 figure img { max-width: 100%; height: auto; border: 1px solid var(--rule); border-radius: 4px; }
 .pass { color: #11722f; font-weight: 700; }
+table.recon td.text { font: 14px/1.9 "DejaVu Sans Mono", Menlo, Consolas, monospace; white-space: pre-wrap; }
+table.recon th { position: static; background: none; border-bottom: 1px solid var(--rule); font-weight: 600; }
+table.recon th, table.recon td { vertical-align: baseline; }
+table.recon span.w { background: #fbd5d2; color: #8c1d18; text-decoration: line-through; }
+table.recon span.s-name { border-bottom: 3px solid #0b5cad; }
+table.recon span.s-number { border-bottom: 3px solid #e0a800; }
+table.recon span.s-identifier { border-bottom: 3px solid #7b3fb5; }
+span.key { padding: 0 4px; margin-right: 10px; }
+span.key.w { background: #fbd5d2; color: #8c1d18; text-decoration: line-through; }
+span.key.s-name { border-bottom: 3px solid #0b5cad; }
+span.key.s-number { border-bottom: 3px solid #e0a800; }
+span.key.s-identifier { border-bottom: 3px solid #7b3fb5; }
 .fail { color: #b3261e; font-weight: 700; }
 """
 
@@ -216,6 +274,8 @@ def render_html(doc: Document) -> str:
             body.append(f'<nav class="toc"><strong>Contents</strong><ol>{items}</ol></nav>')
         elif isinstance(b, Table):
             body.append(_html_table(b))
+        elif isinstance(b, TextComparison):
+            body.append(_html_comparison(b))
         elif isinstance(b, Figure):
             data = base64.b64encode(b.png.read_bytes()).decode("ascii")
             body.append(
@@ -228,6 +288,27 @@ def render_html(doc: Document) -> str:
         f"<title>{html.escape(doc.title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n<main>\n"
         + "\n".join(body)
         + "\n</main>\n</body>\n</html>\n"
+    )
+
+
+def _html_comparison(c: TextComparison) -> str:
+    rows = []
+    for line in c.lines:
+        toks = []
+        for tok, bad, span in zip(line.tokens, line.wrong, line.spans):
+            cls = html.escape(" ".join(x for x in ("w" if bad else "", f"s-{span}" if span else "") if x))
+            attr = f' class="{cls}"' if cls else ""
+            toks.append(f"<span{attr}>{html.escape(_visible(tok))}</span>")
+        rows.append(
+            f'<tr><th class="nw" scope="row">{_inline(line.label)}</th><td class="text">{"".join(toks)}</td></tr>'
+        )
+    present = sorted({s for line in c.lines for s in line.spans if s})
+    keys = '<span class="key w">wrong token</span>' + "".join(
+        f'<span class="key s-{html.escape(s)}">{html.escape(s)}</span>' for s in present
+    )
+    return (
+        f'<figure class="recon"><figcaption>{_inline(c.title)} {keys}</figcaption>'
+        f'<div class="table-wrap"><table class="recon"><tbody>{"".join(rows)}</tbody></table></div></figure>'
     )
 
 
