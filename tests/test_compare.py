@@ -26,8 +26,15 @@ def test_compare_relates_each_defended_run_to_its_undefended_twin(audits):
     expected = noisy.metrics["perplexity"] / none.metrics["perplexity"] - 1
     assert noisy.rel_ppl_change == pytest.approx(expected) and noisy.rel_ppl_change != 0
     header, rows = table_rows(runs)
-    assert len(rows) == 2 * 5  # five attacks per audit, one line each
-    assert {r[8] for r in rows} == {"majority", "vmi", "activation k=32", "joint k=32", "sipit budget=32"}
+    assert len(rows) == 2 * 6  # six attacks per audit, one line each
+    assert {r[8] for r in rows} == {
+        "majority",
+        "vmi",
+        "activation k=32",
+        "joint k=32",
+        "sipit budget=32",
+        "sipit budget=32, trained copy",
+    }
 
 
 def test_a_mixup_audit_attacks_the_probe_rows(audits):
