@@ -239,18 +239,22 @@ def gaussian_rows(x: torch.Tensor, std: float, ctx: WireContext, direction: str)
     return out
 
 
+#: the searchable per-row L2 clip norm, shared by the defences that clip activation or gradient rows
+ROW_CLIP_RANGE = SearchRange(
+    0.1,
+    1000.0,
+    log=True,
+    why="ours: from far below to above the rows' norms (SmolLM2-135M at depth 6: median about 100)",
+)
+
+
 class ClipNoise(Defence):
     """Per-row L2 clip to ``clip`` and Gaussian noise ``sigma`` x ``clip``, on the forward wire,
     the returned gradient, or both (``where``)."""
 
     name = "clip-noise"
     search = {
-        "clip": SearchRange(
-            0.1,
-            1000.0,
-            log=True,
-            why="ours: from far below to above the rows' norms (SmolLM2-135M at depth 6: median about 100)",
-        ),
+        "clip": ROW_CLIP_RANGE,
         "sigma": SearchRange(
             1e-3,
             3.0,
@@ -296,12 +300,7 @@ class DPForward(Defence):
 
     name = "dp-forward"
     search = {
-        "clip": SearchRange(
-            0.1,
-            1000.0,
-            log=True,
-            why="ours: from far below to above the rows' norms (SmolLM2-135M at depth 6: median about 100)",
-        ),
+        "clip": ROW_CLIP_RANGE,
         "noise_multiplier": SearchRange(
             0.01, 10.0, log=True, why="ours: from no meaningful (epsilon, delta) to epsilon well under 1 per row"
         ),
