@@ -99,6 +99,27 @@ def test_dose_ladder_detects_a_large_leak_and_nothing_at_zero_dose(noisy_run):
 
 
 @pytest.mark.integration
+def test_the_dose_ladder_recomputes_only_the_dosed_rows_and_gets_the_whole_frames_numbers(noisy_run):
+    from splitleak.attacks import load_knowledge, load_traffic
+    from splitleak.attacks.knowledge import eval_token_ids
+    from splitleak.audit.calibrate import TokenProbe, dosed_log_likelihood
+
+    kn, tr = load_knowledge(noisy_run, "public"), load_traffic(noisy_run)
+    truth = torch.as_tensor(eval_token_ids(noisy_run, tr.doc_ids))
+    probe = TokenProbe().fit(kn)
+    reference = kn.client.activations(truth).to(tr.activations.dtype)
+    order = dose_order(truth.numel(), seed=5)
+    undosed = probe.log_likelihood(tr.activations, truth)
+    for cov, amp in ((0.0, 1.0), (0.02, 1.0), (0.3, 0.5), (1.0, 1.0)):
+        frame = inject_leak(tr.activations, reference, cov, amp, order)
+        whole = probe.log_likelihood(frame, truth)
+        part = dosed_log_likelihood(probe, undosed, frame, truth, cov, amp, order)
+        assert torch.allclose(part, whole, atol=1e-6, rtol=0)
+        changed = int((part != undosed).sum())
+        assert changed <= round(cov * truth.numel()) and (cov == 0 or changed > 0)
+
+
+@pytest.mark.integration
 def test_calibrate_refuses_bad_input_and_keeps_what_exists(noisy_run, tmp_path):
     with pytest.raises(ConfigError, match="property"):
         calibrate(noisy_run, "property")

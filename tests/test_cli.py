@@ -131,6 +131,14 @@ def test_audit_on_tiny_model(tmp_path):
     assert report["verdicts"]["gate"]["breaks"] and report["verdict"].startswith("LEAKS")
     assert (out / "calibration" / "calibration.json").is_file()
     assert (out / "attacks" / "joint.parquet").is_file()
+    # every reading carries the interval its 10 documents give, around the reading itself
+    for a in report["attacks"]:
+        tok, doc = a["intervals"]["tokens"], a["intervals"]["documents"]
+        assert tok["low"] <= a["token_recovery"] <= tok["high"] and doc["low"] <= a["doc_recovery"] <= doc["high"]
+        assert tok["estimate"] == pytest.approx(a["token_recovery"]) and a["intervals"]["n_docs"] == 10
+    vmi_docs = by_name["vmi", "public"]["intervals"]["documents"]
+    assert vmi_docs["high"] - vmi_docs["low"] > 0.2  # ten documents pin little: the report must say so
+    assert "With 10 documents they are at most ±" in md and "`--n-eval 40` halves them" in md
     # every declared channel with its status; the verdict names the ones no attack read
     channels = {c["channel"]: c for c in report["channels"]}
     assert channels["activations"]["status"] == "measured"  # attacked, and the calibration doses it

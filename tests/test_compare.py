@@ -37,6 +37,24 @@ def test_compare_relates_each_defended_run_to_its_undefended_twin(audits):
     }
 
 
+def test_an_audit_takes_the_all_local_loss_from_a_run_it_trains_anyway(audits):
+    """No audit trains the whole model once more: undefended, the split run is the all-local run (ΔU = 0
+    exactly, tests/test_experiments.py); defended, the undefended twin is."""
+    import json
+
+    none = json.loads((audits / "none" / "report.json").read_text())
+    noisy = json.loads((audits / "quant4-noisy" / "report.json").read_text())
+    for rep in (none, noisy):
+        assert rep["config"]["all_local_baseline"] is False and rep["metrics"]["all_local_ce"] is None
+    assert none["utility_baseline"]["delta_u"] == 0.0
+    twin_ce = noisy["cost"]["twin_heldout_ce"]
+    assert twin_ce == none["metrics"]["heldout_ce"]  # the twin is the undefended run, bit for bit
+    assert noisy["utility_baseline"]["all_local_ce"] == twin_ce
+    assert noisy["utility_baseline"]["delta_u"] == pytest.approx(noisy["metrics"]["heldout_ce"] - twin_ce)
+    assert noisy["utility_baseline"]["delta_u"] != 0
+    assert "ΔU = L_split − L_all-local" in (audits / "quant4-noisy" / "report.md").read_text()
+
+
 def test_a_mixup_audit_attacks_the_probe_rows(audits):
     runs = compare_runs([audits / "none", audits / "mixup"])
     header, rows = table_rows(runs)

@@ -65,11 +65,7 @@ class _RidgeAttack(Attack):
 
     def fit(self, knowledge: Knowledge) -> "_RidgeAttack":
         super().fit(knowledge)
-        client = knowledge.client
-        ids = knowledge.calibration_ids()
-        x = client.activations(ids)
-        y = client.embedding[ids.to(client.device)]
-        self.ridge_ = RidgeMap.fit(x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]))
+        self.ridge_ = knowledge.memo("ridge", lambda: fit_ridge(knowledge))
         return self
 
     def embed_estimate(self, traffic: Traffic) -> torch.Tensor:
@@ -77,4 +73,28 @@ class _RidgeAttack(Attack):
         return self.ridge_(act)
 
     def activation_candidates(self, traffic: Traffic, k: int) -> torch.Tensor:
-        return cosine_topk(self.embed_estimate(traffic), self.knowledge_.client.embedding, k).cpu()
+        """The k tokens nearest the ridge estimate by cosine, per position, best first: [n, T, k]. The
+        ranked list is computed once per knowledge and traffic, to at least ``SHARED_RANKS`` ranks, and
+        shared by the attacks of a suite (VMI reads rank 1, the beam attackers 32)."""
+        depth = max(k, SHARED_RANKS)
+        kn = self.knowledge_
+        ranked = kn.memo(
+            ("candidates", depth),
+            lambda: cosine_topk(self.embed_estimate(traffic), kn.client.embedding, depth).cpu(),
+            traffic,
+        )
+        return ranked[..., :k]
+
+
+#: ranks of the shared activation candidate list (``_RidgeAttack.activation_candidates``)
+SHARED_RANKS = 32
+
+
+def fit_ridge(knowledge: Knowledge) -> RidgeMap:
+    """The ridge map from the client copy's activations of the calibration documents to their input
+    embeddings (What Gradients Add §3.1 step 1)."""
+    client = knowledge.client
+    ids = knowledge.calibration_ids()
+    x = client.activations(ids)
+    y = client.embedding[ids.to(client.device)]
+    return RidgeMap.fit(x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]))

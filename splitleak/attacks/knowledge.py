@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -161,9 +161,26 @@ class Knowledge:
     copy: str
     model: str
     top: PublicTop | None = None
+    #: what several attacks compute from this knowledge alone (the ridge fit) or from it and one traffic
+    #: (candidate lists): computed once, shared by every attack fitted on this object (an audit's suite);
+    #: not an init field, so ``dataclasses.replace(knowledge, client=other)`` starts with an empty one
+    shared: dict[Any, Any] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def calibration_ids(self) -> torch.Tensor:
         return torch.tensor([list(d.token_ids) for d in self.calibration], dtype=torch.long)
+
+    def memo(self, key: Any, compute: Callable[[], Any], traffic: "Traffic | None" = None) -> Any:
+        """``compute()``, once per ``key`` (and per ``traffic`` object, which is held so that the key
+        cannot outlive it and name another traffic). The client copy must not change after the
+        first call (an attack that changes it works on a copy: ``dataclasses.replace``); a move to
+        another device starts afresh."""
+        slot = (key, str(self.client.device), None if traffic is None else id(traffic.activations))
+        hit = self.shared.get(slot)
+        if hit is not None and (traffic is None or hit[0] is traffic.activations):
+            return hit[1]
+        value = compute()
+        self.shared[slot] = (None if traffic is None else traffic.activations, value)
+        return value
 
 
 @dataclass

@@ -90,11 +90,12 @@ class TokenProbe:
         d = x.shape[-1]
         first = RidgeMap.fit(x[:half].reshape(-1, d), emb[ids[:half].reshape(-1).to(client.device)])
         self.embedding_ = emb
-        cos = self._cosine(first(x[half:].reshape(-1, d)))
+        cos = self._cosine(first(x[half:].reshape(-1, d))).double()
         truth = ids[half:].reshape(-1).to(cos.device)
+        right = cos.gather(1, truth[:, None])[:, 0]
         best: tuple[float, float] | None = None  # (cross-entropy, tau)
-        for tau in _TAUS:
-            ce = float(-self._mix(torch.log_softmax(cos.double() / tau, dim=-1).gather(1, truth[:, None])).mean())
+        for tau in _TAUS:  # log-softmax at the true token, without writing the whole [rows, vocabulary] matrix
+            ce = float(-self._mix(right / tau - torch.logsumexp(cos / tau, dim=-1)).mean())
             if best is None or ce < best[0]:
                 best = (ce, float(tau))
         assert best is not None  # _TAUS is not empty
@@ -150,6 +151,28 @@ def inject_leak(
         ref = reference.reshape(n * T, d).to(out.dtype)
         out[rows] = (1.0 - amplitude) * out[rows] + amplitude * ref[rows]
     return out.reshape(n, T, d)
+
+
+def dosed_log_likelihood(
+    probe: TokenProbe,
+    undosed: torch.Tensor,
+    frame: torch.Tensor,
+    tokens: torch.Tensor,
+    coverage: float,
+    amplitude: float,
+    order: np.ndarray,
+) -> torch.Tensor:
+    """``probe.log_likelihood(frame, tokens)`` for a frame dosed by ``inject_leak`` with these arguments,
+    recomputed only at the dosed rows: the probe reads each row on its own, so every other row keeps
+    ``undosed``, its log-likelihood in the undosed frame. A ladder of doses then costs the rows it doses,
+    not a whole frame per dose."""
+    n, T, d = frame.shape
+    m = int(round(coverage * n * T)) if amplitude else 0
+    out = undosed.clone().reshape(n * T)
+    if m:
+        rows = torch.as_tensor(order[:m], dtype=torch.long)
+        out[rows] = probe.log_likelihood(frame.reshape(n * T, 1, d)[rows], tokens.reshape(n * T, 1)[rows])[:, 0]
+    return out.reshape(n, T)
 
 
 # ------------------------------------------------------------------ results
@@ -211,10 +234,12 @@ def calibrate(
     progress: Progress | None = None,
     knowledge: Knowledge | None = None,
     traffic: Traffic | None = None,
+    trained: Knowledge | None = None,
 ) -> CalibrationResult:
     """Sweep the dose ladder (every coverage × every amplitude, plus zero dose) with one attack and
     write ``calibration.json`` to ``out``; ``splitleak.report.calibration.write_calibration_report``
-    renders it (``calibration.md``, ``calibration.png`` / ``.svg``)."""
+    renders it (``calibration.md``, ``calibration.png`` / ``.svg``). ``knowledge``, ``traffic`` and
+    ``trained`` (the trained copy, for the membership frames) may be passed by a caller that holds them."""
     progress = progress or Silent()
     run_dir = Path(run_dir)
     out_path = Path(out) if out is not None else None
@@ -257,7 +282,12 @@ def calibrate(
     # membership frames: training documents (members) and evaluation documents (non-members), both
     # through the run's trained client layers
     docs = read_documents(run_dir)
-    trained = load_knowledge(run_dir, "trained") if client_copy != "trained" else knowledge
+    if trained is None:
+        trained = load_knowledge(run_dir, "trained") if client_copy != "trained" else knowledge
+    elif trained.copy != "trained":
+        raise ConfigError(
+            f"calibrate: trained= takes the trained copy of the client layers, got the {trained.copy} copy"
+        )
     n_mem = min(len(docs.train), len(traffic))
     mem_ids = torch.tensor([list(d.token_ids) for d in docs.train[:n_mem]], dtype=torch.long)
     mem_frames = trained.client.activations(mem_ids).cpu()
@@ -265,6 +295,9 @@ def calibrate(
     mem_ref = knowledge.client.activations(mem_ids).cpu().to(mem_frames.dtype)
     non_ref = reference.to(non_frames.dtype)
     del trained
+    same_frames = torch.equal(non_frames, traffic.activations.to(non_frames.dtype)) and torch.equal(
+        non_ref, reference.to(non_ref.dtype)
+    )
 
     n, T = truth.shape
     order = dose_order(n * T, seed)
@@ -272,6 +305,9 @@ def calibrate(
     base = constant_baseline(truth)
     rows: list[dict[str, Any]] = []
     per_dose: list[dict[str, np.ndarray]] = []
+    ll0 = probe.log_likelihood(traffic.activations, truth_t)  # each frame's rows before any dose
+    ll0_mem = probe.log_likelihood(mem_frames, mem_ids)
+    ll0_non = ll0 if same_frames else probe.log_likelihood(non_frames, truth_t)
     task = progress.start(f"calibration doses ({acfg.attack})", len(doses))
     for d in doses:
         frame = inject_leak(traffic.activations, reference, d.coverage, d.amplitude, order)
@@ -280,11 +316,24 @@ def calibrate(
         assert tokens is not None  # a token attack: the property attack was refused above
         pred = tokens.numpy()
         right = pred == truth
-        ll = probe.log_likelihood(frame, truth_t).numpy()
-        ll_mem = probe.log_likelihood(
-            inject_leak(mem_frames, mem_ref, d.coverage, d.amplitude, order_mem), mem_ids
-        ).numpy()
-        ll_non = probe.log_likelihood(inject_leak(non_frames, non_ref, d.coverage, d.amplitude, order), truth_t).numpy()
+        ll = dosed_log_likelihood(probe, ll0, frame, truth_t, d.coverage, d.amplitude, order).numpy()
+        mem_dosed = inject_leak(mem_frames, mem_ref, d.coverage, d.amplitude, order_mem)
+        ll_mem = dosed_log_likelihood(probe, ll0_mem, mem_dosed, mem_ids, d.coverage, d.amplitude, order_mem).numpy()
+        # undefended, the captured frame is the trained layers' activations of the same documents, dosed in
+        # the same order: the non-member frame is the frame already read
+        ll_non = (
+            ll
+            if same_frames
+            else dosed_log_likelihood(
+                probe,
+                ll0_non,
+                inject_leak(non_frames, non_ref, d.coverage, d.amplitude, order),
+                truth_t,
+                d.coverage,
+                d.amplitude,
+                order,
+            ).numpy()
+        )
         per_dose.append(
             {
                 "correct": right.sum(1).astype(float),

@@ -2,3 +2,10 @@
 
 #: the injected-leak coverage ladder of Politis & Pappas 2026, Table 4 (zero dose is always added as the reference)
 DEFAULT_COVERAGES = (0.02, 0.04, 0.06, 0.10, 0.30, 1.0)
+
+#: the audit's training and evaluation document counts (ours): sized so that `make audit` runs in about five
+#: minutes on two CPU cores (benchmarks/RESULTS.md) — the training pass and the attacks scale with them. The
+#: report states the interval widths they give; `--n-train 128 --n-eval 256` are What Gradients Add's counts
+#: (splitleak.data.N_TRAIN, N_EVAL), at about four times the time
+AUDIT_N_TRAIN = 48
+AUDIT_N_EVAL = 48

@@ -23,21 +23,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
 from splitleak.attacks.knowledge import eval_token_ids, find_session
 from splitleak.audit.calibrate import calibrate
 from splitleak.audit.channels import channel_table, not_attacked, run_declaration
+from splitleak.audit.defaults import AUDIT_N_EVAL, AUDIT_N_TRAIN
 from splitleak.audit.evaluate import attack_label, run_attack
-from splitleak.audit.verdicts import arm_effects, arm_gate
-from splitleak.data import N_CALIB, N_EVAL, N_TRAIN
+from splitleak.audit.verdicts import arm_effects, arm_gate, recovery_intervals
+from splitleak.data import N_CALIB
 from splitleak.errors import ConfigError, SplitleakError
 from splitleak.files import json_default
 from splitleak.metrics import fmt_pct
 from splitleak.models import PRESETS, load_model, preset_available
 from splitleak.progress import Progress
 from splitleak.seeds import model_init_seed
+from splitleak.stats import frame_weights
 from splitleak.training import RunResult, make_train_config, run_training
 from splitleak.wire import load_capture, verify_run
 
@@ -108,6 +111,7 @@ class AuditResult:
     summary: str
     attacks: list[dict[str, Any]]
     verdict: str
+    utility_baseline: dict[str, Any] | None = None  # the all-local loss and ΔU, and where they come from
 
 
 def capture_summary(run_dir: Path) -> dict[str, Any]:
@@ -138,8 +142,8 @@ def run_audit(
     seed: int = 0,
     steps: int | None = None,
     n_calib: int = N_CALIB,
-    n_train: int = N_TRAIN,
-    n_eval: int = N_EVAL,
+    n_train: int = AUDIT_N_TRAIN,
+    n_eval: int = AUDIT_N_EVAL,
     force: bool = False,
     device: str = "auto",
     threads: int | None = None,
@@ -178,18 +182,26 @@ def run_audit(
         n_calib=n_calib,
         n_train=n_train,
         n_eval=n_eval,
+        # the all-local run only where nothing else gives it (utility_baseline): without a defence the split
+        # run reproduces it exactly, with one the undefended twin does
+        all_local_baseline=any(d["name"] != "none" for d in defences or []) and not twin,
     )
     if force and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     deployed: dict[str, Any] = {"connect": connect, "tls_dir": tls_dir}
-    run = run_training(cfg, out / "run", device=device, threads=threads, progress=progress, lm=lm, **deployed)
-    del lm  # the trained weights; the attacker loads its own copy
+    # the model is loaded once: training, the all-local baseline, the twin and each attacker's copy start
+    # from clones of the pristine weights (load_knowledge checks them against the run's fingerprint)
+    pristine = lm.clone()
+    run = run_training(
+        cfg, out / "run", device=device, threads=threads, progress=progress, lm=lm, pristine=pristine.clone, **deployed
+    )
+    del lm  # the trained weights; the attacker holds its own copy
     ver = verify_run(out / "run")
     if not ver.ok:
         raise SplitleakError(f"the run just written does not verify: {ver.message}")
     cap = capture_summary(out / "run")
-    knowledges = {"public": load_knowledge(out / "run", "public")}
+    knowledges = {"public": load_knowledge(out / "run", "public", lm=pristine.clone())}
     traffic_dir, session = out / "run", None
     if server_capture is not None:  # attack what the server recorded, once it is shown to be what crossed
         session = find_session(server_capture, out / "run")
@@ -203,7 +215,7 @@ def run_audit(
     predictions = {}
     for name, params, copy in audit_attacks(traffic):
         if copy not in knowledges:
-            knowledges[copy] = load_knowledge(out / "run", copy)
+            knowledges[copy] = load_knowledge(out / "run", copy, lm=pristine.clone())
         acfg = make_attack_config(attack=name, client_copy=copy, attack_seed=seed, params=params)
         stem = name if copy == "public" else f"{name}-{copy}"
         res = run_attack(
@@ -222,6 +234,9 @@ def run_audit(
     truth = eval_token_ids(out / "run", traffic.doc_ids)
     examples = example_documents(out / "run", traffic.doc_ids, results, predictions, knowledges["public"])
     base, arms = arm_effects(predictions, truth, n_boot=ARM_BOOT, seed=seed)
+    weights = frame_weights(len(truth), ARM_BOOT, np.random.default_rng([seed, 0x9EC]))
+    for res in results:
+        res["intervals"] = recovery_intervals(predictions[attack_label(res)], truth, weights)
     probe_arms = [a for a in arms if not a.name.startswith("majority")]
     gate = arm_gate(probe_arms, base)
     cal = calibrate(
@@ -235,6 +250,7 @@ def run_audit(
         progress=progress,
         knowledge=knowledges["public"],
         traffic=traffic,
+        trained=knowledges.get("trained"),
     )
     for res in results:
         arm = next(a for a in arms if a.name == attack_label(res))
@@ -244,7 +260,9 @@ def run_audit(
     if twin and any(d["name"] != "none" for d in cfg.as_dict()["defences"]):
         say("training the undefended twin (same model, split, data and seed) for the cost of the defence")
         twin_cfg = make_train_config(**{**cfg.as_dict(), "defences": [{"name": "none"}], "all_local_baseline": False})
-        t = run_training(twin_cfg, out / "twin", device=device, threads=threads, progress=progress, **deployed)
+        t = run_training(
+            twin_cfg, out / "twin", device=device, threads=threads, progress=progress, lm=pristine.clone(), **deployed
+        )
         measured = m["perplexity"] is not None and t.metrics["perplexity"] is not None
         cost = {
             "twin_dir": "twin",
@@ -277,8 +295,15 @@ def run_audit(
         channels_sentence(channels),
     ]
     verdict = " ".join(p for p in verdict_parts if p)
+    baseline = utility_baseline(m, cost, defended=any(d["name"] != "none" for d in cfg.as_dict()["defences"]))
     utility_text = (
-        f"held-out CE {m['heldout_ce']:.4f} (all-local {m['all_local_ce']:.4f}, ΔU {m['delta_u']:+.4f})"
+        f"held-out CE {m['heldout_ce']:.4f} ("
+        + (
+            f"all-local {baseline['all_local_ce']:.4f}, ΔU {baseline['delta_u']:+.4f}"
+            if baseline["delta_u"] is not None
+            else "ΔU not measured"
+        )
+        + f"; {baseline['source']})"
         if m["heldout_ce"] is not None
         else f"held-out CE not measured on the client ({m.get('heldout_measured', '')})"
     )
@@ -309,6 +334,7 @@ def run_audit(
         "verdicts": verdicts,
         "summary": summary,
         "cost": cost,
+        "utility_baseline": baseline,
         "channels": channels,
         "threat_models": THREAT_MODELS,
         "examples": examples,
@@ -319,7 +345,32 @@ def run_audit(
         "torch_threads": torch.get_num_threads(),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=json_default) + "\n")
-    return AuditResult(out, run, cap, summary, results, verdict)
+    return AuditResult(out, run, cap, summary, results, verdict, baseline)
+
+
+def utility_baseline(m: dict[str, Any], cost: dict[str, Any] | None, defended: bool) -> dict[str, Any]:
+    """The all-local loss and ΔU = L_split − L_all-local, from whichever run gives them without training
+    the whole model once more: with no defence the split run itself (it reproduces the all-local run
+    exactly: same modules, same order, AdamW per parameter; tested), with a defence the undefended twin
+    (the same identity), else the all-local baseline the run trained (``--no-twin``)."""
+    if m.get("heldout_ce") is None:
+        return {"all_local_ce": None, "delta_u": None, "source": "the client measured no held-out loss"}
+    if not defended:
+        return {
+            "all_local_ce": m["heldout_ce"],
+            "delta_u": 0.0,
+            "source": "no defence: the split run reproduces the all-local run exactly (tested), so it is not "
+            "trained again",
+        }
+    if cost is not None and cost.get("twin_heldout_ce") is not None:
+        return {
+            "all_local_ce": cost["twin_heldout_ce"],
+            "delta_u": m["heldout_ce"] - cost["twin_heldout_ce"],
+            "source": "from the undefended twin, which reproduces the all-local run exactly (tested)",
+        }
+    if m.get("all_local_ce") is not None:
+        return {"all_local_ce": m["all_local_ce"], "delta_u": m["delta_u"], "source": "the all-local baseline run"}
+    return {"all_local_ce": None, "delta_u": None, "source": "no all-local run and no twin"}
 
 
 def channels_sentence(channels: list[dict[str, Any]]) -> str:

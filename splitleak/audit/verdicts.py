@@ -35,6 +35,7 @@ from splitleak.stats import (
     effect_verdict,
     frame_weights,
     gate_statistic,
+    wilson_interval,
 )
 from splitleak.stats.paired import most_frequent, paired_interval
 
@@ -116,6 +117,19 @@ def arm_effects(
             )
         )
     return base, out
+
+
+def recovery_intervals(pred: ArrayLike, truth: np.ndarray, weights: np.ndarray, alpha: float = 0.05) -> dict[str, Any]:
+    """How precisely the chosen document count pins one reader's recovery: token recovery with a
+    percentile interval over resampled documents (``weights`` from ``frame_weights``, shared by the
+    readers), whole-document recovery with a Wilson interval over documents."""
+    pred, truth = np.asarray(pred, dtype=np.int64), np.asarray(truth, dtype=np.int64)
+    if pred.shape != truth.shape:
+        raise DataError(f"predictions have shape {pred.shape} but the labels {truth.shape}")
+    right = pred == truth
+    tok = paired_interval(right.mean(axis=1), weights, alpha)
+    doc = wilson_interval(int(right.all(axis=1).sum()), right.shape[0], alpha)
+    return {"tokens": asdict(tok), "documents": asdict(doc), "n_docs": int(right.shape[0])}
 
 
 def arm_gate(arms: Sequence[ArmEffect], base: ConstantBaseline, alpha: float = 0.05, gate: float = GATE) -> GateResult:

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from splitleak.audit.defaults import DEFAULT_COVERAGES
+from splitleak.audit.defaults import AUDIT_N_EVAL, AUDIT_N_TRAIN, DEFAULT_COVERAGES
 from splitleak.cli.common import DeviceOpt, ThreadsOpt, TlsDirOpt, app, console, parse_defences, progress, user_errors
 from splitleak.cli.runs import print_summary
 from splitleak.data import N_CALIB, N_EVAL, N_TRAIN
@@ -160,8 +160,12 @@ def audit_cmd(
     seed: int = typer.Option(0, "--seed"),
     steps: Optional[int] = typer.Option(None, "--steps"),
     n_calib: int = typer.Option(N_CALIB, "--n-calib"),
-    n_train: int = typer.Option(N_TRAIN, "--n-train"),
-    n_eval: int = typer.Option(N_EVAL, "--n-eval"),
+    n_train: int = typer.Option(
+        AUDIT_N_TRAIN, "--n-train", help=f"training documents, one step each (the study's: {N_TRAIN})"
+    ),
+    n_eval: int = typer.Option(
+        AUDIT_N_EVAL, "--n-eval", help=f"evaluation documents the attacks read (the study's: {N_EVAL})"
+    ),
     force: bool = typer.Option(False, "--force"),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
@@ -213,12 +217,12 @@ def audit_cmd(
                 tls_dir=tls_dir,
                 server_capture=server_capture,
             )
-        print_summary(res.run)
+        print_summary(res.run, res.utility_baseline)
         from splitleak.report.audit import ATTACK_HEADER, attack_table_rows, write_audit_report
 
         written = write_audit_report(res.out)
 
-        t = Table(title="leakage (public copy of the client layers)")
+        t = Table(title="leakage under both threat models")
         for i, col in enumerate(ATTACK_HEADER):
             t.add_column(col, justify="left" if i == 0 else "right")
         for row in attack_table_rows(res.attacks):

@@ -299,7 +299,9 @@ def load_train_yaml(path: Path):
     return _train_config(**data)
 
 
-def print_summary(res) -> None:
+def print_summary(res, baseline: dict | None = None) -> None:
+    """The run's utility and wire summary; ``baseline`` (an audit's ``utility_baseline``) gives the
+    all-local loss where the audit took it from a run it trained anyway."""
     m = res.metrics
     t = Table(title=f"run {res.run_dir}")
     t.add_column("measure")
@@ -312,8 +314,9 @@ def print_summary(res) -> None:
         t.add_row("increase over the pretrained model", fmt(m["ce_increase_over_pretrained"]))
         t.add_row("ε per row, one release (δ = 1e-6)", fmt(m["privacy"]["epsilon_per_row_one_release"], "{:.1f}"))
     else:
-        t.add_row("all-local cross-entropy", fmt(m["all_local_ce"]))
-        t.add_row("ΔU = L_split − L_all-local", fmt(m["delta_u"]))
+        b = baseline or m
+        t.add_row("all-local cross-entropy", fmt(b["all_local_ce"]))
+        t.add_row("ΔU = L_split − L_all-local", fmt(b["delta_u"]))
     w = m["wire_bytes_per_step"]
     t.add_row("wire bytes / step, client → server", f"{w.get('client_to_server', 0):,.0f}")
     t.add_row("wire bytes / step, server → client", f"{w.get('server_to_client', 0):,.0f}")

@@ -74,6 +74,11 @@ def load_summary(path: str | Path) -> RunSummary:
             "pass folders written by `splitleak train` or `splitleak audit`"
         )
     manifest, metrics = read_run_json(run, "manifest.json"), read_run_json(run, "metrics.json")
+    report = path / "report.json"
+    if run != path and report.is_file():  # an audit derives ΔU without an all-local run (audit.run.utility_baseline)
+        base = json.loads(report.read_text()).get("utility_baseline") or {}
+        if base.get("delta_u") is not None:
+            metrics = {**metrics, "all_local_ce": base["all_local_ce"], "delta_u": base["delta_u"]}
     attacks = []
     adir = path / "attacks"
     if adir.is_dir():
