@@ -134,7 +134,9 @@ def test_audit_on_tiny_model(tmp_path):
     # every reading carries the interval its 10 documents give, around the reading itself
     for a in report["attacks"]:
         tok, doc = a["intervals"]["tokens"], a["intervals"]["documents"]
-        assert tok["low"] <= a["token_recovery"] <= tok["high"] and doc["low"] <= a["doc_recovery"] <= doc["high"]
+        eps = 1e-9  # a bootstrap mean of ones sums to 1 within rounding
+        assert tok["low"] - eps <= a["token_recovery"] <= tok["high"] + eps
+        assert doc["low"] - eps <= a["doc_recovery"] <= doc["high"] + eps
         assert tok["estimate"] == pytest.approx(a["token_recovery"]) and a["intervals"]["n_docs"] == 10
     vmi_docs = by_name["vmi", "public"]["intervals"]["documents"]
     assert vmi_docs["high"] - vmi_docs["low"] > 0.2  # ten documents pin little: the report must say so
