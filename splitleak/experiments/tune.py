@@ -841,7 +841,7 @@ def frontier_figure(out_stem: Path, settings: TuneSettings, trials: list[dict[st
             others.append(f"d{t['depth']} {t['defence']}")
     for x, y, undefended, others in labels.values():
         text = others + (
-            [f"undefended, depth{'s' if len(undefended) > 1 else ''} {', '.join(sorted(set(undefended)))}"]
+            [f"undefended, depth{'s' if len(set(undefended)) > 1 else ''} {', '.join(sorted(set(undefended)))}"]
             if undefended
             else []
         )
