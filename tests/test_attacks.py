@@ -544,3 +544,30 @@ def test_sipit_refuses_a_bad_growth_or_margin_by_name(easy_run):
     with pytest.raises(ConfigError, match="SipIt after_miss must be a positive number of checks"):
         _score(easy_run, "sipit", budget="exhaustive", params={"after_miss": 0})
     assert SipIt(budget="exhaustive").params()["growth"] is None  # auto: 16 for exhaustive, 1 for a budget
+
+
+@pytest.mark.unit
+def test_knowledge_memo_computes_once_per_traffic_and_a_replaced_knowledge_starts_empty():
+    import dataclasses
+    from types import SimpleNamespace
+
+    from splitleak.attacks.knowledge import Knowledge, Traffic
+
+    kn = Knowledge(SimpleNamespace(device=torch.device("cpu")), (), "public", "tiny-gpt2")
+    calls = []
+
+    def compute(tag):
+        calls.append(tag)
+        return tag
+
+    a = Traffic((0,), torch.zeros(1, 2, 3), None)
+    b = Traffic((0,), torch.zeros(1, 2, 3), None)  # equal values, another capture
+    assert kn.memo("ridge", lambda: compute("r")) == "r" and kn.memo("ridge", lambda: compute("r2")) == "r"
+    assert kn.memo("cand", lambda: compute("a"), a) == "a" and kn.memo("cand", lambda: compute("a2"), a) == "a"
+    shuffled = a.replace(gradients=torch.ones(1, 2, 3))  # the same activations: the same candidates
+    assert kn.memo("cand", lambda: compute("s"), shuffled) == "a"
+    assert kn.memo("cand", lambda: compute("b"), b) == "b"  # another traffic is computed for itself
+    assert kn.memo("cand", lambda: compute("a3"), a) == "a3"  # and only the latest is kept
+    assert calls == ["r", "a", "b", "a3"]
+    other = dataclasses.replace(kn, copy="trained")
+    assert other.shared == {} and kn.shared != {}

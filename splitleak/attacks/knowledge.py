@@ -170,11 +170,12 @@ class Knowledge:
         return torch.tensor([list(d.token_ids) for d in self.calibration], dtype=torch.long)
 
     def memo(self, key: Any, compute: Callable[[], Any], traffic: "Traffic | None" = None) -> Any:
-        """``compute()``, once per ``key`` (and per ``traffic`` object, which is held so that the key
-        cannot outlive it and name another traffic). The client copy must not change after the
-        first call (an attack that changes it works on a copy: ``dataclasses.replace``); a move to
-        another device starts afresh."""
-        slot = (key, str(self.client.device), None if traffic is None else id(traffic.activations))
+        """``compute()``, once per ``key`` and, for a value that depends on the traffic, per ``traffic``:
+        only the latest traffic's value is kept (an audit's attacks read one traffic in turn; the
+        calibration's doses each read their own, and do not pile up). The client copy must not change
+        after the first call (an attack that changes it works on a copy: ``dataclasses.replace``); a move
+        to another device starts afresh."""
+        slot = (key, str(self.client.device))
         hit = self.shared.get(slot)
         if hit is not None and (traffic is None or hit[0] is traffic.activations):
             return hit[1]
