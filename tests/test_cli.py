@@ -194,3 +194,18 @@ def test_resume_takes_its_configuration_from_the_run_it_continues(tmp_path):
     r = runner.invoke(app, [*base, "--depth", "2", "--seed", "3"])
     assert r.exit_code == 2 and "--resume" in r.output and "--depth, --seed were both given" in r.output
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.e2e
+def test_audit_certify_runs_the_whole_exact_inversion_check_and_refuses_a_bad_bound(tmp_path):
+    bad = runner.invoke(app, ["audit", "--model", "tiny-gpt2", "--out", str(tmp_path / "bad"), "--certify", "many"])
+    assert bad.exit_code == 2 and "--certify" in bad.output and not (tmp_path / "bad").exists()
+    out = tmp_path / "audit"
+    r = runner.invoke(
+        app, ["audit", "--model", "tiny-gpt2", "--out", str(out), "--quiet", "--certify", "exhaustive", *SMALL]
+    )
+    assert r.exit_code == 0, r.output
+    report = json.loads((out / "report.json").read_text())
+    cert = next(a for a in report["attacks"] if a["threat_model"] == "trained")
+    assert cert["attack_params"]["budget"] == "exhaustive" and cert["certified_tokens"] == 1.0
+    assert "the whole vocabulary if needed" in report["verdict"]

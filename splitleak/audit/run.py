@@ -54,11 +54,13 @@ CERTIFY_CHECKS = 32
 #: with the public pretrained copy of the client layers, and an attacker holding the client's trained
 #: layers. On the trained copy, SipIt is also the exact-inversion check: a position whose recomputed
 #: activation matches the observed one is certified (the cut is injective there). The audit bounds it
-#: at What Gradients Add's 32 checks per position: where the candidate order ranks the true token
-#: deeper, a wider search costs far more on a CPU than it reads (measured on SmolLM2: 272 checks per
-#: position took four times as long; the whole vocabulary, 49,152 tokens, would take hours), so those
-#: positions are read but not certified, and the report says within how many checks. ``splitleak
-#: attack RUN --attack sipit --copy trained --budget exhaustive`` runs the whole check.
+#: at What Gradients Add's 32 checks per position by default (``certify``): where the candidate order
+#: ranks the true token deeper the position is read but not certified, and so are the positions after
+#: it (their prefix is then wrong), and the report says within how many checks. Without the bound
+#: (``--certify exhaustive``) every position is searched until it matches: on SmolLM2 at depth 6 that
+#: certified every position of 12 documents in 72 s on 2 cores (341 checks per position on average,
+#: one position needed the whole vocabulary; benchmarks/RESULTS.md), about five minutes for the
+#: audit's 48 documents, which would double the audit's time.
 AUDIT_ATTACKS: tuple[tuple[str, dict[str, Any], str], ...] = (
     ("majority", {}, "public"),
     ("vmi", {}, "public"),
@@ -88,12 +90,23 @@ CONDITIONAL_ATTACKS = (("probe_activations", "mixup-unmix", {"k": 32}, "public")
 CALIBRATED_CHANNELS = ("activations",)
 
 
-def audit_attacks(traffic) -> list[tuple[str, dict[str, Any], str]]:
-    """``AUDIT_ATTACKS``, plus each defence-aware attack whose channel the traffic carries."""
+def check_certify(certify: int | str) -> None:
+    if certify != "exhaustive" and (isinstance(certify, bool) or not isinstance(certify, int) or certify < 1):
+        raise ConfigError(f"--certify takes a number of checks per position (>= 1) or 'exhaustive', got {certify!r}")
+
+
+def audit_attacks(traffic, certify: int | str = CERTIFY_CHECKS) -> list[tuple[str, dict[str, Any], str]]:
+    """``AUDIT_ATTACKS`` with the exact-inversion check's bound (``certify``: checks per position, or
+    ``exhaustive``), plus each defence-aware attack whose channel the traffic carries."""
+    check_certify(certify)
+    base = [
+        (name, {**params, "budget": certify}, copy) if (name, copy) == ("sipit", "trained") else (name, params, copy)
+        for name, params, copy in AUDIT_ATTACKS
+    ]
     extra = [
         (name, params, copy) for field, name, params, copy in CONDITIONAL_ATTACKS if getattr(traffic, field) is not None
     ]
-    return list(AUDIT_ATTACKS) + extra
+    return base + extra
 
 
 def choose_default_model() -> tuple[str, str]:
@@ -153,6 +166,7 @@ def run_audit(
     connect: str | None = None,
     tls_dir: str | Path | None = None,
     server_capture: str | Path | None = None,
+    certify: int | str = CERTIFY_CHECKS,
 ) -> AuditResult:
     """Train and capture, verify, attack with ``AUDIT_ATTACKS``, calibrate, and write the report.
 
@@ -161,6 +175,7 @@ def run_audit(
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise SplitleakError(f"{out} already exists and is not empty; choose another --out or pass --force")
+    check_certify(certify)  # before anything is trained or written
     if server_capture is not None and connect is None:
         raise ConfigError("--server-capture is the capture folder of the server that --connect names; pass both")
     preset = PRESETS.get(model)
@@ -213,7 +228,7 @@ def run_audit(
     traffic = load_traffic(traffic_dir)
     results = []
     predictions = {}
-    for name, params, copy in audit_attacks(traffic):
+    for name, params, copy in audit_attacks(traffic, certify):
         if copy not in knowledges:
             knowledges[copy] = load_knowledge(out / "run", copy, lm=pristine.clone())
         acfg = make_attack_config(attack=name, client_copy=copy, attack_seed=seed, params=params)

@@ -1,0 +1,116 @@
+"""Exhaustive SipIt against its FLOP floor (run by hand).
+
+    .venv/bin/python benchmarks/sipit_exhaustive.py --run RUN_DIR [--docs 4] [--copy trained] [--record]
+
+RUN_DIR is a run of `splitleak train` (e.g. the `run/` folder that `make audit` writes). The script
+1. measures this machine's float32 matmul throughput (GFLOP/s, 2048^3 products);
+2. runs SipIt with ``budget='exhaustive'`` (the default order and rounds: 16, then 16 times wider per
+   round) on the first --docs captured documents through the --copy of the client layers, and records
+   wall time, checks per position, the share certified and token recovery;
+3. counts the multiply-adds of what it computed: every checked candidate through the client blocks
+   (with its attention to the cached prefix), the prefix growth, and the gradient steps of the
+   order (a forward and a backward, about three forwards, of one position per document per round
+   after the first); and reports wall time against the floor that FLOPs / measured throughput gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from attack_throughput import matmul_gflops  # noqa: E402
+from train_capture import cpu_name, peak_rss_gib, record  # noqa: E402
+
+from splitleak.attacks import load_knowledge, load_traffic, make_attack  # noqa: E402
+from splitleak.attacks.knowledge import eval_token_ids  # noqa: E402
+from splitleak.attacks.search import round_sizes  # noqa: E402
+
+
+def sipit_flops(client, checks: torch.Tensor, round_size: int = 16, growth: int = 16) -> float:
+    """Multiply-adds x 2 of what an exhaustive SipIt computed, from its checks per (document, position)."""
+    block_params = sum(p.numel() for b in client.blocks for p in b.parameters())
+    d = client.embedding.shape[1]
+    n_blocks = client.cut
+    n, T = checks.shape
+    total = 0.0
+    sizes = round_sizes(round_size, growth, client.vocab_size)
+    for t in range(T):
+        c = checks[:, t].double()
+        attn = 2 * 2 * d * (t + 1) * n_blocks  # one new token against t cached positions and itself
+        total += float(c.sum()) * (2 * block_params + attn)
+        total += n * (2 * block_params + attn)  # the chosen token extends the prefix
+        # rounds after the first: one gradient step each (forward + backward ~ 3 forwards of one token)
+        for ci in c.tolist():
+            done, rounds = 0, 0
+            for r in sizes:
+                if done >= ci:
+                    break
+                done += r
+                rounds += 1
+            total += max(0, rounds - 1) * 3 * (2 * block_params + attn)
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--docs", type=int, default=4)
+    ap.add_argument("--copy", default="trained", choices=["trained", "public"])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--record", action="store_true")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    gflops = matmul_gflops()
+    kn = load_knowledge(a.run, a.copy)
+    traffic = load_traffic(a.run).subset(range(a.docs))
+    attack = make_attack("sipit", budget="exhaustive").fit(kn)
+    t0 = time.perf_counter()
+    rec = attack.reconstruct(traffic)
+    wall = time.perf_counter() - t0
+    rss = peak_rss_gib()
+    truth = torch.tensor(eval_token_ids(a.run, traffic.doc_ids))
+    checks = rec.extra["checks"]
+    flops = sipit_flops(kn.client, checks)
+    floor = flops / (gflops * 1e9)
+    manifest = json.loads((Path(a.run) / "manifest.json").read_text())
+    res = {
+        "model": manifest["config"]["model"],
+        "cut": manifest["split"]["cut"],
+        "copy": a.copy,
+        "docs": len(traffic),
+        "positions": int(checks.numel()),
+        "matmul_gflops": gflops,
+        "wall_s": wall,
+        "mean_checks": float(checks.double().mean()),
+        "max_checks": int(checks.max()),
+        "certified": float(rec.extra["matched"].float().mean()),
+        "token_recovery": float((rec.tokens == truth).float().mean()),
+        "tflop": flops / 1e12,
+        "floor_s": floor,
+        "wall_over_floor": wall / floor,
+        "peak_rss_gib": rss,
+    }
+    print(json.dumps(res, indent=2))
+    if a.record:
+        dev = f"cpu: {cpu_name()}, {torch.get_num_threads()} threads"
+        row = (
+            f"| {date.today().isoformat()} | {res['model']} | {res['cut']} | {a.copy} | {res['docs']} | {dev} | "
+            f"{gflops:.0f} | {res['mean_checks']:.1f} | {res['max_checks']} | {100 * res['certified']:.2f} | "
+            f"{100 * res['token_recovery']:.2f} | {wall:.0f} | {floor:.0f} | {wall / floor:.2f} | {rss:.2f} |"
+        )
+        record("## Exhaustive SipIt", row)
+
+
+if __name__ == "__main__":
+    main()
