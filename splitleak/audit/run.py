@@ -185,6 +185,7 @@ def run_audit(
         depth = min(DEFAULT_DEPTH, n_blocks // 2) if n_blocks <= DEFAULT_DEPTH else DEFAULT_DEPTH
         if depth != DEFAULT_DEPTH:
             say(f"depth: {depth} ({model} has only {n_blocks} blocks; the default depth {DEFAULT_DEPTH} does not fit)")
+    defended = any(d["name"] != "none" for d in defences or [])
     cfg = make_train_config(
         model=model,
         model_path=model_path,
@@ -199,7 +200,7 @@ def run_audit(
         n_eval=n_eval,
         # the all-local run only where nothing else gives it (utility_baseline): without a defence the split
         # run reproduces it exactly, with one the undefended twin does
-        all_local_baseline=any(d["name"] != "none" for d in defences or []) and not twin,
+        all_local_baseline=defended and not twin,
     )
     if force and out.exists():
         shutil.rmtree(out)
@@ -272,7 +273,7 @@ def run_audit(
         res["arm"] = arm.as_dict()
     m = run.metrics
     cost = None
-    if twin and any(d["name"] != "none" for d in cfg.as_dict()["defences"]):
+    if twin and defended:
         say("training the undefended twin (same model, split, data and seed) for the cost of the defence")
         twin_cfg = make_train_config(**{**cfg.as_dict(), "defences": [{"name": "none"}], "all_local_baseline": False})
         t = run_training(
@@ -310,7 +311,7 @@ def run_audit(
         channels_sentence(channels),
     ]
     verdict = " ".join(p for p in verdict_parts if p)
-    baseline = utility_baseline(m, cost, defended=any(d["name"] != "none" for d in cfg.as_dict()["defences"]))
+    baseline = utility_baseline(m, cost, defended=defended)
     utility_text = (
         f"held-out CE {m['heldout_ce']:.4f} ("
         + (
