@@ -263,7 +263,13 @@ def test_threat_model_knowledge_holds_no_server_layers_or_eval_text(weak_runs):
     eval_ids = {d["doc_id"] for d in json.loads((weak_runs[0] / "documents.json").read_text())["evaluation"]}
     assert not eval_ids & {d.doc_id for d in kn.calibration}
     # ``shared`` holds what attacks derive from the rest (ridge fit, candidate lists), empty when loaded
-    assert set(vars(kn)) == {"client", "calibration", "copy", "model", "top", "shared"} and kn.shared == {}
+    # Kerckhoffs: besides the copy and public data, the attacker knows the defence chain's public record
+    # (names and arguments, no seed or secret), the split mode and how the draws were made, and can load
+    # the traffic it observed before (training frames: no evaluation text)
+    public = {"defences", "mode", "draws", "history_loader"}
+    assert set(vars(kn)) == {"client", "calibration", "copy", "model", "top", "shared"} | public and kn.shared == {}
+    assert kn.mode == "plain" and kn.draws in {"os", "derived"}
+    assert all(set(d) <= {"name", "args"} for d in kn.defences)
     assert kn.top is None  # the pretrained Top is loaded only for the attacks that match output gradients
 
 
@@ -349,6 +355,13 @@ def test_registry_names_match_cli_contract():
         "bisr-f",
         "bisr",
         "latent-probe",
+        "decoy-history",
+        "gauge-key-search",
+        "sipit-aware",
+        "activation-aware",
+        "seed-search",
+        "mixup-history",
+        "gma-sl-aware",
     }
 
 

@@ -26,8 +26,7 @@ def test_compare_relates_each_defended_run_to_its_undefended_twin(audits):
     expected = noisy.metrics["perplexity"] / none.metrics["perplexity"] - 1
     assert noisy.rel_ppl_change == pytest.approx(expected) and noisy.rel_ppl_change != 0
     header, rows = table_rows(runs)
-    assert len(rows) == 2 * 6  # six attacks per audit, one line each
-    assert {r[8] for r in rows} == {
+    suite = {
         "majority",
         "vmi",
         "activation k=32",
@@ -35,6 +34,32 @@ def test_compare_relates_each_defended_run_to_its_undefended_twin(audits):
         "sipit budget=32",
         "sipit budget=32, trained copy",
     }
+    # six attacks per audit, one line each; under quant4-noisy also the attacks built for it
+    built = {"sipit-aware budget=32", "sipit-aware budget=32, trained copy", "activation-aware k=32"}
+    assert {r[8] for r in rows if r[1] == "none"} == suite and len([r for r in rows if r[1] == "none"]) == 6
+    assert {r[8] for r in rows if r[1] == "quant4-noisy"} == suite | built
+    assert {r[8] for r in rows if r[-1] == "yes"} == built and all(r[1] == "quant4-noisy" for r in rows if r[-1])
+
+
+def test_a_defended_audit_names_the_attacks_built_for_its_defence(audits):
+    import json
+
+    noisy = json.loads((audits / "quant4-noisy" / "report.json").read_text())
+    none = json.loads((audits / "none" / "report.json").read_text())
+    built = [a for a in noisy["attacks"] if a.get("built_for")]
+    assert {a["attack"] for a in built} == {"sipit-aware", "activation-aware"}
+    assert all(a["built_for"] == ["quant4-noisy"] for a in built)
+    words = noisy["verdict"]
+    assert "Attacks built for quant4-noisy" in words and "than the best attack that ignores the defence" in words
+    from splitleak.audit.evaluate import attack_label
+    from splitleak.metrics import fmt_pct
+
+    for copy in ("public", "trained"):
+        mine = [a for a in built if a["threat_model"] == copy]
+        best = max(mine, key=lambda a: (a["doc_recovery"], a["token_recovery"]))
+        where = " on the public copy" if copy == "public" else ""
+        assert f"{attack_label(best)}{where} reads {fmt_pct(best['token_recovery'])} % of tokens" in words
+    assert "Attacks built for" not in none["verdict"] and not any(a.get("built_for") for a in none["attacks"])
 
 
 def test_an_audit_takes_the_all_local_loss_from_a_run_it_trains_anyway(audits):

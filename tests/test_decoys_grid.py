@@ -50,7 +50,7 @@ def test_latent_arms_expand_into_train_jobs_and_attacks_by_the_mode_they_read(tm
     assert grid_latent.LATENT_DEFENCE == LATENT_DEFENCE
 
     mixed = LATENT.replace("model: tiny-gpt2\n", "model: tiny-gpt2\ndepths: [1]\n") + (
-        "  - {attack: activation, k: 4}\n"
+        "  - {attack: activation, k: 4}\n  - {attack: adaptive}\n"
     )
     g = plan_grid(write(tmp_path, mixed))
     train = g.of_kind("train")
@@ -69,11 +69,13 @@ def test_latent_arms_expand_into_train_jobs_and_attacks_by_the_mode_they_read(tm
     by_train: dict[str, set[str]] = {}
     for j in g.of_kind("attack"):
         by_train.setdefault(j.train_key, set()).add(j.fields["attack"])
-    # the latent attacks on the latent arms only (2 rules + the battery), the split's attack on the split only
+    # the latent attacks on the latent arms only (2 rules + the battery + the two built for the decoy system),
+    # the split's attack on the split only (undefended: nothing is built for it)
     for j in train:
-        want = {"support-partition", "latent-probe"} if j in latent else {"activation"}
+        built = {"decoy-history", "gauge-key-search"}
+        want = {"support-partition", "latent-probe", *built} if j in latent else {"activation"}
         assert by_train[j.key] == want, j.summary
-    assert len(g.of_kind("attack")) == 9 * 3 + 3
+    assert len(g.of_kind("attack")) == 9 * 5 + 3
     # the latent jobs' summaries name the arm and leave out the client copy, which they do not read
     assert any(j.summary.endswith("| support-partition rule=norm a0") for j in g.of_kind("attack"))
 
@@ -83,14 +85,15 @@ def test_a_named_split_resolves_per_model_and_the_shipped_spec_has_the_papers_si
     from splitleak.experiments import plan_grid
 
     g = plan_grid("decoys", profile="quick")
-    assert g.counts() == {"train": 6, "attack": 24, "reuse": 0}
+    # per train job: 3 partition rules, the probe battery, decoy-history and gauge-key-search
+    assert g.counts() == {"train": 6, "attack": 6 * 6, "reuse": 0}
     splits = {
         (j.config["train"]["latent"]["split_after"], j.config["train"]["latent"]["resume_at"])
         for j in g.of_kind("train")
     }
     assert splits == {(15, 28)}  # SmolLM2's main preset
     full = plan_grid("decoys")
-    assert full.counts() == {"train": 9, "attack": 36, "reuse": 0}
+    assert full.counts() == {"train": 9, "attack": 9 * 6, "reuse": 0}
     assert {(j.config["train"]["latent"]["split_after"], j.config["train"]["latent"]["resume_at"]) for j in full.of_kind("train")} == {(14, 26)}  # fmt: skip
     assert {j.config["train"]["seed"] for j in full.of_kind("train")} == {48, 49, 50}
     utility = plan_grid("decoys", profile="utility")  # the profile's latent list replaces the file's

@@ -10,7 +10,7 @@ from splitleak.training import make_train_config, run_training
 from splitleak.wire import DEFENCES, DefenceChain, build_defence, load_capture
 from splitleak.wire.defences import ROLES, SPLIT_MODES
 
-SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=8, seed=2, all_local_baseline=False)
+SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=8, seed=2, all_local_baseline=False, draws="derived")
 NAMES = [n for n in DEFENCES if n != "none"]
 
 
@@ -88,3 +88,69 @@ def test_a_chain_takes_one_defence_per_exclusive_role():
 def test_bad_arguments_are_refused_with_the_argument_named(name, args, words):
     with pytest.raises(ConfigError, match=words):
         build_defence(name, args)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", list(DEFENCES))
+def test_each_defence_names_the_attacks_built_for_it(name):
+    """Kerckhoffs: every defence names registered attacks that know its mechanism, for every split mode it
+    supports (``none`` says why none applies), and each of them reads traffic of that mode."""
+    from splitleak.attacks.registry import attack_info
+    from splitleak.wire.defences import check_adaptive
+
+    cls = DEFENCES[name]
+    check_adaptive(cls)
+    assert cls.adaptive_note
+    if name == "none":
+        assert cls.adaptive == ()
+        return
+    d = build_defence(name)
+    for attack in cls.adaptive:
+        assert attack_info(attack).adaptive, f"{attack} is named by {name} but not registered as adaptive"
+    for mode in cls.split_modes:
+        names = d.adaptive_attacks(mode)
+        assert names and set(names) <= set(cls.adaptive)
+        assert all(mode in attack_info(a).modes for a in names)
+        assert set(DefenceChain([d], seed=0).adaptive_attacks(mode)) == set(names)
+
+
+@pytest.mark.unit
+def test_a_defence_without_an_adaptive_attack_is_refused():
+    from splitleak.wire.defences import Defence, check_adaptive
+
+    class Blindfold(Defence):
+        name = "blindfold"
+
+    with pytest.raises(ConfigError, match="blindfold.*names no attack built for it"):
+        check_adaptive(Blindfold)
+
+    class Partly(Defence):
+        name = "partly"
+        split_modes = ("plain", "u-shape")
+        adaptive = ("sipit-aware",)
+        adaptive_note = "x"
+
+        def adaptive_attacks(self, mode):
+            return self.adaptive if mode == "plain" else ()
+
+    with pytest.raises(ConfigError, match="partly.*in a u-shape run"):
+        check_adaptive(Partly)
+
+
+@pytest.mark.unit
+def test_the_chain_names_each_adaptive_attack_once_with_the_defences_it_serves():
+    chain = DefenceChain([build_defence("quant8"), build_defence("clip-noise")], seed=0)
+    got = chain.adaptive_attacks("plain")
+    assert got == {
+        "sipit-aware": ("quant8", "clip-noise"),
+        "activation-aware": ("quant8", "clip-noise"),
+        "seed-search": ("clip-noise",),
+    }
+    backward_only = DefenceChain([build_defence("clip-noise", {"where": "backward"})], seed=0)
+    assert "seed-search" not in backward_only.adaptive_attacks("plain")
+    assert DefenceChain([build_defence("mixup", {"correction": "cached"})], seed=0).adaptive_attacks("plain") == {
+        "mixup-history": ("mixup",)
+    }
+    assert DefenceChain([build_defence("mirage")], seed=0).adaptive_attacks("label-shielded") == {
+        "gma-sl-aware": ("mirage",)
+    }

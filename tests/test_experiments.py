@@ -328,6 +328,32 @@ def test_a_readout_list_expands_into_one_attack_job_each(tmp_path):
 
 
 @pytest.mark.unit
+def test_an_adaptive_entry_expands_into_the_attacks_built_for_each_chain(tmp_path):
+    from splitleak.experiments import plan_grid
+
+    text = TINY.replace("depths: [1, 2]", "depths: [2]").replace(
+        "defences: [none]",
+        "defences: [none, quant8, {name: clip-noise, args: {where: forward}}, {name: mixup, args: {correction: none}}]",
+    )
+    text = text.split("attacks:")[0] + (
+        "attacks:\n  - {attack: adaptive, k: 4, budget: 8, client_copy: public}\n"
+        "  - {attack: sipit-aware, budget: 8, client_copy: public}\n"
+    )
+    g = plan_grid(write_spec(tmp_path, text))
+    by_chain: dict[str, set[tuple]] = {}
+    for j in g.of_kind("attack"):
+        f = j.fields
+        by_chain.setdefault(f["defence"], set()).add((f["attack"], f["k"], f["budget"]))
+    assert by_chain["none"] == {("sipit-aware", None, "8")}  # the explicit entry only: nothing is built for none
+    assert by_chain["quant8"] == {("sipit-aware", None, "8"), ("activation-aware", 4, None)}
+    assert by_chain["clip-noise(where=forward)"] == by_chain["quant8"] | {("seed-search", None, "8")}
+    assert by_chain["mixup(correction=none)"] == {("sipit-aware", None, "8"), ("mixup-history", 4, None)}
+    # the sipit-aware job that both entries name is one job
+    assert len(g.of_kind("attack")) == 1 + 2 + 3 + 2
+    assert len({j.key for j in g.of_kind("attack")}) == len(g.of_kind("attack"))
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "change,words",
     [

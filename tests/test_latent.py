@@ -122,7 +122,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("latent")
     out = {}
     for name, extra in {"open": {}, "fix": {"output_gradient": "clip-noise"}}.items():
-        cfg = make_train_config(**TINY, seed=3, latent=_latent(**extra))
+        cfg = make_train_config(**TINY, seed=3, latent=_latent(gauge_entropy="derived", **extra))
         out[name] = run_training(cfg, root / name, device="cpu")
     return out
 
@@ -193,9 +193,10 @@ def test_the_fix_leaves_no_exact_frame_and_on_the_tiny_model_the_norm_near_chanc
 
 
 @pytest.mark.integration
-def test_decoys_are_rows_released_before_under_a_new_gauge(tmp_path):
-    """Re-derive each frame's gauge from the run seed (the client can, the server cannot): the decoy
-    rows of a frame are exactly rows some earlier frame released, and they cross rotated."""
+def test_verbatim_decoys_are_rows_released_before_under_a_new_gauge(tmp_path):
+    """The weak option: re-derive each frame's gauge from the run seed (the client can, the server
+    cannot): the decoy rows of a frame are exactly rows some earlier frame released, and they cross
+    rotated."""
     from splitleak.data import load_documents
     from splitleak.models import load_model
     from splitleak.training.config import LatentConfig
@@ -203,7 +204,7 @@ def test_decoys_are_rows_released_before_under_a_new_gauge(tmp_path):
     from splitleak.wire.channel import InProcessChannel
 
     lm = load_model("tiny-gpt2", seed=0)
-    cfg = LatentConfig(**_latent(decoys=8, pool=40))
+    cfg = LatentConfig(**_latent(decoys=8, pool=40, decoy_release="verbatim", gauge_entropy="derived"))
     split, _ = latent_split(lm, cfg)
     docs = load_documents("synthetic-pii", lm.tokenizer, seed=0, n_calib=2, n_train=6, n_eval=2, doc_len=32)
     seen = []
@@ -225,17 +226,75 @@ def test_decoys_are_rows_released_before_under_a_new_gauge(tmp_path):
     assert [len(t.decoy_origins) for t in client.truth] == [0, 8, 8, 8]
 
 
+def _client(cfg, seed: int, steps: int):
+    """A latent client trained ``steps`` steps on the tiny model, and every frame that crossed."""
+    from splitleak.data import load_documents
+    from splitleak.models import load_model
+    from splitleak.training.latent import LatentClient, LatentServer, latent_split, train_latent
+    from splitleak.wire.channel import InProcessChannel
+
+    lm = load_model("tiny-gpt2", seed=0)
+    split, _ = latent_split(lm, cfg)
+    docs = load_documents("synthetic-pii", lm.tokenizer, seed=0, n_calib=2, n_train=6, n_eval=2, doc_len=32)
+    seen = []
+    channel = InProcessChannel(LatentServer(cfg, 3e-4, seed=9).handle, [lambda c: seen.append(c.frame)])
+    client = LatentClient(split, cfg, seed, channel, 3e-4)
+    train_latent(client, docs.train, seed=seed, steps=steps)
+    return client, [f for f in seen if f.kind == "forward"], split
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [4, 5])
+def test_fresh_decoys_are_earlier_encoder_rows_gauged_then_clipped_and_noised_afresh(seed):
+    """The default (002 Figure 2, steps 3-5): the pool keeps earlier frames' encoder rows before release;
+    a frame's rows, its decoys among them, are gauged, then every row is clipped and noised afresh. With
+    the derived keys the client can check it: remove the noise, undo the gauge, and each row is the clip
+    of its encoder row (a decoy: its origin's); a decoy's norm is not its origin's as that crossed."""
+    from splitleak.training.config import LatentConfig
+    from splitleak.training.latent import LatentClient
+    from splitleak.wire.decoys import clip_rows, torch_generator
+
+    cfg = LatentConfig(**_latent(decoys=8, pool=400, gauge_entropy="derived"))
+    client, forwards, split = _client(cfg, seed, steps=4)
+    pool = {tuple(int(v) for v in o): r for r, o in zip(client.pool.rows, client.pool.origins) if o[0] >= 0}
+    wire_norm = {}
+    gaps = []
+    for f, truth in zip(forwards, client.truth):
+        n = f.tensor.shape[1]
+        g = frame_gauge(seed, "train", f.step, truth.frame_id, n, 16, scale=False)
+        gen = torch_generator(seed, "train", f.step, "forward", truth.frame_id)
+        noise = torch.randn((n, 16), generator=gen, dtype=torch.float64).float()
+        clipped = g.inverse((f.tensor[0] - 0.35 * noise).double())  # the client's order, before the noise
+        origins = [(truth.frame_id, t) for t in range(32)] + [tuple(int(v) for v in o) for o in truth.decoy_origins]
+        want = clip_rows(torch.stack([pool[o] for o in origins]).double(), 1.0)
+        torch.testing.assert_close(clipped, want, rtol=0, atol=1e-5)
+        norms = f.tensor[0].double().norm(dim=-1)
+        for j, o in enumerate(origins):
+            wire_norm.setdefault(o, float(norms[g.position_of(j)]))
+            if j >= 32:
+                gaps.append(abs(float(norms[g.position_of(j)]) - wire_norm[o]))
+    assert len(gaps) == 24 and np.median(gaps) > 0.05  # fresh noise: no decoy repeats its origin's norm
+    # the real rows carry the encoder's gradient: the encoder moved from its (seeded) initial weights
+    init = LatentClient(split, cfg, seed, client.channel, 3e-4)
+    assert any(not torch.equal(a, b) for a, b in zip(init.encoder.parameters(), client.encoder.parameters()))
+
+
 @pytest.mark.integration
 def test_latent_runs_are_reproducible_from_their_seed(tmp_path):
     from splitleak.training.config import make_train_config
     from splitleak.training.run import run_training
 
     small = {**TINY, "steps": 3, "n_eval": 2}
-    a = run_training(make_train_config(**small, seed=1, latent=_latent()), tmp_path / "a", device="cpu")
-    b = run_training(make_train_config(**small, seed=1, latent=_latent()), tmp_path / "b", device="cpu")
-    c = run_training(make_train_config(**small, seed=2, latent=_latent()), tmp_path / "c", device="cpu")
+    derived = _latent(gauge_entropy="derived")
+    a = run_training(make_train_config(**small, seed=1, latent=derived), tmp_path / "a", device="cpu")
+    b = run_training(make_train_config(**small, seed=1, latent=derived), tmp_path / "b", device="cpu")
+    c = run_training(make_train_config(**small, seed=2, latent=derived), tmp_path / "c", device="cpu")
     ledger = lambda r: [e["blob_sha256"] for e in json.loads((r.run_dir / "wire/capture-ledger.json").read_text())]  # noqa: E731
     assert ledger(a) == ledger(b) and ledger(a) != ledger(c)
+    # the default keys (OS entropy) are drawn afresh: the same seed twice sends other bits
+    d = run_training(make_train_config(**small, seed=1, latent=_latent()), tmp_path / "d", device="cpu")
+    e = run_training(make_train_config(**small, seed=1, latent=_latent()), tmp_path / "e", device="cpu")
+    assert ledger(d) != ledger(e) and ledger(d) != ledger(a)
 
 
 @pytest.mark.integration

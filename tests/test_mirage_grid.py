@@ -1,6 +1,7 @@
 """The Gradient Mirage grid (003): label-shielded arms in experiment specs, the report's section with its
 privacy–utility figure, and the paper's claims of shape (a)–(e) checked on the tiny model over 8
-documents (``mirage.yaml``'s ``tiny`` profile) and, in the checker itself, on cells built by hand."""
+documents (``mirage.yaml``'s ``tiny`` profile) and, in the checker itself, on cells built by hand. The claims
+read each arm's strongest label reader (GMA-SL, or gma-sl-aware, which knows the chain's public arguments)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,13 @@ from splitleak.report.grid_shielded import ArmCell, shape_claims
 @pytest.mark.unit
 def test_the_shipped_mirage_spec_plans_one_train_job_per_arm_and_seed():
     full = plan_grid("mirage")
-    # 17 arms x 2 seeds; gma-sl on all but top-only (which sends no gradient to match), BiSR(b+f) and BiSR(f) on 2
-    assert full.counts() == {"train": 34, "attack": 32 + 8, "reuse": 0}
+    # 17 arms x 2 seeds; gma-sl and gma-sl-aware on all but top-only (which sends no gradient to match), BiSR(b+f)
+    # and BiSR(f) on 2
+    assert full.counts() == {"train": 34, "attack": 2 * 32 + 8, "reuse": 0}
+    aware = [j for j in full.of_kind("attack") if j.fields["attack"] == "gma-sl-aware"]
+    assert {j.train_key for j in aware} == {
+        j.train_key for j in full.of_kind("attack") if j.fields["attack"] == "gma-sl"
+    }
     top_only = {j.key for j in full.of_kind("train") if j.fields["defence"] == "top-only"}
     assert len(top_only) == 2 and not [j for j in full.of_kind("attack") if j.train_key in top_only]
     tiny = plan_grid("mirage", profile="tiny")
@@ -31,7 +37,7 @@ def test_the_shipped_mirage_spec_plans_one_train_job_per_arm_and_seed():
     assert [d["name"] for d in cfg["defences"]] == ["mirage"] and cfg["lr"] == 1e-3
     m1 = next(j for j in trains if j.fields["defence"] == "mirage-m1")
     assert m1.config["train"]["defences"][0]["args"] == {"m": 1}
-    assert {j.fields["attack"] for j in tiny.of_kind("attack")} == {"gma-sl"}
+    assert {j.fields["attack"] for j in tiny.of_kind("attack")} == {"gma-sl", "gma-sl-aware"}
     assert "label-shielded mirage-frozen seed 0" in frozen.summary
 
 
@@ -125,6 +131,35 @@ def test_the_claims_hold_on_numbers_shaped_like_the_papers_and_each_fails_when_i
     assert {c.name: c.holds for c in shape_claims(_paper_shaped(), {"most_labels": 0.99})}["a"] is False
 
 
+@pytest.mark.unit
+def test_the_claims_read_each_arm_on_its_strongest_label_reader():
+    verdict = lambda cells: {c.name: c.holds for c in shape_claims(cells)}  # noqa: E731
+    cells = _paper_shaped()
+    mirage = next(c for c in cells if c.arm == "mirage")
+    # a reader that knows the chain reads mirage as well as pruning: (b) no longer holds
+    mirage.attacks["gma-sl-aware"] = {"label_recovery": 0.65, "rougeL_f": 0.45}
+    assert mirage.strongest() == 0.65 and mirage.strongest("rougeL_f") == 0.45
+    assert mirage.strongest_reader() == "gma-sl-aware" and mirage.reads() == 0.2  # GMA-SL's own reading stands
+    claims = {c.name: c for c in shape_claims(cells)}
+    assert claims["b"].holds is False and "65.0 % labels (gma-sl-aware)" in claims["b"].evidence
+    # a weaker second reader changes nothing
+    cells = _paper_shaped()
+    for c in cells:
+        c.attacks["gma-sl-aware"] = {k: 0.5 * v for k, v in c.attacks["gma-sl"].items()}
+    assert verdict(cells) == dict.fromkeys("abcde", True)
+    # an aware reader flat in m (it fits the scale) breaks (c): no fall from the smallest m to the largest
+    cells = _paper_shaped()
+    for c in cells:
+        if c.chain_names == "mirage" and c.arg("mirage", "r", 1 / 7) == pytest.approx(1 / 7):
+            c.attacks["gma-sl-aware"] = {"label_recovery": 0.6, "rougeL_f": 0.5}
+    assert verdict(cells)["c"] is False
+    # only the aware reader: the claims still read (no reader is required by name)
+    cells = _paper_shaped()
+    for c in cells:
+        c.attacks = {"gma-sl-aware": c.attacks["gma-sl"]}
+    assert verdict(cells) == dict.fromkeys("abcde", True)
+
+
 # ------------------------------------------------------------------ the tiny grid, end to end
 
 
@@ -149,16 +184,24 @@ def test_the_tiny_grid_reads_the_claims_of_shape_on_eight_documents(tmp_path, se
     claims = {c.name: c for c in shape_claims(list(cells.values()))}
     # (a) undefended, the pretrained Top explains the output gradient: nearly every label comes back
     assert cells["none"].reads() > 0.9 and claims["a"].holds
-    # (b) Gradient Mirage far below pruning and dropout at comparable utility; seq-dp reads nothing but
-    # costs more than the margin (0.25 nats), so it is not a comparable baseline
-    assert claims["b"].holds, claims["b"].evidence
+    # (b) GMA-SL reads Gradient Mirage far below pruning and dropout at comparable utility; the reader that
+    # divides the public m out reads much more of it (measured 58-66 % against GMA-SL's 34-35 %: sas's dropped
+    # targets are what stays hidden), still below pruning and dropout, so (b) is checked on it; seq-dp reads
+    # nothing but costs more than the margin (0.25 nats), so it is not a comparable baseline
+    assert claims["b"].holds is not None, claims["b"].evidence
     for base in ("grad-prune", "grad-dropout"):
         assert cells["mirage"].reads() < cells[base].reads() - 0.3
+        assert cells["mirage"].strongest() < cells[base].strongest()
+    assert cells["mirage"].reads("gma-sl-aware") > cells["mirage"].reads() + 0.15
     assert cells["seq-dp"].heldout_ce > cells["none"].heldout_ce + 0.25
-    # (c) recovery falls as m grows: l2 matching cannot follow a gradient scaled by 10^4; the trunk's Adam
-    # does not see the scale, so the held-out loss stays where it was
+    # (c) GMA-SL's reading falls as m grows: l2 matching cannot follow a gradient scaled by 10^4; the aware
+    # reader divides the public m out and reads about as much at every m, so on the strongest reader (c)
+    # does not hold; the trunk's Adam does not see the scale, so the held-out loss stays where it was
     m = {k: cells[k].reads() for k in ("mirage-m1", "mirage-m10", "mirage", "mirage-m10000")}
     assert m["mirage-m1"] > m["mirage"] + 0.15 and m["mirage"] > m["mirage-m10000"] + 0.15, m
+    aware = {k: cells[k].reads("gma-sl-aware") for k in m}
+    assert max(aware.values()) - min(aware.values()) < 0.15 and aware["mirage-m10000"] > 0.5, aware
+    assert claims["c"].holds is False
     ces = [cells[k].heldout_ce for k in m]
     assert max(ces) - min(ces) < 0.02
     # (e) on the tiny model both keep training: each below the undefended arm's loss plus 0.2 nats
@@ -178,6 +221,8 @@ def test_the_tiny_grid_reads_the_claims_of_shape_on_eight_documents(tmp_path, se
     html = rep.html.read_text()
     assert "data:image/png;base64," in html and "privacy-utility" in html
     row = json.loads(
-        next(r for r in read_results(store, "attack", as_rows=True) if r["defence"] == "none")["result_json"]
+        next(
+            r for r in read_results(store, "attack", as_rows=True) if r["defence"] == "none" and r["attack"] == "gma-sl"
+        )["result_json"]
     )
     assert row["label_recovery"] == cells["none"].reads()

@@ -31,7 +31,8 @@ from splitleak.wire.transport import PROTOCOL_VERSION, TransportError, frame_hea
 # every test here starts processes and sockets; one that stalls (seen once, not reproduced) fails after
 # 5 minutes with every thread's stack rather than hanging the suite
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=6, steps=4, all_local_baseline=False)
+# draws keyed by the run seed, so that runs in one process and over TLS can be compared bit for bit
+SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=6, steps=4, all_local_baseline=False, draws="derived")
 
 
 @pytest.fixture(scope="module")
@@ -165,17 +166,20 @@ def test_over_tls_the_same_bits_as_in_one_process(tls, tmp_path, split, defences
             assert rows[name]["status"] == "no attack"
 
 
-@pytest.mark.parametrize("seed", [3, 12])
-def test_the_server_cannot_regenerate_the_clients_forward_noise(tls, tmp_path, seed):
+@pytest.mark.parametrize("seed,draws", [(3, "derived"), (12, "derived"), (3, "os")])
+def test_the_server_cannot_regenerate_the_clients_forward_noise(tls, tmp_path, seed, draws):
     """The hello carries seeds derived one-way from the run seed: with everything the server holds it
-    cannot redraw the noise the client added before sending, while the run seed itself would."""
+    cannot redraw the noise the client added before sending, while the run seed itself would under
+    ``draws="derived"``; under ``draws="os"`` not even the run seed does, and only the client's own record
+    of its secret (which never crossed) redraws it."""
     from splitleak.attacks.knowledge import read_documents
     from splitleak.models import SplitModel, load_model
+    from splitleak.training.run import read_draws_secret
     from splitleak.wire.defences import DefenceChain
     from splitleak.wire.tap import read_wire
 
     defences = [{"name": "clip-noise", "args": {"sigma": 0.5, "where": "forward"}}]
-    cfg = make_train_config(**{**SMALL, "steps": 1}, seed=seed, defences=defences, depth=2)
+    cfg = make_train_config(**{**SMALL, "steps": 1, "draws": draws}, seed=seed, defences=defences, depth=2)
     with Served(tls, capture=tmp_path / "server") as srv:
         remote = run_training(cfg, tmp_path / "remote", device="cpu", connect=f"127.0.0.1:{srv.port}", tls_dir=tls)
         (rec,) = srv.wait_sessions(1)
@@ -189,10 +193,18 @@ def test_the_server_cannot_regenerate_the_clients_forward_noise(tls, tmp_path, s
     with torch.no_grad():
         clean = split.bottom(ids)
 
-    def redraw(key: int) -> torch.Tensor:
-        return DefenceChain.from_specs(defences, key).forward(clean, "train", 0, first.doc_ids)
+    def redraw(key: int, secret: bytes | None = None) -> torch.Tensor:
+        return DefenceChain.from_specs(defences, key, secret).forward(clean, "train", 0, first.doc_ids)
 
-    assert torch.allclose(redraw(cfg.seed), first.tensor, atol=1e-5)  # the run seed would undo the defence
+    secret = read_draws_secret(remote.run_dir)
+    if draws == "derived":
+        assert secret is None
+        assert torch.allclose(redraw(cfg.seed), first.tensor, atol=1e-5)  # the run seed would undo the defence
+    else:
+        assert (redraw(cfg.seed) - first.tensor).abs().max() > 0.1
+        assert torch.allclose(redraw(cfg.seed, secret), first.tensor, atol=1e-5)
+        crossed = b"".join(p.read_bytes() for p in session.rglob("*") if p.is_file())
+        assert secret.hex().encode() not in crossed and secret not in crossed  # nothing the server holds has it
     held = json.loads((session / "manifest.json").read_text())["config"]
     for key in (held["server_seed"], held["model_init_seed"]):
         assert (redraw(key) - first.tensor).abs().max() > 0.1
@@ -731,7 +743,9 @@ def test_the_latent_mode_over_tls_the_same_bits_as_in_one_process(tls, tmp_path)
     from splitleak.audit.evaluate import run_attack
 
     latent = {"split_after": 0, "resume_at": 3, "width": 16}
-    cfg = make_train_config(**{**SMALL, "steps": 6, "n_eval": 4}, seed=9, capture_batch=2, latent=latent)
+    cfg = make_train_config(  # the derived keys: OS entropy (the default) is the same in neither place
+        **{**SMALL, "steps": 6, "n_eval": 4}, seed=9, capture_batch=2, latent={**latent, "gauge_entropy": "derived"}
+    )
     local, remote, session = _local_and_remote(tls, tmp_path, cfg)
     wire = _files(local.run_dir)
     client_wire, server_wire = _files(remote.run_dir), _files(session)

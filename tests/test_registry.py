@@ -71,7 +71,8 @@ def test_each_attack_agrees_with_its_entry(name):
 @pytest.mark.integration
 @pytest.mark.parametrize("name", [n for n, a in REGISTRY.items() if "plain" in a.modes])
 def test_each_attack_runs_on_a_tiny_run_deterministically_and_round_trips_its_params(tiny_runs, name):
-    run = tiny_runs["mixup" if "probe-activations" in REGISTRY[name].reads else "plain"]
+    mixup = "probe-activations" in REGISTRY[name].reads or name == "mixup-history"  # reads mixup's traffic only
+    run = tiny_runs["mixup" if mixup else "plain"]
     knowledge, traffic = load_knowledge(run, "trained"), load_traffic(run)
     small = {"k": 4} if "k" in inspect.signature(ATTACKS[name].__init__).parameters else {}
     if name == "sipit":

@@ -157,7 +157,9 @@ def _store_files(store):
 
 @pytest.mark.e2e
 def test_tiny_tune_gate_budget_frontier_and_resume(tmp_path):
-    settings = TuneSettings(model="tiny-gpt2", budget=0.05, attacks=("vmi", "activation", "sipit-trained"), **TINY)
+    settings = TuneSettings(
+        model="tiny-gpt2", budget=0.05, attacks=("vmi", "activation", "sipit-trained", "adaptive"), **TINY
+    )
     strong = trial_params(1, "clip-noise", clip=1.0, sigma=1.0)
     weak = trial_params(1, "clip-noise", clip=1.0, sigma=0.01)
     out = tmp_path / "tune"
@@ -176,7 +178,11 @@ def test_tiny_tune_gate_budget_frontier_and_resume(tmp_path):
     assert none["stopped"] and none["arms"][0]["name"] == "vmi" and none["arms"][0]["effect_low"] > 0.05
     assert none["worst_token_recovery"] > 0.9
     # strong noise: the whole suite ran, every reader near nothing, gate held, within budget -> passes
-    assert s["stopped"] is None and [a["name"] for a in s["arms"]] == ["vmi", "activation", "sipit-trained"]
+    # ... the attacks built for clip-noise included, on the trained copy
+    built = ["sipit-aware-trained", "activation-aware-trained", "seed-search-trained"]
+    assert s["stopped"] is None and sorted(a["name"] for a in s["arms"]) == sorted(
+        ["vmi", "activation", "sipit-trained", *built]
+    )
     assert s["G"] <= 0.01 and not s["gate_breaks"] and 0 < s["cost"] <= 0.05 and s["passes"]
     assert s["worst_token_recovery"] < 0.05
     # weak noise: within the budget but read like the undefended run -> fails on the gate
@@ -222,7 +228,7 @@ def test_tiny_tune_gate_budget_frontier_and_resume(tmp_path):
             "--n-trials",
             "3",
             "--attacks",
-            "vmi,activation,sipit-trained",
+            "vmi,activation,sipit-trained,adaptive",
             *(f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()),
         ],
     )

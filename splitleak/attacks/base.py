@@ -72,6 +72,11 @@ class _RidgeAttack(Attack):
         act = traffic.activations.to(self.knowledge_.client.device, self.knowledge_.client.dtype)
         return self.ridge_(act)
 
+    def public_wire(self, traffic: Traffic) -> Any:
+        """How the searches compare recomputed activations with this traffic (``attacks.aware``: through the
+        defence chain's public forward, under its noise model); None: as they are (undefended)."""
+        return None
+
     def activation_candidates(self, traffic: Traffic, k: int) -> torch.Tensor:
         """The k tokens nearest the ridge estimate by cosine, per position, best first: [n, T, k]. The
         ranked list is computed once per knowledge and traffic, to at least ``SHARED_RANKS`` ranks, and

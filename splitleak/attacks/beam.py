@@ -143,6 +143,7 @@ class ActivationBeam(_RidgeAttack):
     def reconstruct(self, traffic, progress=None):
         self._check(traffic)
         cand = self.candidates(traffic)
+        wire = self.public_wire(traffic)
         res = beam_search(
             self.knowledge_.client,
             traffic.activations,
@@ -151,11 +152,13 @@ class ActivationBeam(_RidgeAttack):
             self.chunk_docs,
             progress,
             name=f"{self.name} beam search (k={self.k})",
+            distance=None if wire is None else wire.beam_distance,
         )
         coverage = (cand == res.tokens.unsqueeze(-1)).any(-1)
-        return Reconstruction(
-            res.tokens, {"candidates": cand, "distance": res.distance, "chosen_in_candidates": coverage}
-        )
+        extra = {"candidates": cand, "distance": res.distance, "chosen_in_candidates": coverage}
+        if wire is not None:
+            extra["summary"] = wire.summary()
+        return Reconstruction(res.tokens, extra)
 
 
 GRADIENT_SOURCES = ("split", "output")

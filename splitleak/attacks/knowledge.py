@@ -154,13 +154,23 @@ class PublicTop:
 @dataclass
 class Knowledge:
     """The attacker's side information. No server layers, no labels, no evaluation text. ``top``: the
-    pretrained Top, for the attacks that match output gradients (label-shielded runs)."""
+    pretrained Top, for the attacks that match output gradients (label-shielded runs).
+
+    Kerckhoffs: the attacker knows the defence chain's mechanism and public arguments (``defences``, the
+    manifest's record of names and arguments; no seed, no secret), the split mode, and whether the
+    client's random draws are keyed by its run seed (``draws``: "derived") or drawn fresh from OS entropy
+    ("os"). ``history`` gives the traffic the observer saw before the traffic it attacks (the training
+    steps, when it attacks the capture pass), as ``Traffic``; None where there is none."""
 
     client: ClientCopy
     calibration: tuple[Document, ...]
     copy: str
     model: str
     top: PublicTop | None = None
+    defences: tuple[dict[str, Any], ...] = ()
+    mode: str = "plain"
+    draws: str = "derived"
+    history_loader: Callable[[], "Traffic"] | None = dataclasses.field(default=None, repr=False, compare=False)
     #: what several attacks compute from this knowledge alone (the ridge fit) or from it and one traffic
     #: (candidate lists): computed once, shared by every attack fitted on this object (an audit's suite);
     #: not an init field, so ``dataclasses.replace(knowledge, client=other)`` starts with an empty one
@@ -168,6 +178,19 @@ class Knowledge:
 
     def calibration_ids(self) -> torch.Tensor:
         return torch.tensor([list(d.token_ids) for d in self.calibration], dtype=torch.long)
+
+    def chain(self) -> list[Any]:
+        """The run's defences rebuilt from their public record (``splitleak.wire.build_defence``), in chain
+        order, without ``none``; no seed or secret goes into them."""
+        from splitleak.wire.defences import build_defence
+
+        return [build_defence(d["name"], d.get("args")) for d in self.defences if d["name"] != "none"]
+
+    def history(self) -> "Traffic | None":
+        """The traffic the observer saw before (loaded once per knowledge), or None."""
+        if self.history_loader is None:
+            return None
+        return self.memo("history", self.history_loader)
 
     def memo(self, key: Any, compute: Callable[[], Any], traffic: "Traffic | None" = None) -> Any:
         """``compute()``, once per ``key`` and, for a value that depends on the traffic, per ``traffic``:
@@ -248,6 +271,15 @@ class Traffic:
             phase=self.phase,
             frames=None if self.frames is None else tuple(self.frames[i] for i in rows),
         )
+
+
+def run_mode(manifest: dict[str, Any]) -> str:
+    """The split mode of a run from its manifest: "latent", "label-shielded", "u-shape" or "plain"."""
+    if manifest.get("mode") == "latent":
+        return "latent"
+    if (manifest.get("split") or {}).get("label_shielded"):
+        return "label-shielded"
+    return "u-shape" if (manifest.get("split") or {}).get("u_shape") else "plain"
 
 
 def read_manifest(run_dir: str | Path) -> dict[str, Any]:
@@ -391,7 +423,17 @@ def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None, with_top:
             )
         client.embedding = client.owner.get_input_embeddings().weight.detach()
     docs = read_documents(run_dir)
-    return Knowledge(client, docs.calibration, copy, cfg["model"], top)
+    return Knowledge(
+        client,
+        docs.calibration,
+        copy,
+        cfg["model"],
+        top,
+        defences=tuple(m.get("defences") or ()),
+        mode=run_mode(m),
+        draws=str(cfg.get("draws", "derived")),
+        history_loader=lambda: load_traffic(run_dir, phase="train"),
+    )
 
 
 def load_traffic(

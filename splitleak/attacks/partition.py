@@ -20,6 +20,8 @@ document, is known to the server from the handshake's frame sizes):
 
 An attack reads the frames as the server holds them (``LatentTraffic``); the truth is the client's
 own record (``latent/truth.safetensors``), used for scoring and, for ``classifier``, for fitting.
+Every partition attack has the shape of ``LatentPartition``; the attacks built for the decoy mix and
+the gauges (``decoy-history``, ``gauge-key-search``) live in their own files.
 """
 
 from __future__ import annotations
@@ -39,13 +41,15 @@ KINDS = {"forward": "x", "forward-return": "ret", "backward-top": "g_out", "back
 
 @dataclass
 class LatentFrame:
-    """One frame as the server holds it: the four wires' rows [n, D] and the frame's id."""
+    """One frame as the server holds it: the four wires' rows [n, D], the frame's id and the step its
+    header names (-1 in the capture pass)."""
 
     frame_id: int
     x: torch.Tensor
     ret: torch.Tensor
     g_out: torch.Tensor
     g_in: torch.Tensor
+    step: int = -1
 
 
 @dataclass
@@ -67,17 +71,19 @@ def load_latent_traffic(run_dir: str | Path, phase: str) -> LatentTraffic:
     if manifest.get("mode") != "latent" and (manifest.get("config") or {}).get("latent") is None:
         raise ConfigError(f"{run_dir} is not a latent-mode run; partition attacks read the decoy system's frames")
     parts: dict[int, dict[str, torch.Tensor]] = {}
+    steps: dict[int, int] = {}
     for rec in read_wire(run_dir, phase):
         name = KINDS[rec.frame.kind]
         for b, fid in enumerate(rec.frame.doc_ids):
             parts.setdefault(int(fid), {})[name] = rec.frame.tensor[b].double()
+            steps[int(fid)] = int(rec.frame.step)
     frames = []
     for fid in sorted(parts):
         p = parts[fid]
         missing = sorted(set(KINDS.values()) - set(p))
         if missing:
             raise IntegrityError(f"frame {fid} of {run_dir} ({phase}) lacks the wire(s) {', '.join(missing)}")
-        frames.append(LatentFrame(fid, p["x"], p["ret"], p["g_out"], p["g_in"]))
+        frames.append(LatentFrame(fid, p["x"], p["ret"], p["g_out"], p["g_in"], steps[fid]))
     return LatentTraffic(phase, frames, int(manifest["config"]["doc_len"]))
 
 
@@ -139,10 +145,59 @@ def row_features(f: LatentFrame) -> np.ndarray:
     return torch.stack(feats, -1).numpy()
 
 
-class PartitionAttack:
-    """scikit-learn's shape: parameters in ``__init__``; ``fit(traffic, truth)`` learns where the rule
-    needs labelled frames; ``partition(traffic)`` returns per frame a score per row (higher: more
-    likely real) and the hard partition."""
+#: latent settings a run made before they existed used, and what they mean there (the manifest lacks them)
+LEGACY_LATENT = {"decoy_release": "verbatim", "gauge_entropy": "derived"}
+
+
+def public_latent(public: dict[str, Any] | None):
+    """The run's public latent configuration (the manifest's ``config.latent``, which the server holds
+    from the handshake) as a ``LatentConfig``; settings a run predates take what that run did."""
+    from splitleak.training.config import LatentConfig
+
+    if public is None:
+        raise ConfigError(
+            "this attack reads the latent mode's public arguments: pass the run manifest's config.latent as public"
+        )
+    return LatentConfig(**{**LEGACY_LATENT, **public})
+
+
+def top_rows(scores: np.ndarray, real_rows: int) -> np.ndarray:
+    """The hard partition: the ``real_rows`` highest-scoring rows of a frame called real."""
+    pred = np.zeros(len(scores), dtype=bool)
+    pred[np.argsort(-scores, kind="stable")[:real_rows]] = True
+    return pred
+
+
+class LatentPartition:
+    """scikit-learn's shape for partition attacks on latent frames: parameters in ``__init__``;
+    ``fit(history, truth, public)`` takes what the attacker holds (the training-phase frames when
+    ``reads_history`` or ``needs_labels``, their truth only when ``needs_labels``, the run's public
+    latent arguments); ``partition(traffic)`` returns per frame a score per row (higher: more likely
+    real) and the hard partition; ``report()`` what the attack found on the traffic alone."""
+
+    name: ClassVar[str]
+    uses_gradients: ClassVar[bool] = False
+
+    def needs_labels(self) -> bool:
+        """Fits on the training frames with their truth (a known-plaintext attacker): capture pass only."""
+        return False
+
+    def reads_history(self) -> bool:
+        """Reads the training-phase frames, what the server saw before the frames it scores."""
+        return False
+
+    def fit(self, history=None, truth=None, public=None):
+        return self
+
+    def partition(self, traffic: LatentTraffic) -> list[tuple[np.ndarray, np.ndarray]]:
+        raise NotImplementedError
+
+    def report(self) -> dict[str, Any]:
+        return {}
+
+
+class PartitionAttack(LatentPartition):
+    """The support, norm and classifier rules (see the module's docstring)."""
 
     name: ClassVar[str] = "support-partition"
     uses_gradients: ClassVar[bool] = True
@@ -160,7 +215,10 @@ class PartitionAttack:
             return ("activations", "trunk-output", "output-gradient", "gradient")
         return ("output-gradient",)
 
-    def fit(self, traffic: LatentTraffic | None = None, truth: dict[int, np.ndarray] | None = None):
+    def needs_labels(self) -> bool:
+        return self.rule == "classifier"
+
+    def fit(self, traffic: LatentTraffic | None = None, truth: dict[int, np.ndarray] | None = None, public=None):
         if self.rule != "classifier":
             return self
         if traffic is None or truth is None or not len(traffic):
@@ -185,12 +243,7 @@ class PartitionAttack:
         out = []
         for f in traffic.frames:
             s = self.scores(f)
-            if self.rule == "support":
-                pred = s > self.tol
-            else:
-                pred = np.zeros(len(s), dtype=bool)
-                pred[np.argsort(-s, kind="stable")[: traffic.real_rows]] = True
-            out.append((s, pred))
+            out.append((s, s > self.tol if self.rule == "support" else top_rows(s, traffic.real_rows)))
         return out
 
 

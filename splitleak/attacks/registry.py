@@ -40,6 +40,8 @@ class AttackInfo:
     #: the split modes whose traffic it reads ("latent": the decoy system; "label-shielded": 003's U-shape)
     modes: tuple[str, ...] = ("plain", "u-shape", "label-shielded")
     needs_top: bool = False  # fits on the pretrained Top (``Knowledge.top``) as well as the client-layer copy
+    #: built for defences (``Defence.adaptive`` names it): reads their public arguments (``Knowledge.defences``)
+    adaptive: bool = False
 
     @property
     def display(self) -> str:
@@ -81,6 +83,31 @@ REGISTRY: dict[str, AttackInfo] = {
             f"{_A}.sipit:SipIt",
             "per position, check candidates until one's recomputed activation matches",
             reads=("activations",),
+        ),
+        AttackInfo(
+            "sipit-aware",
+            f"{_A}.aware:AwareSipIt",
+            "SipIt that passes each candidate's recomputed activation through the defence chain's public forward "
+            "transforms (rounding at the frame's own scale, the row clip) and ranks it by the chain's noise model",
+            reads=("activations",),
+            adaptive=True,
+            label="SipIt (defence-aware)",
+        ),
+        AttackInfo(
+            "activation-aware",
+            f"{_A}.aware:AwareActivationBeam",
+            "the activation attacker whose beam scores candidates as sipit-aware checks them",
+            reads=("activations",),
+            adaptive=True,
+            label="activation (defence-aware)",
+        ),
+        AttackInfo(
+            "seed-search",
+            f"{_A}.seedsearch:SeedSearch",
+            "tries run seeds until the forward noise they key leaves every row inside the clip, removes that "
+            "noise, then reads as sipit-aware",
+            reads=("activations",),
+            adaptive=True,
         ),
         AttackInfo(
             "refit",
@@ -129,6 +156,15 @@ REGISTRY: dict[str, AttackInfo] = {
             reads=("activations", "gradient", "output-gradient"),
         ),
         AttackInfo(
+            "mixup-history",
+            f"{_A}.mixup_history:MixupHistory",
+            "mixup without probe rows: unmix each row against the earlier activation rows the server saw "
+            "(warm-up rows in clear, then rows it unmixed itself), then the activation attacker",
+            reads=("activations",),
+            modes=("plain",),
+            adaptive=True,
+        ),
+        AttackInfo(
             "property",
             f"{_A}.property:PropertyInference",
             "per document, gradient norms predict property tokens (ROC AUC) and the leakage index",
@@ -140,6 +176,7 @@ REGISTRY: dict[str, AttackInfo] = {
             f"{_A}.mixup_unmix:MixupUnmix",
             "undo mixup from its probe rows, then the activation attacker",
             reads=("activations", "probe-activations"),
+            adaptive=True,
         ),
         AttackInfo(
             "support-partition",
@@ -159,6 +196,26 @@ REGISTRY: dict[str, AttackInfo] = {
             modes=("latent",),
         ),
         AttackInfo(
+            "decoy-history",
+            f"{_A}.decoy_history:DecoyHistory",
+            "decoy system: a row that matches a row of an earlier frame (its norm, its pairs' Gram triples, the row "
+            "itself where ungauged) is called a decoy",
+            reads=("activations",),
+            output="partition",
+            modes=("latent",),
+            adaptive=True,
+        ),
+        AttackInfo(
+            "gauge-key-search",
+            f"{_A}.gauge_keysearch:GaugeKeySearch",
+            "decoy system: tries run seeds until the forward noise they key leaves every row inside the clip, then "
+            "rebuilds each frame's gauge (exact partition); fails on OS entropy",
+            reads=("activations", "row-ids", "shapes"),
+            output="partition",
+            modes=("latent",),
+            adaptive=True,
+        ),
+        AttackInfo(
             "sip-gru",
             f"{_A}.sip:SipGRU",
             "a GRU trained on the observer's public text maps each activation sequence to its tokens (SIP)",
@@ -174,6 +231,18 @@ REGISTRY: dict[str, AttackInfo] = {
             modes=("label-shielded",),
             needs_top=True,
             label="GMA-SL",
+        ),
+        AttackInfo(
+            "gma-sl-aware",
+            f"{_A}.gma:AwareGMASL",
+            "label-shielded: GMA-SL under the exposed loss the defence chain declares (its public scale divided "
+            "out or fitted per target, zeroed coordinates masked, seq-dp's clip applied)",
+            reads=("trunk-output", "output-gradient"),
+            output="labels",
+            modes=("label-shielded",),
+            needs_top=True,
+            adaptive=True,
+            label="GMA-SL (defence-aware)",
         ),
         AttackInfo(
             "bisr-b",
@@ -233,6 +302,11 @@ def attacks_for_mode(mode: str) -> list[str]:
 
 def readout_attacks() -> tuple[str, ...]:
     return tuple(n for n, a in REGISTRY.items() if a.takes_readout)
+
+
+def adaptive_attacks() -> list[str]:
+    """The attacks built for a defence (``AttackInfo.adaptive``)."""
+    return [n for n, a in REGISTRY.items() if a.adaptive]
 
 
 def controls(of: str | None = None) -> dict[str, str]:

@@ -28,6 +28,7 @@ class SearchResult:
     distance: torch.Tensor  # [n, T] distance of the chosen token at each position
     checks: torch.Tensor  # [n, T] candidate activations computed per position
     matched: torch.Tensor | None = None  # [n, T] bool, SipIt: the chosen token matched within tolerance
+    within: torch.Tensor | None = None  # [n, T] long, SipIt: candidates within tolerance in the round that matched
 
 
 def _stable_best(scores: torch.Tensor, width: int) -> torch.Tensor:
@@ -43,10 +44,13 @@ def beam_search(
     chunk_docs: int = 64,
     progress: Progress | None = None,
     name: str = "beam search",
+    distance: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
 ) -> SearchResult:
     """Beam search of width ``width`` over per-position candidate lists.
 
-    observed: [n, T, d]; candidates: [n, T, k] token ids. Returns the best beam per document."""
+    observed: [n, T, d]; candidates: [n, T, k] token ids. Returns the best beam per document.
+    ``distance(h, rows, t)`` (None: the L2 norm to the observed row) scores candidate activations
+    h [a, c, d] of documents ``rows`` (indices into ``observed``) at position t: [a, c]."""
     progress = progress or Silent()
     n, T, _ = observed.shape
     k = candidates.shape[-1]
@@ -61,7 +65,8 @@ def beam_search(
         cache = client.new_cache()
         # position 0: one empty prefix per document
         h = client.extend(cache, cand[:, 0], 0)  # [m, k, d]
-        d0 = (h - obs[:, 0:1]).norm(dim=-1)  # [m, k]
+        docs = torch.arange(s, s + m)
+        d0 = (h - obs[:, 0:1]).norm(dim=-1) if distance is None else distance(h, docs, 0)  # [m, k]
         pick = _stable_best(d0, width)  # [m, W]
         parent = torch.arange(m, device=client.device).repeat_interleave(width)
         select_cache(cache, 0, parent, pick.reshape(-1))
@@ -72,7 +77,10 @@ def beam_search(
         for t in range(1, T):
             c = cand[:, t].repeat_interleave(width, dim=0)  # [m*W, k]
             h = client.extend(cache, c, t).view(m, width, k, -1)
-            dist = (h - obs[:, t].view(m, 1, 1, -1)).norm(dim=-1)  # [m, W, k]
+            if distance is None:
+                dist = (h - obs[:, t].view(m, 1, 1, -1)).norm(dim=-1)  # [m, W, k]
+            else:
+                dist = distance(h.view(m, width * k, -1), docs, t).view(m, width, k)
             total = (cum.unsqueeze(-1) + dist).view(m, width * k)
             pick = _stable_best(total, width)  # [m, W] over (beam, candidate)
             beam, j = pick // k, pick % k
@@ -154,6 +162,7 @@ def sipit(
     pass_size: int = 512,
     margin: float | None = None,
     after_miss: int | None = None,
+    distance: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
 ) -> SearchResult:
     """Position by position, check candidates in ``order`` until one's recomputed activation lies
     within ``tol`` (L2) of the observed one; keep it. With a ``budget``, stop after that many checks
@@ -168,6 +177,7 @@ def sipit(
     match when a whole round found nothing within (1 + margin) times the best distance so far: the
     order proposes the likeliest candidates first, so a round that comes nowhere near says the rest will
     not either. Such a token is the best checked, not certified (``matched`` stays False).
+    ``distance`` (None: the L2 norm) scores candidates as in ``beam_search``.
     ``after_miss`` (ours; None: off) bounds the search of a position whose previous position found no
     match: its prefix is then not the true one, so no candidate can reproduce the observed activation
     (the activation at t depends on every token before it) and checking the whole vocabulary there
@@ -187,6 +197,7 @@ def sipit(
     dist = torch.full((n, T), float("inf"), dtype=torch.float64)
     checks = torch.zeros(n, T, dtype=torch.long)
     matched = torch.zeros(n, T, dtype=torch.bool)
+    within = torch.zeros(n, T, dtype=torch.long)
     tolv = tol.double().cpu() if isinstance(tol, torch.Tensor) else torch.full((n, T), float(tol), dtype=torch.float64)
     for s in range(0, n, chunk_docs):
         rows_all = torch.arange(s, min(n, s + chunk_docs))
@@ -211,7 +222,10 @@ def sipit(
                 for c0 in range(0, r, pass_size):  # each pass extends a fresh copy of the prefixes
                     sub = prefix() or client.new_cache()
                     h = client.extend(sub, cand[:, c0 : c0 + pass_size], t)  # [a, <=pass_size, d]
-                    parts.append((h - obs[active, t].unsqueeze(1)).norm(dim=-1).double().cpu())
+                    if distance is None:
+                        parts.append((h - obs[active, t].unsqueeze(1)).norm(dim=-1).double().cpu())
+                    else:
+                        parts.append(distance(h, rows_all[active], t).double().cpu())
                 d = torch.cat(parts, dim=1)  # [a, r]
                 bd, bj = d.min(dim=1)
                 gi = rows_all[active]
@@ -222,6 +236,7 @@ def sipit(
                 checks[gi, t] += r
                 hit = bd <= tolv[gi, t]
                 matched[gi[hit], t] = True
+                within[gi[hit], t] = (d[hit] <= tolv[gi[hit], t].unsqueeze(1)).sum(dim=1)
                 done = hit
                 if margin is not None:  # nothing in this round came within the margin of the best so far
                     done = done | (bd > (1 + margin) * before)
@@ -232,7 +247,7 @@ def sipit(
             client.extend(cache, tokens[rows_all, t].unsqueeze(1).to(client.device), t)  # grow the prefix
             progress.advance(task, m)
     progress.finish(task)
-    return SearchResult(tokens, dist.to(observed.dtype), checks, matched)
+    return SearchResult(tokens, dist.to(observed.dtype), checks, matched, within)
 
 
 def _subset_cache(client: ClientCopy, cache, rows: torch.Tensor):
@@ -248,10 +263,19 @@ class GradientGuidedOrder:
     """SipIt's proposal policy: start from an estimate of the input embedding at position t (the
     ridge fit's), check the unchecked tokens nearest to it by cosine, then move the estimate by a
     normalised gradient step on ||f(prefix, e) - h_t||^2 through the client layers and check the
-    unchecked tokens nearest to the new estimate, and so on."""
+    unchecked tokens nearest to the new estimate, and so on. ``emulate(out, rows, t)`` (None: none) maps
+    the recomputed rows [a, 1, d] to what the wire would carry before the mismatch is taken."""
 
-    def __init__(self, client: ClientCopy, observed: torch.Tensor, estimate: torch.Tensor, step: float = 0.5):
+    def __init__(
+        self,
+        client: ClientCopy,
+        observed: torch.Tensor,
+        estimate: torch.Tensor,
+        step: float = 0.5,
+        emulate: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+    ):
         self.client = client
+        self.emulate = emulate
         self.observed = observed
         self.estimate = estimate
         self.step = step
@@ -266,6 +290,8 @@ class GradientGuidedOrder:
             out = c.owner(
                 inputs_embeds=e.unsqueeze(1), position_ids=pos, cache=prefix() if t > 0 else None, use_cache=t > 0
             ).last_hidden_state[:, 0]
+            if self.emulate is not None:
+                out = self.emulate(out.unsqueeze(1), rows, t)[:, 0]
             loss = (out - self.observed[rows, t].to(c.device, c.dtype)).pow(2).sum()
             (g,) = torch.autograd.grad(loss, e)
         g = torch.nn.functional.normalize(g, dim=-1)

@@ -117,14 +117,17 @@ class SipIt(_RidgeAttack):
                 f"SipIt after_miss must be a positive number of checks (or left out), got {self.after_miss!r}"
             )
         growth = self.growth if self.growth is not None else (16 if budget is None else 1)
+        wire = self.public_wire(traffic)
         if self.order == "ridge":
             order = _RidgeOrder(est, client.embedding, 256 if budget is None else max(budget, self.round_size))
         elif self.order == "gradient":
-            order = GradientGuidedOrder(client, traffic.activations, est, self.step)
+            order = GradientGuidedOrder(
+                client, traffic.activations, est, self.step, emulate=None if wire is None else wire.emulate
+            )
         else:
             raise ConfigError(f"SipIt order must be 'gradient' or 'ridge', got {self.order!r}")
         obs = traffic.activations
-        tol = self.tol_rel * obs.double().norm(dim=-1)
+        tol = self.tol_rel * obs.double().norm(dim=-1) if wire is None else wire.tolerance(self.tol_rel)
         res = sipit(
             client,
             obs,
@@ -138,5 +141,9 @@ class SipIt(_RidgeAttack):
             growth=growth,
             margin=self.margin,
             after_miss=self.after_miss,
+            distance=None if wire is None else wire.distance,
         )
-        return Reconstruction(res.tokens, {"matched": res.matched, "checks": res.checks, "distance": res.distance})
+        extra = {"matched": res.matched, "checks": res.checks, "distance": res.distance}
+        if wire is not None:  # what a match means under the chain (``attacks.aware``)
+            extra.update(wire.readout(res))
+        return Reconstruction(res.tokens, extra)

@@ -28,6 +28,7 @@ from splitleak.attacks.knowledge import (
     phase_documents,
     read_documents,
     read_manifest,
+    run_mode,
 )
 from splitleak.attacks.registry import attack_info, attacks_for_mode
 from splitleak.errors import ConfigError, SplitleakError
@@ -158,6 +159,8 @@ def run_attack(
     attack = make_attack(config.attack, **config.attack_params())
     if knowledge is None:
         knowledge = load_knowledge(doc_dir, config.client_copy, with_top=info.needs_top)
+        if doc_dir != run_dir:  # what the observer saw before is in the server's capture
+            knowledge.history_loader = lambda: load_traffic(run_dir, phase="train")
     if device is not None:
         knowledge.client.to(device)
     if traffic is None:
@@ -296,15 +299,6 @@ def label_scores(labels: torch.Tensor, docs, tokenizer) -> dict[str, Any]:
     return out
 
 
-def run_mode(manifest: dict[str, Any]) -> str:
-    """The split mode of a run from its manifest: "latent", "label-shielded", "u-shape" or "plain"."""
-    if manifest.get("mode") == "latent":
-        return "latent"
-    if (manifest.get("split") or {}).get("label_shielded"):
-        return "label-shielded"
-    return "u-shape" if (manifest.get("split") or {}).get("u_shape") else "plain"
-
-
 def _latent_result(
     config: AttackConfig,
     attack,
@@ -341,25 +335,35 @@ def run_partition_attack(
     protocol_hash: str | None = None,
 ) -> dict[str, Any]:
     """A partition attack on a latent run's frames of ``config.phase``, scored against the client's
-    record of real rows. The classifier rule fits on the training frames, so it is evaluated on the
-    capture pass only."""
-    from splitleak.attacks.partition import PartitionAttack, load_latent_traffic, load_truth, score_partition
+    record of real rows. The attack is given the training-phase frames where it reads what the server
+    saw before, their truth only where it fits on labels (the classifier rule: then it is evaluated on
+    the capture pass only), and the run's public latent arguments; never the client's private files."""
+    from splitleak.attacks.partition import LatentPartition, load_latent_traffic, load_truth, score_partition
 
     attack = make_attack(config.attack, **config.attack_params())
-    if not isinstance(attack, PartitionAttack):
-        raise ConfigError(f"attack {config.attack!r} is registered as a partition attack but is not a PartitionAttack")
-    if attack.rule == "classifier" and config.phase == "train":
-        raise ConfigError("the classifier rule fits on the training frames; evaluate it on the capture pass")
+    if not isinstance(attack, LatentPartition):
+        raise ConfigError(
+            f"attack {config.attack!r} is registered as a partition attack but is not a LatentPartition "
+            "(splitleak.attacks.partition); derive it from that class"
+        )
+    labels = attack.needs_labels()
+    if labels and config.phase == "train":
+        raise ConfigError(f"{config.attack} fits on the training frames' truth; evaluate it on the capture pass")
     truth = load_truth(doc_dir)
     traffic = load_latent_traffic(run_dir, config.phase)
     t0 = time.perf_counter()
-    attack.fit(load_latent_traffic(run_dir, "train") if attack.rule == "classifier" else None, truth)
+    history = None
+    if labels or attack.reads_history():
+        history = traffic if config.phase == "train" else load_latent_traffic(run_dir, "train")
+    attack.fit(history, truth if labels else None, public=(manifest["config"] or {}).get("latent"))
     parts = attack.partition(traffic)
     seconds = time.perf_counter() - t0
     scored = score_partition(traffic, truth, parts)
     result = _latent_result(config, attack, run_dir, manifest, len(traffic), seconds, protocol_hash) | {
         "partition": scored
     }
+    if attack.report():  # what the attack found on the traffic alone (gauge-key-search: the seed)
+        result["attack_summary"] = attack.report()
     per_frame = [
         {"frame_id": f.frame_id, "rows": len(pred), "exact": bool((pred == truth[f.frame_id]).all()),
          "agreement": float((pred == truth[f.frame_id]).mean())}

@@ -42,6 +42,7 @@ from splitleak.progress import Progress
 from splitleak.seeds import model_init_seed
 from splitleak.stats import frame_weights
 from splitleak.training import RunResult, make_train_config, run_training
+from splitleak.training.config import adaptive_attacks_of
 from splitleak.wire import load_capture, verify_run
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -86,6 +87,15 @@ ARM_BOOT = 10_000
 
 #: defence-aware attacks the audit adds when the traffic carries the channel they read
 CONDITIONAL_ATTACKS = (("probe_activations", "mixup-unmix", {"k": 32}, "public"),)
+#: the audit's settings of the attacks built for a defence (``Defence.adaptive``), as the suite's own: k = 32
+#: candidates, 32 checks per position; an attack not listed runs with its defaults
+ADAPTIVE_PARAMS: dict[str, dict[str, Any]] = {
+    "sipit-aware": {"budget": 32},
+    "activation-aware": {"k": 32},
+    "seed-search": {"budget": 32},
+    "mixup-unmix": {"k": 32},
+    "mixup-history": {"k": 32},
+}
 #: the channels the audit's injected-leak calibration doses (its positive control)
 CALIBRATED_CHANNELS = ("activations",)
 
@@ -95,9 +105,13 @@ def check_certify(certify: int | str) -> None:
         raise ConfigError(f"--certify takes a number of checks per position (>= 1) or 'exhaustive', got {certify!r}")
 
 
-def audit_attacks(traffic, certify: int | str = CERTIFY_CHECKS) -> list[tuple[str, dict[str, Any], str]]:
+def audit_attacks(
+    traffic, certify: int | str = CERTIFY_CHECKS, adaptive: dict[str, tuple[str, ...]] | None = None
+) -> list[tuple[str, dict[str, Any], str]]:
     """``AUDIT_ATTACKS`` with the exact-inversion check's bound (``certify``: checks per position, or
-    ``exhaustive``), plus each defence-aware attack whose channel the traffic carries."""
+    ``exhaustive``), plus each defence-aware attack whose channel the traffic carries, plus the attacks built
+    for the run's defences (``adaptive``: name -> the defences it is built for) on the public copy, and
+    ``sipit-aware`` on the trained copy too, where it is the exact-inversion check through the defence."""
     check_certify(certify)
     base = [
         (name, {**params, "budget": certify}, copy) if (name, copy) == ("sipit", "trained") else (name, params, copy)
@@ -106,7 +120,16 @@ def audit_attacks(traffic, certify: int | str = CERTIFY_CHECKS) -> list[tuple[st
     extra = [
         (name, params, copy) for field, name, params, copy in CONDITIONAL_ATTACKS if getattr(traffic, field) is not None
     ]
-    return base + extra
+    built = []
+    for name in adaptive or {}:
+        built.append((name, dict(ADAPTIVE_PARAMS.get(name, {})), "public"))
+        if name == "sipit-aware":
+            built.append((name, {**ADAPTIVE_PARAMS[name], "budget": certify}, "trained"))
+    out: list[tuple[str, dict[str, Any], str]] = []
+    for item in base + extra + built:
+        if not any((item[0], item[2]) == (n, c) for n, _, c in out):
+            out.append(item)
+    return out
 
 
 def choose_default_model() -> tuple[str, str]:
@@ -154,6 +177,7 @@ def run_audit(
     data_path: str | None = None,
     seed: int = 0,
     steps: int | None = None,
+    draws: str = "os",
     n_calib: int = N_CALIB,
     n_train: int = AUDIT_N_TRAIN,
     n_eval: int = AUDIT_N_EVAL,
@@ -195,6 +219,7 @@ def run_audit(
         data_path=data_path,
         seed=seed,
         steps=steps,
+        draws=draws,
         n_calib=n_calib,
         n_train=n_train,
         n_eval=n_eval,
@@ -227,9 +252,10 @@ def run_audit(
         traffic_dir = session
         say(f"traffic: the server's capture {session} (the same frames as the client's record)")
     traffic = load_traffic(traffic_dir)
+    adaptive = adaptive_attacks_of(cfg)
     results = []
     predictions = {}
-    for name, params, copy in audit_attacks(traffic, certify):
+    for name, params, copy in audit_attacks(traffic, certify, adaptive):
         if copy not in knowledges:
             knowledges[copy] = load_knowledge(out / "run", copy, lm=pristine.clone())
         acfg = make_attack_config(attack=name, client_copy=copy, attack_seed=seed, params=params)
@@ -246,6 +272,8 @@ def run_audit(
         )
         predictions[attack_label(res)] = [row["predicted"] for row in res.pop("per_doc")]
         res["threat_model"] = copy
+        if name in adaptive:
+            res["built_for"] = list(adaptive[name])
         results.append(res)
     truth = eval_token_ids(out / "run", traffic.doc_ids)
     examples = example_documents(out / "run", traffic.doc_ids, results, predictions, knowledges["public"])
@@ -308,6 +336,7 @@ def run_audit(
     verdict_parts = [
         verdict_line(results, arms, probe_arms, gate, cal.record),
         readers_sentence(results),
+        adaptive_sentence(results, cfg),
         channels_sentence(channels),
     ]
     verdict = " ".join(p for p in verdict_parts if p)
@@ -387,6 +416,54 @@ def utility_baseline(m: dict[str, Any], cost: dict[str, Any] | None, defended: b
     if m.get("all_local_ce") is not None:
         return {"all_local_ce": m["all_local_ce"], "delta_u": m["delta_u"], "source": "the all-local baseline run"}
     return {"all_local_ce": None, "delta_u": None, "source": "no all-local run and no twin"}
+
+
+def adaptive_sentence(results: list[dict[str, Any]], cfg) -> str:
+    """Who reads the traffic knowing the defence (Kerckhoffs): the strongest attack built for the run's
+    defences under each threat model, beside the strongest that ignores them; empty without a defence."""
+    from splitleak.wire.defences import build_defence
+
+    chain = [d for d in cfg.defences if d.name != "none"]
+    if not chain:
+        return ""
+    built = [r for r in results if r.get("built_for")]
+    names = ", ".join(d.name for d in chain)
+    if not built:
+        return f"No attack built for {names} read this traffic: the verdict rests on attacks that ignore the defence."
+    parts = []
+    for copy in THREAT_MODELS:
+        aware = worst_reader([r for r in built if r.get("threat_model", "public") == copy])
+        blind = worst_reader([r for r in results if not r.get("built_for") and r.get("threat_model", "public") == copy])
+        if aware is None:
+            continue
+        text = (
+            f"{attack_label(aware)}{' on the public copy' if copy == 'public' else ''} reads {fmt_pct(aware['token_recovery'])} % of tokens and {fmt_pct(aware['doc_recovery'])} % of whole "
+            "documents"
+        )
+        if blind is not None:
+            more = (aware["doc_recovery"], aware["token_recovery"]) > (blind["doc_recovery"], blind["token_recovery"])
+            text += (
+                f", {'more than' if more else 'no more than'} the best attack that ignores the defence "
+                f"({attack_label(blind)}: {fmt_pct(blind['token_recovery'])} %, {fmt_pct(blind['doc_recovery'])} %)"
+            )
+        found = (aware.get("attack_summary") or {}).get("key_found")
+        if found:
+            text += f"; it found the key of the client's draws (run seed {aware['attack_summary']['run_seed']})"
+        parts.append(text)
+    for r in built:
+        summary = r.get("attack_summary") or {}
+        if summary.get("applies") and not summary.get("key_found"):
+            parts.append(
+                f"{attack_label(r)} tried {summary['tried']} run seeds as the key of the forward noise and found none "
+                f"(draws={summary.get('draws')})"
+            )
+    notes = sorted({build_defence(d.name, d.args).adaptive_note for d in chain} - {""})
+    return (
+        f"Attacks built for {names} (they know its mechanism and public arguments): "
+        + "; ".join(parts)
+        + "."
+        + (f" Why they apply: {' '.join(notes)}." if notes else "")
+    )
 
 
 def channels_sentence(channels: list[dict[str, Any]]) -> str:
@@ -476,19 +553,21 @@ def readers_sentence(results: list[dict[str, Any]]) -> str:
     worst = worst_reader(results)
     assert worst is not None
     out = "Worst-case reader: " + "; ".join(parts) + f"; the worst is {attack_label(worst)}."
-    cert = next(
-        (
-            r
-            for r in results
-            if r["attack"] == "sipit" and r.get("threat_model") == "trained" and r.get("certified_tokens") is not None
-        ),
-        None,
-    )
+    checks = [
+        r
+        for r in results
+        if r["attack"] in ("sipit", "sipit-aware")
+        and r.get("threat_model") == "trained"
+        and r.get("certified_tokens") is not None
+    ]
+    # under a defence the check that knows it (rounding, clip and noise model) certifies what it can
+    cert = max(checks, key=lambda r: r["certified_tokens"]) if checks else None
     if cert is not None:
         budget = cert.get("attack_params", {}).get("budget")
         bound = "the whole vocabulary if needed" if budget == "exhaustive" else f"up to {budget} checks per position"
+        how = "SipIt through the trained layers" + (", knowing the defence" if cert["attack"] == "sipit-aware" else "")
         out += (
-            f" Exact-inversion check (SipIt through the trained layers, {bound}): "
+            f" Exact-inversion check ({how}, {bound}): "
             f"{fmt_pct(cert['certified_tokens'])} % of positions matched an observed activation exactly "
             f"({cert['mean_checks_per_token']:.1f} checks per position on average)"
             + (

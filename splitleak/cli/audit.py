@@ -10,7 +10,17 @@ import typer
 from rich.table import Table
 
 from splitleak.audit.defaults import AUDIT_N_EVAL, AUDIT_N_TRAIN, DEFAULT_COVERAGES
-from splitleak.cli.common import DeviceOpt, ThreadsOpt, TlsDirOpt, app, console, parse_defences, progress, user_errors
+from splitleak.cli.common import (
+    DeviceOpt,
+    DrawsOpt,
+    ThreadsOpt,
+    TlsDirOpt,
+    app,
+    console,
+    parse_defences,
+    progress,
+    user_errors,
+)
 from splitleak.cli.runs import print_summary
 from splitleak.data import N_CALIB, N_EVAL, N_TRAIN
 from splitleak.errors import ConfigError
@@ -167,6 +177,7 @@ def audit_cmd(
     data_path: Optional[Path] = typer.Option(None, "--data-path"),
     seed: int = typer.Option(0, "--seed"),
     steps: Optional[int] = typer.Option(None, "--steps"),
+    draws: str = DrawsOpt,
     n_calib: int = typer.Option(N_CALIB, "--n-calib"),
     n_train: int = typer.Option(
         AUDIT_N_TRAIN, "--n-train", help=f"training documents, one step each (the study's: {N_TRAIN})"
@@ -218,6 +229,7 @@ def audit_cmd(
                 data_path=str(data_path) if data_path else None,
                 seed=seed,
                 steps=steps,
+                draws=draws,
                 n_calib=n_calib,
                 n_train=n_train,
                 n_eval=n_eval,

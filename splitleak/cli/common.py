@@ -70,6 +70,13 @@ def first_line(text: str, limit: int = 300) -> str:
 DeviceOpt = typer.Option("auto", "--device", help="auto (CUDA when present), cpu or cuda")
 ThreadsOpt = typer.Option(None, "--threads", help="torch intra-op threads (default: torch's choice)")
 TlsDirOpt = typer.Option(None, "--tls-dir", help="with --connect: the folder `splitleak tls init` wrote")
+DrawsOpt = typer.Option(
+    "os",
+    "--draws",
+    help="what keys the client's random draws on the wire (noise, decoy draws, scales): os (a fresh 128-bit "
+    "secret per run, kept in OUT/client/draws.json; the default) or derived (the run seed: reproducible bit "
+    "for bit, but a seed from a small range is found by trying seeds, see the seed-search attack)",
+)
 
 
 def parse_defences(names: list[str], args: list[str]) -> list[dict[str, Any]]:

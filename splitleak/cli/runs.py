@@ -11,6 +11,7 @@ from rich.table import Table
 from splitleak.attacks.registry import help_text as attack_help
 from splitleak.cli.common import (
     DeviceOpt,
+    DrawsOpt,
     ThreadsOpt,
     TlsDirOpt,
     app,
@@ -90,7 +91,8 @@ def train_cmd(
         [],
         "--latent-arg",
         help="latent mode: KEY=VALUE (width, decoys, pool, clip, sigma, output_gradient=open|clip-noise, "
-        "output_clip, output_sigma, scale_gauge, gauge_entropy=derived|os, teacher_weight, surrogate_layers)",
+        "output_clip, output_sigma, scale_gauge, gauge_entropy=os|derived, decoy_release=fresh|verbatim, "
+        "teacher_weight, surrogate_layers)",
     ),
     lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate (default 5e-5; 3e-4 in latent mode)"),
     data: str = typer.Option("synthetic-pii", "--data", help="wikitext2, synthetic-pii, instructions or text"),
@@ -107,6 +109,7 @@ def train_cmd(
     steps: Optional[int] = typer.Option(
         None, "--steps", help="training steps (default: one pass over the training documents)"
     ),
+    draws: str = DrawsOpt,
     precision: str = typer.Option("float32", "--precision", help="float32 or float64"),
     n_calib: int = typer.Option(N_CALIB, "--n-calib"),
     n_train: int = typer.Option(N_TRAIN, "--n-train"),
@@ -165,6 +168,7 @@ def train_cmd(
             seed=seed,
             data_seed=data_seed,
             steps=steps,
+            draws=draws,
             precision=precision,
             n_calib=n_calib,
             n_train=n_train,
@@ -213,7 +217,9 @@ def train_cmd(
 def _options_config(**o):
     """A TrainConfig from the `train` options (as ``options`` in ``train_cmd`` names them)."""
     paths = {k: str(o[k]) if o[k] else None for k in ("model_path", "data_path")}
-    same = ("model", "precision", "depth", "offload_start", "offload_length", "data", "seed", "data_seed", "steps")
+    same = (
+        "model", "precision", "depth", "offload_start", "offload_length", "data", "seed", "data_seed", "steps", "draws"
+    )  # fmt: skip
     same += ("n_calib", "n_train", "n_eval", "doc_len")
     extra: dict = {} if o["lr"] is None else {"lr": o["lr"]}
     if o["mode"] == "latent":
@@ -282,6 +288,7 @@ _TRAIN_DEFAULTS = dict(
     seed=0,
     data_seed=0,
     steps=None,
+    draws="os",
     precision="float32",
     n_calib=N_CALIB,
     n_train=N_TRAIN,

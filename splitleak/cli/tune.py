@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from splitleak.cli.common import DeviceOpt, ThreadsOpt, app, console, user_errors
+from splitleak.experiments.tune import DEFAULT_ATTACKS
 
 
 @app.command("tune")
@@ -32,10 +33,10 @@ def tune_cmd(
         "declares a search range and runs on a plain split",
     ),
     attacks: str = typer.Option(
-        ",".join(("vmi", "activation", "sipit-trained")),
+        ",".join(DEFAULT_ATTACKS),
         "--attacks",
         help="the suite, cheapest first (the first is the early-stop probe): vmi, activation, joint, sipit, "
-        "sipit-trained",
+        "sipit-trained, adaptive (the attacks built for the trial's defences; not first)",
     ),
     n_trials: int = typer.Option(20, "--n-trials", help="trials in all (a rerun resumes up to this many)"),
     seed: int = typer.Option(0, "--seed", help="the sampler's and the attacks' seed"),

@@ -18,6 +18,11 @@
   = True``); it is not computed: the store copies the training-setting measurement (``reuse_of``
   names the source key), since an activation-only attack reads the same activations in both
   settings (What Gradients Add §3, "These 480 evaluations reuse the training measurements").
+
+An attack entry named ``adaptive`` (``ADAPTIVE_ENTRY``) expands, per train job, into the attacks built
+for that job's defences (``Defence.adaptive``; the latent mode's own), each with the entry's ``k`` or
+``budget`` where it takes one, its copies and seeds; an undefended train job gets none. A job it yields
+that another entry lists too is kept once.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ KINDS = ("train", "attack", "reuse")
 LATENT_DEFENCE = "latent"
 #: the ``defence_name`` of a label-shielded train job (its ``defence`` column holds the arm's label)
 SHIELDED_DEFENCE = "label-shielded"
+#: the attack entry that stands for each train job's adaptive attacks
+ADAPTIVE_ENTRY = "adaptive"
 
 
 @dataclass(frozen=True)
@@ -263,17 +270,44 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
                     f"defence of the spec ({', '.join(labels + arms)}) nor a known defence "
                     f"({', '.join(sorted(DEFENCES))})"
                 )
-    attack_cfgs = [(entry, _attack_configs(entry, spec, i)) for i, entry in enumerate(spec.attacks)]
+    attack_cfgs = [
+        (entry, [] if entry.attack == ADAPTIVE_ENTRY else _attack_configs(entry, spec, i))
+        for i, entry in enumerate(spec.attacks)
+    ]
+    adaptive_cfgs: dict[tuple[int, str], list[tuple[dict[str, Any], str, bool]]] = {}
+
+    def adaptive_configs(i: int, entry: AttackEntry, name: str) -> list[tuple[dict[str, Any], str, bool]]:
+        """The configurations of adaptive attack ``name`` that entry ``i`` stands for."""
+        if (i, name) not in adaptive_cfgs:
+            import inspect
+
+            from splitleak.attacks.core import ATTACKS
+
+            takes = inspect.signature(ATTACKS[name].__init__).parameters
+            one = entry.model_copy(
+                update={
+                    "attack": name,
+                    "k": entry.k if "k" in takes else None,
+                    "budget": entry.budget if "budget" in takes else None,
+                }
+            )
+            adaptive_cfgs[(i, name)] = _attack_configs(one, spec, i)
+        return adaptive_cfgs[(i, name)]
 
     jobs: list[Job] = []
     seen: dict[str, str] = {}
+    from_adaptive: set[str] = set()
 
-    def add(job: Job) -> None:
+    def add(job: Job, adaptive: bool = False) -> None:
         if job.key in seen:
+            if adaptive or job.key in from_adaptive:
+                return  # an adaptive entry and another entry name the same job: it runs once
             raise ConfigError(
                 f"{loaded.path}: the job {job.summary!r} is listed twice (e.g. two attack entries overlap)"
             )
         seen[job.key] = job.summary
+        if adaptive:
+            from_adaptive.add(job.key)
         jobs.append(job)
 
     for split_mode, present, where in (
@@ -309,41 +343,56 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
         tf = _train_fields(tcfg, label, names)
         tsum = _train_summary(tf)
         add(Job(tkey, "train", config, tf, tsum, run_config=run_cfg.as_dict()))
-        for i, (entry, cfgs) in enumerate(attack_cfgs):
-            if mode not in attack_info(entry.attack).modes:
-                continue  # the latent mode's frames, a split's positions, a label-shielded run's four crossings
-            if (common.get("shielded") or {}).get("train") == "top-only" and attack_info(entry.attack).needs_top:
-                continue  # a top-only client sends no gradient: the attacks that match one have nothing to read
+        from splitleak.training.config import adaptive_attacks_of
+
+        for i, (entry, entry_cfgs) in enumerate(attack_cfgs):
             if entry.defences is not None and label not in entry.defences and names not in entry.defences:
                 continue
-            used[i] = True
-            for acfg, pert, also_inference in cfgs:
-                aconf = {
-                    "schema": SCHEMA,
-                    "kind": "attack",
-                    "train_key": tkey,
-                    "attack": acfg,
-                    "protocol_hash": protocol_hash,
-                }
-                akey = config_hash(aconf)
-                af = {**tf, **_attack_fields(acfg, pert)}
-                add(Job(akey, "attack", aconf, af, f"{tsum} | {_attack_summary(af)}", train_key=tkey))
-                if also_inference:
-                    icfg = {**acfg, "inference": True}
-                    iconf = {**aconf, "attack": icfg}
-                    ikey = config_hash(iconf)
-                    fi = {**tf, **_attack_fields(icfg, pert)}
-                    add(
-                        Job(
-                            ikey,
-                            "reuse",
-                            iconf,
-                            fi,
-                            f"{tsum} | {_attack_summary(fi)} (reuses {akey[:12]})",
-                            train_key=tkey,
-                            reuse_of=akey,
-                        )
-                    )
+            if entry.attack == ADAPTIVE_ENTRY:
+                used[i] = True
+                top_only = (common.get("shielded") or {}).get("train") == "top-only"
+                built = [a for a in adaptive_attacks_of(run_cfg) if not (top_only and attack_info(a).needs_top)]
+                per_attack = [(a, adaptive_configs(i, entry, a)) for a in built]
+            else:
+                if mode not in attack_info(entry.attack).modes:
+                    continue  # the latent mode's frames, a split's positions, a label-shielded run's four crossings
+                if (common.get("shielded") or {}).get("train") == "top-only" and attack_info(entry.attack).needs_top:
+                    continue  # a top-only client sends no gradient: the attacks that match one have nothing to read
+                used[i] = True
+                per_attack = [(entry.attack, entry_cfgs)]
+            for cfgs in (c for _, c in per_attack):
+                emit_attacks(cfgs, tkey, tf, tsum, adaptive=entry.attack == ADAPTIVE_ENTRY)
+
+    def emit_attacks(cfgs, tkey: str, tf: dict[str, Any], tsum: str, adaptive: bool) -> None:
+        """The attack (and reuse) jobs of one train job for one attack's configurations."""
+        for acfg, pert, also_inference in cfgs:
+            aconf = {
+                "schema": SCHEMA,
+                "kind": "attack",
+                "train_key": tkey,
+                "attack": acfg,
+                "protocol_hash": protocol_hash,
+            }
+            akey = config_hash(aconf)
+            af = {**tf, **_attack_fields(acfg, pert)}
+            add(Job(akey, "attack", aconf, af, f"{tsum} | {_attack_summary(af)}", train_key=tkey), adaptive)
+            if also_inference:
+                icfg = {**acfg, "inference": True}
+                iconf = {**aconf, "attack": icfg}
+                ikey = config_hash(iconf)
+                fi = {**tf, **_attack_fields(icfg, pert)}
+                add(
+                    Job(
+                        ikey,
+                        "reuse",
+                        iconf,
+                        fi,
+                        f"{tsum} | {_attack_summary(fi)} (reuses {akey[:12]})",
+                        train_key=tkey,
+                        reuse_of=akey,
+                    ),
+                    adaptive,
+                )
 
     def shared(model: str, seed: int) -> dict[str, Any]:
         return dict(
@@ -353,6 +402,7 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
             seed=seed,
             steps=spec.steps,
             capture_batch=spec.capture_batch,
+            draws=spec.draws,
             **spec.documents.train_config_fields(),
         )
 

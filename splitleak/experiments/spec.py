@@ -300,6 +300,9 @@ class ExperimentSpec(BaseModel):
     data: DataSpec = Field(default_factory=DataSpec)
     capture_batch: int = Field(16, ge=1)
     all_local_baseline: bool = True
+    #: what keys the client's draws on the wire (``TrainConfig.draws``): os, a fresh secret per run; derived,
+    #: the run seed, so that arms of one victim seed share their draws (common random numbers)
+    draws: Literal["os", "derived"] = "os"
     profiles: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @field_validator("models", "depths", "victim_seeds", "attack_seeds", "client_copies", mode="before")

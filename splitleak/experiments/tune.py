@@ -47,8 +47,10 @@ from splitleak.errors import ConfigError, SplitleakError
 UTILITIES = ("rel-ppl", "delta-ce")
 #: the default early-stop threshold on the first attack's paired effect (lower end), ours
 STOP_ABOVE = 0.05
-#: the default suite, cheapest first (the first attack is the early-stop probe)
-DEFAULT_ATTACKS = ("vmi", "activation", "sipit-trained")
+#: the default suite, cheapest first (the first attack is the early-stop probe); ``adaptive``: the attacks
+#: built for the trial's defences (``Defence.adaptive``), on the trained copy, k = 32, 32 checks per position
+DEFAULT_ATTACKS = ("vmi", "activation", "sipit-trained", "adaptive")
+ADAPTIVE = "adaptive"
 STUDY_NAME = "splitleak-tune"
 #: significant digits kept of a sampled strength
 DIGITS = 3
@@ -79,6 +81,7 @@ def attack_suite() -> dict[str, dict[str, Any]]:
         if p:
             entry["params"] = p
         out[stem] = entry
+    out[ADAPTIVE] = {"attack": ADAPTIVE, "k": 32, "budget": 32, "client_copy": "trained"}
     return out
 
 
@@ -91,6 +94,11 @@ def resolve_attacks(names: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
         raise ConfigError(f"unknown tune attack {unknown[0]!r}; choose from {', '.join(suite)} (--attacks vmi,...)")
     if len(set(names)) != len(names):
         raise ConfigError("an attack is listed twice in --attacks; list each once")
+    if names[0] == ADAPTIVE:
+        raise ConfigError(
+            f"{ADAPTIVE!r} cannot come first in --attacks: the first attack is the early-stop probe and must read "
+            "every trial, the undefended one too (which has no adaptive attack); put a reader before it"
+        )
     return [(n, suite[n]) for n in names]
 
 
@@ -467,6 +475,7 @@ class GridEvaluator:
 
         rs = ResultsStore(self.store)
         by_name = dict(self.attacks)
+        attack_of = {n: by_name[n]["attack"] for n in names}
         preds: dict[str, Any] = {}
         doc_ids: list[int] | None = None
         train_key = None
@@ -474,12 +483,15 @@ class GridEvaluator:
         for job in grid.of_kind("attack"):
             if job.fields["defence"] != outcome.defence:
                 continue
+            attack, copy = job.fields["attack"], job.fields["client_copy"]
             name = next(
-                n
-                for n in names
-                if by_name[n]["attack"] == job.fields["attack"]
-                and by_name[n]["client_copy"] == job.fields["client_copy"]
+                (n for n in names if by_name[n]["attack"] == attack and by_name[n]["client_copy"] == copy), None
             )
+            if name is None and ADAPTIVE in names and attack_info(attack).adaptive:
+                name = attack if copy == "public" else f"{attack}-{copy}"  # one of the chain's adaptive attacks
+                attack_of[name] = attack
+            if name is None:
+                continue
             rows = sorted(rs.read_job("attack", job.key).to_pylist(), key=lambda r: r["doc_id"])
             ids = [r["doc_id"] for r in rows]
             if doc_ids is None:
@@ -492,7 +504,7 @@ class GridEvaluator:
         assert doc_ids is not None and train_key is not None
         truth = eval_token_ids(rs.run_dir(train_key), doc_ids)
         base, arms = arm_effects(preds, truth, n_boot=self.n_boot, seed=self.settings.seed)
-        readers = [a for a in arms if not attack_info(by_name[a.name]["attack"]).control]
+        readers = [a for a in arms if not attack_info(attack_of[a.name]).control]
         gate = arm_gate(readers, base)
         outcome.attack_keys = keys
         outcome.baseline_rate = base.rate
@@ -876,12 +888,19 @@ def not_measured(settings: TuneSettings) -> list[str]:
         "Only the attacks of the suite ("
         + ", ".join(settings.attacks)
         + ") are run; the gate holds against them, not against the audit's full suite (joint, SipIt without a "
-        "budget, the defence-aware mixup-unmix) or any attack not written yet.",
+        "budget) or any attack not written yet.",
         "Only token top-1 on the evaluation documents is read: no whole-document or span verdict, no "
         "membership, no property (leakage index) reading, and no injected-leak calibration, so a configuration "
         "that holds the gate is not shown to be calibrated (run `splitleak audit --defence ...` on it).",
         "Only the capture pass over the evaluation documents is attacked, not the training steps' frames.",
     ]
+    if ADAPTIVE not in suite:
+        out.append(
+            "No attack built for the trial's defences (the adaptive attacks each defence names) is run: the gate "
+            "holds against attacks that ignore the defence only."
+        )
+    else:
+        out.append("The attacks built for each trial's defences run on the trained copy only.")
     if "trained" not in copies:
         out.append("The threat model of an attacker holding the client's trained layers is not run.")
     if "public" not in copies:

@@ -116,6 +116,7 @@ def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
         "name %",
         "number %",
         "identifier %",
+        "knows the defence",
     ]
     rows = []
     for r in runs:
@@ -132,15 +133,25 @@ def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
         ]
         scored = [a for a in r.attacks if a.get("token_recovery") is not None]
         if not scored:
-            rows.append(util + ["(no attack results)", "", "", "", "", ""])
+            rows.append(util + ["(no attack results)", "", "", "", "", "", ""])
+        built = set(adaptive_attacks_of(r.config))
         for a in scored:
             spans = a.get("span_recovery") or {}
             rows.append(
                 util
                 + [_label(a), fmt_pct(a["token_recovery"]), fmt_pct(a["doc_recovery"])]
                 + ["n/a" if spans.get(c) is None else fmt_pct(spans[c]) for c in LABELS]
+                + ["yes" if a["attack"] in built else ""]
             )
     return header, rows
+
+
+def adaptive_attacks_of(config: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    """The attacks built for a run's defences, from its recorded configuration."""
+    from splitleak.training.config import TrainConfig
+    from splitleak.training.config import adaptive_attacks_of as of
+
+    return of(TrainConfig(**{k: v for k, v in config.items() if k in TrainConfig.model_fields}))
 
 
 def leakage_cost_figure(runs: list[RunSummary], out_stem: str | Path) -> list[Path]:

@@ -67,6 +67,7 @@ class PartitionCell:
     frames_exact: int
     agreement: float  # row agreement over every frame of every seed
     aucs: list[float | None]
+    attack: str = "support-partition"
 
     @property
     def auc(self) -> float | None:
@@ -131,13 +132,22 @@ class LatentSummary:
         return bool(self.partition or self.probes or self.utility)
 
 
+def partition_attacks() -> list[str]:
+    """The registered attacks that partition latent frames, in the registry's order."""
+    from splitleak.attacks.registry import REGISTRY
+
+    return [n for n, a in REGISTRY.items() if a.output == "partition" and "latent" in a.modes]
+
+
 def _partition(rows: Sequence[dict[str, Any]]) -> tuple[list[PartitionCell], list[str]]:
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
-    for r in _per_job(rows, "support-partition"):
-        groups.setdefault((r["model"], r["defence"], _params(r)), []).append(r)
+    order = partition_attacks()
+    groups: dict[tuple[str, int, str, str], list[dict[str, Any]]] = {}
+    for k, attack in enumerate(order):
+        for r in _per_job(rows, attack):
+            groups.setdefault((r["model"], k, r["defence"], _params(r)), []).append(r)
     out: list[PartitionCell] = []
     bare: set[tuple[str, str]] = set()
-    for (model, arm, params), rs in sorted(groups.items()):
+    for (model, k, arm, params), rs in sorted(groups.items()):
         parts = [_result(r)["partition"] for r in rs]
         if all(p["real_row_share"] == 1.0 for p in parts):  # a frame of real rows only: nothing to find
             bare.add((model, arm))
@@ -154,6 +164,7 @@ def _partition(rows: Sequence[dict[str, Any]]) -> tuple[list[PartitionCell], lis
                 sum(p["frames_exact"] for p in parts),
                 float(agreement),
                 [p.get("auc") for p in parts],
+                order[k],
             )
         )
     notes = [
@@ -332,6 +343,7 @@ def latent_section(doc: Document, attack_rows: Sequence[dict[str, Any]], train_r
             rows.append(
                 [
                     cell.model,
+                    cell.attack,
                     cell.arm,
                     cell.params,
                     str(len(cell.seeds)),
@@ -342,11 +354,14 @@ def latent_section(doc: Document, attack_rows: Sequence[dict[str, Any]], train_r
             )
         doc.add(
             Table(
-                ["model", "latent arm", "rule", "seeds", "frames exact", "row agreement", "AUC"],
+                ["model", "attack", "latent arm", "parameters", "seeds", "frames exact", "row agreement", "AUC"],
                 rows,
                 caption="Support partition: a row is called real iff its returned output gradient is non-zero; the "
                 "norm and classifier rules read the same frames after the fix, which the paper did not test. "
-                f"The paper: open, {PAPER['partition_open']}; with the fix, {PAPER['partition_fix']}.",
+                f"The paper: open, {PAPER['partition_open']}; with the fix, {PAPER['partition_fix']}. "
+                "decoy-history (a row matching an earlier frame's rows is a decoy) and gauge-key-search (run seeds "
+                "tried against the derived keys) are built for the decoy mix and the gauges; the paper did not "
+                "test them.",
             )
         )
     if s.probes:

@@ -5,8 +5,10 @@ of shape (a)–(e), each checked on the grid's own numbers.
 
 ``shielded_summary`` turns store rows into one ``ArmCell`` per arm (tested), ``shape_claims`` checks the
 claims on them (tested, and used by the tests of shape on the tiny model), ``shielded_section`` writes
-them. Rows are the label-shielded mode's when their ``defence_name`` is ``label-shielded`` (the
-``defence`` column holds the arm's label). Thresholds of the claims come from the protocol
+them. A defence is judged by its strongest reader: the claims read, per arm and metric, the best of the
+label attacks the grid ran (``LABEL_READERS``: GMA-SL and the GMA-SL that knows the chain). Rows are the
+label-shielded mode's when their ``defence_name`` is ``label-shielded`` (the ``defence`` column holds the
+arm's label). Thresholds of the claims come from the protocol
 (``mirage_003.yaml``); where it gives none, the defaults here, which are ours (003 states no numbers).
 """
 
@@ -23,8 +25,10 @@ import numpy as np
 from splitleak.report.document import Document, Figure, Heading, Para, Table
 
 SHIELDED_DEFENCE = "label-shielded"  # the same word as splitleak.experiments.jobs.SHIELDED_DEFENCE (torch-free)
-#: the attack the claims are read on (003's label attack), and the baselines of claim (b)
+#: 003's label attack, and the label readers whose best reading per arm the claims use (DESIGN: a defence
+#: is judged by its strongest reader; ``gma-sl-aware`` knows the chain's public arguments)
 CLAIM_ATTACK = "gma-sl"
+LABEL_READERS = ("gma-sl", "gma-sl-aware")
 BASELINES = ("grad-prune", "grad-dropout", "seq-dp")
 #: our defaults for the claims' thresholds (003 gives none); a protocol's ``thresholds`` override them
 DEFAULT_THRESHOLDS = {
@@ -78,6 +82,15 @@ class ArmCell:
 
     def reads(self, attack: str = CLAIM_ATTACK, metric: str = "label_recovery") -> float | None:
         return (self.attacks.get(attack) or {}).get(metric)
+
+    def strongest(self, metric: str = "label_recovery") -> float | None:
+        """The best reading of ``metric`` over the label readers that read this arm (None: none did)."""
+        known = [x for a in LABEL_READERS if (x := self.reads(a, metric)) is not None]
+        return max(known) if known else None
+
+    def strongest_reader(self, metric: str = "label_recovery") -> str | None:
+        best = self.strongest(metric)
+        return next((a for a in LABEL_READERS if best is not None and self.reads(a, metric) == best), None)
 
 
 METRICS = ("label_recovery", "answer_label_recovery", "rougeL_f", "rouge1_f", "meteor", "token_recovery")
@@ -152,7 +165,8 @@ def _ce(x: float | None) -> str:
 
 
 def shape_claims(cells: Sequence[ArmCell], thresholds: dict[str, float] | None = None) -> list[Claim]:
-    """003's claims of shape (a)–(e), each checked on the cells of one model (the first listed)."""
+    """003's claims of shape (a)–(e), each checked on the cells of one model (the first listed), on the strongest
+    label reader of each arm (``ArmCell.strongest``)."""
     th = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
     if not cells:
         return []
@@ -167,26 +181,30 @@ def shape_claims(cells: Sequence[ArmCell], thresholds: dict[str, float] | None =
     )
     out = []
 
+    readers = " or ".join(LABEL_READERS)
+
     # (a)
-    a = none.reads() if none else None
+    a = none.strongest() if none else None
     out.append(
         Claim(
             "a",
             f"undefended, GMA-SL recovers most label tokens (more than {_pct(th['most_labels'])})",
             None if a is None else a > th["most_labels"],
-            "no undefended arm read by gma-sl" if a is None else f"{none.arm}: {_pct(a)} of label tokens",  # type: ignore[union-attr]
+            f"no undefended arm read by {readers}"
+            if a is None
+            else f"{none.arm}: {_pct(a)} of label tokens ({none.strongest_reader()})",  # type: ignore[union-attr]
         )
     )
 
     # (b)
-    base = [c for c in full if c.chain_names in BASELINES and c.reads() is not None]
-    if default_mirage is None or default_mirage.reads() is None or none is None or not base:
+    base = [c for c in full if c.chain_names in BASELINES and c.strongest() is not None]
+    if default_mirage is None or default_mirage.strongest() is None or none is None or not base:
         out.append(
             Claim(
                 "b",
                 "Gradient Mirage reads far below every baseline at comparable utility",
                 None,
-                "needs the undefended arm, mirage at its defaults and a baseline, each read by gma-sl",
+                f"needs the undefended arm, mirage at its defaults and a baseline, each read by {readers}",
             )
         )
     else:
@@ -202,16 +220,16 @@ def shape_claims(cells: Sequence[ArmCell], thresholds: dict[str, float] | None =
             and none.heldout_ce is not None
             and abs(default_mirage.heldout_ce - none.heldout_ce) <= th["utility_margin"]
         )
-        mr, mrl = default_mirage.reads() or 0.0, default_mirage.reads(metric="rougeL_f") or 0.0
+        mr, mrl = default_mirage.strongest() or 0.0, default_mirage.strongest("rougeL_f") or 0.0
         below = all(
-            mr <= (c.reads() or 0.0) - th["far_below"] and mrl <= (c.reads(metric="rougeL_f") or 0.0) - th["far_below"]
+            mr <= (c.strongest() or 0.0) - th["far_below"] and mrl <= (c.strongest("rougeL_f") or 0.0) - th["far_below"]
             for c in near
         )
         ev = (
-            f"mirage: {_pct(mr)} labels, ROUGE-L {_pct(mrl)}, held-out CE {_ce(default_mirage.heldout_ce)} "
-            f"(undefended {_ce(none.heldout_ce)}); "
+            f"mirage: {_pct(mr)} labels ({default_mirage.strongest_reader()}), ROUGE-L {_pct(mrl)}, held-out CE "
+            f"{_ce(default_mirage.heldout_ce)} (undefended {_ce(none.heldout_ce)}); "
             + "; ".join(
-                f"{c.arm}: {_pct(c.reads())}, ROUGE-L {_pct(c.reads(metric='rougeL_f'))}, CE {_ce(c.heldout_ce)}"
+                f"{c.arm}: {_pct(c.strongest())}, ROUGE-L {_pct(c.strongest('rougeL_f'))}, CE {_ce(c.heldout_ce)}"
                 + ("" if c in near else " (utility not comparable)")
                 for c in base
             )
@@ -232,14 +250,14 @@ def shape_claims(cells: Sequence[ArmCell], thresholds: dict[str, float] | None =
         (
             (c.arg("mirage", "m", 1750.0), c)
             for c in mirage
-            if _is(c.arg("mirage", "r", 1 / 7), 1 / 7) and c.reads() is not None
+            if _is(c.arg("mirage", "r", 1 / 7), 1 / 7) and c.strongest() is not None
         ),
         key=lambda x: x[0],  # type: ignore[arg-type,return-value]
     )
     if len(by_m) < 3:
         out.append(Claim("c", "reconstruction falls then plateaus as m grows", None, "needs mirage at three or more m"))
     else:
-        rec = [c.reads() or 0.0 for _, c in by_m]
+        rec = [c.strongest() or 0.0 for _, c in by_m]
         ces = [c.heldout_ce for _, c in by_m if c.heldout_ce is not None]
         flat = (max(ces) - min(ces)) <= th["utility_margin"] if ces else False
         holds = rec[0] - rec[-1] >= th["m_drop"] and abs(rec[-1] - rec[-2]) <= th["plateau"] and flat
@@ -249,29 +267,29 @@ def shape_claims(cells: Sequence[ArmCell], thresholds: dict[str, float] | None =
                 f"reconstruction falls by at least {_pct(th['m_drop'])} from the smallest m to the largest, the two "
                 f"largest within {_pct(th['plateau'])}, held-out CE within {th['utility_margin']} nats across m",
                 holds,
-                "; ".join(f"m={m:g}: {_pct(c.reads())}, CE {_ce(c.heldout_ce)}" for m, c in by_m),
+                "; ".join(f"m={m:g}: {_pct(c.strongest())}, CE {_ce(c.heldout_ce)}" for m, c in by_m),
             )
         )
     by_r = sorted(
         (
             (c.arg("mirage", "r", 1 / 7), c)
             for c in mirage
-            if _is(c.arg("mirage", "m", 1750.0), 1750.0) and c.reads() is not None
+            if _is(c.arg("mirage", "m", 1750.0), 1750.0) and c.strongest() is not None
         ),
         key=lambda x: x[0],  # type: ignore[arg-type,return-value]
     )
     if len(by_r) < 2 or by_r[0][0] != 0:
         out.append(Claim("d", "token-wise variation r helps up to a point", None, "needs mirage at r = 0 and at r > 0"))
     else:
-        r0 = by_r[0][1].reads() or 0.0
-        best = min(c.reads() or 0.0 for _, c in by_r[1:])
+        r0 = by_r[0][1].strongest() or 0.0
+        best = min(c.strongest() or 0.0 for _, c in by_r[1:])
         out.append(
             Claim(
                 "d",
                 "some r > 0 reads less than r = 0 (the best r is reported; larger r past it reading more is the "
                 "'up to a point')",
                 best < r0,
-                "; ".join(f"r={r:.3g}: {_pct(c.reads())}" for r, c in by_r),
+                "; ".join(f"r={r:.3g}: {_pct(c.strongest())}" for r, c in by_r),
             )
         )
 
@@ -306,10 +324,10 @@ def shape_claims(cells: Sequence[ArmCell], thresholds: dict[str, float] | None =
     return out
 
 
-def privacy_utility_figure(cells: Sequence[ArmCell], out_stem: str | Path, attack: str = CLAIM_ATTACK) -> list[Path]:
+def privacy_utility_figure(cells: Sequence[ArmCell], out_stem: str | Path, attack: str | None = None) -> list[Path]:
     """Reconstruction (ROUGE-L F of the label text, and label-token recovery) against held-out CE, one point per
-    arm, the undefended one in blue (the grid report's cost figure, with the loss as the cost). Writes OUT.png
-    and OUT.svg."""
+    arm, the undefended one in blue (the grid report's cost figure, with the loss as the cost); by ``attack``, or
+    by the strongest label reader of each arm (None). Writes OUT.png and OUT.svg."""
     from splitleak.report.figures import recovery_cost_figure
 
     panels = {}
@@ -317,10 +335,12 @@ def privacy_utility_figure(cells: Sequence[ArmCell], out_stem: str | Path, attac
         panels[title] = [
             (c.heldout_ce, 100 * y, c.arm, c.chain_names == "none" and c.train == "all")
             for c in cells
-            if c.heldout_ce is not None and (y := c.reads(attack, metric)) is not None
+            if c.heldout_ce is not None
+            and (y := c.strongest(metric) if attack is None else c.reads(attack, metric)) is not None
         ]
+    who = attack or "strongest label reader"
     return recovery_cost_figure(
-        panels, out_stem, xlabel="held-out cross-entropy (nats; lower is better)", ylabel="{title} (%), " + attack
+        panels, out_stem, xlabel="held-out cross-entropy (nats; lower is better)", ylabel="{title} (%), " + who
     )
 
 
@@ -362,13 +382,14 @@ def shielded_section(
             ),
         )
     )
-    if any(c.heldout_ce is not None and c.reads() is not None for c in cells):
+    if any(c.heldout_ce is not None and c.strongest() is not None for c in cells):
         png = privacy_utility_figure(cells, out / "privacy-utility")[0]
         doc.add(
             Figure(
                 png,
-                "Reconstruction by GMA-SL against held-out cross-entropy, one point per arm (blue: undefended). A "
-                "defence worth having sits low and to the left.",
+                "Reconstruction by the strongest label reader of each arm (GMA-SL or GMA-SL that knows the chain) "
+                "against held-out cross-entropy, one point per arm (blue: undefended). A defence worth having sits "
+                "low and to the left.",
                 alt="privacy-utility scatter of the label-shielded arms",
             )
         )
@@ -381,8 +402,9 @@ def shielded_section(
                 for c in claims
             ],
             caption=(
-                f"003's claims of shape, checked on {cells[0].model}'s arms and read on GMA-SL. Thresholds are ours "
-                "(003 states none) unless the protocol sets them."
+                f"003's claims of shape, checked on {cells[0].model}'s arms and read on each arm's strongest label "
+                f"reader ({', '.join(LABEL_READERS)}: the best the grid ran). Thresholds are ours (003 states none) "
+                "unless the protocol sets them."
             ),
         )
     )

@@ -35,13 +35,29 @@ class LatentConfig(BaseModel):
     output_clip: float = Field(0.01, gt=0)
     output_sigma: float = Field(0.35, ge=0)
     scale_gauge: bool = False  # the per-row scale and sign gauge (off for these surrogates, as in the paper)
-    gauge_entropy: Literal["derived", "os"] = "derived"  # "os": the artefact's masters, not reproducible
+    # "fresh" (002 Fig. 2 steps 3-5): the decoys, earlier frames' rows before release, are gauged with the real
+    # rows and every row is clipped and noised afresh; "verbatim" (weak): released rows re-sent as they were, so
+    # each decoy's norm repeats an earlier row's (decoy-history reads it)
+    decoy_release: Literal["fresh", "verbatim"] = "fresh"
+    # "os" (002 Table 15): a fresh 128-bit master per frame from os.urandom, noise and decoy draws keyed by a
+    # per-run secret from os.urandom (kept in the client's run directory only); "derived": all keyed by the run
+    # seed, reproducible, and a key search over seeds rebuilds them (gauge-key-search)
+    gauge_entropy: Literal["derived", "os"] = "os"
     gauges: bool = True  # ours: False (no rotation, no permutation) only for the naked control
     teacher_weight: float = Field(1.0, ge=0)  # ours: weight of matching the real delegated blocks
     surrogate_layers: int = Field(1, ge=1)  # ours: one layer, ~94 parameters
 
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+#: the attacks built for the latent mode's defences (Kerckhoffs: they read its public arguments); the audit
+#: and grids run them on latent runs beside support-partition and latent-probe
+LATENT_ADAPTIVE: tuple[str, ...] = ("decoy-history", "gauge-key-search")
+LATENT_ADAPTIVE_NOTE = (
+    "decoy-history matches each row against the rows of earlier frames (a verbatim decoy repeats one); "
+    "gauge-key-search tries run seeds under the derived key schedule (it fails on OS entropy)"
+)
 
 
 class ShieldedConfig(BaseModel):
@@ -98,6 +114,11 @@ class _ModelAndSplit(BaseModel):
                     "the latent mode brings its own defences (bottleneck, decoys, gauges, clip and noise); "
                     "omit --defence"
                 )
+            if getattr(self, "draws", None) == "derived" and self.latent.gauge_entropy == "os":
+                raise ValueError(
+                    "the latent mode keys its gauges, noise and decoy draws by its own gauge_entropy, not by --draws: "
+                    "pass --latent-arg gauge_entropy=derived for reproducible draws"
+                )
         return self
 
     @field_validator("defences")
@@ -112,6 +133,8 @@ class _ModelAndSplit(BaseModel):
         for mode in ("latent", "shielded"):
             if d.get(mode) is None:
                 d.pop(mode, None)  # a split run's hash is what it was before these modes existed
+        if d.get("draws") == "derived":
+            d.pop("draws")  # draws keyed by the run seed: the hash of a run made before the choice existed
         return d
 
     def hash(self) -> str:
@@ -134,6 +157,11 @@ class TrainConfig(_ModelAndSplit):
     doc_len: int = Field(DOC_LEN, ge=2)
     capture_batch: int = Field(16, ge=1)
     all_local_baseline: bool = True
+    #: what keys the client's random draws on the wire (forward noise, mixup's decoys, the label-shielded
+    #: defences' scales, masks and directions): "os", a 128-bit secret from OS entropy per run, kept in the
+    #: client's own record (``client/draws.json``, never crosses); "derived", the run seed (reproducible bit
+    #: for bit, but a seed from a small range is found by trying seeds: the ``seed-search`` attack)
+    draws: Literal["os", "derived"] = "os"
 
     @field_validator("steps")
     @classmethod
@@ -145,6 +173,29 @@ class TrainConfig(_ModelAndSplit):
     @property
     def n_steps(self) -> int:
         return self.steps if self.steps is not None else self.n_train
+
+
+def split_mode_of(config: "_ModelAndSplit") -> str:
+    """The split mode of a configuration: "latent", "label-shielded", "u-shape" or "plain"."""
+    if config.latent is not None:
+        return "latent"
+    if config.shielded is not None:
+        return "label-shielded"
+    return "u-shape" if config.offload_start is not None else "plain"
+
+
+def adaptive_attacks_of(config: "_ModelAndSplit") -> dict[str, tuple[str, ...]]:
+    """The attacks built for the defences of a configuration (attack name -> the defences it is built for),
+    as the audit, grids and ``tune`` run them: the chain's (``DefenceChain.adaptive_attacks``) or, in the
+    latent mode, the decoy system's own."""
+    from splitleak.wire.defences import DefenceChain
+
+    mode = split_mode_of(config)
+    if mode == "latent":
+        import splitleak.training.config as here
+
+        return {name: ("latent",) for name in getattr(here, "LATENT_ADAPTIVE", ())}
+    return DefenceChain.from_specs([d.model_dump() for d in config.defences], seed=0).adaptive_attacks(mode)
 
 
 #: the fields of a TrainConfig the untrusted server needs (model, split, defences, optimiser, sizes)

@@ -4,11 +4,16 @@ One request per step (one training document); the capture pass sends the evaluat
 requests of ``capture_batch`` frames. For each frame the trusted node (``LatentClient``):
 
 1. runs the frozen prefix, blocks [0, s], and its private encoder: z = E(h_s), T rows of width D;
-2. releases the rows: per-row clip to C, Gaussian noise σ·C (keyed by the run seed);
-3. draws the frame's decoys from the FIFO pool of rows released earlier, then adds its own rows to
-   the pool (``splitleak.wire.decoys``);
-4. gauges the T + k rows with the frame's rotation and permutation (``splitleak.wire.gauges``) and
-   sends them: the **forward** frame [frames, T + k, D];
+2. draws the frame's k decoys from the FIFO pool of earlier frames' encoder rows (before release),
+   then adds its own rows to the pool (``splitleak.wire.decoys``);
+3. gauges the T + k rows with the frame's rotation and permutation (``splitleak.wire.gauges``), then
+   clips every row to C and adds Gaussian noise σ·C afresh (002 Figure 2, steps 3-5: gauge, decoy
+   mix, perturb), and sends them: the **forward** frame [frames, T + k, D]. Under
+   ``decoy_release="verbatim"`` (the weak variant) the real rows are released first, the decoys are
+   rows released earlier re-sent as they were, and the gauge comes last;
+4. (the randomness) the gauge masters come fresh per frame from OS entropy, and the noise and decoy
+   draws from a per-run 128-bit secret (``gauge_entropy="os"``, kept in ``latent/secret.json``, the
+   client's own); under ``"derived"`` all of it is keyed by the run seed, reproducible;
 5. receives the surrogate's output (the **return** frame, clipped and noised by the server), undoes
    the gauge, keeps its T real rows, decodes them into the residual, h_r ≈ h_s + Dec(y), runs the
    frozen tail and takes the loss — the task loss plus, in training, matching the real delegated
@@ -29,7 +34,9 @@ it is what the partition attacks are scored against.
 
 from __future__ import annotations
 
+import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -158,8 +165,12 @@ class LatentClient:
     next_frame: int = 0
     last_losses: list[float] | None = None
     last_teacher: float | None = None
+    #: keys the noise and the decoy draws under ``gauge_entropy="os"`` (None: the run seed does)
+    secret: bytes | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
+        if self.cfg.gauge_entropy == "os":
+            self.secret = os.urandom(SECRET_BYTES)
         hidden = self.split.model.get_input_embeddings().weight.shape[1]
         with torch.random.fork_rng(devices=[]):  # seeded init, the global generator left as it was
             torch.manual_seed(derived_seed(self.seed, "init", 0, "codec", 0))
@@ -179,34 +190,42 @@ class LatentClient:
             h0, ctx = split.embed(input_ids)
             h_s = split.run_blocks(h0, 0, split.spec.cut, ctx)
             teacher = split.trunk(h_s, ctx) if cfg.teacher_weight > 0 else None  # the objective in both phases
+        key = self.key
+        fresh = cfg.decoy_release == "fresh"
         with torch.set_grad_enabled(train):
             z = self.encoder(h_s)
-            released = torch.stack(
-                [
-                    release(
-                        z[b],
-                        cfg.clip,
-                        cfg.sigma,
-                        torch_generator(self.seed, phase, step, "forward", self.next_frame + b),
-                    )
-                    for b in range(n_frames)
-                ]
+            # what the pool keeps of each frame: its rows before release (fresh) or as released (verbatim)
+            keep = (
+                z
+                if fresh
+                else torch.stack(
+                    [
+                        release(
+                            z[b], cfg.clip, cfg.sigma, torch_generator(key, phase, step, "forward", self.next_frame + b)
+                        )
+                        for b in range(n_frames)
+                    ]
+                )
             )
             frame_ids = tuple(range(self.next_frame, self.next_frame + n_frames))
             self.next_frame += n_frames
             gauges: list[Gauge] = []
             sent = []
             for b, fid in enumerate(frame_ids):
-                rng = np.random.default_rng(derived_seed(self.seed, phase, step, "decoys", fid))
+                rng = np.random.default_rng(derived_seed(key, phase, step, "decoys", fid))
                 decoys, origins = self.pool.draw(cfg.decoys, rng)
-                rows = torch.cat([released[b], decoys.to(released.device, released.dtype)])
+                rows = torch.cat([keep[b], decoys.to(keep.device, keep.dtype)])
                 if cfg.gauges:
                     g = frame_gauge(self.seed, phase, step, fid, len(rows), cfg.width, scale=cfg.scale_gauge,
                                     entropy=cfg.gauge_entropy)  # fmt: skip
                 else:  # the naked control: rows cross in the client's order and coordinates
                     g = Gauge(np.eye(cfg.width), np.arange(len(rows)), None)
                 gauges.append(g)
-                sent.append(g.apply(rows))
+                if fresh:  # 002 Figure 2: gauge (3) the mixed rows (4), then clip and noise every row (5)
+                    gen = torch_generator(key, phase, step, "forward", fid)
+                    sent.append(release(g.apply(rows), cfg.clip, cfg.sigma, gen))
+                else:
+                    sent.append(g.apply(rows))
                 own = input_ids[b].detach().cpu().numpy().astype(np.int64)
                 self.frame_tokens[fid] = own
                 carried = np.concatenate([own, [self.frame_tokens[int(f)][int(r)] for f, r in origins]]).astype(
@@ -220,7 +239,7 @@ class LatentClient:
                 )
             x = torch.stack(sent)
         for b, fid in enumerate(frame_ids):  # the frame's own rows join the pool after its decoys were drawn
-            self.pool.add(released[b].detach(), np.stack([np.full(t, fid), np.arange(t)], axis=1))
+            self.pool.add(keep[b].detach(), np.stack([np.full(t, fid), np.arange(t)], axis=1))
         mask = torch.ones(x.shape[:2], dtype=torch.int64)
         reply = self.channel.request(Frame("forward", step, frame_ids, x.detach(), mask, phase))
         ret = reply.tensor.to(split.device, split.dtype).requires_grad_(True)
@@ -247,7 +266,7 @@ class LatentClient:
             g_out = torch.stack(
                 [
                     release(g_out[b], cfg.output_clip, cfg.output_sigma,
-                            torch_generator(self.seed, phase, step, "output-gradient", fid))
+                            torch_generator(key, phase, step, "output-gradient", fid))
                     for b, fid in enumerate(frame_ids)
                 ]
             )  # fmt: skip
@@ -261,6 +280,23 @@ class LatentClient:
             self.opt.zero_grad(set_to_none=False)
         self.last_losses = [float(v) for v in per_doc.detach()]
         return self.last_losses
+
+    @property
+    def key(self) -> int | bytes:
+        """What keys the client's noise and decoy draws: the per-run secret, or the run seed (derived)."""
+        return self.secret if self.secret is not None else self.seed
+
+    def max_row_releases(self) -> int:
+        """The most times one document row crossed: as a real row, and (fresh decoys) re-released as a decoy."""
+        doc_of = {f.frame_id: f.doc_id for f in self.truth}
+        count: Counter[tuple[int, int]] = Counter()
+        for f in self.truth:
+            for p in f.positions[f.positions >= 0]:
+                count[(f.doc_id, int(p))] += 1
+            if self.cfg.decoy_release == "fresh":
+                for src, r in f.decoy_origins:
+                    count[(doc_of[int(src)], int(r))] += 1
+        return max(count.values(), default=0)
 
     def truth_tensors(self) -> dict[str, torch.Tensor]:
         """The client's record as tensors: per frame its id, phase (0 train, 1 capture), step, document,
@@ -366,14 +402,17 @@ def capture_latent(
 
 
 TRUTH_FILE = "latent/truth.safetensors"
+SECRET_FILE = "latent/secret.json"  # the client's own: the per-run secret under gauge_entropy="os"
+SECRET_BYTES = 16
 CODEC_FILE = "latent/codec.safetensors"
 SURROGATE_FILE = "latent/surrogate.safetensors"
 
 
 def privacy_accounting(cfg: LatentConfig, releases: int, delta: float = 1e-6) -> dict[str, Any]:
     """(ε, δ) per row of the forward wire's Gaussian mechanism (replace-one, Δ = 2C, zCDP), for one
-    release and for ``releases`` releases of the same document's rows. Decoys re-send released rows
-    (post-processing: no further cost). The return wire protects nothing of the client's input."""
+    release and for ``releases`` releases of the same document row. A fresh decoy is one more release
+    of its row; a verbatim one re-sends a released row (post-processing: no further cost). The return
+    wire protects nothing of the client's input."""
     from splitleak.wire.decoys import gaussian_row_epsilon
 
     one = gaussian_row_epsilon(cfg.clip, cfg.sigma, 1, delta) if cfg.sigma > 0 else None
@@ -382,7 +421,10 @@ def privacy_accounting(cfg: LatentConfig, releases: int, delta: float = 1e-6) ->
         "delta": delta,
         "accountant": "zCDP, replace-one adjacency, sensitivity 2C per row (Bun & Steinke 2016)",
         "epsilon_per_row_one_release": one,
-        "max_releases_of_a_document": releases,
+        "max_releases_of_a_row": releases,
+        "releases_counted": "as a real row, and as a decoy (each a fresh release)"
+        if cfg.decoy_release == "fresh"
+        else "as a real row (a verbatim decoy re-sends a released row: post-processing)",
         "epsilon_per_row_all_releases": many,
     }
     if cfg.output_gradient == "clip-noise":
@@ -415,7 +457,6 @@ def run_latent(
     the surrogate trains there (its state in the server's capture), the hello carries the server's part
     of the configuration (``ServerConfig``, with ``latent``) and the model's width, and the same four
     crossings go over mutual TLS; every bit that crosses is the same as in one process."""
-    from collections import Counter
     from pathlib import Path
 
     from splitleak.models import load_model
@@ -449,7 +490,12 @@ def run_latent(
     docs = _documents(config, lm.tokenizer)
     split, spec = latent_split(lm, cfg)
     hidden = int(split.model.get_input_embeddings().weight.shape[1])
-    declaration = declare_latent_channels(output_gradient=cfg.output_gradient, transport=connect is not None)
+    declaration = declare_latent_channels(
+        output_gradient=cfg.output_gradient,
+        transport=connect is not None,
+        gauge_entropy=cfg.gauge_entropy,
+        decoy_release=cfg.decoy_release,
+    )
     server: LatentServer | None = None
     remote = None
     if connect is None:
@@ -535,6 +581,10 @@ def run_latent(
         remote.close()  # the server closes its capture, with the trained surrogate in it
         store.add_json("messages", MESSAGES_FILE, remote.messages)
     store.add_tensors("latent-truth", TRUTH_FILE, client.truth_tensors(), {"frames": len(client.truth)})
+    if client.secret is not None:  # the client's own, never sent and not in the manifest: a positive control reads it
+        store.add_json(
+            "latent-secret", SECRET_FILE, {"noise_and_decoy_key": client.secret.hex(), "bytes": SECRET_BYTES}
+        )
     store.add_tensors("latent-codec", CODEC_FILE, client.state_dict(), {"width": cfg.width})
     if server is not None:
         surrogate = {k: v.detach().clone().contiguous() for k, v in server.surrogate.state_dict().items()}
@@ -543,7 +593,7 @@ def run_latent(
         )
 
     post = utility(np.asarray(cap.pop("client_losses"), dtype=np.float64))
-    releases = max(Counter(log.doc_ids).values(), default=0)
+    releases = client.max_row_releases()
     metrics: dict[str, Any] = {
         "heldout_ce": post["ce"],
         "perplexity": post["perplexity"],

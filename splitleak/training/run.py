@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import os
 import platform
 import shutil
 from dataclasses import dataclass
@@ -165,7 +166,11 @@ def run_training(
                 model_path=config.model_path,
             )
 
-    chain_client = DefenceChain.from_specs([d.model_dump() for d in config.defences], config.seed)
+    if (resume is not None or checkpoint_every is not None) and connect is None:
+        raise ConfigError("checkpoints and --resume are for a deployment: pass --connect and --tls-dir")
+    point = None if resume is None else resume_point(resume, config)
+    secret = draws_secret(config, point)
+    chain_client = DefenceChain.from_specs([d.model_dump() for d in config.defences], config.seed, secret)
     chain_server = DefenceChain.from_specs([d.model_dump() for d in config.defences], server_seed(config.seed))
     if lm is None:
         lm = load_model(
@@ -185,6 +190,7 @@ def run_training(
         defences=chain_client.defences,
         transport=connect is not None,
         gradients=not split.sends_no_gradient,
+        draws=config.draws,
     )
     answer_only = config.shielded is not None and config.shielded.answer_only
     if answer_only:
@@ -196,11 +202,8 @@ def run_training(
         kept = lm.clone()
         pristine = lambda: kept  # noqa: E731
     remote = None
-    if (resume is not None or checkpoint_every is not None) and connect is None:
-        raise ConfigError("checkpoints and --resume are for a deployment: pass --connect and --tls-dir")
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ConfigError(f"--checkpoint-every must be >= 1, got {checkpoint_every}")
-    point = None if resume is None else resume_point(resume, config)
     not_resumable = None
     if checkpoint_every is not None and chain_client.client_transform is not None:
         not_resumable = f"defence {chain_client.client_transform.name!r} keeps client state across steps"
@@ -257,6 +260,8 @@ def run_training(
             }
     store.add_json("manifest", "manifest.json", manifest)
     store.add_json("documents", "documents.json", docs.to_json())
+    if secret is not None:
+        store.add_json("client-draws", DRAWS_FILE, {"secret": secret.hex(), "note": DRAWS_NOTE})
 
     pre = utility(
         evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss", answer_only=answer_only)
@@ -279,6 +284,8 @@ def run_training(
                 return
             tensors, record = state_tensors(client.params, client.opt)
             record.update(config_hash=config.hash(), token=token, losses=log.losses, doc_ids=log.doc_ids)
+            if secret is not None:
+                record["draws_secret"] = secret.hex()
             folder.save(done, tensors, record)
 
     try:
@@ -454,6 +461,36 @@ class ResumePoint:
     tensors: dict[str, torch.Tensor]
     record: dict[str, Any]
     sha256: str
+
+
+DRAWS_FILE = "client/draws.json"
+DRAWS_NOTE = (
+    "the client's own record: the 128-bit secret that keyed its random draws on the wire (draws=os); it never "
+    "crossed, and no attack reads it (a positive control may, to show what the draws hid)"
+)
+
+
+def draws_secret(config: TrainConfig, point: "ResumePoint | None" = None) -> bytes | None:
+    """The secret that keys the client's draws: None under ``draws="derived"`` (the run seed keys them), the
+    resumed run's under ``--resume``, else 16 fresh bytes of OS entropy."""
+    if config.draws == "derived":
+        return None
+    if point is not None:
+        kept = point.record.get("draws_secret")
+        if not isinstance(kept, str) or len(kept) != 32:
+            raise ConfigError(
+                "the checkpoint keeps no secret of the client's draws; it cannot be resumed under draws=os"
+            )
+        return bytes.fromhex(kept)
+    return os.urandom(16)
+
+
+def read_draws_secret(run_dir: str | Path) -> bytes | None:
+    """The client's secret of a run made under ``draws="os"`` (for positive controls), or None."""
+    path = Path(run_dir) / DRAWS_FILE
+    if not path.is_file():
+        return None
+    return bytes.fromhex(read_run_json(run_dir, DRAWS_FILE)["secret"])
 
 
 def resume_point(run: str | Path, config: TrainConfig) -> ResumePoint:

@@ -79,14 +79,32 @@ MESSAGES_FILE = "wire/messages.json"
 
 
 def declare_channels(
-    *, u_shape: bool, defences: Iterable[Any] = (), transport: bool = False, gradients: bool = True
+    *,
+    u_shape: bool,
+    defences: Iterable[Any] = (),
+    transport: bool = False,
+    gradients: bool = True,
+    draws: str | None = None,
 ) -> Declaration:
     """The channels of a plain split (``u_shape`` False: labels cross for the server's loss) or a
     U-shape (partial offloading, label-shielded: the trunk's output comes back, the output gradient goes
     out), plus what each defence adds (``Defence.declare(channels)``) and the links (``Defence.links``).
     ``transport``: client and server are two processes (``splitleak.wire.network``), so the
     handshake and every message's envelope cross too. ``gradients`` False: no gradient crosses in either
-    direction (label-shielded top-only training)."""
+    direction (label-shielded top-only training). ``draws``: what keys the client's draws on the wire
+    (``TrainConfig.draws``; None where the declaring side does not know it, as the server), named in the note
+    of the row ids, which reveal the run seed."""
+    seed_note = (
+        "they reveal the training order, a function of the run seed, which also keys the client's draws on the "
+        "wire if it ran with draws=derived (a run seed from a small range is then found by trying each)"
+        if draws is None
+        else "they reveal the training order, a function of the run seed, which also keys the client's "
+        "forward-defence randomness (draws=derived): a run seed from a small range is found by trying each "
+        "(the seed-search attack), and with it the noise; use draws=os, or a run seed drawn at random from 2^63"
+        if draws == "derived"
+        else "they reveal the training order, a function of the run seed; the client's draws on the wire are "
+        "keyed by a per-run secret from OS entropy (draws=os), which no frame carries"
+    )
     ch: list[ChannelDecl] = [
         ChannelDecl(
             "activations",
@@ -106,9 +124,7 @@ def declare_channels(
             "the document id of every row in the frame header; they link the rows of "
             "one document across frames and steps",
             "[rows]",
-            note="they reveal the training order, a function of the run seed, which also keys the client's "
-            "forward-defence randomness: a run seed from a small range can be found by trying each; when the "
-            "server is not yours, draw the run seed at random from 2^63",
+            note=seed_note,
         ),
         ChannelDecl(
             "shapes",
@@ -192,10 +208,13 @@ def _transport_channels() -> list[ChannelDecl]:
     ]
 
 
-def declare_latent_channels(*, output_gradient: str, transport: bool = False) -> Declaration:
+def declare_latent_channels(
+    *, output_gradient: str, transport: bool = False, gauge_entropy: str = "os", decoy_release: str = "fresh"
+) -> Declaration:
     """The channels of the decoy system's latent mode (``splitleak.training.latent``): four row
     channels per frame of one document's rows and its decoys, gauged, plus the header channels.
-    ``output_gradient`` is the latent config's ("open" or "clip-noise")."""
+    ``output_gradient``, ``gauge_entropy`` and ``decoy_release`` are the latent config's; the forward
+    channel's note names the weakness of the derived keys and of verbatim decoys."""
     rows = "[frames, rows, D]: one frame per document, its rows and its decoy rows, rotated and permuted"
     og = (
         "gradient of the client's loss with respect to the surrogate's output, UNCLIPPED and UNNOISED: a decoy "
@@ -204,13 +223,28 @@ def declare_latent_channels(*, output_gradient: str, transport: bool = False) ->
         else "gradient of the client's loss with respect to the surrogate's output, clipped per row and noised "
         "(the paper's fix): decoy rows carry noise only"
     )
+    weak = []
+    if gauge_entropy == "derived":
+        weak.append(
+            "gauges and noise keyed by the run seed (everything else in the key crosses in the header): a key "
+            "search over seeds rebuilds them (gauge-key-search)"
+        )
+    if decoy_release == "verbatim":
+        weak.append(
+            "decoys re-sent as released: each repeats a row of an earlier frame, its norm to float precision "
+            "(decoy-history)"
+        )
     ch = [
         ChannelDecl(
             "activations",
             "client->server",
-            "the forward wire: the private encoder's output, clipped per row and noised, mixed with decoy rows "
-            "(earlier released rows) and gauged",
+            "the forward wire: the private encoder's output mixed with decoy rows (earlier frames' encoder rows), "
+            "gauged, every row clipped and noised afresh"
+            if decoy_release == "fresh"
+            else "the forward wire: the private encoder's output, clipped per row and noised, mixed with decoy rows "
+            "(earlier released rows, re-sent as they were) and gauged",
             rows,
+            note="; ".join(weak),
         ),
         ChannelDecl(
             "trunk-output",

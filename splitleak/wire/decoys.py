@@ -1,11 +1,13 @@
 """Decoy rows, boundary clip and noise, and their privacy accounting (the decoy system, Politis &
 Pappas 2026, §2 and Table 15).
 
-- ``DecoyPool``: a FIFO of the last ``capacity`` rows already released (after noise, in the
-  client's own coordinates, before any gauge). A frame's decoys are drawn from it without
-  replacement *before* the frame's own rows enter it, so a decoy is always a row the server has
-  already seen once, under another gauge. Each row keeps its origin (frame id, row) for the
-  client's own record; origins never cross. While the pool holds fewer rows than a frame wants
+- ``DecoyPool``: a FIFO of the last ``capacity`` rows of earlier frames, in the client's own
+  coordinates, before any gauge: by default the encoder's rows before release, so that a decoy is
+  gauged and clipped and noised afresh with the frame (002 Figure 2, steps 3-5); under
+  ``decoy_release="verbatim"`` the rows as released, re-sent as they were (a decoy then repeats a
+  row the server has already seen, under another gauge). A frame's decoys are drawn from it without
+  replacement *before* the frame's own rows enter it. Each row keeps its origin (frame id, row) for
+  the client's own record; origins never cross. While the pool holds fewer rows than a frame wants
   (the first requests of a run), the frame carries all the pool has: those frames are shorter
   and their rows are mostly or all real (our choice; the paper does not say how its pool started).
 - ``release``: per-row L2 clip to C and Gaussian noise σ·C per coordinate.
@@ -25,12 +27,14 @@ import torch
 from splitleak.errors import ConfigError
 
 
-def derived_seed(seed: int, phase: str, step: int, what: str, frame: int) -> int:
-    key = f"splitleak/latent|{int(seed)}|{phase}|{int(step)}|{what}|{int(frame)}".encode()
+def derived_seed(seed: int | bytes, phase: str, step: int, what: str, frame: int) -> int:
+    """A 63-bit seed for one draw, keyed by the run seed or (bytes) by a per-run secret."""
+    who = f"secret:{seed.hex()}" if isinstance(seed, bytes) else str(int(seed))
+    key = f"splitleak/latent|{who}|{phase}|{int(step)}|{what}|{int(frame)}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def torch_generator(seed: int, phase: str, step: int, what: str, frame: int) -> torch.Generator:
+def torch_generator(seed: int | bytes, phase: str, step: int, what: str, frame: int) -> torch.Generator:
     return torch.Generator().manual_seed(derived_seed(seed, phase, step, what, frame))
 
 

@@ -24,17 +24,24 @@ from splitleak.errors import ConfigError
 
 @dataclass(frozen=True)
 class WireContext:
-    """What a defence may know about the frame it transforms."""
+    """What a defence may know about the frame it transforms. ``secret`` (hex), when set, keys every draw
+    instead of the run seed: the client's draws are then fresh to anyone without it (``draws="os"``)."""
 
     seed: int
     phase: str  # "train" | "capture" | "eval"
     step: int
     doc_ids: tuple[int, ...]
     position: int = 0  # index of the defence in its chain
+    secret: str = ""
+
+    @property
+    def key(self) -> str:
+        """What keys the draws: the secret, or the run seed (``draws="derived"``)."""
+        return self.secret or str(self.seed)
 
     def generator(self, direction: str, doc_id: int, device: torch.device | str = "cpu") -> torch.Generator:
         """A torch generator for one document, derived with SHA-256 from the whole context."""
-        key = f"{self.seed}|{self.phase}|{self.step}|{direction}|{self.position}|{doc_id}".encode()
+        key = f"{self.key}|{self.phase}|{self.step}|{direction}|{self.position}|{doc_id}".encode()
         g = torch.Generator(device=device)
         g.manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1))
         return g
@@ -83,10 +90,24 @@ class Defence:
     #: what ``splitleak tune`` may search: argument -> range (ours); ``{}`` offers the defence with its defaults
     #: and no strength to search; ``None`` (the default) leaves it out of a tune unless named
     search: ClassVar[dict[str, SearchRange] | None] = None
+    #: the attacks built for this defence (Kerckhoffs: they know its mechanism and public arguments; only
+    #: what it draws fresh per release is secret), by registered attack name, for any configuration and
+    #: split mode; ``adaptive_attacks`` picks those that apply to one. The audit, grids and ``tune`` run them
+    #: wherever the defence is in the chain. Empty only with ``adaptive_note`` saying why none applies.
+    adaptive: ClassVar[tuple[str, ...]] = ()
+    #: why an attack built for this defence reads no more than the suite's own (or, with ``adaptive`` empty,
+    #: why none applies); shown beside the adaptive reading
+    adaptive_note: ClassVar[str] = ""
 
     def roles(self) -> tuple[str, ...]:
         """Where this configured defence acts: both wire directions unless a subclass says less."""
         return ("client-forward", "return-wire")
+
+    def adaptive_attacks(self, mode: str) -> tuple[str, ...]:
+        """The attacks built for this configured defence in a run of split ``mode`` ("plain", "u-shape",
+        "label-shielded"); by default every declared one (``DefenceChain.adaptive_attacks`` keeps those
+        whose registry entry reads traffic of the mode)."""
+        return self.adaptive
 
     def build_server(self, split, chain: "DefenceChain", lr: float, seed: int):
         """A defence acting on the ``server`` returns the server side the client talks to."""
@@ -97,6 +118,25 @@ class Defence:
 
     def backward(self, g: torch.Tensor, ctx: WireContext) -> torch.Tensor:
         return g
+
+    # How the forward wire looks to an attacker who knows the mechanism and its public arguments
+    # (Kerckhoffs): the forward-wire attacks built for defences (``sipit-aware``, ``activation-aware``)
+    # pass each candidate's recomputed activation through these; ``DefenceChain`` composes them.
+    def public_forward(self, h: torch.Tensor, observed: torch.Tensor) -> torch.Tensor | None:
+        """What the client would have sent for clean rows ``h`` [n, k, d] (k candidates for each of n
+        documents), given those documents' observed frames ``observed`` [n, T, d]: ``forward`` without
+        its fresh draws (``forward_noise_std``). None: not emulable. Default: the identity."""
+        return h
+
+    def forward_noise_std(self) -> float:
+        """The standard deviation of the Gaussian noise ``forward`` adds to each entry after
+        ``public_forward`` (0: none)."""
+        return 0.0
+
+    def forward_spacing(self, observed: torch.Tensor) -> torch.Tensor | None:
+        """The spacing of the values ``forward`` sends, per observed document [n] (rounding: its scale):
+        emulated rows closer than half of it are the same row. None where the values are continuous."""
+        return None
 
     def top_gradient(self, g: torch.Tensor, ctx: WireContext) -> torch.Tensor:
         """``backward-wire``: the output gradient the client sends back in a U-shape."""
@@ -151,6 +191,16 @@ def quantize_symmetric(x: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(scale > 0, q * safe, torch.zeros_like(x))
 
 
+def round_at_scale(x: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """``quantize_symmetric``'s rounding of x [n, ...] at a given scale per document [n] (an attacker's
+    emulation at the scale the observed frame reveals)."""
+    qmax = 2 ** (bits - 1) - 1
+    s = scale.to(x.dtype).view(-1, *([1] * (x.dim() - 1)))
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.clamp(torch.round(x / safe), -qmax, qmax)
+    return torch.where(s > 0, q * safe, torch.zeros_like(x))
+
+
 def clip_per_document(g: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Scale each document's whole gradient [tokens, width] to L2 norm at most ``max_norm``."""
     norms = g.flatten(1).norm(dim=1).view(-1, *([1] * (g.dim() - 1)))
@@ -168,9 +218,15 @@ def gaussian_noise_rms(g: torch.Tensor, rel_sigma: float, ctx: WireContext, dire
     return out
 
 
+#: the forward-wire attacks that know the chain: SipIt and beam search that pass each candidate's recomputed
+#: activation through the chain's public forward transforms and score it under the chain's noise model
+FORWARD_AWARE = ("sipit-aware", "activation-aware")
+
+
 class NoDefence(Defence):
     name = "none"
     search = {}
+    adaptive_note = "no mechanism to adapt to: the suite's attacks are the ones built for undefended traffic"
 
     def roles(self):
         return ()
@@ -183,12 +239,24 @@ class Quant(Defence):
     n_bits: ClassVar[int] = 8
     bits = {"forward": 8, "backward": 8}
     search = {}
+    adaptive = FORWARD_AWARE
+    adaptive_note = (
+        "rounding is deterministic given each document's scale, which crosses with the frame (its largest "
+        "level is the scale times the largest integer): a candidate's activation is rounded as the client's was"
+    )
 
     def forward(self, x, ctx):
         return quantize_symmetric(x, self.n_bits)
 
     def backward(self, g, ctx):
         return quantize_symmetric(g, self.n_bits)
+
+    def public_forward(self, h, observed):
+        return round_at_scale(h, self.forward_spacing(observed), self.n_bits)
+
+    def forward_spacing(self, observed):
+        """The document's scale: its largest level on the wire is the scale times 2**(bits-1) - 1."""
+        return observed.abs().flatten(1).amax(dim=1) / (2 ** (self.n_bits - 1) - 1)
 
 
 class Quant4(Quant):
@@ -253,6 +321,11 @@ class ClipNoise(Defence):
     the returned gradient, or both (``where``)."""
 
     name = "clip-noise"
+    adaptive = (*FORWARD_AWARE, "seed-search")
+    adaptive_note = (
+        "the clip is deterministic and the noise Gaussian with a public scale: a candidate is scored by its "
+        "likelihood after the clip; noise keyed by a guessable run seed is found and removed (seed-search)"
+    )
     search = {
         "clip": ROW_CLIP_RANGE,
         "sigma": SearchRange(
@@ -285,11 +358,20 @@ class ClipNoise(Defence):
     def _apply(self, x, ctx, direction):
         return gaussian_rows(clip_rows(x, self.clip), self.sigma * self.clip, ctx, direction)
 
+    def adaptive_attacks(self, mode):
+        return self.adaptive if self.where in ("forward", "both") else FORWARD_AWARE
+
     def forward(self, x, ctx):
         return self._apply(x, ctx, "forward") if self.where in ("forward", "both") else x
 
     def backward(self, g, ctx):
         return self._apply(g, ctx, "backward") if self.where in ("backward", "both") else g
+
+    def public_forward(self, h, observed):
+        return clip_rows(h, self.clip) if self.where in ("forward", "both") else h
+
+    def forward_noise_std(self):
+        return self.sigma * self.clip if self.where in ("forward", "both") else 0.0
 
 
 class DPForward(Defence):
@@ -299,6 +381,8 @@ class DPForward(Defence):
     and that of one whole document (``tokens`` releases composed), from Opacus's RDP accountant."""
 
     name = "dp-forward"
+    adaptive = (*FORWARD_AWARE, "seed-search")
+    adaptive_note = ClipNoise.adaptive_note
     search = {
         "clip": ROW_CLIP_RANGE,
         "noise_multiplier": SearchRange(
@@ -324,6 +408,12 @@ class DPForward(Defence):
     def forward(self, x, ctx):
         return gaussian_rows(clip_rows(x, self.clip), self.noise_multiplier * self.clip, ctx, "forward")
 
+    def public_forward(self, h, observed):
+        return clip_rows(h, self.clip)
+
+    def forward_noise_std(self):
+        return self.noise_multiplier * self.clip
+
     def privacy(self, tokens: int = 1) -> dict[str, Any]:
         return gaussian_mechanism_epsilon(self.noise_multiplier, self.delta, releases=tokens)
 
@@ -346,13 +436,13 @@ def gaussian_mechanism_epsilon(noise_multiplier: float, delta: float, releases: 
     }
 
 
-def decoy_generator(seed: int, chunk: int) -> torch.Generator:
-    """The generator of one chunk's decoy draw: seeded with SHA-256 of (run seed, chunk index)."""
+def decoy_generator(seed: int | str, chunk: int) -> torch.Generator:
+    """The generator of one chunk's decoy draw: seeded with SHA-256 of (run seed or secret, chunk index)."""
     digest = hashlib.sha256(f"mixup|{seed}|{chunk}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
-def draw_decoy_indices(pool_size: int, n: int, seed: int, chunk: int) -> torch.Tensor:
+def draw_decoy_indices(pool_size: int, n: int, seed: int | str, chunk: int) -> torch.Tensor:
     """``n`` distinct indices into a pool of ``pool_size`` rows (without replacement)."""
     if n > pool_size:
         raise ConfigError(
@@ -390,6 +480,11 @@ class SecretMixup(Defence):
 
     name = "mixup"
     split_modes = ("plain",)
+    adaptive = ("mixup-unmix", "mixup-history")
+    adaptive_note = (
+        "with correction=probe the decoys cross alone beside the mixed rows (mixup-unmix); with cached or none "
+        "they are earlier activation rows of the run, the first of which crossed unmixed (mixup-history)"
+    )
     search = {"lambda": SearchRange(0.3, 0.95, why="ours: from mostly decoy to almost no mixing")}
 
     def roles(self):
@@ -414,7 +509,7 @@ class SecretMixup(Defence):
         if correction not in CORRECTIONS:
             raise ConfigError(f"mixup: correction must be one of {', '.join(CORRECTIONS)}, got {correction!r}")
         self.lam, self.warmup, self.pool_rows, self.correction = float(lam), warmup, pool_rows, correction
-        self.seed = 0
+        self.seed: int | str = 0
         self.chunk = 0
         self._pool: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # rows, gradients, provenance
         self.draw_log: list[dict] = []
@@ -512,7 +607,8 @@ class SecretMixup(Defence):
         return self.lam * x + (1 - self.lam) * decoy, decoy, g_cached
 
     # ---------------------------------------------------------------- the client transform
-    def set_seed(self, seed: int) -> None:
+    def set_seed(self, seed: int | str) -> None:
+        """The run seed (``draws="derived"``) or the run's secret (hex) that keys the decoy draws."""
         self.seed = seed
 
     def check_run(self, steps: int) -> None:
@@ -547,6 +643,14 @@ class SecretMixup(Defence):
         """After a training step has crossed: its rows join the decoy pool."""
         self.remember(h, doc_ids, step, g if self.correction == "cached" else None)
 
+    def adaptive_attacks(self, mode):
+        return ("mixup-unmix",) if self.correction == "probe" else ("mixup-history",)
+
+    def public_forward(self, h, observed):
+        """Not emulable: each row is mixed with a decoy drawn by the client's own draw (``mixup-unmix`` and
+        ``mixup-history`` unmix it instead)."""
+        return None
+
     def client_record(self) -> tuple[str, Any]:
         """The client's own record, written into the run (it never crosses): where each decoy came from."""
         return "client/mixup_decoys.json", self.draw_log
@@ -569,6 +673,11 @@ class ReplicaMedian(Defence):
 
     name = "replica-median"
     split_modes = ("plain",)
+    adaptive = ("sipit-aware",)
+    adaptive_note = (
+        "the activations cross unchanged to every copy, so the forward-wire attacks read them as undefended; "
+        "the defence guards the gradient's integrity, not the text"
+    )
 
     def roles(self):
         return ("server",)
@@ -613,6 +722,14 @@ class VMFDirection(Defence):
 
     name = "vmf"
     split_modes = ("u-shape", "label-shielded")
+    adaptive = ("gma-sl-aware", "sipit-aware")
+    adaptive_note = (
+        "vMF keeps each row's norm and is centred on its direction, so the rows' norms and mean directions survive "
+        "for gma-sl-aware to match; it changes no activation, which the forward-wire attacks read as undefended"
+    )
+
+    def adaptive_attacks(self, mode):
+        return ("gma-sl-aware",) if mode == "label-shielded" else ("sipit-aware",)
 
     def __init__(self, kappa: float = 1000.0):
         if not (isinstance(kappa, (int, float)) and math.isfinite(kappa) and kappa > 0):
@@ -655,6 +772,23 @@ DEFENCES: dict[str, type[Defence]] = {
 }
 
 
+def check_adaptive(cls: type[Defence]) -> None:
+    """Refuse a defence class that names no attack built for it (``Defence.adaptive``) without saying why
+    (``adaptive_note``), or whose configured defaults name none for a split mode it supports: a verdict
+    under it would rest on attacks that do not know it. The names' registration is checked by the
+    contract tests, which know the attack registry."""
+    if not cls.adaptive and not cls.adaptive_note:
+        raise ConfigError(
+            f"defence {cls.name!r} names no attack built for it: set `adaptive` to the registered attacks that know "
+            "its mechanism, or `adaptive_note` to why none applies"
+        )
+    if cls.adaptive:
+        d = build_defence(cls.name) if cls.name in DEFENCES else cls()
+        for mode in cls.split_modes:
+            if not d.adaptive_attacks(mode):
+                raise ConfigError(f"defence {cls.name!r} names no attack built for it in a {mode} run")
+
+
 def build_defence(name: str, args: dict[str, Any] | None = None) -> Defence:
     """The defence ``name`` with ``args``; unknown names, unknown arguments and values of the wrong
     type or out of range are refused with the defence and the argument named."""
@@ -686,17 +820,21 @@ class DefenceChain:
     """Defences applied in the order given, in both directions. The training code asks the chain
     where its defences act: ``client_transform`` (at most one defence acting after receipt, with
     state of its own, applied by the client before the other forward transforms), ``build_server``
-    (at most one defence acting on the server), ``check_split_mode``."""
+    (at most one defence acting on the server), ``check_split_mode``.
 
-    def __init__(self, defences: list[Defence], seed: int):
+    ``secret`` (bytes): what keys the chain's draws instead of ``seed`` (the client's, under
+    ``draws="os"``: fresh to whoever lacks it, where a run seed can be found by trying seeds)."""
+
+    def __init__(self, defences: list[Defence], seed: int, secret: bytes | None = None):
         self.defences = [d for d in defences if not isinstance(d, NoDefence)]
         self.seed = seed
+        self.secret = secret.hex() if secret else ""
         self.client_transform = self._one("client-after-receipt")
         self.server_defence = self._one("server")
         for d in self.defences:
             seeded = getattr(d, "set_seed", None)
             if seeded is not None:
-                seeded(seed)
+                seeded(self.secret or seed)
 
     def _one(self, role: str) -> Defence | None:
         acting = [d for d in self.defences if role in d.roles()]
@@ -742,11 +880,11 @@ class DefenceChain:
         return self.server_defence.build_server(split, self, lr, self.seed)
 
     @classmethod
-    def from_specs(cls, specs: list[dict[str, Any]], seed: int) -> "DefenceChain":
-        return cls([build_defence(s["name"], s.get("args")) for s in specs], seed)
+    def from_specs(cls, specs: list[dict[str, Any]], seed: int, secret: bytes | None = None) -> "DefenceChain":
+        return cls([build_defence(s["name"], s.get("args")) for s in specs], seed, secret)
 
     def _ctx(self, phase, step, doc_ids, position):
-        return WireContext(self.seed, phase, step, tuple(doc_ids), position)
+        return WireContext(self.seed, phase, step, tuple(doc_ids), position, self.secret)
 
     def forward(self, x: torch.Tensor, phase: str, step: int, doc_ids) -> torch.Tensor:
         """The forward transforms in order; the client transform was applied before (ClientRole)."""
@@ -754,6 +892,45 @@ class DefenceChain:
             if d is not self.client_transform:
                 x = d.forward(x, self._ctx(phase, step, doc_ids, i))
         return x
+
+    def forward_defences(self) -> list[Defence]:
+        """The defences acting on the client forward, in the order the client applies them (its client
+        transform first)."""
+        first = [self.client_transform] if self.client_transform is not None else []
+        rest = [d for d in self.defences if d is not self.client_transform]
+        return [d for d in first + rest if "client-forward" in d.roles()]
+
+    def public_forward(self, h: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
+        """The forward wire as an attacker emulates it (``Defence.public_forward`` composed in order) for
+        clean rows h [n, k, d] of documents whose frames were ``observed`` [n, T, d]. Refused where a
+        defence is not emulable, or transforms the rows after one that added noise or rounded at the
+        frame's scale (the frame then shows neither that scale nor a Gaussian residual)."""
+        last = None
+        for d in self.forward_defences():
+            out = d.public_forward(h, observed)
+            if out is None:
+                raise ConfigError(
+                    f"{d.name}'s forward cannot be emulated from its public arguments; read it with "
+                    f"{' or '.join(d.adaptive_attacks('plain'))}"
+                )
+            if last is not None:
+                raise ConfigError(
+                    f"{d.name} transforms the rows after {last} added noise or rounded them, so the frame no longer "
+                    f"shows what {last} sent: put {last} last in the chain for the forward-wire aware attacks"
+                )
+            if d.forward_noise_std() > 0 or d.forward_spacing(observed) is not None:
+                last = d.name
+            h = out
+        return h
+
+    def forward_noise_std(self) -> float:
+        """The per-entry std of the Gaussian noise on the forward wire after ``public_forward`` (0: none)."""
+        return math.sqrt(sum(d.forward_noise_std() ** 2 for d in self.forward_defences()))
+
+    def forward_spacing(self, observed: torch.Tensor) -> torch.Tensor | None:
+        """The spacing of the values the last forward defence sends, per observed document [n], or None."""
+        acting = self.forward_defences()
+        return acting[-1].forward_spacing(observed) if acting else None
 
     def backward(self, g: torch.Tensor, phase: str, step: int, doc_ids) -> torch.Tensor:
         for i, d in enumerate(self.defences):
@@ -798,6 +975,19 @@ class DefenceChain:
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"name": d.name, "args": d.args()} for d in self.defences] or [{"name": "none", "args": {}}]
+
+    def adaptive_attacks(self, mode: str) -> dict[str, tuple[str, ...]]:
+        """attack name -> the defences of the chain it is built for, in a run of split ``mode``, the
+        attacks in the order the chain's defences name them; only attacks whose registry entry reads
+        traffic of ``mode``."""
+        from splitleak.attacks.registry import attack_info
+
+        out: dict[str, tuple[str, ...]] = {}
+        for d in self.defences:
+            for name in d.adaptive_attacks(mode):
+                if mode in attack_info(name).modes:
+                    out[name] = (*out.get(name, ()), d.name)
+        return out
 
 
 from splitleak.wire.mirage import MIRAGE_DEFENCES  # noqa: E402  (one file; its classes subclass Defence above)

@@ -21,10 +21,12 @@ master fixes every number (frozen test vectors in ``tests/test_gauges.py``):
 - scale: s = clamp(exp(0.75 · N), 0.2, 5) · (±1), N from the scale stream's Gaussians and the sign
   from the top bit of the next word after them (the sign rule is ours; the paper gives the clamp).
 
-The master (16 bytes) is derived from the run seed, the phase, the step, the channel and the frame
-within the request (``derive_master``), so that a run is reproducible; the artefact drew it from OS
-entropy instead, which ``entropy="os"`` keeps as an option. Whoever holds the run seed can redraw
-every gauge: the run seed never crosses (``splitleak.seeds``).
+The master (16 bytes) is drawn fresh per frame from OS entropy (``entropy="os"``, the artefact's
+128-bit CSPRNG master per draw, 002 Table 15, and the latent mode's default), or derived from the run
+seed, the phase, the step, the channel and the frame within the request (``derive_master``,
+``entropy="derived"``), so that a run is reproducible. The run seed never crosses
+(``splitleak.seeds``), but everything else in ``derive_master`` does, so whoever holds the run seed,
+or finds it by trying seeds (``gauge-key-search``), redraws every derived gauge.
 """
 
 from __future__ import annotations

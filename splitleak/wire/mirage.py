@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -59,7 +59,23 @@ def _noted(channels, note: str):
     ]
 
 
-class SelectiveSupervision(Defence):
+class _LabelDefence(Defence):
+    """What the label-shielded defences share: the attack built for them is GMA-SL that knows the exposed
+    loss (``gma-sl-aware``: the public scale divided out or fitted per target, masked where coordinates are
+    zeroed, seq-dp's clip applied); in a U-shape, which has no label attack, they change no
+    activation, which the forward-wire attacks read as undefended."""
+
+    adaptive: ClassVar[tuple[str, ...]] = ("gma-sl-aware", "sipit-aware")
+    adaptive_note: ClassVar[str] = (
+        "GMA-SL matched under the exposed loss the defence declares (public scale, masks, noise model); the "
+        "activations are not this defence's to protect"
+    )
+
+    def adaptive_attacks(self, mode):
+        return ("gma-sl-aware",) if mode == "label-shielded" else ("sipit-aware",)
+
+
+class SelectiveSupervision(_LabelDefence):
     """``sas``: one entropy stratum of the supervised targets fully supervised per step, the others kept
     with probability ``keep``, the last ``last`` targets always (see the module docstring)."""
 
@@ -111,7 +127,7 @@ class SelectiveSupervision(Defence):
         )
 
 
-class ScaleBlinding(Defence):
+class ScaleBlinding(_LabelDefence):
     """``scale-blind``: every target's weight times a fresh s ~ Unif[m(1-r), m(1+r)] (003: m=1750, r=1/7);
     with ``recover`` the client divides its returned Bottom gradient by E[s] = m."""
 
@@ -148,7 +164,7 @@ class ScaleBlinding(Defence):
         )
 
 
-class Mirage(Defence):
+class Mirage(_LabelDefence):
     """``mirage``: Gradient Mirage whole (003 §4): sas, then scale blinding, then vMF on each row of the
     exposed gradient; dual-track backpropagation and Bottom-gradient recovery by E[s]."""
 
@@ -192,7 +208,7 @@ class Mirage(Defence):
         return self.vmf.privacy()
 
 
-class GradientPruning(Defence):
+class GradientPruning(_LabelDefence):
     """``grad-prune``: per document, zero the ``ratio`` share of g_t's coordinates smallest in magnitude
     (per document is ours)."""
 
@@ -222,7 +238,7 @@ class GradientPruning(Defence):
         return _noted(channels, f"after grad-prune: the {self.ratio:g} share of smallest coordinates zeroed")
 
 
-class GradientDropout(Defence):
+class GradientDropout(_LabelDefence):
     """``grad-dropout``: each coordinate of g_t zeroed with probability ``p``, not rescaled (ours)."""
 
     name = "grad-dropout"
@@ -250,7 +266,7 @@ class GradientDropout(Defence):
         return _noted(channels, f"after grad-dropout: each coordinate zeroed with probability {self.p:g}")
 
 
-class SequenceDP(Defence):
+class SequenceDP(_LabelDefence):
     """``seq-dp``: each document's g_t clipped to L2 norm ``clip`` and given N(0, (noise_multiplier·clip)²)
     per coordinate, the Gaussian mechanism at sequence level (003's GradSeq-LDP baseline). ``privacy()``
     gives its (epsilon, delta) per release and over a run's releases (Opacus's RDP accountant)."""

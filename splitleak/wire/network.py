@@ -287,7 +287,12 @@ class Session:
             max_rows=max(config.capture_batch, 1),  # frames per request
             float_dtype=f"torch.{config.precision}",
         )
-        self.declaration = declare_latent_channels(output_gradient=cfg.output_gradient, transport=True)
+        self.declaration = declare_latent_channels(
+            output_gradient=cfg.output_gradient,
+            transport=True,
+            gauge_entropy=cfg.gauge_entropy,
+            decoy_release=cfg.decoy_release,
+        )
         if self.node.capture is not None:
             self._open_store()
 
