@@ -48,11 +48,15 @@ PINNED = {
         "capture/activations": 511.8840925693512,
         "capture/gradients": 318.4537872647852,
     },
+    # re-pinned on 2026-12-03: the earlier pins (303.3192485757172, 190.5626362496987, 506.27715849503875,
+    # 314.42619193252176) disagreed by up to 1.2e-4 relative on this machine kind at landed main d9630c6 too,
+    # not only after the change being made; the 4-bit rounding of the noisy returned gradient turns last-bit
+    # differences of the kernels into flips of whole levels. The other cases still agree to 1e-5.
     "plain-quant4-noisy": {
-        "train/activations": 303.3192485757172,
-        "train/gradients": 190.5626362496987,
-        "capture/activations": 506.27715849503875,
-        "capture/gradients": 314.42619193252176,
+        "train/activations": 303.3370539005846,
+        "train/gradients": 190.5721227331087,
+        "capture/activations": 506.27650586050004,
+        "capture/gradients": 314.46499482821673,
     },
     "plain-clip-dp": {
         "train/activations": 9808.017840429675,

@@ -88,3 +88,20 @@ def test_seed_search_removes_the_noise_and_reads_what_the_clip_alone_leaves(tmp_
     missed = results["os", "seed-search"]
     assert not missed["attack_summary"]["key_found"] and missed["attack_summary"]["draws"] == "os"
     assert missed["token_recovery"] == results["os", "sipit-aware"]["token_recovery"]
+
+
+@pytest.mark.unit
+def test_a_recorded_configuration_keeps_its_draws():
+    """``as_dict`` leaves ``draws="derived"`` out (the hashes of runs made before the choice existed), so a record
+    read back must mean derived, not the new default; a grid's train job carries the spec's draws to its run."""
+    from splitleak.experiments.jobs import expand
+    from splitleak.experiments.spec import load_spec
+    from splitleak.training import config_from_record
+
+    derived, fresh = make_train_config(draws="derived"), make_train_config()
+    assert fresh.draws == "os" and "draws" not in derived.as_dict() and fresh.as_dict()["draws"] == "os"
+    assert config_from_record(derived.as_dict()) == derived and config_from_record(fresh.as_dict()) == fresh
+    assert make_train_config(**derived.as_dict()).draws == "os"  # what the worker did before: the bug
+    grid = expand(load_spec("mirage", "tiny"), "0" * 64)  # the spec says draws: derived
+    runs = [config_from_record(j.run_config) for j in grid.jobs if j.kind == "train"]
+    assert runs and all(c.draws == "derived" for c in runs)

@@ -41,7 +41,7 @@ from splitleak.models import PRESETS, load_model, preset_available
 from splitleak.progress import Progress
 from splitleak.seeds import model_init_seed
 from splitleak.stats import frame_weights
-from splitleak.training import RunResult, make_train_config, run_training
+from splitleak.training import DefenceConfig, RunResult, make_train_config, run_training
 from splitleak.training.config import adaptive_attacks_of
 from splitleak.wire import load_capture, verify_run
 
@@ -303,7 +303,7 @@ def run_audit(
     cost = None
     if twin and defended:
         say("training the undefended twin (same model, split, data and seed) for the cost of the defence")
-        twin_cfg = make_train_config(**{**cfg.as_dict(), "defences": [{"name": "none"}], "all_local_baseline": False})
+        twin_cfg = cfg.model_copy(update={"defences": (DefenceConfig(name="none"),), "all_local_baseline": False})
         t = run_training(
             twin_cfg, out / "twin", device=device, threads=threads, progress=progress, lm=pristine.clone(), **deployed
         )

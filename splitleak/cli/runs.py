@@ -188,8 +188,9 @@ def train_cmd(
                 )
         if resume is not None:
             from splitleak.attacks.knowledge import read_manifest
+            from splitleak.training import config_from_record
 
-            cfg = _train_config(**read_manifest(resume)["config"])
+            cfg = config_from_record(read_manifest(resume)["config"])
         elif config is not None:
             cfg = load_train_yaml(config)
         elif mode == "split" and depth is None and offload_start is None and offload_length is None:

@@ -144,10 +144,10 @@ def _train(job: dict[str, Any], store, device: str, threads: int | None, progres
     from splitleak.attacks.knowledge import read_manifest
     from splitleak.errors import IntegrityError
     from splitleak.experiments.store import train_row
-    from splitleak.training import make_train_config, run_training
+    from splitleak.training import config_from_record, run_training
     from splitleak.wire import verify_run
 
-    cfg = make_train_config(**job["run_config"])
+    cfg = config_from_record(job["run_config"])  # as_dict leaves draws="derived" out
     run_dir = store.run_dir(job["key"])
     args = (cfg.model, cfg.precision, cfg.seed, cfg.model_path)
     t0 = time.perf_counter()

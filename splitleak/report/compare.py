@@ -148,10 +148,10 @@ def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
 
 def adaptive_attacks_of(config: dict[str, Any]) -> dict[str, tuple[str, ...]]:
     """The attacks built for a run's defences, from its recorded configuration."""
-    from splitleak.training.config import TrainConfig
+    from splitleak.training.config import TrainConfig, config_from_record
     from splitleak.training.config import adaptive_attacks_of as of
 
-    return of(TrainConfig(**{k: v for k, v in config.items() if k in TrainConfig.model_fields}))
+    return of(config_from_record({k: v for k, v in config.items() if k in TrainConfig.model_fields}))
 
 
 def leakage_cost_figure(runs: list[RunSummary], out_stem: str | Path) -> list[Path]:

@@ -1,6 +1,6 @@
 """Running split training: client and server roles, the step loop, utility, the all-local baseline."""
 
-from splitleak.training.config import DefenceConfig, TrainConfig, make_train_config
+from splitleak.training.config import DefenceConfig, TrainConfig, config_from_record, make_train_config
 from splitleak.training.loop import (
     TrainLog,
     capture_traffic,
@@ -22,6 +22,7 @@ __all__ = [
     "TrainLog",
     "capture_traffic",
     "evaluate_ce",
+    "config_from_record",
     "make_train_config",
     "read_metrics",
     "resolve_device",

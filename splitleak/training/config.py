@@ -239,6 +239,14 @@ class ServerConfig(_ModelAndSplit):
         )
 
 
+def config_from_record(record: dict[str, Any]) -> TrainConfig:
+    """A TrainConfig from its recorded dictionary (``as_dict``: a manifest's, a grid job's): a record without
+    ``draws`` was made with draws keyed by the run seed, before the choice existed or with ``draws="derived"``
+    (which ``as_dict`` leaves out to keep those hashes), so it reads as ``derived``, not as the default of a
+    new configuration (``os``)."""
+    return make_train_config(**{"draws": "derived", **record})
+
+
 def make_train_config(**kwargs) -> TrainConfig:
     """Build a TrainConfig, turning pydantic's errors into one ConfigError with the field named."""
     from pydantic import ValidationError
