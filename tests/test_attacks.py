@@ -550,12 +550,18 @@ def test_after_a_miss_the_exhaustive_search_stops_early_and_changes_nothing_wher
 def test_sipit_refuses_a_bad_growth_or_margin_by_name(easy_run):
     from splitleak.attacks.sipit import SipIt
 
+    # refused when the configuration is built (typed from SipIt's signature), before anything runs
+    for params, words in (
+        ({"growth": 0}, "growth=0"),
+        ({"margin": -1}, "margin=-1"),
+        ({"after_miss": 0}, "after_miss=0"),
+    ):
+        with pytest.raises(ConfigError, match=f"attack 'sipit': {words} is not allowed"):
+            make_attack_config(attack="sipit", budget="exhaustive", params=params)
+    # and by the class itself, built directly, when it runs
+    attack = SipIt(budget="exhaustive", growth=0).fit(load_knowledge(easy_run, "public"))
     with pytest.raises(ConfigError, match="SipIt growth must be a positive integer"):
-        _score(easy_run, "sipit", budget="exhaustive", params={"growth": 0})
-    with pytest.raises(ConfigError, match="SipIt margin must be a number >= 0"):
-        _score(easy_run, "sipit", budget="exhaustive", params={"margin": -1})
-    with pytest.raises(ConfigError, match="SipIt after_miss must be a positive number of checks"):
-        _score(easy_run, "sipit", budget="exhaustive", params={"after_miss": 0})
+        attack.reconstruct(load_traffic(easy_run))
     assert SipIt(budget="exhaustive").params()["growth"] is None  # auto: 16 for exhaustive, 1 for a budget
 
 

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 from splitleak.audit.analysis import analyse, compare, score_matrix
 from splitleak.audit.calibrate import calibrate, dose_order, inject_leak, read_calibration
 from splitleak.audit.protocol import freeze_protocol, load_protocol, parse_protocol, shipped_protocols
-from splitleak.audit.verdicts import arm_effects, arm_gate, shuffled_labels
+from splitleak.audit.verdicts import CONTROL_DOCS, arm_effects, arm_gate, control_delta, mispairing
 from splitleak.cli import app
-from splitleak.errors import ConfigError, IntegrityError, SplitleakError
+from splitleak.errors import ConfigError, DataError, IntegrityError, SplitleakError
 from splitleak.report.audit import write_audit_report
 from splitleak.report.calibration import write_calibration_report
 from splitleak.stats import gate_statistic, heldout_rmse, ratio_bootstrap_ci
@@ -178,32 +178,66 @@ def test_calibrate_refuses_bad_input_and_keeps_what_exists(noisy_run, tmp_path):
     assert "token_top1: first detects at coverage" in r.output
 
 
-# ------------------------------------------------------------------ shuffled controls and verdicts
+# ------------------------------------------------------------------ mis-paired controls and verdicts
 
 
 @pytest.mark.unit
-def test_shuffled_control_reads_not_detected_for_honest_arms_and_catches_a_cheat():
-    rng = np.random.default_rng(0)
+@pytest.mark.parametrize("seed", [0, 7, 11])
+def test_mispaired_control_reads_floor_for_readers_of_traffic_and_catches_a_reader_of_the_text(seed):
+    rng = np.random.default_rng(seed)
+    # templated text: position 0 is always token 1, so unrelated documents agree there
     truth = rng.choice(40, size=(60, 16), p=np.r_[0.2, np.full(39, 0.8 / 39)])
-    perfect = truth.copy()
-    noisy = np.where(rng.random(truth.shape) < 0.5, truth, rng.integers(0, 40, truth.shape))
-    constant = np.zeros_like(truth)
-    cheat = shuffled_labels(truth, seed=7)  # predictions that copy the permuted labels
-    base, arms = arm_effects(
-        {"perfect": perfect, "noisy": noisy, "constant": constant, "cheat": cheat}, truth, n_boot=2000, seed=7
-    )
-    by = {a.name: a for a in arms}
+    truth[:, 0] = 1
+    keep = rng.random(truth.shape) < 0.5
+    noise = rng.integers(0, 40, truth.shape)
+    traffic_reader = np.where(keep, truth, noise)  # reads each document from its own traffic, half right
+    frames = np.repeat(np.arange(15), 4)  # 4 documents per frame
+    rows, given = mispairing(60, frames, CONTROL_DOCS, seed)
+    assert len(rows) >= CONTROL_DOCS and len(rows) % 4 == 0 and sorted(rows) == sorted(given)
+    assert all(r != g for r, g in zip(rows, given))
+    assert {frames[r] for r in rows} == {frames[g] for g in given}  # whole frames
+    assert sorted(np.flatnonzero(np.isin(frames, [frames[r] for r in rows]))) == sorted(rows)
+    arms = {"reader": traffic_reader, "perfect": truth.copy(), "constant": np.zeros_like(truth), "cheat": truth.copy()}
+    twins = {
+        "reader": traffic_reader[given],  # the same reading of the traffic it was given
+        "perfect": truth[given],
+        "constant": np.zeros((len(rows), 16), dtype=np.int64),
+        "cheat": truth[rows],  # reads the text of the document it is labelled as
+    }
+    controls = {k: control_delta(twins[k], arms[k], truth, rows, given) for k in arms}
+    base, effects = arm_effects(arms, truth, controls=controls, n_boot=2000, seed=seed)
+    by = {a.name: a for a in effects}
     assert base.token_id == 0 and abs(base.rate - (truth == 0).mean()) < 1e-12
-    assert by["perfect"].verdict == "detected" and by["noisy"].verdict == "detected"
+    assert by["perfect"].verdict == "detected" and by["reader"].verdict == "detected"
     assert by["perfect"].effect.estimate == pytest.approx(1 - base.rate)
     assert by["constant"].effect.estimate == 0 and by["constant"].verdict == "at floor"
-    for name in ("perfect", "noisy", "constant"):
-        assert by[name].control_verdict != "detected", name
-    assert by["constant"].control.estimate == 0  # a permutation keeps the label distribution
-    assert by["cheat"].control_verdict == "detected"  # the control can fail
-    g = arm_gate([by["perfect"], by["noisy"]], base)
-    ref = gate_statistic([by["perfect"].successes, by["noisy"].successes], truth.size, base.rate)
+    for name in ("reader", "perfect", "constant"):  # readers of the traffic: exactly 0
+        assert by[name].control.estimate == 0 and by[name].control_verdict == "at floor", name
+    # the reader of the text: the whole document against its unrelated agreement (position 0 and chance)
+    assert by["cheat"].control_verdict == "detected" and by["cheat"].control.estimate > 0.6
+    assert by["cheat"].verdict == "detected"  # what the arm alone cannot tell from the perfect reader
+    # an arm without a twin is not measured, and a control for an unknown arm is refused
+    _, only = arm_effects({"reader": traffic_reader}, truth, n_boot=200, seed=seed)
+    assert only[0].control is None and only[0].control_verdict == "not measured"
+    with pytest.raises(DataError, match="no predictions"):
+        arm_effects({"reader": traffic_reader}, truth, controls={"other": controls["reader"]}, n_boot=200)
+    g = arm_gate([by["perfect"], by["reader"]], base, 0.05, 0.01)
+    ref = gate_statistic([by["perfect"].successes, by["reader"].successes], truth.size, base.rate, 0.05, 0.01)
     assert g == ref and g.breaks
+
+
+@pytest.mark.unit
+def test_mispairing_without_frames_and_its_refusals():
+    rows, given = mispairing(5, None, 16, seed=3)  # fewer documents than asked: all of them
+    assert sorted(rows) == list(range(5)) and all(r != g for r, g in zip(rows, given))
+    assert mispairing(5, None, 16, seed=3) == (rows, given)  # seeded
+    assert mispairing(40, None, 16, seed=4) != mispairing(40, None, 16, seed=5)
+    rows, _ = mispairing(3, [0, 0, 0], 2, seed=0)  # one frame holds every document
+    assert sorted(rows) == [0, 1, 2]
+    with pytest.raises(DataError, match="at least 2 documents"):
+        mispairing(1, None, 16, seed=0)
+    with pytest.raises(DataError, match="control_docs"):
+        mispairing(10, None, 1, seed=0)
 
 
 @pytest.mark.e2e

@@ -123,12 +123,20 @@ def test_audit_on_tiny_model(tmp_path):
     assert len(shown) == 3 and all(len(d["readings"]) == 5 for d in shown)  # every reader but the control
     md = (out / "report.md").read_text()
     assert re.search(r"^\| activation k=32 +\|", md, re.M) and all(p in md for p in report["verdict_parts"])
-    assert " ".join(report["verdict_parts"]) == report["verdict"] and len(report["verdict_parts"]) == 3
-    # verdict words: the activation arms are detected, no shuffled-label control is, the gate breaks
+    assert " ".join(report["verdict_parts"]) == report["verdict"] and len(report["verdict_parts"]) == 4
+    # verdict words: the activation arms are detected, every mis-paired control reads at floor, the gate breaks
     arms = {a["attack"]: a["arm"] for a in report["attacks"]}
     assert arms["activation"]["verdict"] == "detected" and arms["activation"]["effect"]["low"] > 0.3
-    assert all(a["control_verdict"] != "detected" for a in arms.values())
+    assert all(a["control_verdict"] == "at floor" for a in arms.values()), arms
+    assert "no mis-paired control detected" in report["verdict"]
     assert report["verdicts"]["gate"]["breaks"] and report["verdict"].startswith("LEAKS")
+    # the gate, α and the utility gate are the shipped gate_002 protocol's, read from it and recorded with its hash
+    from splitleak.audit.gate import shipped_thresholds
+
+    g = report["verdicts"]["gate"]
+    assert (g["gate"], g["alpha"], g["J"], g["declared_J"]) == (0.01, 0.05, 5, 9)
+    assert g["thresholds"]["protocol_hash"] == shipped_thresholds().protocol_hash
+    assert report["verdicts"]["utility_gate"]["passes"] is True  # undefended: its own reference, ΔU = 0
     assert (out / "calibration" / "calibration.json").is_file()
     assert (out / "attacks" / "joint.parquet").is_file()
     # every reading carries the interval its 10 documents give, around the reading itself
@@ -146,8 +154,14 @@ def test_audit_on_tiny_model(tmp_path):
     assert channels["activations"]["status"] == "measured"  # attacked, and the calibration doses it
     assert channels["gradient"]["status"] == "no positive control"
     assert {"joint k=32"} <= set(channels["gradient"]["read_by"])
-    assert channels["labels"]["status"] == "no attack" and channels["timing"]["status"] == "not captured"
-    assert "Channels not attacked: row-ids, shapes, timing, labels." in report["verdict"]
+    assert channels["labels"]["status"] == "in clear" and channels["timing"]["status"] == "not captured"
+    assert "Channels not attacked: row-ids, shapes, timing." in report["verdict"]
+    # the third reader: the server receives the labels, the text itself
+    assert (
+        "The untrusted server itself reads 100 % of tokens and 100 % of whole documents, with no attack"
+        in (report["verdict"])
+    )
+    assert report["threat_models"]["server"].startswith("the untrusted server itself") and report["mode"] == "plain"
     assert "## Channels (Politis & Pappas 2026, §3)" in md
     assert re.search(r"^\| labels +\| main +\| client->server +\|", md, re.M)
     page = (out / "report.html").read_text()

@@ -221,8 +221,18 @@ def test_the_decoy_section_reads_the_partition_the_probes_and_the_fixs_cost(late
     assert cost["mean"] == pytest.approx(np.mean([ce[("fix", k)] - ce[("open", k)] for k in (1, 2, 3)]))
     assert next(u for u in s.utility if u.arm == "naked").cost is None
 
+    # each run read again under the grid's protocol (gate_002): one mlp restart per view, 1 of the declared 9
+    for run in s.probes:
+        assert run.protocol is not None and run.protocol["thresholds"]["protocol"] == "gate-002"
+        for view in ("real-rows", "gradient"):
+            v = run.protocol["by_view"][view]
+            assert (v["J"], v["declared_J"], v["matches_declared"]) == (1, 9, False)
+            assert v["decision"] == ("breaks" if v["breaks_gate"] else "undecided")
+    assert all(u.utility_gate is not None and u.utility_gate["max"] == 0.35 for u in s.utility)
+
     rep = grid_report(spec, out=tmp_path / "rep", store=store)
     text = " ".join(rep.markdown.read_text().split())
+    assert "Read under protocol gate-002" in text and "within the utility gate" in text
     assert "## The decoy system (002)" in text
     assert "4,096 / 4,096 frames exact" in text and "| open | rule=support | 3 | 24 / 24 | 1.000 |" in text
     assert "no main test and no comparison family" in text  # gate_002 has none; the split sections stand aside

@@ -133,13 +133,15 @@ def test_a_reading_arm_is_detected_a_guessing_arm_at_floor_and_a_constant_arm_ex
     assert by["read"].effect.low > 0.1
     assert by["guess"].effect.estimate < 0  # below the constant: 0.3 * 0.3 + 7 * 0.01 < 0.3
     assert by["const"].degenerate and by["const"].effect.estimate == 0.0
-    v = battery_verdict(stats, extra["weights"], extra["constant"]["accuracy"])
+    v = battery_verdict(stats, extra["weights"], extra["constant"]["accuracy"], alpha=0.05, gate=0.01)
     assert v["verdict"] == "detected" and v["best_arm"] == "read" and v["excluded_degenerate"] == ["const"]
     assert v["eligible"] == 2 and "Bonferroni over the 2 eligible arms" in v["family_correction"]
     assert v["breaks_gate"] and v["gate_statistic"] > 0.1
-    v2 = battery_verdict([by["guess"], by["const"]], extra["weights"], extra["constant"]["accuracy"])
+    v2 = battery_verdict(
+        [by["guess"], by["const"]], extra["weights"], extra["constant"]["accuracy"], alpha=0.05, gate=0.01
+    )
     assert v2["verdict"] in ("at floor", "below floor") and v2["best_arm"] == "guess"
-    v3 = battery_verdict([by["const"]], extra["weights"], extra["constant"]["accuracy"])
+    v3 = battery_verdict([by["const"]], extra["weights"], extra["constant"]["accuracy"], alpha=0.05, gate=0.01)
     assert v3["verdict"] == "no eligible arm"
 
 

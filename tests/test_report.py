@@ -22,6 +22,7 @@ SEEDS = (11, 22, 33)
 DOCS = 20
 ATTACK_SEEDS = (0, 1)
 SECTIONS = (
+    "Negative controls",
     "Main test and comparison family",
     "Token, whole-document and span recovery",
     "Gradient perturbations",

@@ -64,17 +64,17 @@ def test_gate_statistic_hand_example():
     z = norm.ppf(1 - 0.05 / 3)
     uppers = [_wilson_ref(k, n, z)[1] for k in ks]
     expected = max(uppers) - p0
-    res = gate_statistic(ks, n, p0)
+    res = gate_statistic(ks, n, p0, 0.05, 0.01)
     assert abs(res.G - expected) < 1e-12
     assert np.allclose(res.per_arm_upper, uppers, atol=1e-12, rtol=0)
     assert res.alpha_bonf == pytest.approx(0.05 / 3)
     assert res.breaks is True and gate_verdict(res) == "breaks the gate"
     # an arm set below the constant rate holds the gate
-    calm = gate_statistic([40, 41, 42], [1000, 1000, 1000], 0.05)
+    calm = gate_statistic([40, 41, 42], [1000, 1000, 1000], 0.05, 0.05, 0.01)
     assert calm.G < 0.01 and not calm.breaks and gate_verdict(calm) == "holds the gate"
     # G just above / below the gate
-    assert gate_statistic(ks, n, expected + 0.05 - 0.0101).breaks
-    assert not gate_statistic(ks, n, expected + 0.05 - 0.0099).breaks
+    assert gate_statistic(ks, n, expected + 0.05 - 0.0101, 0.05, 0.01).breaks
+    assert not gate_statistic(ks, n, expected + 0.05 - 0.0099, 0.05, 0.01).breaks
 
 
 def test_bonferroni_and_verdicts():
@@ -320,9 +320,9 @@ def test_hierarchical_bootstrap_mean_of_replicates_is_unbiased():
         (lambda: wilson_interval(11, 10), DataError, "between 0 and n"),
         (lambda: wilson_interval(1, 0), DataError, "at least 1"),
         (lambda: wilson_upper(1, 10, alpha=0), ConfigError, "alpha"),
-        (lambda: gate_statistic([1, 2], [10, 10, 10], 0.1), DataError, "per arm"),
-        (lambda: gate_statistic([], 10, 0.1), DataError, "empty"),
-        (lambda: gate_statistic([1], 10, 1.5), ConfigError, "constant_rate"),
+        (lambda: gate_statistic([1, 2], [10, 10, 10], 0.1, 0.05, 0.01), DataError, "per arm"),
+        (lambda: gate_statistic([], 10, 0.1, 0.05, 0.01), DataError, "empty"),
+        (lambda: gate_statistic([1], 10, 1.5, 0.05, 0.01), ConfigError, "constant_rate"),
         (lambda: random_effects([1.0], [0.1]), DataError, "at least 2"),
         (lambda: random_effects([1.0, 2.0], [0.1, 0.0]), DataError, "positive"),
         (lambda: random_effects([1.0, 2.0], [0.1]), DataError, "one variance"),

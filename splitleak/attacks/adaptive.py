@@ -54,9 +54,10 @@ import math
 from typing import Any
 
 import torch
+from pydantic import PositiveInt
 
-from splitleak.attacks.base import Reconstruction
-from splitleak.attacks.beam import DEFAULT_GRADIENT_SOURCE, ActivationBeam, _GradientReader
+from splitleak.attacks.base import Candidates, Reconstruction
+from splitleak.attacks.beam import DEFAULT_GRADIENT_SOURCE, ActivationBeam, GradientSource, _GradientReader
 from splitleak.attacks.knowledge import Knowledge, Traffic
 from splitleak.attacks.search import beam_search
 from splitleak.errors import ConfigError
@@ -187,11 +188,11 @@ class AdaptiveJointBeam(_GradientReader, ActivationBeam):
 
     def __init__(
         self,
-        k: int = 32,
-        width: int = 2,
+        k: Candidates = 32,
+        width: PositiveInt = 2,
         seed: int = 0,
-        chunk_docs: int = 64,
-        gradient_source: str = DEFAULT_GRADIENT_SOURCE,
+        chunk_docs: PositiveInt = 64,
+        gradient_source: GradientSource = DEFAULT_GRADIENT_SOURCE,
         max_gradient: int | None = None,
         bins: int = 4,
         anchor_share: float = 0.25,
@@ -207,6 +208,7 @@ class AdaptiveJointBeam(_GradientReader, ActivationBeam):
         self.min_anchors = min_anchors
         self.z = z
         self.margin = margin
+        self._checked()
 
     def params(self):
         p = {

@@ -34,17 +34,18 @@ With no defence acting on the client forward they are ``sipit`` and ``activation
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt
 from scipy.stats import chi2
 
-from splitleak.attacks.base import SHARED_RANKS, _RidgeAttack
+from splitleak.attacks.base import SHARED_RANKS, Budget, _RidgeAttack
 from splitleak.attacks.beam import ActivationBeam
 from splitleak.attacks.knowledge import ClientCopy, Knowledge, Traffic
 from splitleak.attacks.ridge import RidgeMap, cosine_topk
 from splitleak.attacks.search import SearchResult
-from splitleak.attacks.sipit import SipIt
+from splitleak.attacks.sipit import Order, SipIt
 from splitleak.errors import ConfigError
 from splitleak.wire.defences import DefenceChain
 
@@ -221,17 +222,17 @@ class AwareSipIt(_Aware, SipIt):
 
     def __init__(
         self,
-        budget: int | str = 32,
-        tol_rel: float = 1e-3,
-        round_size: int = 16,
+        budget: Budget = 32,
+        tol_rel: NonNegativeFloat = 1e-3,
+        round_size: PositiveInt = 16,
         seed: int = 0,
-        chunk_docs: int = 64,
-        order: str = "gradient",
-        step: float = 0.5,
-        growth: int | None = None,
-        margin: float | None = None,
-        after_miss: int | None = None,
-        alpha: float = 1e-3,
+        chunk_docs: PositiveInt = 64,
+        order: Order = "gradient",
+        step: PositiveFloat = 0.5,
+        growth: PositiveInt | None = None,
+        margin: NonNegativeFloat | None = None,
+        after_miss: PositiveInt | None = None,
+        alpha: Annotated[float, Field(gt=0, lt=1)] = 1e-3,
     ):
         super().__init__(budget, tol_rel, round_size, seed, chunk_docs, order, step, growth, margin, after_miss)
         self.alpha = alpha

@@ -8,15 +8,23 @@ ids per document (or, for property inference, one score per document). Every ran
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import torch
+from pydantic import Field, PositiveInt
 
 from splitleak.attacks.knowledge import Knowledge, Traffic
 from splitleak.attacks.registry import attack_info
 from splitleak.attacks.ridge import RidgeMap, cosine_topk
 from splitleak.errors import ConfigError
 from splitleak.progress import Progress
+
+#: ranges attack parameters declare in their ``__init__`` signatures (besides pydantic's ``PositiveInt``,
+#: ``NonNegativeFloat`` and the like); ``attacks.config.params_model`` reads each signature into a typed schema,
+#: checked when a configuration is built, so that a grid refuses a bad value before its first job
+Candidates = Annotated[int, Field(ge=2)]  # candidates per position (k)
+Budget = Union[PositiveInt, Literal["exhaustive"]]  # checks per position, or the whole vocabulary
+Share = Annotated[float, Field(gt=0, le=1)]  # a share or a mixing weight in (0, 1]
 
 
 @dataclass

@@ -23,12 +23,13 @@ Neither uses labels, server layers or evaluation text.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
 import numpy as np
 import torch
+from pydantic import PositiveInt
 
-from splitleak.attacks.base import Reconstruction, _RidgeAttack
+from splitleak.attacks.base import Candidates, Reconstruction, _RidgeAttack
 from splitleak.attacks.knowledge import Traffic
 from splitleak.attacks.ridge import RidgeMap, cosine_topk
 from splitleak.attacks.search import beam_search
@@ -60,8 +61,9 @@ class GradientMap:
         return cosine_topk(self.ridge(x), embedding, k).cpu()
 
 
-READOUTS = ("gradient", "pseudo-map")
-DEFAULT_READOUT = "gradient"
+Readout = Literal["gradient", "pseudo-map"]
+READOUTS: tuple[str, ...] = get_args(Readout)
+DEFAULT_READOUT: Readout = "gradient"
 
 
 def gradient_readout(gradients: torch.Tensor, embedding: torch.Tensor, k: int) -> torch.Tensor:
@@ -128,7 +130,12 @@ class ActivationBeam(_RidgeAttack):
 
     name = "activation"
 
-    def __init__(self, k: int = 32, width: int = 2, seed: int = 0, chunk_docs: int = 64):
+    def __init__(self, k: Candidates = 32, width: PositiveInt = 2, seed: int = 0, chunk_docs: PositiveInt = 64):
+        if isinstance(k, int) and isinstance(width, int) and width > k:
+            raise ConfigError(
+                f"attack {self.name!r}: width={width} is not allowed with k={k}: the beam keeps at most the k "
+                "candidates of each position, so width should be at most k"
+            )
         self.k = k
         self.width = width
         self.seed = seed
@@ -161,8 +168,9 @@ class ActivationBeam(_RidgeAttack):
         return Reconstruction(res.tokens, extra)
 
 
-GRADIENT_SOURCES = ("split", "output")
-DEFAULT_GRADIENT_SOURCE = "split"
+GradientSource = Literal["split", "output"]
+GRADIENT_SOURCES: tuple[str, ...] = get_args(GradientSource)
+DEFAULT_GRADIENT_SOURCE: GradientSource = "split"
 
 
 class _GradientReader:
@@ -208,12 +216,12 @@ class JointBeam(_GradientReader, ActivationBeam):
 
     def __init__(
         self,
-        k: int = 32,
-        width: int = 2,
+        k: Candidates = 32,
+        width: PositiveInt = 2,
         seed: int = 0,
-        chunk_docs: int = 64,
-        readout: str = DEFAULT_READOUT,
-        gradient_source: str = DEFAULT_GRADIENT_SOURCE,
+        chunk_docs: PositiveInt = 64,
+        readout: Readout = DEFAULT_READOUT,
+        gradient_source: GradientSource = DEFAULT_GRADIENT_SOURCE,
     ):
         super().__init__(k=k, width=width, seed=seed, chunk_docs=chunk_docs)
         self.readout = readout
@@ -289,7 +297,12 @@ class BackwardOnly(JointBeam):
 
     name = "backward-only"
 
-    def __init__(self, seed: int = 0, readout: str = DEFAULT_READOUT, gradient_source: str = DEFAULT_GRADIENT_SOURCE):
+    def __init__(
+        self,
+        seed: int = 0,
+        readout: Readout = DEFAULT_READOUT,
+        gradient_source: GradientSource = DEFAULT_GRADIENT_SOURCE,
+    ):
         super().__init__(seed=seed, readout=readout, gradient_source=gradient_source)
 
     def params(self):

@@ -73,6 +73,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from splitleak.attacks.base import Attack, Reconstruction
@@ -347,10 +348,10 @@ class GMASL(Attack):
     def __init__(
         self,
         distance: str = "l2",
-        steps: int = 400,
-        lr: float = 0.1,
-        batch: int = 8,
-        tag_alpha: float = 0.01,
+        steps: NonNegativeInt = 400,
+        lr: PositiveFloat = 0.1,
+        batch: PositiveInt = 8,
+        tag_alpha: NonNegativeFloat = 0.01,
         seed: int = 0,
     ):
         if distance not in DISTANCES:

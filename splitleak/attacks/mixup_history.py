@@ -26,8 +26,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from pydantic import PositiveInt
 
-from splitleak.attacks.base import Reconstruction
+from splitleak.attacks.base import Candidates, Reconstruction, Share
 from splitleak.attacks.beam import ActivationBeam
 from splitleak.attacks.knowledge import Traffic
 from splitleak.attacks.ridge import cosine_topk
@@ -64,7 +65,14 @@ class MixupHistory(ActivationBeam):
 
     name = "mixup-history"
 
-    def __init__(self, k: int = 32, width: int = 2, seed: int = 0, chunk_docs: int = 64, ratio: float = 0.5):
+    def __init__(
+        self,
+        k: Candidates = 32,
+        width: PositiveInt = 2,
+        seed: int = 0,
+        chunk_docs: PositiveInt = 64,
+        ratio: Share = 0.5,
+    ):
         super().__init__(k=k, width=width, seed=seed, chunk_docs=chunk_docs)
         self.ratio = ratio
 

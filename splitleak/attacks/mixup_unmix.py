@@ -16,8 +16,9 @@ client's own record of where each decoy came from.
 from __future__ import annotations
 
 import torch
+from pydantic import PositiveInt
 
-from splitleak.attacks.base import Reconstruction
+from splitleak.attacks.base import Candidates, Reconstruction, Share
 from splitleak.attacks.beam import ActivationBeam
 from splitleak.attacks.knowledge import Traffic
 from splitleak.attacks.ridge import cosine_topk
@@ -31,7 +32,14 @@ class MixupUnmix(ActivationBeam):
 
     name = "mixup-unmix"
 
-    def __init__(self, k: int = 32, width: int = 2, seed: int = 0, chunk_docs: int = 64, lam: float | None = None):
+    def __init__(
+        self,
+        k: Candidates = 32,
+        width: PositiveInt = 2,
+        seed: int = 0,
+        chunk_docs: PositiveInt = 64,
+        lam: Share | None = None,
+    ):
         super().__init__(k=k, width=width, seed=seed, chunk_docs=chunk_docs)
         self.lam = lam
 

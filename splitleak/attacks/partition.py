@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from pydantic import NonNegativeFloat
 
 from splitleak.errors import ConfigError, IntegrityError
 
@@ -202,7 +203,7 @@ class PartitionAttack(LatentPartition):
     name: ClassVar[str] = "support-partition"
     uses_gradients: ClassVar[bool] = True
 
-    def __init__(self, rule: str = "support", tol: float = 0.0, seed: int = 0):
+    def __init__(self, rule: str = "support", tol: NonNegativeFloat = 0.0, seed: int = 0):
         if rule not in RULES:
             raise ConfigError(f"unknown partition rule {rule!r}; use one of {', '.join(RULES)}")
         self.rule, self.tol, self.seed = rule, tol, seed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from pydantic import PositiveInt
 
 from splitleak.attacks.base import Attack, Reconstruction
 
@@ -27,7 +28,7 @@ class PropertyInference(Attack):
     name = "property"
     uses_gradients = True
 
-    def __init__(self, n_properties: int = 3, seed: int = 0):
+    def __init__(self, n_properties: PositiveInt = 3, seed: int = 0):
         self.n_properties = n_properties
         self.seed = seed
 

@@ -47,9 +47,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import PositiveInt
 from torch import nn
 
-from splitleak.attacks.base import Attack, Reconstruction
+from splitleak.attacks.base import Attack, Budget, Reconstruction
 from splitleak.attacks.beam import ActivationBeam
 from splitleak.attacks.knowledge import ClientCopy, Knowledge, Traffic
 from splitleak.attacks.sipit import SipIt
@@ -111,10 +112,10 @@ class Refit(Attack):
         inner: str = "sipit",
         decoder: str = "activation",
         k: int = 32,
-        budget: int | str | None = None,
+        budget: Budget | None = None,
         width: int = 2,
         seed: int = 0,
-        chunk_docs: int = 64,
+        chunk_docs: PositiveInt = 64,
     ):
         self.rounds = rounds
         self.steps = steps
@@ -130,6 +131,7 @@ class Refit(Attack):
         self.width = width
         self.seed = seed
         self.chunk_docs = chunk_docs
+        self._validate()
 
     def params(self) -> dict[str, Any]:
         p: dict[str, Any] = {
@@ -150,7 +152,7 @@ class Refit(Attack):
             p["budget"] = self._budget()
         return p
 
-    def _budget(self) -> int | str:
+    def _budget(self) -> Budget:
         return 32 if self.budget is None else self.budget
 
     def _validate(self) -> None:

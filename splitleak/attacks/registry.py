@@ -15,6 +15,7 @@ Adding an attack: write its class (one file under ``attacks/``), add one ``Attac
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -282,6 +283,27 @@ def register(info: AttackInfo) -> None:
 
 def unregister(name: str) -> None:
     REGISTRY.pop(name, None)
+
+
+#: comma-separated modules that register attacks when imported (plug-ins); the command line, a grid's driver
+#: and every grid worker (a spawned process or a Ray task, which start without the driver's registrations)
+#: import them before they look an attack up
+PLUGINS_ENV = "SPLITLEAK_PLUGINS"
+
+
+def load_plugins(names: str | None = None) -> list[str]:
+    """Import the plug-in modules named in ``names`` (default: the ``SPLITLEAK_PLUGINS`` variable); a module
+    already imported is not imported again, so its ``register`` calls run once per process."""
+    wanted = [n.strip() for n in (os.environ.get(PLUGINS_ENV, "") if names is None else names).split(",") if n.strip()]
+    for name in wanted:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(
+                f"{PLUGINS_ENV} names the module {name!r}, which cannot be imported ({exc}); put its folder on "
+                f"PYTHONPATH or remove it from {PLUGINS_ENV}"
+            ) from exc
+    return wanted
 
 
 def attack_names() -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from splitleak.attacks.base import Attack, Reconstruction
+from splitleak.attacks.base import Attack, Budget, Reconstruction
 from splitleak.attacks.knowledge import Knowledge, Traffic
 from splitleak.errors import ConfigError
 from splitleak.progress import Progress
@@ -53,7 +53,7 @@ class SeedSearch(Attack):
 
     name = "seed-search"
 
-    def __init__(self, seeds: int = 4096, budget: int | str = 32, confirm: int = 8, z: float = 5.0, seed: int = 0):
+    def __init__(self, seeds: int = 4096, budget: Budget = 32, confirm: int = 8, z: float = 5.0, seed: int = 0):
         if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
             raise ConfigError(f"seed-search: seeds (how many run seeds to try) must be an integer >= 1, got {seeds!r}")
         if isinstance(confirm, bool) or not isinstance(confirm, int) or confirm < 1:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+from typing import Literal
 
-from splitleak.attacks.base import Reconstruction, _RidgeAttack
+import torch
+from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt
+
+from splitleak.attacks.base import Budget, Reconstruction, _RidgeAttack
 from splitleak.attacks.ridge import cosine_scores, cosine_topk
 from splitleak.attacks.search import GradientGuidedOrder, sipit
 from splitleak.errors import ConfigError
@@ -35,6 +38,10 @@ class _RidgeOrder:
         return torch.stack(out)
 
 
+#: the order in which SipIt checks candidates (the class's docstring)
+Order = Literal["gradient", "ridge"]
+
+
 class SipIt(_RidgeAttack):
     """SipIt (Nikolaou et al. 2026), as What Gradients Add §2–3 describes it: per position, check candidates until
     one's recomputed activation matches the observed one within tolerance; a budget of checks per
@@ -62,16 +69,16 @@ class SipIt(_RidgeAttack):
 
     def __init__(
         self,
-        budget: int | str = 32,
-        tol_rel: float = 1e-3,
-        round_size: int = 16,
+        budget: Budget = 32,
+        tol_rel: NonNegativeFloat = 1e-3,
+        round_size: PositiveInt = 16,
         seed: int = 0,
-        chunk_docs: int = 64,
-        order: str = "gradient",
-        step: float = 0.5,
-        growth: int | None = None,
-        margin: float | None = None,
-        after_miss: int | None = None,
+        chunk_docs: PositiveInt = 64,
+        order: Order = "gradient",
+        step: PositiveFloat = 0.5,
+        growth: PositiveInt | None = None,
+        margin: NonNegativeFloat | None = None,
+        after_miss: PositiveInt | None = None,
     ):
         self.budget = budget
         self.order = order

@@ -4,9 +4,10 @@ partial-offloading tests (What Gradients Add §3 "Statistics", §5 "Analysis").
 The input is a long table of per-document scores, one record per (attack evaluation, document),
 carrying the fields a protocol's selectors name:
 
-- of the attack: ``attack``, ``k``, ``budget``, ``client_copy``, ``attack_seed``,
-  ``gradient_noise``, ``gradient_bits``, ``inference``, ``readout`` (how a gradient-reading attack
-  reads the gradient; ``effective_readout``);
+- of the attack: its identity (``attacks.config.IDENTITY``): ``attack``, ``k``, ``budget``,
+  ``readout`` (how a gradient-reading attack reads the gradient; ``effective_readout``),
+  ``client_copy``, ``attack_seed``, ``gradient_noise``, ``gradient_bits``, ``inference``, ``phase``
+  and ``params`` (every other hyperparameter, as canonical JSON);
 - of the run: ``model``, ``depth``, ``offload_start``, ``offload_length``, ``defence`` (defence
   names joined by ``+``), ``data``, ``victim_seed``;
 - the scores: ``doc_id``, ``token_correct``, ``token_counted``, ``exact``;
@@ -16,40 +17,37 @@ A selector (``{attack: joint, k: 32, client_copy: public, depth: 6}``) picks the
 fields equal every value it names; fields it does not name default to the plain training
 setting (``SELECTOR_DEFAULTS``: no defence, no observer-side gradient perturbation, not the
 inference setting, the default gradient read-out), so that ``joint`` does not also pick the
-perturbed joint attacks or the pseudo-label map. For each victim seed (a trained model) the
-per-document score is averaged over attack seeds; the crossed bootstrap then resamples models and
-documents.
+perturbed joint attacks or the pseudo-label map. A selector that still matches more than one
+configuration (two values of a hyperparameter in ``params``, say) is refused, naming them. For
+each victim seed (a trained model) the per-document score is averaged over attack seeds; the
+crossed bootstrap then resamples models and documents.
 ``rows_from_results`` builds the table from ``splitleak attack`` / ``splitleak audit`` output, and
 the experiment store yields the same records.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from splitleak.attacks.config import CONFIG_FIELDS, IDENTITY_FIELDS, attack_identity, canonical
 from splitleak.attacks.registry import readout_attacks
+from splitleak.audit.gate import analyse_gate, gate_hash_records, thresholds_of
 from splitleak.audit.protocol import Protocol, check_results
 from splitleak.errors import ConfigError, DataError, IntegrityError, SplitleakError
 from splitleak.stats import bonferroni_alpha, heldout_rmse, paired_difference_ci, partial_r2_test
 from splitleak.wire.store import read_run_json
 
-ATTACK_FIELDS = (
-    "attack",
-    "k",
-    "budget",
-    "client_copy",
-    "attack_seed",
-    "gradient_noise",
-    "gradient_bits",
-    "inference",
-    "readout",
-)
+#: the attack's fields of a record: its identity (``attacks.config.IDENTITY``, derived from AttackConfig:
+#: ``params`` holds every hyperparameter without a field of its own, as canonical JSON)
+ATTACK_FIELDS = IDENTITY_FIELDS
 RUN_FIELDS = ("model", "depth", "offload_start", "offload_length", "defence", "data", "victim_seed", "data_seed")
+#: the run's fields of one configuration (the victim seeds are its replicates; the data seed is checked apart)
+CONFIG_RUN_FIELDS = tuple(f for f in RUN_FIELDS if f not in ("victim_seed", "data_seed"))
 #: the attacks that take a gradient read-out (attacks.core.READOUTS), from the torch-free registry,
 #: and its default
 READOUT_ATTACKS = readout_attacks()
@@ -105,6 +103,9 @@ class Analysis:
     family_alpha: float | None
     family_passes: bool | None
     partial_offloading: list[dict[str, Any]]
+    gate: list[dict[str, Any]] = field(default_factory=list)  # the gate test's verdicts (splitleak.audit.gate)
+    gate_thresholds: dict[str, Any] | None = None  # what they were read against: the protocol's own
+    notes: list[str] = field(default_factory=list)  # the protocol's tests these results did not evaluate, and why
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -115,6 +116,9 @@ class Analysis:
             "family_alpha": self.family_alpha,
             "family_passes": self.family_passes,
             "partial_offloading": self.partial_offloading,
+            "gate": self.gate,
+            "gate_thresholds": self.gate_thresholds,
+            "notes": self.notes,
         }
 
 
@@ -227,7 +231,7 @@ def rows_from_results(found: Sequence[tuple[Path, dict[str, Any]]]) -> list[dict
     for path, res in found:
         if res.get("token_recovery") is None:
             continue  # property inference: no per-token scores
-        base = {f: res["config"].get(f) for f in ATTACK_FIELDS}
+        base = attack_identity(res["config"])
         base.update(run_fields(res["run"]["config"]))
         base.update({"protocol_hash": res.get("protocol_hash"), "config_hash": res["config_hash"]})
         for d in read_predictions(path, res, ["doc_id", "token_correct", "token_counted", "exact"]):
@@ -266,13 +270,27 @@ def run_rows_from_results(found: Sequence[tuple[Path, dict[str, Any]]]) -> list[
 
 
 def select(rows: Sequence[dict[str, Any]], selector: dict[str, Any]) -> list[dict[str, Any]]:
+    """The records whose fields equal every value ``selector`` names (module docstring). The attack's
+    fields compare in canonical form (``attacks.config.canonical``): ``params`` as a mapping
+    (``params: {order: ridge}``) or its JSON, matched whole (``params: null``: none), ``budget``
+    as an int or ``exhaustive``, a field a record lacks as its default."""
     unknown = set(selector) - set(ATTACK_FIELDS) - set(RUN_FIELDS)
     if unknown:
         raise ConfigError(f"selector names unknown field(s) {sorted(unknown)}; use {ATTACK_FIELDS + RUN_FIELDS}")
-    full = {**SELECTOR_DEFAULTS, **selector}
+    try:
+        wanted = {k: canonical(k, v) if k in ATTACK_FIELDS and k != "readout" else v for k, v in selector.items()}
+    except (ValueError, ConfigError) as exc:  # params that are neither a mapping nor its JSON
+        raise ConfigError(f"selector {selector}: {exc}") from None
+    full = {**SELECTOR_DEFAULTS, **wanted}
     readout = full.pop("readout")
+
+    def value(r: dict[str, Any], k: str) -> Any:
+        return canonical(k, r.get(k)) if k in ATTACK_FIELDS else r.get(k)
+
     return [
-        r for r in rows if all(_same(r.get(k), v) for k, v in full.items()) and effective_readout(r) in (None, readout)
+        r
+        for r in rows
+        if all(_same(value(r, k), v) for k, v in full.items()) and effective_readout(r) in (None, readout)
     ]
 
 
@@ -286,28 +304,18 @@ def score_matrix(rows: Sequence[dict[str, Any]], metric: str) -> tuple[np.ndarra
     """(victim seeds × documents) matrix of a metric, averaged over attack seeds."""
     if metric not in METRICS:
         raise ConfigError(f"unknown metric {metric!r}; use one of {sorted(METRICS)}")
-    configs = {
-        (
-            r["attack"],
-            r.get("k"),
-            r.get("budget"),
-            r.get("client_copy"),
-            r.get("gradient_noise"),
-            r.get("gradient_bits"),
-            r.get("inference"),
-            r.get("depth"),
-            r.get("defence"),
-            r.get("model"),
-            r.get("offload_start"),
-            r.get("offload_length"),
-            r.get("data"),
-        )
-        for r in rows
-    }
+    configs: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in rows:  # one configuration: the attack's identity less its seed, on one kind of trained model
+        config = {f: canonical(f, r.get(f)) for f in CONFIG_FIELDS} | {"readout": effective_readout(r)}
+        config |= {f: r.get(f) for f in CONFIG_RUN_FIELDS}
+        configs.setdefault(tuple(config.values()), config)
     if len(configs) > 1:
+        found = list(configs.values())
+        differ = [f for f in found[0] if len({repr(c[f]) for c in found}) > 1]
+        candidates = "; ".join(" ".join(f"{f}={c[f]}" for f in differ) for c in found)
         raise ConfigError(
-            f"the selector matches {len(configs)} different configurations; name more fields "
-            f"(e.g. k, client_copy, depth, defence) so that it picks one"
+            f"the selector matches {len(configs)} different configurations ({candidates}); name "
+            f"{', '.join(differ)} in it so that it picks one"
         )
     data_seeds = {r.get("data_seed") for r in rows}
     if len(data_seeds) > 1:
@@ -387,9 +395,15 @@ def compare(
 
 
 def analyse(
-    protocol: Protocol, protocol_hash: str, rows: Sequence[dict[str, Any]], run_rows: Sequence[dict[str, Any]] = ()
+    protocol: Protocol,
+    protocol_hash: str,
+    rows: Sequence[dict[str, Any]],
+    run_rows: Sequence[dict[str, Any]] = (),
+    gate_inputs: Sequence[dict[str, Any]] = (),
 ) -> Analysis:
-    """Evaluate the protocol's main test, its family and its partial-offloading tests.
+    """Evaluate the protocol's main test, its family, its partial-offloading tests and its gate test
+    (``gate_inputs`` from ``splitleak.audit.gate.gate_inputs``, read at the protocol's gate, α, J and
+    utility gate); ``notes`` name every declared test these results did not evaluate.
 
     Refuses (IntegrityError) any record not written under ``protocol_hash``."""
     check_results(
@@ -400,7 +414,8 @@ def analyse(
                 "protocol_hash": r.get("protocol_hash"),
             }
             for r in list(rows) + list(run_rows)
-        ],
+        ]
+        + gate_hash_records(gate_inputs),
         protocol_hash,
     )
     main = None
@@ -436,7 +451,62 @@ def analyse(
             )
         fam_pass = all(c.passes for c in fam_results)
     po = analyse_partial_offloading(protocol, run_rows) if run_rows else []
-    return Analysis(protocol.name, protocol_hash, main, fam_results, fam_alpha, fam_pass, po)
+    th = thresholds_of(protocol, protocol_hash)
+    gate = analyse_gate(th, gate_inputs) if th is not None else []
+    notes = unevaluated(protocol, gate, bool(po), sum(g["kind"] == "latent" for g in gate_inputs))
+    return Analysis(
+        protocol.name,
+        protocol_hash,
+        main,
+        fam_results,
+        fam_alpha,
+        fam_pass,
+        po,
+        gate,
+        None if th is None else th.as_dict(),
+        notes,
+    )
+
+
+def unevaluated(protocol: Protocol, gate: Sequence[dict[str, Any]], po_read: bool, batteries: int) -> list[str]:
+    """One line per test the protocol declares that this analysis did not evaluate, saying why, so that
+    an analysis never reads as empty without a word (``tests`` entries; the main test and the family
+    say for themselves when their results are missing)."""
+    notes = []
+    gate_read = bool(gate)
+    twins = any(g.get("negative_control") is not None for g in gate)
+    has_gate = thresholds_of(protocol, "") is not None
+    if batteries and not has_gate:
+        notes.append(
+            f"{batteries} probe-battery result(s) are read only under a gate, and protocol {protocol.name} declares "
+            "none (no thresholds.gate): not read"
+        )
+    for t in protocol.tests:
+        what = ", ".join(f"{k}={v}" for k, v in t.items() if k != "rule")
+        if t.get("statistic") in ("gate", "paired_effect_A", "paired_effect_N"):
+            if not has_gate:
+                notes.append(f"test {what}: the protocol declares no thresholds.gate to read it against")
+            elif not gate_read:
+                notes.append(
+                    f"test {what}: no probe-battery result and no split token attack among the results to read it on"
+                )
+            elif t.get("statistic") == "paired_effect_N" and not twins:
+                notes.append(
+                    f"test {what}: no probe-battery result with its shuffled-label twin among the results (a split "
+                    "run's negative controls are the audit's, read by `splitleak audit`)"
+                )
+        elif "outcome" in t and "defence" in t:
+            if not po_read:
+                notes.append(f"test {what}: no property-inference result with its run's ΔU among the results")
+        elif "claim" in t:
+            notes.append(
+                f"test {what}: a claim over a grid of runs, evaluated by the label-shielded section of the grid's "
+                "report (`splitleak experiment report`) from the grid's store at the protocol's thresholds, not "
+                "from loose results"
+            )
+        else:
+            notes.append(f"test {what}: `protocol analyse` does not evaluate tests of this shape")
+    return notes
 
 
 def analyse_partial_offloading(protocol: Protocol, run_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

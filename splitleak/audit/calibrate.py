@@ -28,7 +28,8 @@ interval; *detected* when the interval's lower end is above zero):
   (Politis & Pappas 2026, §4.1 found the same).
 
 The gate column is Politis & Pappas 2026, Eq. (1) for the single token-top-1 arm: Wilson upper-95 minus the constant
-baseline (the evaluation set's most frequent token); it breaks above +1.0 pp.
+baseline (the evaluation set's most frequent token); it breaks above the gate of the shipped gate_002 protocol (+1.0 pp)
+unless the caller passes another (``splitleak.audit.gate``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from splitleak.attacks.core import make_attack
 from splitleak.attacks.knowledge import Knowledge, Traffic, eval_token_ids, read_documents, read_manifest
 from splitleak.attacks.ridge import RidgeMap
 from splitleak.audit.defaults import DEFAULT_COVERAGES
-from splitleak.audit.verdicts import GATE, constant_baseline
+from splitleak.audit.verdicts import constant_baseline
 from splitleak.errors import ConfigError, IntegrityError, SplitleakError
 from splitleak.metrics import roc_auc
 from splitleak.progress import Progress, Silent
@@ -229,7 +230,8 @@ def calibrate(
     n_docs: int | None = None,
     seed: int = 0,
     n_boot: int = 2000,
-    alpha: float = 0.05,
+    alpha: float | None = None,
+    gate: float | None = None,
     force: bool = False,
     progress: Progress | None = None,
     knowledge: Knowledge | None = None,
@@ -239,7 +241,14 @@ def calibrate(
     """Sweep the dose ladder (every coverage × every amplitude, plus zero dose) with one attack and
     write ``calibration.json`` to ``out``; ``splitleak.report.calibration.write_calibration_report``
     renders it (``calibration.md``, ``calibration.png`` / ``.svg``). ``knowledge``, ``traffic`` and
-    ``trained`` (the trained copy, for the membership frames) may be passed by a caller that holds them."""
+    ``trained`` (the trained copy, for the membership frames) may be passed by a caller that holds them.
+    ``alpha`` and ``gate`` default to the shipped gate_002 protocol's (``splitleak.audit.gate``); the
+    record names the protocol they came from."""
+    from splitleak.audit.gate import shipped_thresholds
+
+    th = shipped_thresholds()
+    alpha = th.alpha if alpha is None else alpha
+    gate = th.gate if gate is None else gate
     progress = progress or Silent()
     run_dir = Path(run_dir)
     out_path = Path(out) if out is not None else None
@@ -391,7 +400,7 @@ def calibrate(
         for m in METRICS:
             iv = effects[m]
             row["effects"][m] = None if iv is None else {**_iv(iv), "detected": bool(iv.low > 0)}
-        row["gate_breaks"] = bool(row["gate_G"] > GATE)
+        row["gate_breaks"] = bool(row["gate_G"] > gate)
 
     onsets: dict[str, dict[str, float] | None] = {}
     for m in METRICS:
@@ -415,6 +424,10 @@ def calibrate(
         "probe_temperature": probe.tau_,
         "n_boot": n_boot,
         "alpha": alpha,
+        "gate": gate,
+        "gate_protocol": {"protocol": th.protocol, "protocol_hash": th.protocol_hash}
+        if (alpha, gate) == (th.alpha, th.gate)
+        else None,
         "seed": seed,
         "doses": rows,
         "onsets": onsets,
@@ -497,6 +510,8 @@ class CalibrationRecord(BaseModel):
     constant_baseline: dict[str, float]
     doses: list[_Dose] = Field(min_length=1)
     onsets: dict[str, _Onset | None]
+    #: the gate ``gate_breaks`` was read against (absent in records written before it was recorded)
+    gate: float | None = None
 
 
 def read_calibration(path: str | Path) -> dict[str, Any]:

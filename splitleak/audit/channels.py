@@ -6,7 +6,9 @@ Status, for an audit (``attacks_run`` given):
 - **measured**: an attack of the audit read the channel and the audit's injected-leak calibration
   doses that channel (a positive control), so a silent reading is evidence of absence;
 - **no positive control**: an attack of the audit read it, but no calibration doses it;
-- **no attack**: no attack of the audit read it (the registered attacks that could are named).
+- **no attack**: no attack of the audit read it (the registered attacks that could are named);
+- **in clear**: the channel is the text itself (the labels a plain split sends for the server's loss): the
+  server reads it without an attack, whatever the audit measures.
 
 For a bare run (``splitleak channels RUN_DIR``) nothing has been measured yet: a channel reads
 **not measured** when registered attacks can read it, **no attack** when none can. A channel the
@@ -27,6 +29,8 @@ from splitleak.wire.defences import DefenceChain
 from splitleak.wire.tap import read_wire, wire_phases
 
 HEADER = ["channel", "link(s)", "direction", "shape", "captured", "read by", "status"]
+#: channels that carry the text itself: the server that receives them reads every token, no attack needed
+IN_CLEAR = ("labels",)
 
 
 def run_declaration(run_dir: str | Path) -> Declaration:
@@ -77,6 +81,8 @@ def channel_table(
             read_by = sorted({attack_label(r) for r in ran if c.name in r.get("channels_read", ())})
         if not c.captured:
             status = "not captured"
+        elif c.name in IN_CLEAR:
+            status = "in clear"
         elif ran is None:
             status = "not measured" if registered else "no attack"
         elif read_by:

@@ -9,3 +9,8 @@ DEFAULT_COVERAGES = (0.02, 0.04, 0.06, 0.10, 0.30, 1.0)
 #: (splitleak.data.N_TRAIN, N_EVAL), at about four times the time
 AUDIT_N_TRAIN = 48
 AUDIT_N_EVAL = 48
+
+#: documents of each arm's mis-paired negative control (ours; splitleak.audit.verdicts): a twin on every document
+#: would double each attack's time, and a planted reader of the evaluation text reads +60 pp or more above its
+#: floor on 16 (tests/test_controls.py)
+CONTROL_DOCS = 16

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from splitleak.attacks.partition import LatentTraffic
+from splitleak.audit.gate import GateThresholds
 from splitleak.errors import ConfigError
 
 MODES = ("coordinate", "invariant")
@@ -136,14 +137,19 @@ def dose_ladder(
     seed: int = 0,
     n_boot: int = 2000,
     progress=None,
+    thresholds: GateThresholds | None = None,
 ) -> dict[str, Any]:
-    """Run the probe battery at every dose; returns the per-dose metrics and the onsets."""
+    """Run the probe battery at every dose; returns the per-dose metrics and the onsets. The gate and α
+    are ``thresholds``' (``splitleak.audit.gate.GateThresholds``; default: the shipped gate_002's),
+    recorded in the output."""
     from splitleak.attacks.partition import load_latent_traffic, load_row_tokens, load_truth
     from splitleak.attacks.probes import ProbeBattery
+    from splitleak.audit.gate import shipped_thresholds
     from splitleak.progress import Silent
     from splitleak.stats.paired import battery_verdict, score_arms
 
     progress = progress or Silent()
+    th = thresholds or shipped_thresholds()
     views = ("gradient",) if channel == "output-gradient" else ("real-rows",)
     params = {"views": views, "models": ("mlp", "graph"), "restarts": 1, **(battery or {})}
     probe = ProbeBattery(**{**params, "shuffle": False, "control": False, "seed": seed})
@@ -162,7 +168,7 @@ def dose_ladder(
         )
         arms = probe.run(train, evaluation, tokens, real)
         stats, extra = score_arms({a.name: a.predictions for a in arms}, labels, seed=seed, n_boot=n_boot)
-        v = battery_verdict(stats, extra["weights"], extra["constant"]["accuracy"])
+        v = battery_verdict(stats, extra["weights"], extra["constant"]["accuracy"], alpha=th.alpha, gate=th.gate)
         best = next((a for a in arms if a.name == v.get("best_arm")), arms[0])
         rows.append(
             {
@@ -180,6 +186,7 @@ def dose_ladder(
     progress.finish(task)
     return {
         "channel": channel,
+        "thresholds": th.as_dict(),
         "battery": probe.params(),
         "rare_tokens": {
             "definition": f"seen at most {RARE_MAX_COUNT} time(s) among the probe's training rows (ours)",

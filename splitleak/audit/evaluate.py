@@ -9,6 +9,7 @@ nothing of scores.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -36,6 +37,9 @@ from splitleak.files import json_default
 from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
 from splitleak.progress import Progress, Silent
 from splitleak.wire.store import require_verified
+
+#: bootstrap replicates of a single attack's control interval (the audit recomputes its arms' with ARM_BOOT)
+CONTROL_BOOT = 2000
 
 
 def attack_label(result: dict[str, Any]) -> str:
@@ -112,9 +116,15 @@ def run_attack(
     protocol_hash: str | None = None,
     documents: str | Path | None = None,
     verify: bool = True,
+    control_docs: int = 0,
 ) -> dict[str, Any]:
     """Fit and run the attack, score it, and (with ``out``) write RESULT.json and the per-document
     predictions as Parquet beside it. Returns the result dictionary.
+
+    ``control_docs``: with 2 or more, an attack that reads tokens also runs its mis-paired twin on about
+    that many documents (``splitleak.audit.verdicts``: the same fitted attack on traffic paired with the
+    wrong documents, scored as the arm against its own reading of that traffic); the result's ``control``
+    holds the twin's per-document differences, N with its interval and its verdict. 0: no control.
 
     ``verify``: first check the run (and ``documents``) against its journal (``splitleak verify``), and
     read nothing from one that fails; ``verify=False`` reads it as it is, and the result says so.
@@ -181,6 +191,8 @@ def run_attack(
     docs_by_id = {d.doc_id: d for d in phase_documents(doc_dir, config.phase)}
     docs = [docs_by_id[i] for i in traffic.doc_ids]
 
+    if control_docs and control_docs < 2:
+        raise ConfigError(f"control_docs must be 0 (no control) or at least 2, got {control_docs}")
     t0 = time.perf_counter()
     attack.fit(knowledge)
     rec = attack.reconstruct(traffic, progress)
@@ -232,6 +244,9 @@ def run_attack(
             result["lambda_estimated"] = rec.extra["lambda_estimated"]
         if "probe_tokens" in rec.extra:
             result["probe_rows"] = probe_scores(doc_dir, traffic, rec.extra["probe_tokens"], rec.extra["probed_rows"])
+        # a document read at several steps (training-phase traffic) could be paired with itself: no control there
+        if control_docs and len(traffic) >= 2 and len(set(traffic.doc_ids)) == len(traffic):
+            result["control"] = mispaired_control(attack, traffic, rec.tokens, docs, control_docs, config, progress)
         steps = traffic.steps if traffic.steps is not None else (None,) * len(traffic)
         for row, pred, step in zip(sc.per_doc(), rec.tokens.tolist(), steps):
             row = dict(row)
@@ -272,6 +287,35 @@ def run_attack(
         write_result(out_path, result, per_doc_rows)
     result["per_doc"] = per_doc_rows
     return result
+
+
+def mispaired_control(
+    attack, traffic: Traffic, arm_tokens: torch.Tensor, docs, control_docs: int, config: AttackConfig, progress
+) -> dict[str, Any]:
+    """The arm's mis-paired twin (``splitleak.audit.verdicts``): the fitted ``attack`` reads the traffic of
+    other documents labelled with these documents' ids, and is scored against their labels beside the arm's
+    own reading of that traffic. The documents and the derangement are drawn from the attack seed."""
+    from splitleak.audit.verdicts import MISPAIRED_CONTROL, control_delta, control_interval, mispairing
+    from splitleak.stats import effect_verdict
+
+    rows, given = mispairing(len(traffic), traffic.frames, control_docs, config.attack_seed)
+    twin_traffic = traffic.subset(given).replace(doc_ids=tuple(traffic.doc_ids[r] for r in rows))
+    t0 = time.perf_counter()
+    twin = attack.reconstruct(twin_traffic, progress).tokens
+    truth = np.array([list(d.token_ids) for d in docs], dtype=np.int64)
+    delta = control_delta(twin.numpy(), arm_tokens.numpy(), truth, rows, given)
+    n = control_interval(delta, n_boot=CONTROL_BOOT, seed=config.attack_seed)
+    return {
+        "type": MISPAIRED_CONTROL,
+        "doc_ids": [int(traffic.doc_ids[r]) for r in rows],
+        "given_doc_ids": [int(traffic.doc_ids[g]) for g in given],
+        "twin_token_recovery": float((twin.numpy() == truth[rows]).mean()),
+        "floor_token_recovery": float((arm_tokens.numpy()[given] == truth[rows]).mean()),
+        "per_doc_delta": [float(x) for x in delta],
+        "effect": dataclasses.asdict(n),
+        "verdict": effect_verdict(n),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def label_scores(labels: torch.Tensor, docs, tokenizer) -> dict[str, Any]:
@@ -381,6 +425,10 @@ SHUFFLED_CONTROL = (
 )
 
 
+#: frame-bootstrap replicates of the probe battery's intervals (recorded in its result)
+PROBE_BOOT = 10_000
+
+
 def run_probe_attack(
     run_dir: Path,
     doc_dir: Path,
@@ -391,9 +439,15 @@ def run_probe_attack(
 ) -> dict[str, Any]:
     """The probe battery on a latent run: trained on the training-phase frames with the client's record
     of their tokens, scored on the capture pass's real rows against the most-frequent-token control
-    (``splitleak.stats.paired``), with its shuffled-label twin (unless ``control=False``)."""
+    (``splitleak.stats.paired``), with its shuffled-label twin (unless ``control=False``).
+
+    The job runs without its protocol file, so it reads the battery at the shipped gate_002's gate, α
+    and family (``splitleak.audit.gate``), recorded in each verdict; ``protocol_verdict`` is the
+    protocol's test (002's nine arms per view). ``splitleak protocol analyse`` and a grid's report read
+    the stored per-frame differences again under the protocol they check against (``reread_probes``)."""
     from splitleak.attacks.partition import load_latent_traffic, load_row_tokens, load_truth
     from splitleak.attacks.probes import ProbeBattery
+    from splitleak.audit.gate import latent_verdict, shipped_thresholds
     from splitleak.stats.paired import battery_verdict, score_arms
 
     attack = make_attack(config.attack, **config.attack_params())
@@ -404,17 +458,19 @@ def run_probe_attack(
     real, tokens = load_truth(doc_dir), load_row_tokens(doc_dir)
     train, evaluation = load_latent_traffic(run_dir, "train"), load_latent_traffic(run_dir, "capture")
     every = [f.frame_id for f in train.frames + evaluation.frames]
+    th = shipped_thresholds()
     t0 = time.perf_counter()
 
     def measure(battery: ProbeBattery) -> dict[str, Any]:
         labels_of = battery.shuffled_tokens(tokens, every) if battery.shuffle else tokens
         labels = [np.where(real[f.frame_id], labels_of[f.frame_id], -1) for f in evaluation.frames]
         arms = battery.run(train, evaluation, tokens, real)
-        stats, extra = score_arms({a.name: a.predictions for a in arms}, labels, seed=battery.seed)
+        stats, extra = score_arms({a.name: a.predictions for a in arms}, labels, seed=battery.seed, n_boot=PROBE_BOOT)
         const = extra["constant"]
+        w, rate = extra["weights"], const["accuracy"]
         by_view = {
             view: battery_verdict(
-                [s for s in stats if s.name.startswith(view + "/")], extra["weights"], const["accuracy"]
+                [s for s in stats if s.name.startswith(view + "/")], w, rate, alpha=th.alpha, gate=th.gate
             )
             for view in battery.views
         }
@@ -424,8 +480,16 @@ def run_probe_attack(
             for s in stats
             for f, d in zip(evaluation.frames, s.frame_delta)
         ]
-        verdict = battery_verdict(stats, extra["weights"], const["accuracy"])
-        return {"constant": const, "arms": rows, "verdict": verdict, "by_view": by_view, "_frames": frames}
+        verdict = battery_verdict(stats, w, rate, alpha=th.alpha, gate=th.gate)
+        return {
+            "constant": const,
+            "arms": rows,
+            "verdict": verdict,
+            "by_view": by_view,
+            "protocol_verdict": latent_verdict(stats, w, rate, th),
+            "bootstrap": {"n_boot": PROBE_BOOT, "seed": battery.seed},
+            "_frames": frames,
+        }
 
     measured = measure(attack)
     control = measure(attack.twin()) if attack.control and not attack.shuffle else None

@@ -9,7 +9,7 @@ Layout of the output folder: ``run/`` is the verifiable run directory (see ``spl
 
 The verdict uses the words of Politis & Pappas 2026, §3 (``splitleak.audit.verdicts``): each attack arm's token top-1
 accuracy is read as a paired effect over the constant baseline with a document-bootstrap interval
-(**detected** / **at floor**), beside its shuffled-label negative control; the gate G over the
+(**detected** / **at floor**), beside its mis-paired negative control; the gate G over the
 arms **breaks** above +1.0 pp. Token top-1 may stand behind the verdict only because the audit
 measures its dose-response curve on the same capture first; if that curve never detects the
 injected leak, the verdict says the instrument is uncalibrated instead of "at floor".
@@ -29,10 +29,11 @@ import torch
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
 from splitleak.attacks.knowledge import eval_token_ids, find_session
 from splitleak.audit.calibrate import calibrate
-from splitleak.audit.channels import channel_table, not_attacked, run_declaration
+from splitleak.audit.channels import IN_CLEAR, channel_table, not_attacked, run_declaration
 from splitleak.audit.defaults import AUDIT_N_EVAL, AUDIT_N_TRAIN
 from splitleak.audit.evaluate import attack_label, run_attack
-from splitleak.audit.verdicts import arm_effects, arm_gate, recovery_intervals
+from splitleak.audit.gate import audit_utility, gate_record, shipped_thresholds
+from splitleak.audit.verdicts import CONTROL_DOCS, arm_effects, arm_gate, recovery_intervals
 from splitleak.data import N_CALIB
 from splitleak.errors import ConfigError, SplitleakError
 from splitleak.files import json_default
@@ -72,9 +73,12 @@ AUDIT_ATTACKS: tuple[tuple[str, dict[str, Any], str], ...] = (
 )
 #: what each copy means for a reader of the report
 THREAT_MODELS = {
-    "public": "an observer with the public pretrained weights of the client layers",
+    "public": "an observer of the activations and gradients (no labels) with the public pretrained weights of the "
+    "client layers",
     "trained": "an attacker holding the client's trained layers",
 }
+#: the third threat model, which no attack needs to play: the server reads every channel it receives
+SERVER_THREAT = "the untrusted server itself: every channel it receives, the labels included where the split sends them"
 #: documents the report shows token by token (those whose scores lie closest to the attacks' means)
 EXAMPLE_DOCS = 3
 #: the calibration the audit runs before it may give a verdict on token top-1
@@ -96,8 +100,30 @@ ADAPTIVE_PARAMS: dict[str, dict[str, Any]] = {
     "mixup-unmix": {"k": 32},
     "mixup-history": {"k": 32},
 }
+#: the splits the audit runs in (``--mode``): where the labels go is what changes the server's reading
+AUDIT_MODES = ("plain", "u-shape", "label-shielded")
+#: the label-shielded audit's Top: 003's five blocks, or as many as leave the Trunk one block (ours)
+SHIELDED_TOP = 5
+#: readers the audit adds in a split mode: in the label-shielded split the labels are read through the output
+#: gradient (GMA-SL, 003 §3)
+MODE_ATTACKS: dict[str, tuple[tuple[str, dict[str, Any], str], ...]] = {"label-shielded": (("gma-sl", {}, "public"),)}
 #: the channels the audit's injected-leak calibration doses (its positive control)
 CALIBRATED_CHANNELS = ("activations",)
+
+
+def split_fields(mode: str, depth: int, n_blocks: int) -> dict[str, Any]:
+    """The training configuration's split fields for an audit ``mode`` cut after ``depth`` blocks."""
+    rest = n_blocks - depth - 1  # blocks between the cut and the client's last one
+    if mode == "plain":
+        return {"depth": depth}
+    if rest < 1:
+        raise ConfigError(
+            f"--mode {mode} needs at least one server block between the client's first {depth} and its last one; "
+            f"the model has {n_blocks} blocks: pass a smaller --depth"
+        )
+    if mode == "u-shape":
+        return {"offload_start": depth, "offload_length": rest}
+    return {"shielded": {"bottom": depth, "top": min(SHIELDED_TOP, rest)}}
 
 
 def check_certify(certify: int | str) -> None:
@@ -106,7 +132,10 @@ def check_certify(certify: int | str) -> None:
 
 
 def audit_attacks(
-    traffic, certify: int | str = CERTIFY_CHECKS, adaptive: dict[str, tuple[str, ...]] | None = None
+    traffic,
+    certify: int | str = CERTIFY_CHECKS,
+    adaptive: dict[str, tuple[str, ...]] | None = None,
+    mode: str = "plain",
 ) -> list[tuple[str, dict[str, Any], str]]:
     """``AUDIT_ATTACKS`` with the exact-inversion check's bound (``certify``: checks per position, or
     ``exhaustive``), plus each defence-aware attack whose channel the traffic carries, plus the attacks built
@@ -119,7 +148,7 @@ def audit_attacks(
     ]
     extra = [
         (name, params, copy) for field, name, params, copy in CONDITIONAL_ATTACKS if getattr(traffic, field) is not None
-    ]
+    ] + list(MODE_ATTACKS.get(mode, ()))
     built = []
     for name in adaptive or {}:
         built.append((name, dict(ADAPTIVE_PARAMS.get(name, {})), "public"))
@@ -191,8 +220,19 @@ def run_audit(
     tls_dir: str | Path | None = None,
     server_capture: str | Path | None = None,
     certify: int | str = CERTIFY_CHECKS,
+    control_docs: int = CONTROL_DOCS,
+    mode: str = "plain",
 ) -> AuditResult:
     """Train and capture, verify, attack with ``AUDIT_ATTACKS``, calibrate, and write the report.
+
+    ``control_docs``: documents of each arm's mis-paired negative control (``splitleak.audit.verdicts``;
+    0 runs none, and the verdict then says the controls were not run).
+
+    ``mode``: the split (``AUDIT_MODES``): ``plain`` (the labels cross to the server for its loss),
+    ``u-shape`` (the server runs blocks ``depth`` … n−2, the client keeps the last block, the head, the
+    labels and the loss) or ``label-shielded`` (003: Bottom of ``depth`` blocks and Top of up to
+    ``SHIELDED_TOP`` blocks on the client, the Trunk on the server). Outside the plain split the all-local
+    baseline is trained (the identity that spares it is tested for the plain split only).
 
     With a defence and ``twin``, the same run without the defence is trained too (``out/twin``, no
     all-local baseline) so that the cost reads as the relative perplexity change against it (What Gradients Add §4.5)."""
@@ -200,6 +240,10 @@ def run_audit(
     if out.exists() and any(out.iterdir()) and not force:
         raise SplitleakError(f"{out} already exists and is not empty; choose another --out or pass --force")
     check_certify(certify)  # before anything is trained or written
+    if mode not in AUDIT_MODES:
+        raise ConfigError(f"unknown --mode {mode!r}; the audit runs in {', '.join(AUDIT_MODES)}")
+    if control_docs and control_docs < 2:
+        raise ConfigError(f"--control-docs takes 0 (no controls) or at least 2 documents, got {control_docs}")
     if server_capture is not None and connect is None:
         raise ConfigError("--server-capture is the capture folder of the server that --connect names; pass both")
     preset = PRESETS.get(model)
@@ -213,7 +257,7 @@ def run_audit(
     cfg = make_train_config(
         model=model,
         model_path=model_path,
-        depth=depth,
+        **split_fields(mode, depth, n_blocks),
         defences=defences or [{"name": "none"}],
         data=data,
         data_path=data_path,
@@ -223,9 +267,9 @@ def run_audit(
         n_calib=n_calib,
         n_train=n_train,
         n_eval=n_eval,
-        # the all-local run only where nothing else gives it (utility_baseline): without a defence the split
-        # run reproduces it exactly, with one the undefended twin does
-        all_local_baseline=defended and not twin,
+        # the all-local run only where nothing else gives it (utility_baseline): without a defence the plain
+        # split run reproduces it exactly, with one the undefended twin does
+        all_local_baseline=(defended and not twin) or mode != "plain",
     )
     if force and out.exists():
         shutil.rmtree(out)
@@ -242,7 +286,10 @@ def run_audit(
     if not ver.ok:
         raise SplitleakError(f"the run just written does not verify: {ver.message}")
     cap = capture_summary(out / "run")
-    knowledges = {"public": load_knowledge(out / "run", "public", lm=pristine.clone())}
+    # the label-shielded readers fit on the pretrained Top as well (GMA-SL, 003 §3)
+    knowledges = {
+        "public": load_knowledge(out / "run", "public", lm=pristine.clone(), with_top=mode == "label-shielded")
+    }
     traffic_dir, session = out / "run", None
     if server_capture is not None:  # attack what the server recorded, once it is shown to be what crossed
         session = find_session(server_capture, out / "run")
@@ -253,9 +300,11 @@ def run_audit(
         say(f"traffic: the server's capture {session} (the same frames as the client's record)")
     traffic = load_traffic(traffic_dir)
     adaptive = adaptive_attacks_of(cfg)
+    th = shipped_thresholds()  # the audit runs on embedded defaults: the shipped gate_002's gate, α and utility gate
     results = []
-    predictions = {}
-    for name, params, copy in audit_attacks(traffic, certify, adaptive):
+    predictions: dict[str, Any] = {}
+    controls: dict[str, Any] = {}
+    for name, params, copy in audit_attacks(traffic, certify, adaptive, mode):
         if copy not in knowledges:
             knowledges[copy] = load_knowledge(out / "run", copy, lm=pristine.clone())
         acfg = make_attack_config(attack=name, client_copy=copy, attack_seed=seed, params=params)
@@ -269,23 +318,28 @@ def run_audit(
             progress=progress,
             force=force,
             documents=out / "run" if session is not None else None,
+            control_docs=control_docs,
+            protocol_hash=th.protocol_hash,  # `protocol analyse gate_002.yaml OUT/attacks` reads them
         )
         predictions[attack_label(res)] = [row["predicted"] for row in res.pop("per_doc")]
+        if "control" in res:
+            controls[attack_label(res)] = res["control"]["per_doc_delta"]
         res["threat_model"] = copy
         if name in adaptive:
             res["built_for"] = list(adaptive[name])
         results.append(res)
     truth = eval_token_ids(out / "run", traffic.doc_ids)
     examples = example_documents(out / "run", traffic.doc_ids, results, predictions, knowledges["public"])
-    base, arms = arm_effects(predictions, truth, n_boot=ARM_BOOT, seed=seed)
+    base, arms = arm_effects(predictions, truth, controls=controls, n_boot=ARM_BOOT, alpha=th.alpha, seed=seed)
     weights = frame_weights(len(truth), ARM_BOOT, np.random.default_rng([seed, 0x9EC]))
     for res in results:
         res["intervals"] = recovery_intervals(predictions[attack_label(res)], truth, weights)
     probe_arms = [a for a in arms if not a.name.startswith("majority")]
-    gate = arm_gate(probe_arms, base)
+    gate = arm_gate(probe_arms, base, th.alpha, th.gate)
     cal = calibrate(
         out / "run",
         CALIBRATION_ATTACK,
+        gate=th.gate,
         out=out / "calibration",
         coverages=CALIBRATION_COVERAGES,
         n_docs=min(CALIBRATION_DOCS, len(traffic)),
@@ -324,6 +378,7 @@ def run_audit(
             "alpha_bonf": gate.alpha_bonf,
             "gate": gate.gate,
             "arms": [a.name for a in probe_arms],
+            **gate_record(th, [a.name for a in probe_arms]),
         },
         "calibration": {
             "attack": CALIBRATION_ATTACK,
@@ -332,15 +387,20 @@ def run_audit(
             "zero_dose": {k: cal.record["doses"][0][k] for k in cal.onsets},
         },
     }
+    verdicts["utility_gate"] = audit_utility(
+        utility_baseline(m, cost, defended=defended, exact_split=mode == "plain"), th, defended
+    )
     channels = channel_table(out / "run", results, calibrated=CALIBRATED_CHANNELS)
     verdict_parts = [
         verdict_line(results, arms, probe_arms, gate, cal.record),
+        verdicts["utility_gate"]["sentence"],
+        server_sentence(channels, results, mode),
         readers_sentence(results),
         adaptive_sentence(results, cfg),
         channels_sentence(channels),
     ]
     verdict = " ".join(p for p in verdict_parts if p)
-    baseline = utility_baseline(m, cost, defended=defended)
+    baseline = utility_baseline(m, cost, defended=defended, exact_split=mode == "plain")
     utility_text = (
         f"held-out CE {m['heldout_ce']:.4f} ("
         + (
@@ -381,7 +441,8 @@ def run_audit(
         "cost": cost,
         "utility_baseline": baseline,
         "channels": channels,
-        "threat_models": THREAT_MODELS,
+        "threat_models": {**THREAT_MODELS, "server": SERVER_THREAT},
+        "mode": mode,
         "examples": examples,
         "channel_notes": list(run_declaration(out / "run").notes),
         "deployment": None
@@ -393,13 +454,19 @@ def run_audit(
     return AuditResult(out, run, cap, summary, results, verdict, baseline)
 
 
-def utility_baseline(m: dict[str, Any], cost: dict[str, Any] | None, defended: bool) -> dict[str, Any]:
+def utility_baseline(
+    m: dict[str, Any], cost: dict[str, Any] | None, defended: bool, exact_split: bool = True
+) -> dict[str, Any]:
     """The all-local loss and ΔU = L_split − L_all-local, from whichever run gives them without training
     the whole model once more: with no defence the split run itself (it reproduces the all-local run
     exactly: same modules, same order, AdamW per parameter; tested), with a defence the undefended twin
     (the same identity), else the all-local baseline the run trained (``--no-twin``)."""
     if m.get("heldout_ce") is None:
         return {"all_local_ce": None, "delta_u": None, "source": "the client measured no held-out loss"}
+    if not exact_split:  # a U-shape or label-shielded split: the audit trained the all-local run
+        if m.get("all_local_ce") is not None:
+            return {"all_local_ce": m["all_local_ce"], "delta_u": m["delta_u"], "source": "the all-local baseline run"}
+        return {"all_local_ce": None, "delta_u": None, "source": "no all-local run"}
     if not defended:
         return {
             "all_local_ce": m["heldout_ce"],
@@ -466,6 +533,30 @@ def adaptive_sentence(results: list[dict[str, Any]], cfg) -> str:
     )
 
 
+def server_sentence(channels: list[dict[str, Any]], results: list[dict[str, Any]], mode: str) -> str:
+    """The third threat model: the untrusted server itself, which receives every channel that crosses. Where the
+    labels cross (the plain split) it reads the whole text with no attack; elsewhere it reads what the
+    observer reads, with the public copy of the client layers (it does not hold the client's)."""
+    clear = [c for c in channels if c["channel"] in IN_CLEAR and c["captured"]]
+    if clear:
+        phases = sorted({p for c in clear for p in c["frames"]})
+        return (
+            "The untrusted server itself reads 100 % of tokens and 100 % of whole documents, with no attack: in the "
+            f"{mode} split the labels of the next-token loss cross to it in clear (each document's token ids, in the "
+            f"{' and '.join(phases)} frames), so the readers below bound only an observer of the activations and "
+            "gradients, not the server. The splits that keep the labels on the client are the U-shape "
+            "(`splitleak audit --mode u-shape`) and label-shielded fine-tuning (`--mode label-shielded`)."
+        )
+    worst = worst_reader([r for r in results if r.get("threat_model", "public") == "public"])
+    if worst is None:
+        return f"In the {mode} split the labels stay on the client; no reader of the server's channels ran."
+    return (
+        f"In the {mode} split the labels stay on the client: the untrusted server receives the channels the "
+        f"observer reads, and with the public weights its worst reader is {attack_label(worst)} "
+        f"({fmt_pct(worst['token_recovery'])} % of tokens, {fmt_pct(worst['doc_recovery'])} % of whole documents)."
+    )
+
+
 def channels_sentence(channels: list[dict[str, Any]]) -> str:
     """What the verdict does not cover: the channels no attack of the audit read, and those read
     without a positive control."""
@@ -480,15 +571,24 @@ def channels_sentence(channels: list[dict[str, Any]]) -> str:
 def verdict_line(results: list[dict[str, Any]], arms, probe_arms, gate, calibration: dict[str, Any]) -> str:
     """The audit's verdict in the words of Politis & Pappas 2026, §3.
 
-    A detection stands on its own (its shuffled-label control guards against false positives); an
+    A detection stands on its own (its mis-paired control guards against false positives); an
     "at floor" verdict needs the calibration to have detected an injected leak, or it is no
     evidence of absence and the verdict says UNCALIBRATED."""
     faults = [a.name for a in arms if a.control_verdict == "detected"]
     if faults:
         return (
-            f"INSTRUMENT FAULT: the shuffled-label negative control of {', '.join(faults)} reads above the "
-            "constant baseline, so the scoring pairs predictions with labels it should not; no verdict."
+            f"INSTRUMENT FAULT: the mis-paired negative control of {', '.join(faults)} reads above its floor: given "
+            "the traffic of other documents, the attack still reads the documents it is labelled as, so it reaches "
+            "the evaluation text by the documents' identity rather than through the traffic; no verdict."
         )
+    measured = [a for a in arms if a.control is not None]
+    controls = (
+        "no mis-paired control detected"
+        if len(measured) == len(arms)
+        else f"mis-paired controls run for {len(measured)} of {len(arms)} arms, none detected"
+        if measured
+        else "no negative control run (--control-docs 0)"
+    )
     onset = calibration["onsets"].get("token_top1")
     zero = calibration["doses"][0]["token_top1"]
     cal = (
@@ -507,19 +607,19 @@ def verdict_line(results: list[dict[str, Any]], arms, probe_arms, gate, calibrat
     best = max(probe_arms, key=lambda a: a.effect.estimate)
     scored = [r for r in results if r["attack"] != "majority" and r.get("doc_recovery") is not None]
     best_doc = max(scored, key=lambda r: (r["doc_recovery"], r["token_recovery"]))
-    gate_words = f"gate G = {100 * gate.G:+.2f} pp {'breaks the gate' if gate.breaks else 'holds the gate'} (+1.00 pp)"
+    gate_words = f"gate G = {100 * gate.G:+.2f} pp {'breaks the gate' if gate.breaks else 'holds the gate'} (+{100 * gate.gate:.2f} pp)"
     if detected:
         return (
             f"LEAKS: {len(detected)} of {len(probe_arms)} attack arms detected above the constant baseline; "
             f"best {best.name} recovers {fmt_pct(best.accuracy)} % of tokens (+{100 * best.effect.estimate:.2f} pp, "
             f"95 % interval [{100 * best.effect.low:+.2f}, {100 * best.effect.high:+.2f}]) and "
             f"{fmt_pct(best_doc['doc_recovery'])} % of whole documents ({attack_label(best_doc)}); {gate_words}; "
-            f"no shuffled-label control detected; {cal}."
+            f"{controls}; {cal}."
         )
     return (
         f"AT FLOOR: no attack arm reads above the constant baseline (best {best.name}, "
         f"{100 * best.effect.estimate:+.2f} pp, interval [{100 * best.effect.low:+.2f}, "
-        f"{100 * best.effect.high:+.2f}]); {gate_words}; no shuffled-label control detected; {cal}, so a "
+        f"{100 * best.effect.high:+.2f}]); {gate_words}; {controls}; {cal}, so a "
         "leak of that size would have been seen."
     )
 

@@ -1,23 +1,33 @@
-"""Paired effects over the constant baseline, shuffled-label negative controls, the gate, and the
+"""Paired effects over the constant baseline, mis-paired negative controls, the gate, and the
 verdict words of Politis & Pappas (2026) §3.
 
 Every arm's score is a top-1 token accuracy. The *constant baseline* always guesses the single
 most frequent token of the evaluation set. For document (frame) f,
-``Δ_f(q) = acc_f(q) − acc_f(constant)``; the arm's paired effect is ``A = mean_f Δ_f(arm)``, and
-its *shuffled-label negative control* is ``N``, the same statistic when the arm's predictions are
-scored against labels permuted at random across all (document, position) cells of the frame set
-(a seeded permutation, drawn once and shared by every arm). A permutation keeps the label
-distribution, so the constant baseline reads the same on the permuted labels, while an arm's
-agreement with them falls to chance, ``Σ_v p_pred(v)·p_true(v)``, which never exceeds the
-constant rate by more than sampling noise. So N must not be *detected*: it reads at floor, or
-below floor when the arm's predictions are more varied than the constant guess (their chance
-agreement is then smaller than the constant's rate). A detected N means the scoring pairs
-predictions with labels it should not see.
+``Δ_f(q) = acc_f(q) − acc_f(constant)``; the arm's paired effect is ``A = mean_f Δ_f(arm)``.
+
+Its *negative control* ``N`` is a twin of the arm that can fail. The audit's attacks fit nothing on
+the victim's labels (they fit on public calibration text), so a twin fitted on shuffled labels would
+be the arm itself; instead the twin is the same fitted attack run on traffic *paired with the wrong
+documents* (``mispairing``: a seeded derangement of a seeded sample of documents, whole capture
+frames where the traffic records them, so a loss normalised over its frame keeps its frame): row j of
+the twin's traffic is document ``given[j]``'s traffic, labelled as document ``rows[j]``. The twin is
+scored exactly as the arm, against the labels of the documents it is labelled as, and its floor is
+the arm's own reading of the same traffic scored against those labels:
+``N = mean_j [acc(twin_j, truth[rows[j]]) − acc(arm[given[j]], truth[rows[j]])]``.
+An attack that reads only the traffic reads the same document either way (N = 0 exactly for one that
+treats documents independently, and noise about 0 for one that pools over documents); an attack or
+a pipeline that reaches the evaluation text by the document's identity — the file, the ids, a cache
+keyed by them — reads the document it is labelled as, and N is *detected*. (The shuffled-label
+statistic this replaces scored the arm's own predictions against permuted labels: chance agreement,
+at or below floor by construction, so it could not fail.) The probe battery, which does fit on the
+victim's labels, keeps its twin fitted and scored on shuffled labels
+(``splitleak.audit.evaluate.run_probe_attack``).
 
 Intervals resample documents (frame-clustered bootstrap). Verdict words, exactly as Politis & Pappas 2026, §3:
 **detected** when the lower end of the interval is above zero; **at floor** when the interval
 includes zero (and *below floor* when it lies wholly below zero, which Politis & Pappas 2026 do not name); an arm set
-**breaks the gate** when ``G = max_j U^Bonf_0.95(p_j) − p_const > gate`` (Eq. 1).
+**breaks the gate** when ``G = max_j U^Bonf_0.95(p_j) − p_const > gate`` (Eq. 1), the gate and α
+read from the protocol (``splitleak.audit.gate``; 002's +1.0 pp).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from numpy.typing import ArrayLike
 
+from splitleak.audit.defaults import CONTROL_DOCS  # noqa: F401  (re-exported: the control's default)
 from splitleak.errors import DataError
 from splitleak.stats import (
     GateResult,
@@ -39,8 +50,12 @@ from splitleak.stats import (
 )
 from splitleak.stats.paired import most_frequent, paired_interval
 
-#: the gate of Politis & Pappas 2026, §3, +1.0 percentage point
-GATE = 0.01
+#: what the control is, for reports
+MISPAIRED_CONTROL = (
+    "mis-paired twin: the same fitted attack run on the traffic of other documents (a seeded derangement), "
+    "scored against the labels of the documents it is labelled as, minus the arm's own reading of that traffic "
+    "scored against the same labels"
+)
 
 
 @dataclass(frozen=True)
@@ -51,17 +66,17 @@ class ConstantBaseline:
 
 @dataclass(frozen=True)
 class ArmEffect:
-    """One arm's accuracy, its paired effect over the constant baseline (A) and its
-    shuffled-label negative control (N), each with a frame-clustered interval."""
+    """One arm's accuracy, its paired effect over the constant baseline (A) and its mis-paired negative
+    control (N; None where no twin ran), each with a frame-clustered interval."""
 
     name: str
     accuracy: float
     successes: int
     n: int
     effect: Interval  # A
-    control: Interval  # N
+    control: Interval | None  # N
     verdict: str  # detected / at floor / below floor
-    control_verdict: str
+    control_verdict: str  # the same words, or "not measured"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,32 +91,96 @@ def constant_baseline(truth: np.ndarray) -> ConstantBaseline:
     return ConstantBaseline(tok, float((t == tok).mean()))
 
 
-def shuffled_labels(truth: np.ndarray, seed: int) -> np.ndarray:
-    """The labels permuted uniformly at random across every (document, position) cell."""
-    t = np.asarray(truth)
-    rng = np.random.default_rng([int(seed), 0x5EED])
-    return rng.permutation(t.reshape(-1)).reshape(t.shape)
+def mispairing(n_docs: int, frames: Sequence[int] | None, control_docs: int, seed: int) -> tuple[list[int], list[int]]:
+    """The twin's documents: ``(rows, given)``, row j of the twin's traffic is document ``given[j]``'s,
+    labelled (and scored) as document ``rows[j]``, with ``given[j] != rows[j]``. At least ``control_docs``
+    documents (all when there are fewer), drawn from ``seed``: whole frames where ``frames`` (each
+    document's capture frame) is given, so that every frame the twin reads is complete. The derangement is
+    a cyclic shift of a random order of the drawn documents."""
+    if n_docs < 2:
+        raise DataError(f"a mis-paired control needs at least 2 documents, got {n_docs}")
+    if control_docs < 2:
+        raise DataError(f"control_docs must be at least 2 (or 0 for no control), got {control_docs}")
+    rng = np.random.default_rng([int(seed), 0xC0DE])
+    if frames is None:
+        units = [[i] for i in range(n_docs)]
+    else:
+        by_frame: dict[int, list[int]] = {}
+        for i, f in enumerate(frames):
+            by_frame.setdefault(int(f), []).append(i)
+        units = list(by_frame.values())
+    rows: list[int] = []
+    for u in rng.permutation(len(units)):
+        if len(rows) >= control_docs:
+            break
+        rows += units[int(u)]
+    if len(rows) < 2:  # one frame of one document: take a second one
+        rows += next(u for u in units if u[0] not in rows)
+    order = [rows[int(i)] for i in rng.permutation(len(rows))]
+    given = order[1:] + order[:1]
+    return order, given
+
+
+def control_delta(
+    twin: ArrayLike, arm: ArrayLike, truth: np.ndarray, rows: Sequence[int], given: Sequence[int]
+) -> np.ndarray:
+    """Per twin document j: its token accuracy against ``truth[rows[j]]`` minus that of the arm's reading of
+    the traffic it was given (``arm[given[j]]``) against the same labels (see the module docstring)."""
+    twin, arm, truth = (np.asarray(x, dtype=np.int64) for x in (twin, arm, truth))
+    labels = truth[list(rows)]
+    if twin.shape != labels.shape:
+        raise DataError(f"the twin's predictions have shape {twin.shape} but its labels {labels.shape}")
+    return (twin == labels).mean(axis=1) - (arm[list(given)] == labels).mean(axis=1)
+
+
+def control_interval(delta: ArrayLike, *, n_boot: int = 10_000, alpha: float = 0.05, seed: int = 0) -> Interval:
+    """N with a document-bootstrap interval (its own resampling of the twin's documents)."""
+    delta = np.asarray(delta, dtype=np.float64)
+    return paired_interval(delta, frame_weights(len(delta), n_boot, np.random.default_rng([int(seed), 0xC7])), alpha)
+
+
+def control_p_value(delta: ArrayLike) -> float:
+    """One-sided p-value of "the twin reads the documents it is labelled as better than the traffic it was
+    given": a one-sample t-test of the per-document differences against 0 (``greater``); differences that
+    are all equal give 0 when positive and 1 otherwise (no spread to test against). For families too large
+    for bootstrap percentiles (a grid's jobs, Bonferroni over thousands)."""
+    from scipy.stats import ttest_1samp
+
+    d = np.asarray(delta, dtype=np.float64)
+    if d.size == 0:
+        raise DataError("no control differences to test")
+    if np.ptp(d) == 0:
+        return 0.0 if d[0] > 0 else 1.0
+    return float(ttest_1samp(d, 0.0, alternative="greater").pvalue)
 
 
 def arm_effects(
     predictions: Mapping[str, ArrayLike],
     truth: np.ndarray,
     *,
+    controls: Mapping[str, ArrayLike] | None = None,
     n_boot: int = 10_000,
     alpha: float = 0.05,
     seed: int = 0,
 ) -> tuple[ConstantBaseline, list[ArmEffect]]:
-    """A and N for every arm (``predictions[name]`` is ``[docs, T]`` like ``truth``).
+    """A and N for every arm (``predictions[name]`` is ``[docs, T]`` like ``truth``; ``controls[name]``
+    the per-document differences of its mis-paired twin, ``control_delta``; an arm without one reads
+    "not measured").
 
-    One resampling of the documents is shared by all arms and controls, so their intervals are
-    paired; one label permutation (from ``seed``) is shared by all controls."""
+    One resampling of the documents is shared by all arms, so their intervals are paired; the controls
+    share one resampling of the twin's documents. The controls are one family: each N's interval is at
+    level ``1 - alpha / J`` (Bonferroni over the J arms with a control), so that an attack whose reading
+    varies with the batch it is read in (a seeded start per chunk of documents) does not stop a verdict by
+    chance once in twenty arms."""
     truth = np.asarray(truth, dtype=np.int64)
     if truth.ndim != 2:
         raise DataError(f"truth has shape {truth.shape}; pass [documents, positions] token ids")
+    controls = controls or {}
+    unknown = set(controls) - set(predictions)
+    if unknown:
+        raise DataError(f"controls for arms that have no predictions: {sorted(unknown)}")
     base = constant_baseline(truth)
-    shuffled = shuffled_labels(truth, seed)
     const_acc = (truth == base.token_id).mean(axis=1)
-    const_acc_shuffled = (shuffled == base.token_id).mean(axis=1)
     w = frame_weights(truth.shape[0], n_boot, seed)
     out = []
     for name, pred in predictions.items():
@@ -110,10 +189,19 @@ def arm_effects(
             raise DataError(f"arm {name!r}: predictions have shape {pred.shape} but the labels {truth.shape}")
         right = pred == truth
         a = paired_interval(right.mean(axis=1) - const_acc, w, alpha)
-        n = paired_interval((pred == shuffled).mean(axis=1) - const_acc_shuffled, w, alpha)
+        n = None
+        if name in controls:
+            n = control_interval(controls[name], n_boot=n_boot, alpha=alpha / len(controls), seed=seed)
         out.append(
             ArmEffect(
-                name, float(right.mean()), int(right.sum()), int(right.size), a, n, effect_verdict(a), effect_verdict(n)
+                name,
+                float(right.mean()),
+                int(right.sum()),
+                int(right.size),
+                a,
+                n,
+                effect_verdict(a),
+                "not measured" if n is None else effect_verdict(n),
             )
         )
     return base, out
@@ -132,8 +220,10 @@ def recovery_intervals(pred: ArrayLike, truth: np.ndarray, weights: np.ndarray, 
     return {"tokens": asdict(tok), "documents": asdict(doc), "n_docs": int(right.shape[0])}
 
 
-def arm_gate(arms: Sequence[ArmEffect], base: ConstantBaseline, alpha: float = 0.05, gate: float = GATE) -> GateResult:
-    """Politis & Pappas 2026, Eq. (1) over the given arms: Bonferroni over arms, Wilson upper bound, minus p_const."""
+def arm_gate(arms: Sequence[ArmEffect], base: ConstantBaseline, alpha: float, gate: float) -> GateResult:
+    """Politis & Pappas 2026, Eq. (1) over the given arms: Bonferroni over arms, Wilson upper bound, minus p_const.
+    ``alpha`` and ``gate`` are the protocol's (``splitleak.audit.gate``: the plain audit reads the shipped
+    gate_002's)."""
     if not arms:
         raise DataError("no arms to form the gate statistic over")
     return gate_statistic([a.successes for a in arms], [a.n for a in arms], base.rate, alpha, gate)

@@ -11,6 +11,11 @@ __all__ = ["app", "main", "parse_defences"]
 
 
 def main() -> None:  # console-script entry point
+    from splitleak.attacks.registry import load_plugins
+    from splitleak.cli.common import user_errors
+
+    with user_errors():
+        load_plugins()  # attacks registered by SPLITLEAK_PLUGINS
     app()
 
 

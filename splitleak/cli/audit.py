@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from splitleak.audit.defaults import AUDIT_N_EVAL, AUDIT_N_TRAIN, DEFAULT_COVERAGES
+from splitleak.audit.defaults import AUDIT_N_EVAL, AUDIT_N_TRAIN, CONTROL_DOCS, DEFAULT_COVERAGES
 from splitleak.cli.common import (
     DeviceOpt,
     DrawsOpt,
@@ -202,6 +202,20 @@ def audit_cmd(
         help="checks per position of the exact-inversion check on the trained layers, or 'exhaustive' (every "
         "position searched until it matches: about five minutes more on SmolLM2 with 48 documents)",
     ),
+    mode: str = typer.Option(
+        "plain",
+        "--mode",
+        help="the split: plain (the labels cross to the server for its loss), u-shape (the server runs the "
+        "blocks from --depth to the second-to-last; the client keeps the last block, the head and the labels) "
+        "or label-shielded (003: Bottom of --depth blocks and a Top of up to 5 on the client, the Trunk on the "
+        "server)",
+    ),
+    control_docs: int = typer.Option(
+        CONTROL_DOCS,
+        "--control-docs",
+        help="documents of each attack's mis-paired negative control (its twin given the traffic of other "
+        "documents; 0: none, and the verdict says so)",
+    ),
     server_capture: Optional[Path] = typer.Option(
         None,
         "--server-capture",
@@ -243,6 +257,8 @@ def audit_cmd(
                 tls_dir=tls_dir,
                 server_capture=server_capture,
                 certify=certify if certify == "exhaustive" else _checks(certify),
+                control_docs=control_docs,
+                mode=mode,
             )
         print_summary(res.run, res.utility_baseline)
         from splitleak.report.audit import ATTACK_HEADER, attack_table_rows, write_audit_report

@@ -32,10 +32,13 @@ def protocol_analyse_cmd(
     out: Optional[Path] = typer.Option(None, "--out", help="write the analysis as OUT.json and OUT.md"),
 ) -> None:
     """Apply a frozen protocol to results: the main test against its pass mark, the Bonferroni family,
-    and the partial-offloading tests. Results not written under the protocol's hash are refused."""
+    the partial-offloading tests, and the gate test (probe-battery results and split runs read at the
+    protocol's gate, α, arm family and utility gate). Results not written under the protocol's hash are
+    refused; a declared test the results do not evaluate is named, with why."""
     import json as _json
 
     from splitleak.audit.analysis import analyse, find_results, rows_from_results, run_rows_from_results
+    from splitleak.audit.gate import gate_inputs
     from splitleak.audit.protocol import load_protocol
     from splitleak.report.analysis import analysis_markdown
 
@@ -43,7 +46,7 @@ def protocol_analyse_cmd(
         proto, digest = load_protocol(file)
         skipped: list[Path] = []
         found = find_results(results, skipped)
-        a = analyse(proto, digest, rows_from_results(found), run_rows_from_results(found))
+        a = analyse(proto, digest, rows_from_results(found), run_rows_from_results(found), gate_inputs(found))
         console.print(f"{len(found)} attack result(s) read", markup=False, highlight=False)
         for f in skipped:
             console.print(f"skipped {f}: a JSON object that is no attack result", markup=False, highlight=False)
@@ -55,6 +58,8 @@ def protocol_analyse_cmd(
             out.with_suffix(".md").write_text(md)
             console.print(f"analysis: {out.with_suffix('.json')}")
         if a.main is not None and not a.main.passes:
+            raise typer.Exit(1)
+        if any(g.get("passes") is False for g in a.gate):
             raise typer.Exit(1)
 
 

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from splitleak.attacks.registry import help_text as attack_help
+from splitleak.audit.defaults import CONTROL_DOCS
 from splitleak.cli.common import (
     DeviceOpt,
     DrawsOpt,
@@ -443,6 +444,12 @@ def attack_cmd(
         [], "--param", help="KEY=VALUE: any parameter the attack's class takes (e.g. rule=classifier)"
     ),
     force: bool = typer.Option(False, "--force", help="replace an existing RESULT.json"),
+    control_docs: int = typer.Option(
+        CONTROL_DOCS,
+        "--control-docs",
+        help="documents of the attack's mis-paired negative control (the same attack given the traffic of other "
+        "documents; 0: none)",
+    ),
     no_verify: bool = typer.Option(
         False, "--no-verify", help="read the run without checking it against its journal first (the result says so)"
     ),
@@ -496,6 +503,7 @@ def attack_cmd(
                 protocol_hash=protocol_hash,
                 documents=documents,
                 verify=not no_verify,
+                control_docs=control_docs,
             )
         if no_verify:
             console.print(
@@ -517,6 +525,13 @@ def attack_cmd(
             )
         if res.get("token_recovery") is not None:
             t.add_row("token recovery (%)", fmt_pct(res["token_recovery"]))
+            if res.get("control") is not None:
+                c = res["control"]
+                e = c["effect"]
+                t.add_row(
+                    f"mis-paired control N (pp, {len(c['doc_ids'])} documents)",
+                    f"{100 * e['estimate']:+.2f} [{100 * e['low']:+.2f}, {100 * e['high']:+.2f}] ({c['verdict']})",
+                )
             t.add_row("whole-document recovery (%)", fmt_pct(res["doc_recovery"]))
             for cls, v in res["span_recovery"].items():
                 t.add_row(f"{cls} spans (%) [{res['span_counts'][cls]}]", "n/a" if v is None else fmt_pct(v))
@@ -547,7 +562,10 @@ def attack_cmd(
                     f"{100 * v['paired_effect']:+.2f} [{100 * v['paired_low']:+.2f}, {100 * v['paired_high']:+.2f}]",
                 )
                 t.add_row("gate statistic G (pp)", f"{100 * v['gate_statistic']:+.2f}")
-            t.add_row("verdict", v["verdict"])
+            t.add_row("verdict (every eligible arm, J = " + str(v.get("J", 0)) + ")", v["verdict"])
+            if pr.get("protocol_verdict") is not None:
+                pv = pr["protocol_verdict"]
+                t.add_row(f"under {pv['thresholds']['protocol']} (J = {pv['J']} per view)", pv["verdict"])
             if pr.get("control_of_best_arm") is not None:
                 t.add_row("its shuffled-label twin (pp)", f"{100 * pr['control_of_best_arm']:+.2f}")
         elif "partition" in res:

@@ -131,40 +131,41 @@ def _train_summary(f: dict[str, Any]) -> str:
 
 
 def _attack_fields(acfg: dict[str, Any], perturbation: str) -> dict[str, Any]:
-    budget = acfg["budget"]
-    return {
-        "attack": acfg["attack"],
-        "k": acfg["k"],
-        "budget": None if budget is None else str(budget),
-        "client_copy": acfg["client_copy"],
-        "attack_seed": acfg["attack_seed"],
-        "perturbation": perturbation,
-        "gradient_noise": acfg["gradient_noise"],
-        "gradient_bits": acfg["gradient_bits"],
-        "inference": acfg["inference"],
-        "readout": acfg.get("readout"),
-        "params": json.dumps(acfg["params"], sort_keys=True) if acfg.get("params") else None,
-    }
+    """The store's columns of an attack configuration: its identity (``attacks.config.STORED_FIELDS``)
+    and the label of its gradient perturbation."""
+    from splitleak.attacks.config import attack_identity, store_columns
+
+    return {**store_columns(attack_identity(acfg)), "perturbation": perturbation}
 
 
 def _attack_summary(f: dict[str, Any]) -> str:
+    """``joint k8 readout pseudo-map public a0 noise=0.1``: every identity field that differs from its
+    default, in the identity's order (the copy and the seed always, but for the latent attacks, which read
+    no copy of the client's layers; the perturbation by its label)."""
+    from splitleak.attacks.config import IDENTITY, attack_identity
     from splitleak.attacks.core import DEFAULT_READOUT
 
-    parts = [f["attack"]]
-    if f["k"] is not None:
-        parts.append(f"k{f['k']}")
-    if f["budget"] is not None:
-        parts.append(f"budget {f['budget']}")
-    if f["readout"] not in (None, DEFAULT_READOUT):
-        parts.append(f"readout {f['readout']}")
-    if f.get("params"):
-        parts.extend(f"{k}={v}" for k, v in json.loads(f["params"]).items())
-    if "latent" not in attack_info(f["attack"]).modes:  # the latent attacks read no copy of the client's layers
-        parts.append(f["client_copy"])
-    parts.append(f"a{f['attack_seed']}")
+    ident = attack_identity(f)
+    short = {"k": "k{}", "budget": "budget {}", "readout": "readout {}", "attack_seed": "a{}"}
+    parts = [ident["attack"]]
+    tail = []
+    for spec in IDENTITY[1:]:
+        name, value = spec.name, ident[spec.name]
+        if name in ("gradient_noise", "gradient_bits", "inference"):
+            continue  # the perturbation's label and "inference" close the line
+        if name == "params":
+            parts.extend(f"{k}={v}" for k, v in json.loads(value or "{}").items())
+        elif name == "client_copy":
+            if "latent" not in attack_info(ident["attack"]).modes:  # the latent attacks read no copy of the layers
+                tail.append(value)
+        elif name == "attack_seed":
+            tail.append(f"a{value}")
+        elif value != spec.default and not (name == "readout" and value == DEFAULT_READOUT):
+            parts.append(short.get(name, name + "={}").format(value))
+    parts.extend(tail)
     if f["perturbation"] != "none":
         parts.append(f["perturbation"])
-    if f["inference"]:
+    if ident["inference"]:
         parts.append("inference")
     return " ".join(parts)
 

@@ -166,9 +166,11 @@ def run_grid(
     cluster to join; default a local instance). ``store``: default ``<spec stem>-results/`` beside
     the spec. Returns a ``GridRun``; its ``failures`` list the jobs that failed or were skipped.
     """
+    from splitleak.attacks.registry import load_plugins
     from splitleak.audit.protocol import freeze_protocol, load_protocol
 
     t0 = time.perf_counter()
+    load_plugins()  # plug-in attacks (SPLITLEAK_PLUGINS) before the spec's attacks are looked up
     reporter = reporter or SilentReporter()
     if executor not in EXECUTORS:
         raise ConfigError(f"unknown executor {executor!r}; use local or ray")

@@ -31,6 +31,7 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
+from splitleak.attacks.config import STORED_FIELDS
 from splitleak.data.documents import LABELS
 from splitleak.errors import IntegrityError, SplitleakError
 from splitleak.files import json_default, parquet_bytes, read_parquet
@@ -59,22 +60,18 @@ _JOB = [
     ("data_seed", pa.int64()),
 ]
 
+#: the column type of each kind of identity field
+ARROW_TYPES = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
+
 ATTACK_SCHEMA = pa.schema(
     _JOB[:2]
     + [("train_key", pa.string()), ("reuse_of", pa.string()), ("protocol_hash", pa.string())]
     + _JOB[2:]
+    # the attack's identity (``attacks.config.IDENTITY``; ``params``: its other hyperparameters as canonical JSON),
+    # and the label of its observer-side gradient perturbation
+    + [(f.name, ARROW_TYPES[f.kind]) for f in STORED_FIELDS]
     + [
-        ("attack", pa.string()),
-        ("k", pa.int64()),
-        ("budget", pa.string()),
-        ("client_copy", pa.string()),
-        ("attack_seed", pa.int64()),
         ("perturbation", pa.string()),
-        ("gradient_noise", pa.float64()),
-        ("gradient_bits", pa.int64()),
-        ("inference", pa.bool_()),
-        ("readout", pa.string()),
-        ("params", pa.string()),  # the attack's other hyperparameters as canonical JSON (null in older stores)
         ("doc_id", pa.int64()),
         ("token_correct", pa.int64()),
         ("token_counted", pa.int64()),

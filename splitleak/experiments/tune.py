@@ -20,7 +20,8 @@ derived from the audit's, and draws recovery against cost (What Gradients Add, F
   same depth (``rel-ppl``), or the held-out cross-entropy change (``delta-ce``; it equals ΔU because an
   undefended split reproduces the all-local run exactly).
 - **Privacy.** Every arm's token top-1 against the constant baseline (``arm_effects``) and the gate G
-  over the arms (``arm_gate``): a configuration holds the gate when G <= +1 pp. We use the gate, not
+  over the arms (``arm_gate``): a configuration holds the gate when G <= +1 pp (the gate and α of the
+  shipped gate_002 protocol, read from the package; ``splitleak.audit.gate``). We use the gate, not
   "no arm detected", because the gate bounds the leak from above: a suite too small to detect
   anything does not hold it.
 - **Early stop.** The suite's first attack runs first. When its paired effect's lower end exceeds
@@ -345,7 +346,9 @@ class TuneSettings:
     stop_above: float = STOP_ABOVE
 
     def check(self) -> None:
-        from splitleak.audit.verdicts import GATE
+        from splitleak.audit.gate import shipped_thresholds
+
+        gate = shipped_thresholds().gate
 
         if not (isinstance(self.budget, (int, float)) and math.isfinite(self.budget) and self.budget > 0):
             raise ConfigError(
@@ -354,9 +357,9 @@ class TuneSettings:
             )
         if self.utility not in UTILITIES:
             raise ConfigError(f"unknown --utility {self.utility!r}; choose {' or '.join(UTILITIES)}")
-        if not self.stop_above >= GATE:
+        if not self.stop_above >= gate:
             raise ConfigError(
-                f"--stop-above must be >= the gate ({GATE:g}): below it an early stop could fail a configuration "
+                f"--stop-above must be >= the gate ({gate:g}, the shipped gate_002 protocol's): below it an early stop could fail a configuration "
                 f"that holds the gate; got {self.stop_above}"
             )
         resolve_attacks(self.attacks)
@@ -470,6 +473,7 @@ class GridEvaluator:
 
         from splitleak.attacks.knowledge import eval_token_ids
         from splitleak.attacks.registry import attack_info
+        from splitleak.audit.gate import shipped_thresholds
         from splitleak.audit.verdicts import arm_effects, arm_gate
         from splitleak.experiments.store import ResultsStore
 
@@ -477,6 +481,7 @@ class GridEvaluator:
         by_name = dict(self.attacks)
         attack_of = {n: by_name[n]["attack"] for n in names}
         preds: dict[str, Any] = {}
+        controls: dict[str, Any] = {}
         doc_ids: list[int] | None = None
         train_key = None
         keys = []
@@ -499,13 +504,25 @@ class GridEvaluator:
             elif ids != doc_ids:
                 raise TrialError(f"the attacks of {outcome.defence} read different documents")
             preds[name] = np.array([r["predicted"] for r in rows], dtype=np.int64)
+            control = json.loads(rows[0]["result_json"]).get("control") if rows and rows[0].get("result_json") else None
+            if control is not None:  # the job's mis-paired twin (splitleak.audit.verdicts)
+                controls[name] = control["per_doc_delta"]
             train_key = job.train_key
             keys.append(job.key)
         assert doc_ids is not None and train_key is not None
         truth = eval_token_ids(rs.run_dir(train_key), doc_ids)
-        base, arms = arm_effects(preds, truth, n_boot=self.n_boot, seed=self.settings.seed)
+        th = shipped_thresholds()
+        base, arms = arm_effects(
+            preds, truth, controls=controls, n_boot=self.n_boot, alpha=th.alpha, seed=self.settings.seed
+        )
+        faults = [a.name for a in arms if a.control_verdict == "detected"]
+        if faults:  # readings that are not readings of the traffic place no configuration on the frontier
+            raise TrialError(
+                f"instrument fault: the mis-paired negative control of {', '.join(faults)} reads above its floor "
+                "(the attack reads the evaluation text by the documents' identity, not through the traffic)"
+            )
         readers = [a for a in arms if not attack_info(attack_of[a.name]).control]
-        gate = arm_gate(readers, base)
+        gate = arm_gate(readers, base, th.alpha, th.gate)
         outcome.attack_keys = keys
         outcome.baseline_rate = base.rate
         outcome.arms = [
@@ -771,8 +788,10 @@ def _cost_text(settings: TuneSettings, cost: float | None) -> str:
 
 def write_outputs(out: Path, settings: TuneSettings, space: Space, trials: list[dict[str, Any]]) -> dict[str, Any]:
     """``tune.json``, ``frontier.png`` / ``.svg`` and ``tune.md`` from the trials."""
+    from splitleak.audit.gate import shipped_thresholds
     from splitleak.files import json_default
 
+    th = shipped_thresholds()
     scored = [t for t in trials if t["error"] is None]
     # a stopped trial's recovery is a lower bound, exact only when it already reads every token
     exact = [t["stopped"] is None or t["worst_token_recovery"] >= 1.0 for t in scored]
@@ -785,7 +804,9 @@ def write_outputs(out: Path, settings: TuneSettings, space: Space, trials: list[
         "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "settings": settings.as_dict(),
         "space": space.as_dict(),
-        "privacy": "the gate of Politis & Pappas 2026 (Eq. 1) over the suite's readers: passes when G <= +1 pp",
+        "privacy": f"the gate of Politis & Pappas 2026 (Eq. 1) over the suite's readers: passes when G <= "
+        f"+{100 * th.gate:.2f} pp (α {th.alpha:g}, the {th.protocol} protocol shipped with splitleak)",
+        "gate_thresholds": th.as_dict(),
         "utility": settings.utility,
         "budget": settings.budget,
         "frontier": frontier,

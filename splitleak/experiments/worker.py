@@ -173,6 +173,7 @@ def _attack(job: dict[str, Any], store, device: str, progress) -> None:
     from splitleak.attacks.config import make_attack_config
     from splitleak.attacks.knowledge import load_knowledge, read_manifest
     from splitleak.attacks.registry import attack_info
+    from splitleak.audit.defaults import CONTROL_DOCS
     from splitleak.audit.evaluate import run_attack
     from splitleak.errors import IntegrityError
     from splitleak.experiments.store import attack_rows
@@ -196,6 +197,7 @@ def _attack(job: dict[str, Any], store, device: str, progress) -> None:
         progress=progress,
         device=device,
         protocol_hash=job["config"]["protocol_hash"],
+        control_docs=CONTROL_DOCS,  # every token attack of a grid runs its mis-paired twin (result_json "control")
     )
     store.write_rows("attack", job["key"], attack_rows(job, result, manifest["split"]["cut"]))
 
@@ -277,6 +279,9 @@ def execute_job(
     t0 = time.perf_counter()
     try:
         store.claim(key, driver)
+        from splitleak.attacks.registry import load_plugins
+
+        load_plugins()  # a spawned process or a Ray task starts without the driver's plug-in attacks
         if threads:
             import torch
 

@@ -66,7 +66,60 @@ def analysis_markdown(a: Analysis) -> str:
                 f"{ht} |"
             )
         lines.append("")
+    if a.gate:
+        lines += gate_markdown(a)
+    if a.notes:
+        lines += ["## Not evaluated", ""] + [f"- {n}" for n in a.notes] + [""]
     return "\n".join(lines)
+
+
+def _pp(x: Any) -> str:
+    return "n/a" if x is None else f"{100 * x:+.2f}"
+
+
+def gate_markdown(a: Analysis) -> list[str]:
+    """The gate test's verdicts: per probe-battery result, each view over the protocol's family; per split
+    run, the gate over its token attacks; with the thresholds and J each used."""
+    th = a.gate_thresholds or {}
+    util = th.get("utility_ce_increase_max")
+    lines = [
+        "## Gate (Politis & Pappas 2026, Eq. 1)",
+        "",
+        f"Read at the protocol's gate +{100 * th.get('gate', float('nan')):.2f} pp, α = {th.get('alpha')}, declared "
+        f"J = {th.get('arms')}, utility gate "
+        + ("none declared" if util is None else f"≤ {util:g} nats of held-out cross-entropy")
+        + ". J is always the number of arms compared; where it differs from the declared J the verdict says so.",
+        "",
+        "| result | run | J | verdict | passes |",
+        "|---|---|---|---|---|",
+    ]
+    for g in a.gate:
+        where = g.get("result") or ", ".join(g.get("results", []))
+        run = f"{g.get('model')} seed {g.get('victim_seed')}"
+        ok = {True: "yes", False: "no", None: "undecided"}[g.get("passes")]
+        lines.append(f"| {where} | {run} | {g.get('J')} | {g['verdict']} | {ok} |")
+    lines.append("")
+    for g in a.gate:
+        if g["kind"] != "latent probe battery":
+            continue
+        lines += [
+            f"### {g['result']}: per view",
+            "",
+            "| view | family measured / declared | J | best arm | effect at α/J (pp) | verdict | G (pp) | gate |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for view, v in g["by_view"].items():
+            lines.append(
+                f"| {view} | {v.get('family_measured', 0)} / {v.get('declared_J')} | {v.get('J')} | "
+                f"{v.get('best_arm', 'n/a')} | {_pp(v.get('paired_effect'))} [{_pp(v.get('paired_low'))}, "
+                f"{_pp(v.get('paired_high'))}] | {v.get('verdict')} | {_pp(v.get('gate_statistic'))} | "
+                f"{v.get('decision')} |"
+            )
+        if g.get("outside_family"):
+            lines.append("")
+            lines.append(f"Outside the protocol's family (not in J): {', '.join(g['outside_family'])}.")
+        lines.append("")
+    return lines
 
 
 def selection_text(s: dict[str, Any]) -> str:

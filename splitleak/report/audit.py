@@ -14,7 +14,6 @@ from typing import Any
 from splitleak.audit.channels import HEADER as CHANNEL_HEADER
 from splitleak.audit.channels import table_rows as channel_rows
 from splitleak.audit.evaluate import attack_label
-from splitleak.audit.verdicts import GATE
 from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
 from splitleak.metrics import fmt_pct
@@ -35,8 +34,8 @@ from splitleak.report.document import (
 
 ATTACK_HEADER = ["attack", "threat model", "token % [95 % CI]", "document % [95 % CI]", "certified %", "seconds"]
 SPAN_HEADER = ["attack", *(f"{c} spans %" for c in LABELS)]
-COPY_WORDS = {"public": "public copy", "trained": "trained layers"}
-ARM_HEADER = ["attack", "token top-1 %", "A over constant (pp)", "verdict", "shuffled-label N (pp)", "control"]
+COPY_WORDS = {"public": "public copy", "trained": "trained layers", "server": "the server"}
+ARM_HEADER = ["attack", "token top-1 %", "A over constant (pp)", "verdict", "mis-paired N (pp)", "control"]
 CALIBRATION_METRICS = ("token_top1", "rare_token_top1", "token_cross_entropy", "membership_auc")
 
 
@@ -123,6 +122,20 @@ def precision_blocks(report: dict[str, Any]) -> list[Block]:
     ]
 
 
+def split_words(cfg: dict[str, Any]) -> str:
+    """Where the model is split, in words, for each audit mode."""
+    if cfg.get("shielded"):
+        sh = cfg["shielded"]
+        return (
+            f"label-shielded (Bottom of {sh['bottom']} blocks and Top of {sh['top']} blocks on the client with the "
+            "labels, the Trunk on the server)"
+        )
+    if cfg.get("offload_start") is not None:
+        b, n = cfg["offload_start"], cfg["offload_length"]
+        return f"U-shape (blocks {b}–{b + n - 1} on the server; the client keeps the rest, the labels and the loss)"
+    return f"cut after {cfg['depth']} blocks (the labels cross to the server)"
+
+
 def arm_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for r in results:
@@ -134,7 +147,9 @@ def arm_table_rows(results: list[dict[str, Any]]) -> list[list[str]]:
                 fmt_pct(a["accuracy"]),
                 f"{100 * e['estimate']:+.2f} [{100 * e['low']:+.2f}, {100 * e['high']:+.2f}]",
                 a["verdict"],
-                f"{100 * n['estimate']:+.2f} [{100 * n['low']:+.2f}, {100 * n['high']:+.2f}]",
+                "not run"
+                if n is None
+                else f"{100 * n['estimate']:+.2f} [{100 * n['low']:+.2f}, {100 * n['high']:+.2f}]",
                 a["control_verdict"],
             ]
         )
@@ -170,17 +185,17 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
         Heading(1, "splitleak audit"),
         *verdict_blocks(report),
         Para(
-            f"Model `{cfg['model']}`, cut after {cfg['depth']} blocks, defence `{defence}`, data `{cfg['data']}` "
+            f"Model `{cfg['model']}`, {split_words(cfg)}, defence `{defence}`, data `{cfg['data']}` "
             f"(seed {cfg['seed']}; {cfg['n_calib']} calibration / {cfg['n_train']} training / {cfg['n_eval']} "
             f"evaluation documents of {cfg['doc_len']} tokens). Configuration hash `{report['config_hash'][:16]}`."
         ),
         Contents(),
         Heading(2, "Who reads what"),
         Para(
-            "Each attack read the evaluation documents' captured traffic under one of two threat models (What "
-            "Gradients Add §3): "
+            "Threat models: "
             + "; ".join(f"**{COPY_WORDS.get(k, k)}**: {v}" for k, v in report.get("threat_models", {}).items())
-            + ". `certified` is the share of positions whose recomputed activation matched the observed one "
+            + ". Each attack read the evaluation documents' captured traffic under one of the first two (What "
+            "Gradients Add §3); the server's reading is in the verdict. `certified` is the share of positions whose recomputed activation matched the observed one "
             "exactly (SipIt); without a budget, on the trained layers, it is the exact-inversion check of the cut."
         ),
         Table(ATTACK_HEADER, attack_table_rows(report["attacks"])),
@@ -195,7 +210,8 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
             "Every channel the split mode and its defences declare, whether the tap captured it, which attacks of "
             "this audit read it, and its status: **measured** (attacked, and the injected-leak calibration doses "
             "it), **no positive control** (attacked, not calibrated), **no attack** (no attack of this audit read "
-            "it; the verdict above says nothing about it)."
+            "it; the verdict above says nothing about it), **in clear** (the text itself, such as the labels a "
+            "plain split sends for the server's loss: the server reads it with no attack)."
         ),
         *channel_table(report.get("channels", []), report.get("channel_notes", [])),
         Heading(2, "Your text coming back"),
@@ -210,11 +226,16 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
             f"evaluation token ({fmt_pct(v['constant_baseline']['rate'])} %). A is the mean over documents of the "
             "arm's accuracy minus the baseline's, with a 95 % document-bootstrap interval; **detected** when its "
             "lower end is above 0, **at floor** when it includes 0, *below floor* when it lies below 0. N is the "
-            "same statistic against labels permuted across all positions (the shuffled-label negative control); "
-            "it must not be detected (chance agreement of varied predictions reads below floor). Gate (Politis & "
+            "negative control, the arm's mis-paired twin: the same fitted attack given the traffic of other "
+            "documents, scored against the labels of the documents it is labelled as, minus the arm's own reading "
+            "of that traffic scored against the same labels. An attack that reads the traffic reads N = 0 (about "
+            "0 where it pools over documents); one that reaches the text by the documents' identity is detected, "
+            "and the verdict is then an instrument fault. Gate (Politis & "
             f"Pappas 2026, Eq. 1) over {', '.join(v['gate']['arms'])}: G = max Bonferroni–Wilson upper-95 − "
             f"baseline = {100 * v['gate']['G']:+.2f} pp, "
-            f"{'breaks the gate' if v['gate']['breaks'] else 'holds the gate'} (+{100 * GATE:.2f} pp)."
+            f"{'breaks the gate' if v['gate']['breaks'] else 'holds the gate'} (+{100 * v['gate']['gate']:.2f} pp"
+            + (f", {v['gate']['thresholds']['protocol']} protocol" if v["gate"].get("thresholds") else "")
+            + ")."
         ),
         Heading(2, "Instrument calibration (Politis & Pappas 2026, §4)"),
         Para(

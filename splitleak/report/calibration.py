@@ -8,8 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from splitleak.audit.calibrate import METRIC_TITLES, METRICS, read_calibration
-from splitleak.audit.verdicts import GATE
 from splitleak.report.document import Document, Figure, Heading, Para, Table, render_html, render_markdown
+
+
+def record_gate(record: dict[str, Any]) -> float:
+    """The gate a calibration record was read against (recorded since the gate comes from the protocol;
+    an older record, written before, used the shipped gate_002's, which is read from the package)."""
+    if record.get("gate") is not None:
+        return float(record["gate"])
+    from splitleak.audit.gate import shipped_thresholds
+
+    return shipped_thresholds().gate
 
 
 def calibration_table(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -61,7 +70,7 @@ def calibration_document(record: dict[str, Any], figure: Path | None = None) -> 
         Para(
             "✓: detected (the lower end of the 95 % document-bootstrap interval of the effect against zero dose "
             "is above 0). Gate G: Wilson upper-95 of token top-1 minus the constant baseline; breaks above "
-            f"+{100 * GATE:.2f} pp."
+            f"+{100 * record_gate(record):.2f} pp."
         ),
         Heading(2, "Onsets"),
         Table(
@@ -124,10 +133,11 @@ def calibration_figure(record: dict[str, Any], out_stem: str | Path) -> list[Pat
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xscale("log")
         if m == "token_top1":
-            ax.axhline(100 * GATE, color="grey", ls="--", lw=0.8)
+            gate = record_gate(record)
+            ax.axhline(100 * gate, color="grey", ls="--", lw=0.8)
             ax.annotate(
-                f"gate +{100 * GATE:.1f} pp",
-                (0.98, 100 * GATE),
+                f"gate +{100 * gate:.1f} pp",
+                (0.98, 100 * gate),
                 xycoords=("axes fraction", "data"),
                 fontsize=8,
                 color="grey",

@@ -11,7 +11,9 @@ as the store's data allows (a section without data says why in one line):
 
 1. header: spec and its SHA-256 (profile, overrides), protocol and its SHA-256, splitleak version,
    jobs done / running / failed / pending, date;
-2. the protocol's main test and its Bonferroni family (``splitleak.audit.analysis.analyse``);
+2. the negative controls: every token attack job's mis-paired twin (``splitleak.audit.verdicts``), per
+   attack and copy, and each job whose control was detected named as an instrument fault, above the tests;
+   the protocol's main test and its Bonferroni family (``splitleak.audit.analysis.analyse``);
 3. token, whole-document and span recovery per attack configuration x split x copy, with 95 %
    bootstrap intervals (What Gradients Add Tables 2, 3, 4, 7);
 4. the joint attacker under observer-side gradient perturbations (What Gradients Add Figure 5);
@@ -35,7 +37,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from splitleak.attacks.config import record_identity
 from splitleak.audit.analysis import analyse
+from splitleak.audit.gate import resolve_thresholds
 from splitleak.audit.protocol import Protocol, check_results, file_sha256, load_protocol
 from splitleak.errors import ConfigError, DataError, IntegrityError
 from splitleak.report import grid_sections as sec
@@ -53,37 +57,21 @@ FIGURES = ("gradient-perturbations", "leakage-cost", "heatmap")
 # ------------------------------------------------------------------ adapters from the store
 
 
-def _budget(b: Any) -> Any:
-    if b is None or b == "exhaustive":
-        return b
-    try:
-        return int(b)
-    except (TypeError, ValueError):
-        return b
-
-
 def analysis_rows(attack_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The per-document records ``splitleak.audit.analysis.analyse`` reads, from store attack rows.
 
-    Rows without per-token scores (property inference) are left out; ``defence`` is the chain's
-    names joined by ``+`` (the store's ``defence_name``), ``budget`` an int or ``"exhaustive"``,
-    ``config_hash`` the job's key. Inference-setting reuse rows are kept (``inference`` True), so
-    a selector that names ``inference: true`` finds them."""
+    Rows without per-token scores (property inference) are left out; the attack's fields are its
+    identity (``attacks.config.record_identity``: read from the row's ``attack_config``, ``budget``
+    an int or ``"exhaustive"``, ``params`` canonical JSON), ``defence`` is the chain's names joined by
+    ``+`` (the store's ``defence_name``), ``config_hash`` the job's key. Inference-setting reuse rows
+    are kept (``inference`` True), so a selector that names ``inference: true`` finds them."""
     out = []
     for r in attack_rows:
         if r.get("token_counted") is None:
             continue
         out.append(
             {
-                "attack": r["attack"],
-                "k": r.get("k"),
-                "budget": _budget(r.get("budget")),
-                "client_copy": r.get("client_copy"),
-                "attack_seed": r.get("attack_seed"),
-                "gradient_noise": r.get("gradient_noise"),
-                "gradient_bits": r.get("gradient_bits"),
-                "inference": bool(r.get("inference")),
-                "readout": r.get("readout"),
+                **record_identity(r),
                 "model": r.get("model"),
                 "depth": r.get("depth"),
                 "offload_start": r.get("offload_start"),
@@ -307,6 +295,7 @@ def build_report(
         for ext in ("png", "svg"):
             (out / f"{stem}.{ext}").unlink(missing_ok=True)
     used = _with_n_boot(protocol, int(n_boot)) if n_boot is not None else protocol
+    every_attack_row = list(attack_rows)
     latent_rows = [r for r in attack_rows if is_latent(r)]  # frames, not documents: their own section
     attack_rows = [r for r in attack_rows if not is_latent(r)]
     latent_train = [t for t in train_rows if is_latent(t)]
@@ -327,13 +316,14 @@ def build_report(
     doc = Document(header["title"])
     ctx = sec.Ctx(protocol, used, protocol_hash, protocol_path, n_boot, descriptive_boot, out, rep)
     sec.header(doc, ctx, header, date, attack_rows)
+    sec.controls_section(doc, ctx, every_attack_row)
     sec.main_section(doc, ctx, rows, analysis, error)
     sec.recovery_section(doc, ctx, cells, attack_rows)
     sec.perturbation_section(doc, ctx, cells)
     sec.cost_section(doc, ctx, attack_rows, train_rows)
     sec.heatmap_section(doc, ctx, cells)
     sec.offload_section(doc, ctx, run_rows, analysis, error)
-    latent_section(doc, latent_rows, latent_train)
+    latent_section(doc, latent_rows, latent_train, resolve_thresholds(protocol, protocol_hash))
     shielded_section(doc, shielded_rows, shielded_train, out, used.thresholds)
     rep.markdown.write_text(render_markdown(doc), encoding="utf-8")
     rep.html.write_text(render_html(doc), encoding="utf-8")

@@ -2,7 +2,10 @@
 its shuffled-label twins and its seed-level pooling, and the utility of each latent arm, beside the
 paper's numbers.
 
-``latent_summary`` turns store rows into plain numbers (tested); ``latent_section`` writes them.
+``latent_summary`` turns store rows into plain numbers (tested); ``latent_section`` writes them. Each
+battery run is read again under the grid's protocol (``splitleak.audit.gate``: its gate, α, the family of
+J arms per view, and the utility gate on the arm's held-out CE over the pretrained model), so the
+verdicts are the protocol's, not the job's.
 Rows are the latent mode's when their ``defence_name`` is ``latent`` (the ``defence`` column holds
 the arm's label: ``open``, ``fix``, ``naked`` in the shipped spec).
 """
@@ -16,6 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 from scipy.stats import norm
 
+from splitleak.audit.gate import GateThresholds, passes, reread_probes, shipped_thresholds, utility_gate
 from splitleak.report.document import Document, Heading, Para, Table
 
 LATENT_DEFENCE = "latent"  # the same word as splitleak.experiments.jobs.LATENT_DEFENCE (kept torch-free here)
@@ -86,6 +90,8 @@ class ProbeRun:
     twin_of_best: float | None
     constant: float
     arms: list[dict[str, Any]]
+    #: the run read under the grid's protocol (splitleak.audit.gate.latent_verdict)
+    protocol: dict[str, Any] | None = None
 
 
 @dataclass
@@ -118,6 +124,7 @@ class UtilityCell:
     pretrained_ce: float
     epsilon: float | None
     cost: dict[str, Any] | None = None  # against the arm it differs from only in the output gradient
+    utility_gate: dict[str, Any] | None = None  # the mean CE increase over the pretrained model, at the protocol's gate
 
 
 @dataclass
@@ -127,6 +134,7 @@ class LatentSummary:
     pooled: list[Pooled] = field(default_factory=list)
     utility: list[UtilityCell] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    thresholds: GateThresholds | None = None
 
     def __bool__(self) -> bool:
         return bool(self.partition or self.probes or self.utility)
@@ -174,12 +182,34 @@ def _partition(rows: Sequence[dict[str, Any]]) -> tuple[list[PartitionCell], lis
     return out, notes
 
 
-def _probes(rows: Sequence[dict[str, Any]]) -> list[ProbeRun]:
+def _seed_utility(train_rows: Sequence[dict[str, Any]], th: GateThresholds) -> dict[str, dict[str, Any]]:
+    """Per latent train job (by key): its held-out CE over the pretrained model at the protocol's utility gate."""
+    out = {}
+    for t in train_rows:
+        if is_latent(t) and t.get("heldout_ce") is not None and t.get("pretrained_ce") is not None:
+            out[t["key"]] = utility_gate(float(t["heldout_ce"]) - float(t["pretrained_ce"]), th, PRETRAINED_REFERENCE)
+    return out
+
+
+#: the reference of a latent arm's utility gate (002's Δ loss)
+PRETRAINED_REFERENCE = "the frozen pretrained model"
+
+
+def _probes(
+    rows: Sequence[dict[str, Any]], th: GateThresholds, utility: dict[str, dict[str, Any]] | None = None
+) -> list[ProbeRun]:
+    frames: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("attack") == "latent-probe" and r.get("kind") == "attack":
+            frames.setdefault(r["key"], []).append(r)
     out = []
     for r in sorted(
         _per_job(rows, "latent-probe"), key=lambda r: (r["model"], r["defence"], _params(r), r["victim_seed"])
     ):
-        probes = _result(r)["probes"]
+        res = _result(r)
+        probes = res["probes"]
+        seed = (res.get("attack_params") or {}).get("seed", 0)
+        protocol = reread_probes(probes, frames[r["key"]], seed, th, (utility or {}).get(r.get("train_key", "")))
         twin = probes.get("negative_control")
         out.append(
             ProbeRun(
@@ -192,6 +222,7 @@ def _probes(rows: Sequence[dict[str, Any]]) -> list[ProbeRun]:
                 probes.get("control_of_best_arm"),
                 float(probes["constant"]["accuracy"]),
                 probes["arms"],
+                protocol,
             )
         )
     return out
@@ -241,7 +272,7 @@ def pool_probe_runs(runs: Sequence[ProbeRun], alpha: float = 0.05) -> tuple[list
     return pooled, notes
 
 
-def _utility(train_rows: Sequence[dict[str, Any]]) -> list[UtilityCell]:
+def _utility(train_rows: Sequence[dict[str, Any]], th: GateThresholds) -> list[UtilityCell]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for t in train_rows:
         if is_latent(t):
@@ -259,6 +290,10 @@ def _utility(train_rows: Sequence[dict[str, Any]]) -> list[UtilityCell]:
             float(np.mean([t["heldout_ce"] for t in ts])),
             float(np.mean([t["pretrained_ce"] for t in ts])),
             eps[0] if eps and all(e == eps[0] for e in eps) else None,
+        )
+        cell = cells[(model, arm)]
+        cell.utility_gate = utility_gate(
+            cell.heldout_ce - cell.pretrained_ce, th, PRETRAINED_REFERENCE + f", mean of {len(ts)} seed(s)"
         )
         configs[(model, arm)] = json.loads(ts[0]["train_config"])["latent"]
         by_seed[(model, arm)] = {int(t["victim_seed"]): float(t["heldout_ce"]) for t in ts}
@@ -295,13 +330,53 @@ def _utility(train_rows: Sequence[dict[str, Any]]) -> list[UtilityCell]:
     return list(cells.values())
 
 
-def latent_summary(attack_rows: Sequence[dict[str, Any]], train_rows: Sequence[dict[str, Any]]) -> LatentSummary:
-    """Everything the decoy section shows, from the store's latent rows."""
+def latent_summary(
+    attack_rows: Sequence[dict[str, Any]],
+    train_rows: Sequence[dict[str, Any]],
+    thresholds: GateThresholds | None = None,
+) -> LatentSummary:
+    """Everything the decoy section shows, from the store's latent rows, read at ``thresholds`` (the grid
+    protocol's, ``splitleak.audit.gate.resolve_thresholds``; default: the shipped gate_002's)."""
+    th = thresholds or shipped_thresholds()
     rows = [r for r in attack_rows if is_latent(r)]
-    probes = _probes(rows)
+    probes = _probes(rows, th, _seed_utility(train_rows, th))
     partition, bare = _partition(rows)
-    pooled, notes = pool_probe_runs(probes)
-    return LatentSummary(partition, probes, pooled, _utility(train_rows), bare + notes)
+    pooled, notes = pool_probe_runs(probes, alpha=th.alpha)
+    return LatentSummary(partition, probes, pooled, _utility(train_rows, th), bare + notes, th)
+
+
+def arm_passes(s: LatentSummary) -> list[dict[str, Any]]:
+    """Per (model, latent arm, battery): how many seeds hold the protocol's privacy gate in every view of
+    its family, and whether the arm is within the utility gate; an arm passes only when every seed holds
+    the gate and every seed is within the utility gate (002: "passed both gates")."""
+    groups: dict[tuple[str, str, str], list[ProbeRun]] = {}
+    for run in s.probes:
+        groups.setdefault((run.model, run.arm, run.params), []).append(run)
+    out = []
+    for (model, arm, params), rs in sorted(groups.items()):
+        verdicts = [r.protocol for r in rs if r.protocol is not None]
+        privacy = [v["privacy_holds"] for v in verdicts]
+        util = [None if v.get("utility") is None else v["utility"].get("passes") for v in verdicts]
+        holds = (
+            None if not privacy or any(p is None for p in privacy) else all(privacy)
+        )  # undecided when a seed's family is not the protocol's
+        within = None if not util or any(u is None for u in util) else all(util)
+        limit = s.thresholds.utility_ce_increase_max if s.thresholds is not None else None
+        out.append(
+            {
+                "model": model,
+                "arm": arm,
+                "params": params,
+                "seeds": len(rs),
+                "seeds_holding_gate": sum(p is True for p in privacy),
+                "seeds_breaking_gate": sum(p is False for p in privacy),
+                "seeds_within_utility": sum(u is True for u in util),
+                "privacy_holds": holds,
+                "utility_within": within,
+                "passes": passes(holds, None if limit is None else {"max": limit, "passes": within}),
+            }
+        )
+    return out
 
 
 # ------------------------------------------------------------------ the section
@@ -317,11 +392,18 @@ def _f(x: float | None, places: int = 3) -> str:
     return "n/a" if x is None or not np.isfinite(x) else f"{x:.{places}f}"
 
 
-def latent_section(doc: Document, attack_rows: Sequence[dict[str, Any]], train_rows: Sequence[dict[str, Any]]) -> None:
-    """The decoy system (002): omitted when the grid trained no latent arm."""
-    s = latent_summary(attack_rows, train_rows)
+def latent_section(
+    doc: Document,
+    attack_rows: Sequence[dict[str, Any]],
+    train_rows: Sequence[dict[str, Any]],
+    thresholds: GateThresholds | None = None,
+) -> None:
+    """The decoy system (002): omitted when the grid trained no latent arm. ``thresholds``: the grid
+    protocol's (``splitleak.audit.gate.resolve_thresholds``)."""
+    s = latent_summary(attack_rows, train_rows, thresholds)
     if not s:
         return
+    th = s.thresholds or shipped_thresholds()
     doc.add(Heading(2, "The decoy system (002): partition, probes and utility"))
     steps = sorted({str(u.steps) for u in s.utility})
     frames = sorted({str(r.get("n_docs")) for r in attack_rows if is_latent(r) and r.get("n_docs") is not None})
@@ -366,34 +448,76 @@ def latent_section(doc: Document, attack_rows: Sequence[dict[str, Any]], train_r
         )
     if s.probes:
         doc.add(Heading(3, "What the rows say: the probe battery"))
+        doc.add(
+            Para(
+                f"Read under protocol {th.protocol} (sha256 {th.protocol_hash[:12]}"
+                + (f"; {th.note}" if th.note else "")
+                + f"): gate +{100 * th.gate:.2f} pp, α = {th.alpha:g}, J = {th.arms} arms per view declared "
+                "(002's three probe variants, mlp, features and graph, at three restarts; each view its own check), "
+                + (
+                    "no utility gate declared."
+                    if th.utility_ce_increase_max is None
+                    else f"utility gate ≤ {th.utility_ce_increase_max:g} nats of held-out cross-entropy over the "
+                    "pretrained model."
+                )
+                + " A view whose battery measured another number of family arms is read over the arms it has, with J "
+                "= those; it decides the gate only where that cannot mislead (fewer arms that already break it, more "
+                "arms that hold it) and is undecided otherwise."
+            )
+        )
         rows = []
         for run in s.probes:
             v = run.verdict
+            pv = run.protocol or {}
+            views = pv.get("by_view", {})
+            decided = [vv for vv in views.values() if vv.get("decision") != "undecided" and "best_arm" in vv]
+            top = max(decided, key=lambda vv: vv["gate_statistic"]) if decided else None
             twin = "n/a" if run.twin is None else f"{_pp(run.twin_of_best)} ({run.twin.get('verdict', 'n/a')})"
+            util = pv.get("utility") or {}
             rows.append(
                 [
                     run.model,
                     run.arm,
                     str(run.seed),
                     _pp(run.constant, signed=False),
-                    str(v.get("best_arm", "n/a")),
-                    f"{_pp(v.get('paired_effect'))} [{_pp(v.get('paired_low'))}, {_pp(v.get('paired_high'))}]",
-                    str(v.get("verdict")),
-                    _pp(v.get("gate_statistic")),
+                    "n/a" if top is None else str(top["best_arm"]),
+                    "n/a"
+                    if top is None
+                    else f"{_pp(top['paired_effect'])} [{_pp(top['paired_low'])}, {_pp(top['paired_high'])}] (J = {top['J']})",
+                    "n/a" if top is None else _pp(top["gate_statistic"]),
+                    str(pv.get("verdict", "n/a")),
+                    {True: "yes", False: "no", None: "n/a"}[util.get("passes")],
+                    {True: "yes", False: "no", None: "undecided"}[pv.get("passes")],
+                    f"{v.get('best_arm', 'n/a')} {_pp(v.get('paired_effect'))} (J = {v.get('J', v.get('eligible'))})",
                     twin,
                 ]
             )
         doc.add(
             Table(
-                ["model", "latent arm", "seed", "control (%)", "best eligible arm", "paired effect (pp)", "verdict", "G (pp)", "shuffled twin (pp)"],
+                ["model", "latent arm", "seed", "control (%)", "family arm of the view with the largest G", "its paired effect at α/J (pp)", "G (pp)", "verdict under the protocol", "within the utility gate", "passes", "best arm of the whole battery (pp, J)", "shuffled twin (pp)"],
                 rows,
-                caption="Per seed: the best eligible arm's paired advantage over the most-frequent-token control at "
-                "α/J (Bonferroni over the J eligible arms; degenerate arms, modal share > 0.99, excluded), the gate "
-                "statistic G, and the same arm in the shuffled-label twin (labels permuted globally over probe "
-                f"training and evaluation, the battery retrained). The paper: naked, {PAPER['probes_naked']}; "
-                f"defended, {PAPER['probes_defended']}.",
+                caption="Per seed, under the protocol: each view's family arms (degenerate arms, modal share > 0.99, "
+                "excluded from J), the best by paired advantage over the most-frequent-token control read at α/J, "
+                "and the gate statistic G; shown for the view with the largest G. A run passes when it holds the gate "
+                "in every view and its held-out loss is within the utility gate. The battery-wide reading (every "
+                "eligible arm of every view and model, J = their number) and the shuffled-label twin of its best "
+                "arm (labels permuted globally over probe training and evaluation, the battery retrained) are "
+                f"descriptive. The paper: naked, {PAPER['probes_naked']}; defended, {PAPER['probes_defended']}.",
             )
         )  # fmt: skip
+        verdicts = arm_passes(s)
+        if verdicts:
+            yn = {True: "yes", False: "no", None: "undecided"}
+            doc.add(
+                Table(
+                    ["model", "latent arm", "battery", "seeds", "hold the gate", "break it", "within the utility gate", "passes"],
+                    [[a["model"], a["arm"], a["params"], str(a["seeds"]), str(a["seeds_holding_gate"]), str(a["seeds_breaking_gate"]),
+                      str(a["seeds_within_utility"]), yn[a["passes"]]] for a in verdicts],
+                    caption="Per latent arm, under the protocol: an arm passes only when every seed holds the privacy "
+                    "gate in every view and is within the utility gate (002: \"passed both gates\"); an arm over the "
+                    "utility gate is never passing, however little its rows give away.",
+                )
+            )  # fmt: skip
     if s.pooled:
         rows = []
         for pool in s.pooled:
@@ -427,15 +551,21 @@ def latent_section(doc: Document, attack_rows: Sequence[dict[str, Any]], train_r
                 cost = f"{uc['mean']:+.4f} [{uc['min']:+.4f}, {uc['max']:+.4f}] vs {uc['against']} ({len(uc['seeds'])} seeds)"
             rows.append(
                 [u.model, u.arm, str(len(u.seeds)), str(u.steps), _f(u.heldout_ce), _f(u.pretrained_ce),
-                 f"{u.heldout_ce - u.pretrained_ce:+.3f}", _f(u.epsilon, 2), cost]
+                 f"{u.heldout_ce - u.pretrained_ce:+.3f}", _f(u.epsilon, 2), cost,
+                 {True: "yes", False: "no", None: "n/a"}[(u.utility_gate or {}).get("passes")]]
             )  # fmt: skip
         doc.add(
             Table(
-                ["model", "latent arm", "seeds", "steps", "held-out CE", "pretrained CE", "Δ (nats)", "ε per row, one release", "output-gradient cost (nats): mean [min, max]"],
+                ["model", "latent arm", "seeds", "steps", "held-out CE", "pretrained CE", "Δ (nats)", "ε per row, one release", "output-gradient cost (nats): mean [min, max]", "within the utility gate"],
                 rows,
                 caption="Held-out cross-entropy of the deployed pipeline (noise, decoys, gauges) on the capture pass, "
                 "against the frozen pretrained model; the output-gradient cost pairs each seed with the arm that "
-                f"differs only in the output gradient. The paper: the fix costs {PAPER['fix_cost']}; its utility "
-                "gate allows +0.35 nats over the reference.",
+                f"differs only in the output gradient. The paper: the fix costs {PAPER['fix_cost']}. "
+                + (
+                    f"The protocol's utility gate ({th.protocol}): ≤ {th.utility_ce_increase_max:g} nats over the "
+                    "pretrained model; the last column applies it to the mean over seeds."
+                    if th.utility_ce_increase_max is not None
+                    else f"Protocol {th.protocol} declares no utility gate."
+                ),
             )
         )  # fmt: skip

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from splitleak.attacks.config import CONFIG_FIELDS, IDENTITY_DEFAULTS, record_identity
 from splitleak.attacks.registry import attack_names
 from splitleak.audit.analysis import DEFAULT_READOUT, effective_readout
 from splitleak.data import LABELS
@@ -34,53 +35,62 @@ ATTACK_ORDER = tuple(attack_names())
 # ------------------------------------------------------------------ configurations and conditions
 
 
+#: the attack's fields of a table's row: its configuration (``attacks.config.CONFIG_FIELDS``: the identity less
+#: the attack seed, which the cells pool over) less the attack, named apart, and its copy, which is the
+#: column's (``Condition``)
+TABLE_FIELDS = tuple(f for f in CONFIG_FIELDS if f not in ("attack", "client_copy"))
+#: the fields that the row's text and order name together, after the others
+_LAST = ("gradient_noise", "gradient_bits", "inference")
+
+
+def _rank(value: Any) -> tuple:
+    """Sort key of one field's value: absent first, then numbers, then words (``budget``: 64 before exhaustive)."""
+    if value is None:
+        return (0, 0.0, "")
+    if isinstance(value, (bool, int, float)):
+        return (1, float(value), "")
+    return (2, 0.0, str(value))
+
+
 @dataclass(frozen=True)
 class Config:
-    """An attack configuration against one kind of trained model (the rows of the tables)."""
+    """An attack configuration against one kind of trained model (the rows of the tables): the model,
+    the data, the defence, the attack, and the values of the rest of its configuration
+    (``TABLE_FIELDS``, read by name: ``c.k``, ``c.budget``, ``c.params``, ``c.gradient_noise``, ...)."""
 
     model: str | None  # None: a row that does not say (sort_key orders it first)
     data: str | None
     defence: str
     attack: str
-    k: int | None
-    budget: str | None
-    gradient_noise: float | None
-    gradient_bits: int | None
-    inference: bool
-    readout: str | None = None  # gradient read-out of the attacks that take one
-    params: str | None = None  # the attack's other hyperparameters, as canonical JSON (None: none)
+    values: tuple[Any, ...] = ()  # of TABLE_FIELDS, canonical (``attacks.config.canonical``)
 
     @classmethod
     def of(cls, r: dict[str, Any]) -> "Config":
-        return cls(
-            r.get("model"),
-            r.get("data"),
-            r.get("defence") or "none",
-            r["attack"],
-            r.get("k"),
-            r.get("budget"),
-            r.get("gradient_noise"),
-            r.get("gradient_bits"),
-            bool(r.get("inference")),
-            effective_readout(r),
-            r.get("params"),
-        )
+        ident = record_identity(r)
+        ident["readout"] = effective_readout(ident)  # a gradient-reading attack recorded before read-outs: pseudo-map
+        values = tuple(ident[f] for f in TABLE_FIELDS)
+        return cls(r.get("model"), r.get("data"), r.get("defence") or "none", ident["attack"], values)
+
+    def __getattr__(self, name: str) -> Any:  # the configuration's fields by name
+        if name in TABLE_FIELDS:
+            return self.values[TABLE_FIELDS.index(name)]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def perturbation(self) -> str:
         return perturbation_text(self.gradient_noise, self.gradient_bits)
 
     def attack_text(self) -> str:
-        """``joint k=32``, ``sipit budget=64``, ``joint k=32, noise σ=0.1``, ``activation k=8 (inference)``."""
+        """``joint k=32``, ``sipit budget=64``, ``joint k=32, noise σ=0.1``, ``activation k=8 (inference)``:
+        every field that differs from its default (``params`` one parameter at a time)."""
         s = self.attack
-        if self.k is not None:
-            s += f" k={self.k}"
-        if self.budget is not None:
-            s += f" budget={self.budget}"
-        if self.readout not in (None, DEFAULT_READOUT):
-            s += f" readout={self.readout}"
-        if self.params:
-            s += "".join(f" {k}={v}" for k, v in json.loads(self.params).items())
+        for name, value in zip(TABLE_FIELDS, self.values):
+            if name in _LAST:
+                continue
+            if name == "params":
+                s += "".join(f" {k}={v}" for k, v in json.loads(value or "{}").items())
+            elif value != IDENTITY_DEFAULTS.get(name) and not (name == "readout" and value == DEFAULT_READOUT):
+                s += f" {name}={value}"
         if self.gradient_noise is not None or self.gradient_bits is not None:
             s += f", {self.perturbation}"
         if self.inference:
@@ -89,7 +99,6 @@ class Config:
 
     def sort_key(self) -> tuple:
         a = ATTACK_ORDER.index(self.attack) if self.attack in ATTACK_ORDER else len(ATTACK_ORDER)
-        budget = -1 if self.budget is None else (10**9 if self.budget == "exhaustive" else int(self.budget))
         return (
             self.model or "",
             self.data or "",
@@ -97,10 +106,7 @@ class Config:
             self.defence,
             a,
             self.attack,
-            self.k or 0,
-            budget,
-            self.readout or "",
-            self.params or "",
+            *(_rank(v) for name, v in zip(TABLE_FIELDS, self.values) if name not in _LAST),
             perturbation_rank(self.gradient_noise, self.gradient_bits),
             self.inference,
         )

@@ -26,7 +26,7 @@ class GateResult:
     per_arm_upper: tuple[float, ...]
     alpha_bonf: float
     breaks: bool
-    gate: float = 0.01
+    gate: float
 
 
 def bonferroni_alpha(alpha: float, m: int) -> float:
@@ -81,13 +81,14 @@ def gate_statistic(
     arm_successes: Sequence[int],
     n: int | Sequence[int],
     constant_rate: float,
-    alpha: float = 0.05,
-    gate: float = 0.01,
+    alpha: float,
+    gate: float,
 ) -> GateResult:
     """G = max over the J arms of the one-sided Wilson upper bound at alpha / J, minus the
     constant-predictor rate; ``breaks`` when G > gate (0.01 = +1.0 percentage point).
 
-    ``n`` is the common number of tokens, or one count per arm."""
+    ``n`` is the common number of tokens, or one count per arm. ``alpha`` and ``gate`` have no
+    default: they come from the protocol the result is checked against (``splitleak.audit.gate``)."""
     alpha = check_alpha(alpha)
     ks = list(np.atleast_1d(np.asarray(arm_successes, dtype=object)))
     if len(ks) == 0:

@@ -10,7 +10,8 @@ An arm whose predictions are almost all one token (modal share > 0.99) is *degen
 constant control in disguise, and its paired effect measures nothing. It is excluded from the
 verdict (the paper found three such cells pinning its floor). The verdict takes the best eligible
 arm by point effect and reads its interval at α / J, J the number of eligible arms (Bonferroni), and
-reports the gate statistic G (Eq. 1) over the same arms.
+reports the gate statistic G (Eq. 1) over the same arms. The gate and α are the protocol's
+(``splitleak.audit.gate``, which also chooses the arms of 002's family).
 
 Labels are ragged here (one array per frame, -1 for a row not scored), as the latent frames are;
 ``splitleak.audit.verdicts`` scores the main study's [documents, positions] arms with the same
@@ -144,24 +145,50 @@ def score_arms(
 
 
 def battery_verdict(
-    arms: list[ArmStats], weights: np.ndarray, constant_rate: float, *, alpha: float = 0.05, gate: float = 0.01
+    arms: list[ArmStats],
+    weights: np.ndarray,
+    constant_rate: float,
+    *,
+    alpha: float,
+    gate: float,
+    declared: int | None = None,
 ) -> dict[str, Any]:
     """The verdict from the best eligible (non-degenerate) arm: its paired effect read at α / J
-    (Bonferroni over the J eligible arms), and the gate statistic G over the same arms."""
+    (Bonferroni over the J eligible arms), and the gate statistic G over the same arms.
+
+    ``alpha`` and ``gate`` come from the protocol (``splitleak.audit.gate``); ``declared`` is the
+    family size the protocol declares. J is always the number of arms compared, never ``declared``:
+    when the arms given differ in number from ``declared`` the verdict says so (``matches_declared``
+    false, and ``family_correction`` names both counts)."""
     alpha = check_alpha(alpha)
     eligible = [a for a in arms if not a.degenerate]
     excluded = [a.name for a in arms if a.degenerate]
+    family: dict[str, Any] = {
+        "alpha": alpha,
+        "gate": gate,
+        "family_measured": len(arms),
+        "declared_J": declared,
+        "matches_declared": None if declared is None else len(arms) == declared,
+    }
     if not eligible:
         return {
             "verdict": "no eligible arm",
             "eligible": 0,
+            "J": 0,
+            "arms_compared": [],
             "excluded_degenerate": excluded,
             "family_correction": "none: every arm was degenerate (modal share > 0.99)",
+            **family,
         }
     j = len(eligible)
     best = max(eligible, key=lambda a: a.effect.estimate)
     adjusted = paired_interval(best.frame_delta, weights, alpha / j)
     g = gate_statistic([a.right for a in eligible], [a.known for a in eligible], constant_rate, alpha, gate)
+    text = f"Bonferroni over the {j} eligible arms (alpha {alpha:g} / {j})"
+    if excluded:
+        text += f"; {len(excluded)} degenerate arm(s) of {len(arms)} excluded"
+    if declared is not None and len(arms) != declared:
+        text += f"; the protocol declares J = {declared}, {len(arms)} measured: not the protocol's family"
     return {
         "verdict": effect_verdict(adjusted),
         "best_arm": best.name,
@@ -169,9 +196,11 @@ def battery_verdict(
         "paired_low": adjusted.low,
         "paired_high": adjusted.high,
         "eligible": j,
+        "J": j,
+        "arms_compared": [a.name for a in eligible],
         "excluded_degenerate": excluded,
-        "family_correction": f"Bonferroni over the {j} eligible arms (alpha {alpha:g} / {j})",
+        "family_correction": text,
         "gate_statistic": g.G,
-        "gate": gate,
         "breaks_gate": g.breaks,
+        **family,
     }

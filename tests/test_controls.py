@@ -1,0 +1,252 @@
+"""Negative controls that can fail: an attack planted to read the evaluation text by the documents'
+identity (as a pipeline bug would let it) is caught by its mis-paired twin, in `attack`, in the audit
+and in a grid; attacks that read only the traffic read their control at floor."""
+
+import json
+import shutil
+import sys
+import textwrap
+
+import pytest
+
+from splitleak.attacks import make_attack_config
+from splitleak.attacks.registry import PLUGINS_ENV, load_plugins, unregister
+from splitleak.audit.evaluate import run_attack
+
+#: a plug-in module (``SPLITLEAK_PLUGINS``), so that a grid's spawned workers register it too
+PLANTED = textwrap.dedent(
+    """
+    from pathlib import Path
+
+    import torch
+
+    from splitleak.attacks import Attack, Reconstruction
+    from splitleak.attacks.knowledge import phase_documents
+    from splitleak.attacks.registry import AttackInfo, register
+
+
+    class ReadsTheText(Attack):
+        \"\"\"Planted: the true tokens of the documents the traffic is labelled with, read from every run's
+        record under ``root`` (what an attack must never reach). ``share``: the fraction of positions it
+        copies; the others it reads as token 0.\"\"\"
+
+        name = "reads-the-text"
+
+        def __init__(self, root: str = ".", share: float = 1.0, seed: int = 0):
+            self.root, self.share, self.seed = root, share, seed
+
+        def params(self):
+            return {"root": self.root, "share": self.share, "seed": self.seed}
+
+        def reconstruct(self, traffic, progress=None):
+            text = {}
+            for docs in Path(self.root).rglob("documents.json"):
+                for d in phase_documents(docs.parent, "capture"):
+                    text[d.doc_id] = list(d.token_ids)
+            out = torch.tensor([text[i] for i in traffic.doc_ids])
+            keep = torch.rand(out.shape, generator=torch.Generator().manual_seed(self.seed)) < self.share
+            return Reconstruction(torch.where(keep, out, torch.zeros_like(out)))
+
+
+    register(AttackInfo("reads-the-text", ReadsTheText, "planted: reads the evaluation text", reads=()))
+    """
+)
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    folder = tmp_path / "plugins"
+    folder.mkdir()
+    (folder / "planted_reader.py").write_text(PLANTED)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv(PLUGINS_ENV, "planted_reader")
+    assert load_plugins() == ["planted_reader"]
+    yield
+    unregister("reads-the-text")
+    sys.modules.pop("planted_reader", None)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_control_catches_a_reader_of_the_text_and_not_readers_of_the_traffic(planted, shared_run, seed):
+    run = shared_run(model="tiny-gpt2", depth=2, n_calib=16, n_train=4, n_eval=24, seed=0, all_local_baseline=False)
+    cheat = run_attack(
+        run,
+        make_attack_config(attack="reads-the-text", attack_seed=seed, params={"root": str(run.parent)}),
+        control_docs=16,
+    )
+    c = cheat["control"]
+    assert cheat["token_recovery"] == 1.0  # the arm alone looks like a perfect attack
+    assert c["verdict"] == "detected" and c["effect"]["low"] > 0.5, c
+    assert c["twin_token_recovery"] == 1.0 and c["floor_token_recovery"] < 0.5
+    assert len(c["doc_ids"]) >= 16 and all(a != b for a, b in zip(c["doc_ids"], c["given_doc_ids"]))
+    # a partial reader of the text is caught too
+    part = run_attack(
+        run,
+        make_attack_config(attack="reads-the-text", attack_seed=seed, params={"root": str(run.parent), "share": 0.3}),
+        control_docs=16,
+    )
+    assert part["control"]["verdict"] == "detected" and part["control"]["effect"]["estimate"] > 0.15
+    for name, params in (("vmi", {}), ("activation", {"k": 4})):  # readers of the traffic, one row at a time
+        res = run_attack(run, make_attack_config(attack=name, attack_seed=seed, params=params), control_docs=16)
+        assert res["control"]["verdict"] == "at floor", (name, res["control"])
+        assert res["control"]["per_doc_delta"] == [0.0] * len(res["control"]["doc_ids"]), name
+    # no control unless asked; a single document cannot be mis-paired
+    assert "control" not in run_attack(run, make_attack_config(attack="vmi"))
+
+
+@pytest.mark.e2e
+def test_the_audit_refuses_a_verdict_when_an_arm_reads_the_text(planted, tmp_path, monkeypatch):
+    import splitleak.audit.run as audit_run
+    from splitleak.report.audit import write_audit_report
+
+    out = tmp_path / "audit"
+    monkeypatch.setattr(
+        audit_run,
+        "AUDIT_ATTACKS",
+        (("majority", {}, "public"), ("vmi", {}, "public"), ("reads-the-text", {"root": str(out)}, "public")),
+    )
+    res = audit_run.run_audit(
+        out, model="tiny-gpt2", depth=2, n_calib=16, n_train=6, n_eval=24, seed=1, say=lambda _: None
+    )
+    assert res.verdict.startswith("INSTRUMENT FAULT: the mis-paired negative control of reads-the-text reads"), (
+        res.verdict
+    )
+    report = json.loads((out / "report.json").read_text())
+    arms = {a["attack"]: a["arm"] for a in report["attacks"]}
+    assert arms["reads-the-text"]["control_verdict"] == "detected"
+    assert arms["vmi"]["control_verdict"] == "at floor" and arms["vmi"]["control"]["estimate"] == 0.0
+    assert arms["majority"]["control"]["estimate"] == 0.0  # the same guess for every document
+    write_audit_report(out)
+    md = (out / "report.md").read_text()
+    assert "INSTRUMENT FAULT" in md and "mis-paired N (pp)" in md
+
+
+@pytest.mark.unit
+def test_control_docs_is_checked_before_anything_runs(tmp_path):
+    from splitleak.audit.run import run_audit
+    from splitleak.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--control-docs"):
+        run_audit(tmp_path / "a", model="tiny-gpt2", control_docs=1, say=lambda _: None)
+    assert not (tmp_path / "a").exists()
+
+
+TINY_GRID = """\
+name: planted
+protocol: proto.yaml
+model: tiny-gpt2
+depths: [2]
+defences: [none]
+victim_seeds: [1]
+attack_seeds: [0]
+client_copies: [public]
+documents: {n_calib: 8, n_train: 4, n_eval: 20, doc_len: 8}
+steps: 2
+attacks:
+  - {attack: vmi}
+  - {attack: reads-the-text, params: {root: STORE}}
+"""
+
+
+@pytest.mark.e2e
+def test_a_grid_report_names_the_fault_of_a_reader_of_the_text(planted, tmp_path):
+    from splitleak.audit.protocol import SHIPPED
+    from splitleak.experiments import run_grid
+    from splitleak.report.grid import grid_report
+
+    store = tmp_path / "store"
+    shutil.copy(SHIPPED / "paper_main.yaml", tmp_path / "proto.yaml")
+    spec = tmp_path / "planted.yaml"
+    spec.write_text(TINY_GRID.replace("STORE", str(store)))
+    res = run_grid(spec, store=store, workers=1, threads=1, device="cpu")  # a spawned worker: the plug-in loads there
+    assert not res.failures, res.failures
+    rep = grid_report(spec, out=tmp_path / "rep", store=store)
+    assert [c["row"]["attack"] for c in rep.control_faults] == ["reads-the-text"]
+    assert rep.control_faults[0]["effect"]["low"] > 0.5
+    text = " ".join(rep.markdown.read_text().split())
+    assert "## Negative controls" in text and "**INSTRUMENT FAULT**: the negative control of 1 job" in text
+    assert "| vmi | public | 1 | 0 | 0.00 | 0.00 |" in text  # the reader of the traffic at floor
+    assert "Not to be read" in text
+
+
+@pytest.mark.e2e
+def test_the_audit_names_the_server_as_a_reader_and_runs_where_the_labels_stay_home(tmp_path):
+    from splitleak.audit.run import run_audit
+    from splitleak.report.audit import write_audit_report
+
+    small = dict(model="tiny-gpt2", depth=1, n_calib=16, n_train=4, n_eval=12, seed=2, say=lambda _: None)
+    u = run_audit(tmp_path / "u", mode="u-shape", **small)
+    report = json.loads((tmp_path / "u" / "report.json").read_text())
+    assert report["config"]["offload_start"] == 1 and report["config"]["offload_length"] == 2  # 4 blocks: 1 | 2 | 1
+    channels = {c["channel"] for c in report["channels"]}
+    assert "labels" not in channels and {"trunk-output", "output-gradient"} <= channels
+    assert "In the u-shape split the labels stay on the client" in u.verdict
+    assert "reads 100 % of tokens and 100 % of whole documents, with no attack" not in u.verdict
+    # without the identity that spares it in the plain split, the all-local baseline is trained
+    assert report["utility_baseline"]["source"] == "the all-local baseline run"
+    write_audit_report(tmp_path / "u")
+    assert "U-shape (blocks 1–2 on the server" in (tmp_path / "u" / "report.md").read_text()
+    with pytest.raises(Exception, match="unknown --mode 'latent'"):
+        run_audit(tmp_path / "x", mode="latent", **small)
+    with pytest.raises(Exception, match="pass a smaller --depth"):
+        run_audit(tmp_path / "y", mode="label-shielded", **{**small, "depth": 3})
+
+
+@pytest.mark.e2e
+def test_a_label_shielded_audit_adds_the_reader_of_the_labels(tmp_path, monkeypatch):
+    import splitleak.audit.run as audit_run
+
+    # GMA-SL at 20 steps per chunk (the audit's default is the attack's 400): what is tested is that it runs,
+    # is scored and stands in the verdict, not how much it reads
+    monkeypatch.setattr(audit_run, "MODE_ATTACKS", {"label-shielded": (("gma-sl", {"steps": 20}, "public"),)})
+    res = audit_run.run_audit(
+        tmp_path / "s",
+        mode="label-shielded",
+        model="tiny-gpt2",
+        depth=1,
+        n_calib=16,
+        n_train=4,
+        n_eval=12,
+        seed=3,
+        say=lambda _: None,
+    )
+    report = json.loads((tmp_path / "s" / "report.json").read_text())
+    assert report["config"]["shielded"] == {"bottom": 1, "top": 2, "train": "all", "answer_only": False}
+    gma = next(a for a in report["attacks"] if a["attack"] == "gma-sl")
+    assert gma["label_recovery"] is not None and gma["arm"]["control_verdict"] in ("at floor", "below floor")
+    assert "In the label-shielded split the labels stay on the client" in res.verdict
+    assert not any(c["channel"] == "labels" for c in report["channels"])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_grid_of_noisy_controls_flags_only_the_reader_of_the_text(seed):
+    """Attacks whose reading varies with the batch (a seeded start per chunk) give controls that scatter about 0;
+    over hundreds of jobs some would read above floor at 5 % each, so the grid's family is Bonferroni-corrected.
+    The reader of the text stands out at any family size."""
+    import numpy as np
+
+    from splitleak.audit.verdicts import control_p_value
+    from splitleak.report.grid_sections import job_controls
+
+    rng = np.random.default_rng(seed)
+
+    def row(key, delta):
+        control = {"per_doc_delta": [float(x) for x in delta], "effect": {"estimate": float(np.mean(delta))}}
+        return {
+            "key": key,
+            "attack": "gma-sl",
+            "client_copy": "public",
+            "result_json": json.dumps({"control": control}),
+        }
+
+    rows = [row(f"n{i}", rng.normal(0, 0.05, 16)) for i in range(400)]
+    rows.append(row("cheat", rng.normal(0.6, 0.1, 16)))
+    rows += [dict(rows[0])]  # a second row (document) of the same job counts once
+    controls = job_controls(rows)
+    assert len(controls) == 401
+    assert [c["row"]["key"] for c in controls if c["fault"]] == ["cheat"]
+    unadjusted = sum(c["p"] < 0.05 for c in controls if c["row"]["key"] != "cheat")
+    assert unadjusted > 5  # what an uncorrected 5 % test would have flagged among the noisy ones
+    assert control_p_value([0.0] * 16) == 1.0 and control_p_value([0.25] * 16) == 0.0
