@@ -101,7 +101,8 @@ def test_channels_of_a_mixup_run_and_a_u_shape_run(runs):
     assert rows["probe-activations"]["shape"] == {"train": [1, 32, 64], "capture": [16, 32, 64]}
     assert rows["probe-activations"]["rows"] == {"train": 12 - 4, "capture": 24}  # after 4 unmixed warm-up steps
     assert "mixup-unmix" in rows["probe-activations"]["read_by"]
-    assert rows["labels"]["status"] == "no attack" and rows["activations"]["status"] == "not measured"
+    # the labels are the text itself: the server reads them with no attack
+    assert rows["labels"]["status"] == "in clear" and rows["activations"]["status"] == "not measured"
     u = {r["channel"]: r for r in channel_table(runs["u"])}
     assert {"trunk-output", "output-gradient"} <= set(u) and "labels" not in u
     assert u["trunk-output"]["captured"] and u["output-gradient"]["rows"] == {"train": 12, "capture": 24}

@@ -135,7 +135,9 @@ def test_vmf_privatizes_the_output_gradient_that_crosses_and_nothing_else(tmp_pa
     from splitleak.training import make_train_config, run_training
     from splitleak.wire import load_capture
 
-    u = dict(offload_start=1, offload_length=1)
+    # seeded draws: the vMF directions of 8 rows are compared with their expected mean cosine, which a
+    # fresh secret per run would make pass or fail by chance (about one run in twenty at this tolerance)
+    u = dict(offload_start=1, offload_length=1, draws="derived")
     run_training(make_train_config(**SMALL, **u), tmp_path / "open", device="cpu")
     kappa = 20.0
     run_training(make_train_config(**SMALL, **u, defences=[{"name": "vmf", "args": {"kappa": kappa}}]), tmp_path / "vmf", device="cpu")  # fmt: skip
