@@ -195,6 +195,31 @@ def capture_summary(run_dir: Path) -> dict[str, Any]:
     }
 
 
+#: what an audit writes into its folder (``run_audit``); ``--force`` deletes a folder that holds only these
+AUDIT_ENTRIES = frozenset({"run", "twin", "attacks", "calibration", "report.json", "report.md", "report.html"})
+
+
+def check_audit_out(out: Path, force: bool) -> bool:
+    """Refuse an ``--out`` that the audit must not write into (one line): one that exists and is not
+    empty without ``force``; with it, a link (whatever it leads to) or a folder that is not an audit
+    folder splitleak wrote (its run, or only what an audit writes). True when ``out`` is to be deleted."""
+    from splitleak.wire.store import is_run_dir, refuse_clobber
+
+    refuse_clobber(out)
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return False
+    if not force:
+        raise SplitleakError(f"{out} already exists and is not empty; choose another --out or pass --force")
+    names = {p.name for p in out.iterdir() if not p.name.endswith(".tmp")} if out.is_dir() else {out.name}
+    ours = out.is_dir() and names <= AUDIT_ENTRIES and (not (out / "run").exists() or is_run_dir(out / "run"))
+    if not ours:
+        raise SplitleakError(
+            f"{out} is not an audit folder (it holds {', '.join(sorted(names - AUDIT_ENTRIES)[:3]) or 'a run that splitleak did not write'}, "
+            "which an audit never writes), and --force deletes only what splitleak wrote; choose another --out"
+        )
+    return True
+
+
 def run_audit(
     out: str | Path,
     *,
@@ -237,8 +262,7 @@ def run_audit(
     With a defence and ``twin``, the same run without the defence is trained too (``out/twin``, no
     all-local baseline) so that the cost reads as the relative perplexity change against it (What Gradients Add §4.5)."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise SplitleakError(f"{out} already exists and is not empty; choose another --out or pass --force")
+    clear = check_audit_out(out, force)  # before anything is loaded, trained or deleted
     check_certify(certify)  # before anything is trained or written
     if mode not in AUDIT_MODES:
         raise ConfigError(f"unknown --mode {mode!r}; the audit runs in {', '.join(AUDIT_MODES)}")
@@ -271,7 +295,7 @@ def run_audit(
         # split run reproduces it exactly, with one the undefended twin does
         all_local_baseline=(defended and not twin) or mode != "plain",
     )
-    if force and out.exists():
+    if clear:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     deployed: dict[str, Any] = {"connect": connect, "tls_dir": tls_dir}

@@ -504,8 +504,7 @@ def run_latent(
         from splitleak.training.config import ServerConfig
         from splitleak.wire.network import RemoteServer, hello_for, parse_address
 
-        if out is not None and Path(out).exists() and any(Path(out).iterdir()) and not force:
-            RunStore.create(out, force=False)  # the same refusal as below, before any connection
+        RunStore.check_out(out, force)  # the same refusals as below, before any connection
         host, port = parse_address(connect)
         server_config = ServerConfig.of(config, random_init="init_seed" in lm.info)
         hello = hello_for(

@@ -146,6 +146,8 @@ def run_training(
     checkpoint against a server that holds the matching one, and ``out`` receives the whole run
     (its train-phase capture holds the frames from the resumed step on). Checkpoints are deleted once
     the run is complete."""
+    if out is not None:  # refused before anything is loaded: a foreign folder, a link, the run --resume reads
+        RunStore.check_out(out, force, keep=resume)
     if config.latent is not None:
         from splitleak.training.latent import run_latent
 
@@ -213,8 +215,7 @@ def run_training(
 
         if tls_dir is None:
             raise ConfigError("--connect needs --tls-dir (the folder `splitleak tls init` wrote)")
-        if out is not None and Path(out).exists() and any(Path(out).iterdir()) and not force:
-            RunStore.create(out, force=False)  # the same refusal as below, before any connection
+        RunStore.check_out(out, force, keep=resume)  # the same refusals as below, before any connection
         host, port = parse_address(connect)
         server_config = ServerConfig.of(config, random_init="init_seed" in lm.info)
         hello = hello_for(
@@ -233,7 +234,7 @@ def run_training(
             not_resumable = "the server keeps no checkpoints (start it with --checkpoints DIR)"
             checkpoint_every = None
 
-    store = RunStore.create(out, force=force)
+    store = RunStore.create(out, force=force, keep=resume)
     manifest = {
         **manifest_head(config, lm),
         "split": split.spec.as_dict(),

@@ -70,6 +70,44 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def refuse_clobber(out: Path, keep: str | Path | None = None, what: str = "--out") -> None:
+    """Refuse (SplitleakError, one line) an ``out`` that is a link, whatever it leads to (splitleak
+    writes and deletes only the folder it is given), or that is, holds or lies inside ``keep``."""
+    if out.is_symlink():
+        raise SplitleakError(
+            f"{what} {out} is a link (to {os.readlink(out)}); splitleak neither writes through a link nor deletes "
+            "what it leads to: pass the folder itself, or another " + what
+        )
+    if keep is not None:
+        a, b = out.resolve(), Path(keep).resolve()
+        if a == b or a.is_relative_to(b) or b.is_relative_to(a):
+            raise SplitleakError(
+                f"{what} {out} is or holds the run that --resume reads ({keep}), which a new run there would "
+                f"replace; choose another {what}"
+            )
+
+
+def is_run_dir(root: Path) -> bool:
+    """Whether ``root`` is a folder that splitleak wrote as a run, which ``--force`` may delete: its
+    journal's first line is a first entry (sequence 0 after the genesis hash), or it holds only a manifest
+    and temporary files (a run killed before its first entry)."""
+    if root.is_symlink() or not root.is_dir():
+        return False
+    jpath = root / JOURNAL
+    if jpath.is_file() and not jpath.is_symlink():
+        try:
+            with open(jpath, "rb") as f:
+                line = f.readline()
+            first = json.loads(line)
+        except OSError:
+            return False
+        except ValueError:  # cut off while the first entry was written: canonical JSON begins so
+            return line.startswith(b'{"files":{')
+        return isinstance(first, dict) and first.get("seq") == 0 and first.get("prev") == GENESIS
+    names = [p.name for p in root.iterdir()]
+    return bool(names) and all(n == "manifest.json" or (n.startswith(".") and n.endswith(".tmp")) for n in names)
+
+
 class RunStore:
     """Append-only writer of a run directory."""
 
@@ -81,21 +119,35 @@ class RunStore:
         self.closed = False
 
     @classmethod
-    def create(cls, root: str | Path, force: bool = False) -> "RunStore":
+    def create(cls, root: str | Path, force: bool = False, keep: str | Path | None = None) -> "RunStore":
         """An empty run directory at ``root``. A folder that exists and is not empty is refused (nothing
         already written is replaced) unless ``force`` deletes it first; the refusal says what the folder
         holds: a complete run, a run that failed, or an unfinished one (killed, or failed before it could
-        record it), which ``--force`` starts again from the beginning."""
+        record it), which ``--force`` starts again from the beginning. ``force`` deletes only a run that
+        splitleak wrote (``is_run_dir``): a folder of anything else, a link (whatever it leads to) and
+        ``keep`` (the run that ``--resume`` reads) are refused in one line."""
         root = Path(root)
-        if root.exists() and (not root.is_dir() or any(root.iterdir())):
-            if not force:
-                raise SplitleakError(cls._refusal(root))
-            if root.is_dir():
-                shutil.rmtree(root)
-            else:
-                root.unlink()
+        if cls.check_out(root, force, keep):
+            shutil.rmtree(root)
         root.mkdir(parents=True, exist_ok=True)
         return cls(root)
+
+    @classmethod
+    def check_out(cls, root: str | Path, force: bool = False, keep: str | Path | None = None) -> bool:
+        """``create``'s refusals, without creating or deleting anything (a caller checks before it starts
+        work): True when ``root`` holds a run that ``force`` is to delete."""
+        root = Path(root)
+        refuse_clobber(root, keep)
+        if not root.exists() or (root.is_dir() and not any(root.iterdir())):
+            return False
+        if not force:
+            raise SplitleakError(cls._refusal(root))
+        if not is_run_dir(root):
+            raise SplitleakError(
+                f"{root} is not a splitleak run (no {JOURNAL}), and --force deletes only a run that splitleak "
+                "wrote; choose another --out, or move what is there yourself"
+            )
+        return True
 
     @staticmethod
     def _refusal(root: Path) -> str:
