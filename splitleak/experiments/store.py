@@ -420,42 +420,67 @@ class ResultsStore:
 
     @contextmanager
     def lock(self) -> Iterator[None]:
-        """One driver per store at a time; a lock left by a killed driver is taken over."""
+        """One driver per store at a time; a lock left by a killed driver is taken over.
+
+        Exclusive under a race: ``run.lock`` is held with ``flock`` (the kernel frees it when its holder
+        dies), on the file that is under that name once it is held (a lock on a file a releasing driver
+        has just unlinked is let go, and taken again on the new one); its content (PID, host, start)
+        names the holder for the refusal. A lock file that names a live driver on this host or a driver
+        on another host is refused even where no flock holds it (another file system, an older
+        version)."""
+        import fcntl
+
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / "run.lock"
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now()}
-        for _ in range(2):
+        while True:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    old = json.loads(path.read_text())
-                except (OSError, json.JSONDecodeError):
-                    old = {}
-                if (
-                    old.get("host") == info["host"]
-                    and old.get("pid")
-                    and pid_alive(old["pid"])
-                    and old["pid"] != os.getpid()
-                ):
-                    raise SplitleakError(
-                        f"another `splitleak experiment run` (pid {old['pid']}, started {old.get('started')}) is using "
-                        f"the store {self.root}; wait for it, or stop it first"
-                    ) from None
-                if old.get("host") not in (None, info["host"]):
-                    raise SplitleakError(
-                        f"the store {self.root} is locked by a run on host {old['host']} (pid {old.get('pid')}); "
-                        f"if that run is gone, delete {path}"
-                    ) from None
-                path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(info))
-            break
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                old = self._lock_holder(path)
+                raise SplitleakError(
+                    f"another `splitleak experiment run` (pid {old.get('pid', 'unknown')}, started "
+                    f"{old.get('started', 'just now')}) is using the store {self.root}; wait for it, or stop it first"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # a holder unlinked it as this driver took it: take the file now under the name
+        try:
+            old = self._lock_holder(path)
+            if old.get("host") == info["host"] and old.get("pid") not in (None, os.getpid()) and pid_alive(old["pid"]):
+                raise SplitleakError(
+                    f"another `splitleak experiment run` (pid {old['pid']}, started {old.get('started')}) is using "
+                    f"the store {self.root}; wait for it, or stop it first"
+                )
+            if old.get("host") not in (None, info["host"]):
+                raise SplitleakError(
+                    f"the store {self.root} is locked by a run on host {old['host']} (pid {old.get('pid')}); "
+                    f"if that run is gone, delete {path}"
+                )
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
         try:
             yield
         finally:
-            path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)  # while it is held: a driver that opened this file lets it go
+            os.close(fd)
+
+    @staticmethod
+    def _lock_holder(path: Path) -> dict[str, Any]:
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return old if isinstance(old, dict) else {}
 
     def write_json(self, name: str, obj: Any) -> None:
         write_atomic(
