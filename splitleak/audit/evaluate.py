@@ -137,8 +137,8 @@ def run_attack(
     progress = progress or Silent()
     run_dir = Path(run_dir)
     out_path = Path(out) if out is not None else None
-    if out_path is not None and out_path.exists() and not force:
-        raise SplitleakError(f"{out_path} already exists; choose another --out or pass --force")
+    if out_path is not None:  # before anything is read or fitted
+        check_result_out(out_path, force, run_dir, documents)
     if verify:
         for d in (run_dir, documents):
             if d is not None:
@@ -163,9 +163,9 @@ def run_attack(
             f"run; attacks for it: {', '.join(attacks_for_mode(mode))}"
         )
     if info.output == "partition":
-        return run_partition_attack(run_dir, doc_dir, manifest, config, out_path, protocol_hash)
+        return run_partition_attack(run_dir, doc_dir, manifest, config, out_path, protocol_hash, force)
     if info.output == "row-tokens":
-        return run_probe_attack(run_dir, doc_dir, manifest, config, out_path, protocol_hash)
+        return run_probe_attack(run_dir, doc_dir, manifest, config, out_path, protocol_hash, force)
     attack = make_attack(config.attack, **config.attack_params())
     if knowledge is None:
         knowledge = load_knowledge(doc_dir, config.client_copy, with_top=info.needs_top)
@@ -284,7 +284,7 @@ def run_attack(
         )
         per_doc_rows = [{"doc_id": int(i), "score": float(s)} for i, s in zip(traffic.doc_ids, scores)]
     if out_path is not None:
-        write_result(out_path, result, per_doc_rows)
+        write_result(out_path, result, per_doc_rows, force=force)
     result["per_doc"] = per_doc_rows
     return result
 
@@ -377,6 +377,7 @@ def run_partition_attack(
     config: AttackConfig,
     out_path: Path | None,
     protocol_hash: str | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """A partition attack on a latent run's frames of ``config.phase``, scored against the client's
     record of real rows. The attack is given the training-phase frames where it reads what the server
@@ -414,7 +415,7 @@ def run_partition_attack(
         for f, (_, pred) in zip(traffic.frames, parts)
     ]  # fmt: skip
     if out_path is not None:
-        write_result(out_path, result, per_frame)
+        write_result(out_path, result, per_frame, force=force)
     result["per_doc"] = per_frame
     return result
 
@@ -436,6 +437,7 @@ def run_probe_attack(
     config: AttackConfig,
     out_path: Path | None,
     protocol_hash: str | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """The probe battery on a latent run: trained on the training-phase frames with the client's record
     of their tokens, scored on the capture pass's real rows against the most-frequent-token control
@@ -506,19 +508,56 @@ def run_probe_attack(
         "probes": {**measured, "negative_control": control},
     }
     if out_path is not None:
-        write_result(out_path, result, per_frame)
+        write_result(out_path, result, per_frame, force=force)
     result["per_doc"] = per_frame
     return result
 
 
-def write_result(out_path: Path, result: dict[str, Any], per_doc_rows: list[dict[str, Any]]) -> None:
+def check_result_out(out: Path, force: bool, *runs: str | Path | None) -> None:
+    """Refuse, in one line and before an attack runs, an ``--out`` its result cannot go to: one that ends in
+    ``.parquet`` (the name of its own predictions, written beside it), lies inside a run (``runs``, or any
+    folder with a journal: a file added to a run makes it fail ``verify``), cannot be created (a file where
+    a folder belongs), is a folder, or exists already without ``force``."""
+    from splitleak.wire.store import JOURNAL
+
+    if out.suffix.lower() == ".parquet":
+        raise SplitleakError(
+            f"--out {out} ends in .parquet, the name the result's own predictions take beside it; give the result a "
+            ".json name"
+        )
+    where = out.resolve()
+    inside = [Path(r) for r in runs if r is not None and where.is_relative_to(Path(r).resolve())]
+    inside += [a for a in where.parents if (a / JOURNAL).exists()]
+    if inside:
+        raise SplitleakError(
+            f"--out {out} lies inside the run {inside[0]}, which holds only what it recorded (a file added there "
+            "makes it fail `splitleak verify`); write the result outside it"
+        )
+    if out.is_dir():
+        raise SplitleakError(f"--out {out} is a folder; name the result's file (RESULT.json) in it")
+    if (out.exists() or out.is_symlink()) and not force:
+        raise SplitleakError(f"{out} already exists; choose another --out or pass --force")
+    above = next((a for a in out.absolute().parents if a.exists()), None)
+    if above is None or not above.is_dir():
+        raise SplitleakError(f"--out {out} cannot be created: {above} is not a folder; choose another --out")
+
+
+def write_result(
+    out_path: Path, result: dict[str, Any], per_doc_rows: list[dict[str, Any]], *, force: bool = True
+) -> None:
     """RESULT.json and its predictions (``.parquet`` beside it, with page checksums and a content digest,
     its SHA-256 recorded in RESULT.json as ``predictions_sha256``), each written whole to a temporary
     file of this process, flushed to disk and renamed into place (``write_atomic``), the predictions
     first: a job killed at any point leaves no partial file under either name and no RESULT.json without
     its predictions. Temporary files that a killed writer of the same result left behind are removed;
-    they never block a rerun."""
+    they never block a rerun.
+
+    Both files are written under an exclusive lock on their folder (``flock``), so that two attacks with
+    the same ``--out`` never mix their files; without ``force`` a RESULT.json that another attack wrote
+    meanwhile is refused, and nothing is written."""
+    import fcntl
     import hashlib
+    import os
 
     import pyarrow as pa
 
@@ -538,10 +577,20 @@ def write_result(out_path: Path, result: dict[str, Any], per_doc_rows: list[dict
     result["predictions"] = pq_path.name
     result["predictions_sha256"] = hashlib.sha256(data).hexdigest()
     text = json.dumps(result, indent=2, sort_keys=True, default=json_default) + "\n"  # before any file is written
-    write_atomic(pq_path, data)
-    write_atomic(out_path, text.encode())
-    for path in (pq_path, out_path):
-        _remove_stale_temps(path)
+    fd = os.open(out_path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # one writer of results in this folder at a time; freed when fd closes
+        if not force and (out_path.exists() or out_path.is_symlink()):
+            raise SplitleakError(
+                f"{out_path} already exists (another attack wrote it while this one ran); nothing was written: "
+                "choose another --out, or pass --force to replace it"
+            )
+        write_atomic(pq_path, data)
+        write_atomic(out_path, text.encode())
+        for path in (pq_path, out_path):
+            _remove_stale_temps(path)
+    finally:
+        os.close(fd)
 
 
 def _remove_stale_temps(path: Path) -> None:
