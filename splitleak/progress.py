@@ -14,6 +14,14 @@ class Progress(Protocol):
     def finish(self, task: object) -> None: ...
 
 
+def end(progress: Progress, task: object, ok: bool) -> None:
+    """Close ``task``: ``finish`` when its stage ran to the end; when it was stopped (an interrupt, an
+    error) the reporter's ``stop`` where it has one (a plain log then says "stopped", never "done"),
+    else ``finish`` (which only takes the task away)."""
+    stop = None if ok else getattr(progress, "stop", None)
+    (stop or progress.finish)(task)
+
+
 class Silent:
     def start(self, name: str, total: int) -> object:
         return name
@@ -85,6 +93,19 @@ class RichProgress:
             started = self._times.pop(task, [self.clock()])[0]
             self.p.console.print(
                 f"done: {t.description} ({t.total:g}) in {_duration(self.clock() - started)}", highlight=False
+            )
+
+    def stop(self, task: object) -> None:
+        """The stage ended before its total (interrupted, or an error): its bar stays where it stopped,
+        and a plain log says so, with how far it got."""
+        t = self._task(task)
+        self.p.stop_task(task)
+        started = self._times.pop(task, [self.clock()])[0]
+        if self._log:
+            self.p.console.print(
+                f"stopped: {t.description} at {float(t.completed):g}/{float(t.total or 0):g} after "
+                f"{_duration(self.clock() - started)}",
+                highlight=False,
             )
 
 

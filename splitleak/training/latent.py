@@ -48,7 +48,7 @@ from splitleak.data import Document
 from splitleak.errors import ConfigError
 from splitleak.models.latent import Decoder, Encoder, GaugeSurrogate, LatentSpec, check_no_wide_parameters, latent_spec
 from splitleak.models.split import SplitModel, next_token_loss
-from splitleak.progress import Progress, Silent
+from splitleak.progress import Progress, Silent, end
 from splitleak.training.config import LatentConfig
 from splitleak.training.loop import ids_tensor, training_order
 from splitleak.training.roles import _finite, _grads_finite, make_optimizer
@@ -362,6 +362,7 @@ def train_latent(
     log = log if log is not None else LatentLog()
     task = progress.start("latent training", steps)
     t0 = time.perf_counter()
+    ok = False
     try:
         for step, i in enumerate(training_order(len(docs), steps, seed)):
             ids = ids_tensor([docs[i]], client.split.device)
@@ -371,9 +372,10 @@ def train_latent(
             log.doc_ids.append(docs[i].doc_id)
             log.tokens += ids.numel()
             progress.advance(task)
+        ok = True
     finally:
         log.seconds = time.perf_counter() - t0
-        progress.finish(task)
+        end(progress, task, ok)  # "stopped", not "done", when interrupted
     return log
 
 
@@ -387,15 +389,17 @@ def capture_latent(
     task = progress.start("capture", len(docs))
     t0 = time.perf_counter()
     losses: list[float] = []
+    ok = False
     try:
         for s in range(0, len(docs), batch):
             chunk = docs[s : s + batch]
             ids = ids_tensor(chunk, client.split.device)
             losses += client.exchange(ids, [d.doc_id for d in chunk], -1, "capture")
             progress.advance(task, len(chunk))
+        ok = True
     finally:
         client.opt = opt
-        progress.finish(task)
+        end(progress, task, ok)
     secs = time.perf_counter() - t0
     n_tok = sum(len(d.token_ids) for d in docs)
     return {"seconds": secs, "tokens_per_second": n_tok / secs if secs > 0 else None, "client_losses": losses}

@@ -13,7 +13,7 @@ import torch
 from splitleak.data import Document
 from splitleak.errors import ConfigError
 from splitleak.models.split import SplitModel, next_token_loss
-from splitleak.progress import Progress, Silent
+from splitleak.progress import Progress, Silent, end
 from splitleak.training.roles import FLOAT64_HINT, ClientRole, ServerRole, _grads_finite, make_optimizer
 from splitleak.wire.channel import InProcessChannel, Tap
 from splitleak.wire.defences import DefenceChain
@@ -152,6 +152,7 @@ def train_split(
     order = training_order(len(train_docs), steps, seed)
     task = progress.start("split training", steps - start)
     t0 = time.perf_counter()
+    ok = False
     try:
         for step, i in enumerate(order):
             if step < start:
@@ -167,13 +168,14 @@ def train_split(
             progress.advance(task)
             if on_step is not None:
                 on_step(step + 1, client)
+        ok = True
     finally:
         log.seconds = time.perf_counter() - t0
         _release_grads(split)
         n = max(1, len(log.losses) - start)
         log.bytes_per_step = {k: v / n for k, v in channel.bytes_per_direction().items()}
         log.ledgers = [channel.ledger]
-        progress.finish(task)
+        end(progress, task, ok)  # "stopped", not "done", when interrupted
     return log
 
 
