@@ -88,22 +88,14 @@ def refuse_clobber(out: Path, keep: str | Path | None = None, what: str = "--out
 
 
 def is_run_dir(root: Path) -> bool:
-    """Whether ``root`` is a folder that splitleak wrote as a run, which ``--force`` may delete: its
-    journal's first line is a first entry (sequence 0 after the genesis hash), or it holds only a manifest
-    and temporary files (a run killed before its first entry)."""
+    """Whether ``root`` is a folder that splitleak wrote as a run, which ``--force`` may delete: it holds a
+    journal (a file, whole or damaged: ``create``'s refusal says which), or only a manifest and temporary
+    files (a run killed before its first entry)."""
     if root.is_symlink() or not root.is_dir():
         return False
     jpath = root / JOURNAL
     if jpath.is_file() and not jpath.is_symlink():
-        try:
-            with open(jpath, "rb") as f:
-                line = f.readline()
-            first = json.loads(line)
-        except OSError:
-            return False
-        except ValueError:  # cut off while the first entry was written: canonical JSON begins so
-            return line.startswith(b'{"files":{')
-        return isinstance(first, dict) and first.get("seq") == 0 and first.get("prev") == GENESIS
+        return True
     names = [p.name for p in root.iterdir()]
     return bool(names) and all(n == "manifest.json" or (n.startswith(".") and n.endswith(".tmp")) for n in names)
 
