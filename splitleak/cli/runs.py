@@ -121,7 +121,8 @@ def train_cmd(
         False,
         "--force",
         help="delete an existing run directory and write the run there anew (the way to rerun one that a kill or "
-        "a failure left unfinished: the in-process run starts again from the beginning)",
+        "a failure left unfinished: the in-process run starts again from the beginning); only a run splitleak wrote "
+        "is deleted, never another folder, a link's target or the run --resume reads",
     ),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
