@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import shutil
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -333,6 +334,9 @@ def verify_run(root: str | Path) -> VerifyResult:
                 False, f"{where}: entry after the closing '{status}' entry; the journal was appended to", n
             )
         for rel, digest in entry.get("files", {}).items():
+            problem = path_problem(root, rel)
+            if problem:
+                return VerifyResult(False, f"{where}: {problem}", n)
             path = root / rel
             if rel in recorded:
                 return VerifyResult(False, f"{where}: {rel} is recorded twice", n)
@@ -350,10 +354,10 @@ def verify_run(root: str | Path) -> VerifyResult:
         return VerifyResult(False, f"{JOURNAL} is empty")
     leftovers = []  # hidden temporary files of writes a kill cut off (write_atomic's .NAME.PID.tmp)
     for path in sorted(root.rglob("*")):
-        if path.is_symlink() and not path.resolve().is_relative_to(root.resolve()):
+        if path.is_symlink() and (out := _leads_out(root, path)):
             return VerifyResult(
                 False,
-                f"{path.relative_to(root).as_posix()}: a link out of the run directory; a run holds its own files",
+                f"{path.relative_to(root).as_posix()}: {out}; a run holds its own files",
                 len(lines),
                 len(recorded),
             )
@@ -396,16 +400,43 @@ def verify_run(root: str | Path) -> VerifyResult:
     )
 
 
+def path_problem(root: Path, rel: object) -> str | None:
+    """What is wrong with ``rel`` as the name of a file of the run ``root`` (None when nothing): a journal
+    records each file by its relative POSIX path in normal form, which stays in the run (``..``, an
+    absolute path or a link on the way would let a run's files live elsewhere, unverified)."""
+    if not isinstance(rel, str):
+        return f"{rel!r} is not a file name"
+    parts = rel.split("/")
+    if rel.startswith("/") or ".." in parts or "\\" in rel:
+        return f"{rel!r} is a path out of the run directory; a run records only its own files"
+    if not rel or posixpath.normpath(rel) != rel or "." in parts:
+        return f"{rel!r} is not a relative path in normal form (no empty, '.' or '..' parts); the journal was edited"
+    where = _leads_out(Path(root), Path(root) / rel)
+    return f"{rel!r} is {where}" if where else None
+
+
+def _leads_out(root: Path, path: Path) -> str | None:
+    """Why ``path`` (under ``root``) does not stay in the run: a link that loops or one that leads out of
+    it (at any part of the path); None when it stays in."""
+    try:
+        inside = path.resolve().is_relative_to(root.resolve())
+    except (RuntimeError, OSError):  # a link that loops (Python 3.11 raises RuntimeError, later OSError)
+        return "a link that loops (it leads to itself)"
+    return None if inside else "a link out of the run directory"
+
+
 def inside_run(root: Path, rel: str) -> Path:
-    """``root / rel``, refused (IntegrityError) when it is a link that leads out of the run directory: a
+    """``root / rel``, refused (IntegrityError) when ``rel`` is not a path in normal form that stays in the
+    run (``..``, an absolute path), or leads through a link that loops or leads out of the run directory: a
     run is self-contained, and what lies outside it is not what the journal vouches for."""
-    path = root / rel
-    if path.is_symlink() and not path.resolve().is_relative_to(root.resolve()):
+    root = Path(root)
+    problem = path_problem(root, rel)
+    if problem:
         raise IntegrityError(
-            f"{path} is a link out of the run directory; splitleak reads no file of a run from elsewhere: put the "
-            f"file itself there, or run `splitleak verify {root}`"
+            f"{root}: {problem}; splitleak reads no file of a run from elsewhere: put the file itself there, or "
+            f"run `splitleak verify {root}`"
         )
-    return path
+    return root / rel
 
 
 def read_run_json(root: str | Path, rel: str, *, mapping: bool = True) -> Any:
@@ -508,6 +539,15 @@ def read_recorded(root: str | Path, rel: str) -> bytes:
 
 def read_tensors(root: str | Path, rel: str) -> dict[str, torch.Tensor]:
     """Load a recorded safetensors file, checking its sha256 against the journal first."""
+    from safetensors import SafetensorError
     from safetensors.torch import load
 
-    return load(read_recorded(root, rel))
+    data = read_recorded(root, rel)
+    try:
+        return load(data)
+    except (SafetensorError, ValueError, TypeError, OverflowError, RuntimeError) as exc:
+        raise IntegrityError(
+            f"{Path(root) / rel} is not a readable safetensors file ({str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}); "
+            f"the file was altered under a journal rewritten to match it: run `splitleak verify {root}`, and retrain "
+            "or restore the run"
+        ) from None

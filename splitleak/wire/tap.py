@@ -159,10 +159,84 @@ def read_wire(run_dir: str | Path, phase: str) -> list[WireRecord]:
         blob = path.read_bytes()
         if sha256_bytes(blob) != files[rel]:
             raise IntegrityError(f"{rel} does not match its recorded sha256; run `splitleak verify {root}` for details")
+        records.extend(_shard_records(root, rel, blob))
+    records.sort(key=lambda r: (r.header["link"], r.header["seq"]))
+    return records
+
+
+#: the fields of a frame header in a shard's metadata, and the types the readers rely on
+_HEADER_FIELDS: dict[str, tuple[type, ...]] = {
+    "seq": (int,),
+    "link": (str,),
+    "kind": (str,),
+    "step": (int,),
+    "phase": (str,),
+    "row_ids": (list,),
+    "payload_bits": (int,),
+    "meta": (dict,),
+    "blob_sha256": (str,),
+    "blob_bytes": (int,),
+    "channels": (dict,),
+}
+
+
+def _header_problem(h: Any) -> str | None:
+    """What is wrong with one frame header of a shard's metadata, or None."""
+    if not isinstance(h, dict):
+        return f"a frame header is a JSON {type(h).__name__}, not an object"
+    for name, types in _HEADER_FIELDS.items():
+        v = h.get(name)
+        if not isinstance(v, types) or isinstance(v, bool):
+            return f"a frame header's {name!r} is missing or not a {types[0].__name__}"
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in h["row_ids"]):
+        return "a frame header's row_ids are not all integers"
+    for name, span in h["channels"].items():
+        ok = span is None or (
+            isinstance(span, list)
+            and len(span) == 2
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in span)
+        )
+        if not ok:
+            return f"a frame header's channel {name!r} is not a [start, end] row span"
+    return None
+
+
+def _shard_records(root: Path, rel: str, blob: bytes) -> list[WireRecord]:
+    """The frames of one capture shard (already checked against its journal hash), or IntegrityError in one
+    line naming the shard and what is wrong: a safetensors header that does not parse (a length or offsets
+    past the end), no ``frames`` metadata, a frame header without a field or of the wrong type, a tensor
+    a header names that is not there, or a frame whose tensors do not fit its header."""
+    from safetensors import SafetensorError
+
+    def bad(what: str) -> IntegrityError:
+        return IntegrityError(
+            f"{rel}: {what}; the shard was altered under a journal rewritten to match it (or written by another "
+            f"tool): run `splitleak verify {root}`, and retrain or restore the run"
+        )
+
+    try:
         tensors = st_load(blob)
-        headers = json.loads(_metadata(blob)["frames"])
-        for i, h in enumerate(headers):
-            key = f"{i:06d}"
+        meta = _metadata(blob)
+    except (SafetensorError, ValueError, TypeError, OverflowError, RuntimeError, AttributeError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+        raise bad(f"not a readable safetensors file ({first})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("frames"), str):
+        raise bad("no frames metadata (the frame headers) in its safetensors header")
+    try:
+        headers = json.loads(meta["frames"])
+    except (ValueError, RecursionError):
+        raise bad("its frames metadata is not JSON") from None
+    if not isinstance(headers, list):
+        raise bad(f"its frames metadata is a JSON {type(headers).__name__}, not a list of frame headers")
+    records = []
+    for i, h in enumerate(headers):
+        problem = _header_problem(h)
+        if problem:
+            raise bad(f"frame {i}: {problem}")
+        key = f"{i:06d}"
+        if f"{key}/tensor" not in tensors or f"{key}/mask" not in tensors:
+            raise bad(f"frame {i}: its tensor or mask is not in the shard")
+        try:
             frame = Frame(
                 h["kind"],
                 h["step"],
@@ -174,8 +248,9 @@ def read_wire(run_dir: str | Path, phase: str) -> list[WireRecord]:
                 payload_bits=h["payload_bits"],
                 meta=h["meta"],
             )
-            records.append(WireRecord(h, frame))
-    records.sort(key=lambda r: (r.header["link"], r.header["seq"]))
+        except (ValueError, TypeError, IndexError) as exc:
+            raise bad(f"frame {i}: {(str(exc).splitlines() or [''])[0][:160]}") from None
+        records.append(WireRecord(h, frame))
     return records
 
 
@@ -190,7 +265,19 @@ def read_ledger(run_dir: str | Path, phase: str) -> list[dict]:
     path = inside_run(root, rel)
     if not path.is_file() or sha256_file(path) != files[rel]:
         raise IntegrityError(f"{rel} does not match its recorded sha256; run `splitleak verify {root}` for details")
-    return json.loads(path.read_text())
+    from splitleak.wire.store import read_run_json
+
+    ledger = read_run_json(root, rel, mapping=False)
+    fields = {"link": str, "seq": int, "kind": str, "blob_sha256": str, "blob_bytes": int}
+    if not isinstance(ledger, list) or not all(
+        isinstance(e, dict)
+        and all(isinstance(e.get(k), t) and not isinstance(e.get(k), bool) for k, t in fields.items())
+        for e in ledger
+    ):
+        raise IntegrityError(
+            f"{rel} is not a wire ledger (a list of entries with {', '.join(fields)}); run `splitleak verify {root}`"
+        )
+    return ledger
 
 
 def check_wire(run_dir: str | Path, phase: str) -> dict[str, Any]:
