@@ -237,3 +237,49 @@ def test_a_fuzzed_shard_header_or_frame_metadata_is_read_or_refused_in_one_line(
     finally:
         (fuzz_run / SHARD).write_bytes(blob)
         forge(fuzz_run)
+
+
+# ---------------------------------------------------------------- compare reads only verified runs
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("value", [0.123, float("nan")])
+def test_compare_marks_a_run_whose_metrics_were_edited_as_unverified(run, value):
+    metrics = json.loads((run / "metrics.json").read_text())
+    metrics["heldout_ce"] = value
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    result = CliRunner().invoke(app, ["compare", str(run)])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "unverified" in text, result.output
+    assert "0.1230" not in text and "nan" not in text.lower(), result.output
+
+
+@pytest.mark.integration
+def test_compare_prints_a_verified_run_s_measured_loss(run):
+    from splitleak.report.compare import compare_runs, table_rows
+
+    ce = json.loads((run / "metrics.json").read_text())["heldout_ce"]
+    [summary] = compare_runs([run])
+    assert summary.unverified is None
+    _, rows = table_rows([summary])
+    assert rows[0][4] == f"{ce:.4f}" and "unverified" not in " ".join(rows[0])
+
+
+# ---------------------------------------------------------------- another run's client layers
+
+
+@pytest.mark.integration
+def test_client_layers_of_another_run_under_a_rehashed_journal_are_refused_naming_the_run(run, shared_run):
+    other = shared_run(**{**TINY, "seed": 1})
+    rel = "client_layers.safetensors"
+    assert (other / rel).read_bytes() != (run / rel).read_bytes()
+    shutil.copyfile(other / rel, run / rel)
+    forge(run)
+    assert verify_run(run).ok  # the journal matches the copied file: only the binding to the run can tell
+    for extra in ([], ["--no-verify"]):
+        result = _attack(run, "--copy", "trained", *extra)
+        one_line_error(result)
+        text = " ".join(result.output.split()).replace("/ ", "/")
+        assert str(run) in text and "another run" in text, result.output
+    assert _attack(run, "--copy", "public").exit_code == 0  # the public copy does not read them

@@ -29,8 +29,8 @@ from splitleak.files import validated
 from splitleak.models import load_model
 from splitleak.models.presets import _NORM_NAMES, find_blocks
 from splitleak.seeds import model_init_seed
-from splitleak.wire import Capture, load_capture, read_tensors
-from splitleak.wire.store import config_hash, read_run_json
+from splitleak.wire import Capture, load_capture
+from splitleak.wire.store import config_hash, read_run_json, read_tensors_and_metadata
 
 
 class ClientCopy:
@@ -407,7 +407,15 @@ def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None, with_top:
     lm = _public_model(m, run_dir, lm)
     client = ClientCopy(lm.model, m["split"]["cut"], lm.tokenizer)
     if copy == "trained":
-        state = read_tensors(run_dir, "client_layers.safetensors")
+        state, meta = read_tensors_and_metadata(run_dir, "client_layers.safetensors")
+        trained_for = meta.get("config_hash")
+        if trained_for is not None and trained_for != m.get("config_hash"):  # older runs record none
+            raise IntegrityError(
+                f"{run_dir}/client_layers.safetensors holds the client layers of another run (trained under "
+                f"configuration {str(trained_for)[:12]}, this run's manifest records {str(m.get('config_hash'))[:12]}): "
+                "they were copied in and the journal rewritten; restore the run's own file or retrain it, or use "
+                "--copy public"
+            )
         try:
             missing, unexpected = lm.model.load_state_dict(state, strict=False)
         except RuntimeError as exc:  # a tensor whose shape differs from the model's

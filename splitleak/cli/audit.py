@@ -153,6 +153,13 @@ def compare_cmd(
         for row in rows:
             t.add_row(*row)
         console.print(t)
+        for r in summaries:
+            if r.unverified is not None:
+                console.print(
+                    f"unverified: {r.path}: {r.unverified}; its utility is not shown (`splitleak verify` names "
+                    "what changed: retrain or restore the run)",
+                    highlight=False,
+                )
         if figure is not None:
             for p in leakage_cost_figure(summaries, figure):
                 console.print(f"figure: {p}")

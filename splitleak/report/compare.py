@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from splitleak.audit.evaluate import attack_label as _label
 from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
-from splitleak.wire.store import read_run_json
+from splitleak.wire.store import read_run_json, verify_run
 
 
 @dataclass
@@ -30,6 +30,9 @@ class RunSummary:
     metrics: dict[str, Any]
     attacks: list[dict[str, Any]] = field(default_factory=list)
     rel_ppl_change: float | None = None
+    #: why the run does not verify (``verify_run``'s message), or None for an intact, complete run: the
+    #: utility of an unverified run is never shown as measured, nor used as another run's baseline
+    unverified: str | None = None
 
     @property
     def defence(self) -> str:
@@ -74,6 +77,8 @@ def load_summary(path: str | Path) -> RunSummary:
             "pass folders written by `splitleak train` or `splitleak audit`"
         )
     manifest, metrics = read_run_json(run, "manifest.json"), read_run_json(run, "metrics.json")
+    v = verify_run(run)  # metrics.json edited (a held-out CE of 0.123, NaN) is not what the run measured
+    unverified = None if v.ok and v.status == "complete" else (v.message if not v.ok else f"the run {v.status}")
     report = path / "report.json"
     if run != path and report.is_file():  # an audit derives ΔU without an all-local run (audit.run.utility_baseline)
         base = json.loads(report.read_text()).get("utility_baseline") or {}
@@ -84,15 +89,15 @@ def load_summary(path: str | Path) -> RunSummary:
     if adir.is_dir():
         for f in sorted(adir.glob("*.json")):
             attacks.append(json.loads(f.read_text()))
-    return RunSummary(path, manifest["config"], metrics, attacks)
+    return RunSummary(path, manifest["config"], metrics, attacks, unverified=unverified)
 
 
 def compare_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
     runs = [load_summary(p) for p in paths]
-    base = {r.key(): r for r in runs if r.defence == "none"}
+    base = {r.key(): r for r in runs if r.defence == "none" and r.unverified is None}
     for r in runs:
         b = base.get(r.key())
-        if b is not None and b.metrics.get("perplexity"):
+        if r.unverified is None and b is not None and b.metrics.get("perplexity"):
             r.rel_ppl_change = r.metrics["perplexity"] / b.metrics["perplexity"] - 1.0
     return runs
 
@@ -121,16 +126,16 @@ def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for r in runs:
         m = r.metrics
-        util = [
-            str(r.path),
-            r.defence,
-            r.depth,
-            str(r.config["seed"]),
-            f"{m['heldout_ce']:.4f}",
-            f"{m['perplexity']:.2f}",
-            "n/a" if m.get("delta_u") is None else f"{m['delta_u']:+.4f}",
-            "n/a" if r.rel_ppl_change is None else f"{100 * r.rel_ppl_change:+.2f} %",
-        ]
+        util = [str(r.path), r.defence, r.depth, str(r.config["seed"])]
+        if r.unverified is not None:  # what its metrics.json says is not vouched for by its journal
+            util += ["unverified"] * 4
+        else:
+            util += [
+                f"{m['heldout_ce']:.4f}",
+                f"{m['perplexity']:.2f}",
+                "n/a" if m.get("delta_u") is None else f"{m['delta_u']:+.4f}",
+                "n/a" if r.rel_ppl_change is None else f"{100 * r.rel_ppl_change:+.2f} %",
+            ]
         scored = [a for a in r.attacks if a.get("token_recovery") is not None]
         if not scored:
             rows.append(util + ["(no attack results)", "", "", "", "", "", ""])

@@ -371,7 +371,7 @@ def run_training(
         "client_layers.safetensors",
         split.client_state_dict(),
         {"cut": split.spec.cut},
-        metadata={"model": lm.name, "cut": split.spec.cut},
+        metadata={"model": lm.name, "cut": split.spec.cut, "config_hash": config.hash()},  # bound to this run
     )
 
     metrics: dict[str, Any] = {

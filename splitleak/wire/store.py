@@ -539,13 +539,26 @@ def read_recorded(root: str | Path, rel: str) -> bytes:
 
 def read_tensors(root: str | Path, rel: str) -> dict[str, torch.Tensor]:
     """Load a recorded safetensors file, checking its sha256 against the journal first."""
+    return read_tensors_and_metadata(root, rel)[0]
+
+
+def read_tensors_and_metadata(root: str | Path, rel: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A recorded safetensors file (its sha256 checked against the journal first): its tensors and the
+    metadata ``RunStore.add_tensors`` wrote (``{}`` when it wrote none). IntegrityError in one line when
+    the file is not a readable safetensors file or its metadata is not the JSON object it wrote."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
     data = read_recorded(root, rel)
     try:
-        return load(data)
-    except (SafetensorError, ValueError, TypeError, OverflowError, RuntimeError) as exc:
+        tensors = load(data)
+        n = int.from_bytes(data[:8], "little")
+        meta = (json.loads(data[8 : 8 + n].decode("utf-8")).get("__metadata__") or {}).get("splitleak")
+        meta = {} if meta is None else json.loads(meta)
+        if not isinstance(meta, dict):
+            raise ValueError("its splitleak metadata is not a JSON object")
+        return tensors, meta
+    except (SafetensorError, ValueError, TypeError, OverflowError, RuntimeError, AttributeError) as exc:
         raise IntegrityError(
             f"{Path(root) / rel} is not a readable safetensors file ({str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}); "
             f"the file was altered under a journal rewritten to match it: run `splitleak verify {root}`, and retrain "
