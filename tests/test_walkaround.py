@@ -283,3 +283,28 @@ def test_client_layers_of_another_run_under_a_rehashed_journal_are_refused_namin
         text = " ".join(result.output.split()).replace("/ ", "/")
         assert str(run) in text and "another run" in text, result.output
     assert _attack(run, "--copy", "public").exit_code == 0  # the public copy does not read them
+
+
+# ---------------------------------------------------------------- places that cannot be folders
+
+
+LONG = "a" * 300
+
+
+@pytest.mark.integration
+def test_a_name_too_long_or_a_path_under_a_file_is_refused_in_one_line(shared_run, tmp_path):
+    src = shared_run(**TINY)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    verify = CliRunner().invoke(app, ["verify", str(tmp_path / LONG)])
+    assert verify.exit_code == 1 and "Traceback" not in verify.output, verify.output
+    assert "too long" in " ".join(verify.output.split()), verify.output
+    one_line_error(CliRunner().invoke(app, ["compare", str(tmp_path / LONG)]))
+    for out in (afile / "r.json", tmp_path / f"{LONG}.json"):
+        result = CliRunner().invoke(app, ["attack", str(src), "--attack", "vmi", "--out", str(out), "--quiet"])
+        one_line_error(result)
+    train = ["train", "--model", "tiny-gpt2", "--depth", "1", "--n-calib", "8", "--n-train", "2", "--n-eval", "4"]
+    for out in (afile / "run", tmp_path / LONG):
+        result = CliRunner().invoke(app, [*train, "--quiet", "--device", "cpu", "--out", str(out)])
+        one_line_error(result)
+    assert afile.read_text() == "x" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

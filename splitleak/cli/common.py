@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -45,9 +46,22 @@ def place_error(exc: OSError) -> str | None:
 
     full = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
     closed = (errno.EROFS, errno.EACCES, errno.EPERM)
+    what = exc.filename or "a file"
+    if exc.errno == errno.ENAMETOOLONG:
+        return (
+            f"cannot use {str(what)[:80]}…: a name in that path is too long for the file system ({exc.strerror}); "
+            "choose a shorter --out (or path)"
+        )
+    in_the_way = exc.errno == errno.ENOTDIR or (
+        exc.errno == errno.EEXIST and exc.filename is not None and not Path(exc.filename).is_dir()
+    )
+    if in_the_way:
+        return (
+            f"cannot create {what}: a file stands where that path needs a folder ({exc.strerror}); choose another "
+            "--out (or path), or move the file"
+        )
     if exc.errno not in full + closed:
         return None
-    what = exc.filename or "a file"
     if exc.errno in full:
         return (
             f"cannot write {what}: {exc.strerror}; free space on that disk (or lift the file-size limit) and run "

@@ -289,7 +289,11 @@ class VerifyResult:
 def verify_run(root: str | Path) -> VerifyResult:
     """Re-hash every recorded file, check the chain, and look for unrecorded files."""
     root = Path(root)
-    if not root.is_dir():
+    try:
+        is_dir = root.is_dir()
+    except OSError as exc:  # a name too long for the file system
+        return VerifyResult(False, f"{str(root)[:80]}… cannot be read ({exc.strerror}); pass a run directory")
+    if not is_dir:
         return VerifyResult(False, f"{root} is not a directory; pass the folder that `splitleak train --out` wrote")
     jpath = root / JOURNAL
     if not jpath.is_file():
