@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from splitleak.attacks.config import CONFIG_FIELDS, IDENTITY_FIELDS, attack_identity, canonical
 from splitleak.attacks.registry import readout_attacks
 from splitleak.audit.gate import analyse_gate, gate_hash_records, thresholds_of
+from splitleak.audit.predictions import RESULT_FIX, read_predictions  # noqa: F401  (read_predictions re-exported)
 from splitleak.audit.protocol import Protocol, check_results
 from splitleak.errors import ConfigError, DataError, IntegrityError, SplitleakError
 from splitleak.stats import bonferroni_alpha, heldout_rmse, paired_difference_ci, partial_r2_test
@@ -162,9 +163,6 @@ class ResultCore(BaseModel):
     predictions_sha256: str | None = None
 
 
-RESULT_FIX = "rerun `splitleak attack` (or the audit) that wrote it, or move it out of the folder"
-
-
 def read_result(path: str | Path) -> dict[str, Any] | None:
     """An attack result (RESULT.json of ``splitleak attack --out`` or of the audit), checked: valid JSON,
     the fields the analysis reads with their types (``ResultCore``), and both configuration hashes
@@ -206,23 +204,6 @@ def find_results(paths: Iterable[str | Path], skipped: list[Path] | None = None)
     if not found:
         raise SplitleakError("no attack results found; pass RESULT.json files written by `splitleak attack --out`")
     return found
-
-
-def read_predictions(path: Path, res: dict[str, Any], columns: list[str]) -> list[dict[str, Any]]:
-    """The per-document predictions beside a result, checked against the digest the result records."""
-    from splitleak.files import read_parquet
-    from splitleak.wire.store import sha256_file
-
-    name = res.get("predictions") or path.with_suffix(".parquet").name
-    if name in ("", ".", "..") or Path(name).name != name:
-        raise IntegrityError(f"{path} names predictions {name!r}, not a file beside it; {RESULT_FIX}")
-    pq_path = path.with_name(name)
-    if not pq_path.is_file():
-        raise SplitleakError(f"{path} names predictions {pq_path.name}, which are missing beside it")
-    want = res.get("predictions_sha256")
-    if want is not None and sha256_file(pq_path) != want:
-        raise IntegrityError(f"{pq_path} does not hash to the digest {path.name} records; {RESULT_FIX}")
-    return read_parquet(pq_path, "predictions file", RESULT_FIX, columns=columns).to_pylist()
 
 
 def rows_from_results(found: Sequence[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -443,7 +443,7 @@ def _split_label(res: dict[str, Any]) -> str:
 
 
 def _read_latent(item: dict[str, Any], th: GateThresholds) -> dict[str, Any]:
-    from splitleak.audit.analysis import read_predictions
+    from splitleak.audit.predictions import read_predictions
 
     path, res = item["path"], item["result"]
     probes = res["probes"]
@@ -485,7 +485,7 @@ def _read_latent(item: dict[str, Any], th: GateThresholds) -> dict[str, Any]:
 
 def _read_split(item: dict[str, Any], th: GateThresholds) -> dict[str, Any]:
     from splitleak.attacks.knowledge import eval_token_ids
-    from splitleak.audit.analysis import read_predictions
+    from splitleak.audit.predictions import read_predictions
     from splitleak.audit.verdicts import arm_effects, arm_gate
 
     group = item["results"]

@@ -1,0 +1,29 @@
+"""Reading an attack result's per-document predictions (the Parquet beside its RESULT.json), checked against
+the digest the result records; shared by the pre-registered analysis and the gate protocol's readers, below
+both (``splitleak.audit.analysis`` imports ``splitleak.audit.gate``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from splitleak.errors import IntegrityError, SplitleakError
+
+RESULT_FIX = "rerun `splitleak attack` (or the audit) that wrote it, or move it out of the folder"
+
+
+def read_predictions(path: Path, res: dict[str, Any], columns: list[str]) -> list[dict[str, Any]]:
+    """The per-document predictions beside a result, checked against the digest the result records."""
+    from splitleak.files import read_parquet
+    from splitleak.wire.store import sha256_file
+
+    name = res.get("predictions") or path.with_suffix(".parquet").name
+    if name in ("", ".", "..") or Path(name).name != name:
+        raise IntegrityError(f"{path} names predictions {name!r}, not a file beside it; {RESULT_FIX}")
+    pq_path = path.with_name(name)
+    if not pq_path.is_file():
+        raise SplitleakError(f"{path} names predictions {pq_path.name}, which are missing beside it")
+    want = res.get("predictions_sha256")
+    if want is not None and sha256_file(pq_path) != want:
+        raise IntegrityError(f"{pq_path} does not hash to the digest {path.name} records; {RESULT_FIX}")
+    return read_parquet(pq_path, "predictions file", RESULT_FIX, columns=columns).to_pylist()
