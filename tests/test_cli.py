@@ -13,7 +13,7 @@ SMALL = ["--n-calib", "4", "--n-train", "6", "--n-eval", "10"]
 
 @pytest.mark.unit
 def test_help_on_every_command():
-    for cmd in ([], ["models"], ["train"], ["verify"], ["audit"]):
+    for cmd in ([], ["models"], ["defences"], ["attacks"], ["train"], ["verify"], ["audit"]):
         r = runner.invoke(app, cmd + ["--help"])
         assert r.exit_code == 0 and "Usage" in r.output
 

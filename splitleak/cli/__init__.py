@@ -4,7 +4,7 @@ One module per group of commands; importing this package registers them all on `
 
 from __future__ import annotations
 
-from splitleak.cli import audit, deploy, experiment, protocol, runs, tune  # noqa: F401  (each registers its commands)
+from splitleak.cli import audit, catalogue, deploy, experiment, protocol, runs, tune  # noqa: F401  (each registers its commands)
 from splitleak.cli.common import app, parse_defences
 
 __all__ = ["app", "main", "parse_defences"]

@@ -26,21 +26,6 @@ from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
 from splitleak.errors import ConfigError
 
 
-@app.command("models")
-def models_cmd() -> None:
-    """List the model presets and whether each loads offline here."""
-    from splitleak.models import PRESETS, preset_available
-
-    t = Table(title="model presets")
-    for col in ("name", "description", "offline", "where / how"):
-        t.add_column(col)
-    for name, p in PRESETS.items():
-        ok, where = preset_available(name)
-        t.add_row(name, p.description, "yes" if ok else "no", where)
-    console.print(t)
-    console.print("Any other name is taken as a Hugging Face model id or a local directory (--model-path).")
-
-
 def _train_config(**kw):
     from splitleak.training import make_train_config
 
