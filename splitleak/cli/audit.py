@@ -178,9 +178,7 @@ def audit_cmd(
     model: Optional[str] = typer.Option(None, "--model", help="default: smollm2-135m when installed, else tiny-gpt2"),
     model_path: Optional[Path] = typer.Option(None, "--model-path"),
     depth: Optional[int] = typer.Option(None, "--depth", help="default 6 (capped for models with fewer blocks)"),
-    defence: list[str] = typer.Option(
-        ["none"], "--defence", help="defence name (repeat to compose, applied in order)"
-    ),
+    defence: list[str] = typer.Option(["none"], "--defence", help="defence name (repeat to compose, applied in order)"),
     defence_arg: list[str] = typer.Option([], "--defence-arg"),
     data: str = typer.Option("synthetic-pii", "--data"),
     data_path: Optional[Path] = typer.Option(None, "--data-path"),

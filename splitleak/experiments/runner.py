@@ -25,6 +25,7 @@ from splitleak.errors import ConfigError
 from splitleak.experiments.display import SilentReporter
 from splitleak.experiments.executors import LocalExecutor, RayExecutor, WorkerDied, import_ray, plan_workers
 from splitleak.experiments.jobs import Grid, Job, expand
+from splitleak.experiments.rekey import apply_rekeys, find_rekeys
 from splitleak.experiments.spec import LoadedSpec, load_spec
 from splitleak.experiments.store import ResultsStore, reuse_rows
 
@@ -123,7 +124,7 @@ def grid_status(
     loaded = _load(spec, profile, overrides)
     grid = expand(loaded, _protocol_hash(loaded))
     rs = ResultsStore(store_of(loaded, store))
-    done = rs.done_keys()
+    done = rs.done_keys() | {r.new for r in find_rekeys(grid, rs)}  # re-keyed (moved) when the grid next runs
     failures = rs.failures()
     claims = rs.live_claims()
     states = {}
@@ -219,6 +220,13 @@ def run_grid(
                 ],
             },
         )
+        rekeys = find_rekeys(grid, rs)
+        if rekeys:
+            moved = apply_rekeys(rs, rekeys)
+            reporter.note(
+                f"{moved} result(s) stored under the keys of an earlier canonical form of their configuration "
+                "(defence arguments as typed) now stand under their jobs' keys; nothing was recomputed"
+            )
         done = rs.done_keys()
         _recheck_train_runs(grid, rs, done, reporter)
         result = GridRun(grid, rs.root, executor, done_before=sum(1 for j in grid.jobs if j.key in done))

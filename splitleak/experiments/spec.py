@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from splitleak.attacks.registry import Copy
 from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
-from splitleak.errors import ConfigError
+from splitleak.errors import ConfigError, SplitleakError
 from splitleak.training.config import DefenceConfig
 
 SPEC_SUFFIXES = (".yaml", ".yml")
@@ -52,6 +52,26 @@ def defence_label(chain: list[DefenceItem] | tuple[DefenceItem, ...]) -> str:
         else:
             parts.append(d.name)
     return "+".join(parts) or "none"
+
+
+def canonical_label(label: str) -> str:
+    """A chain's label as ``defence_label`` writes it for the canonical configuration (``mixup(lambda=0.75)``
+    is ``mixup``, ``quant4-noisy(clip=1)`` is ``quant4-noisy``), so that an attack entry's ``defences`` filter
+    matches the chain however its arguments were typed. A label that is not a chain of known defences with
+    valid arguments (an arm's label, a typo the expansion names) is returned as it is."""
+    from splitleak.wire.defences import parse_defence_args
+
+    chain = []
+    for part in label.split("+"):
+        name, _, rest = part.partition("(")
+        if rest and not rest.endswith(")"):
+            return label
+        try:
+            args = parse_defence_args([a for a in rest[:-1].split(",") if a]) if rest else {}
+            chain.append(DefenceItem(name=name, args=args))
+        except (ValueError, SplitleakError):  # pydantic's ValidationError is a ValueError
+            return label
+    return defence_label(chain)
 
 
 def defence_names(chain: list[DefenceItem] | tuple[DefenceItem, ...]) -> str:
@@ -126,7 +146,8 @@ class AttackEntry(BaseModel):
     counts it in the inference setting, reusing the training measurement (activation-only attacks
     only; What Gradients Add §3); ``only`` runs it on the activations alone, in the inference setting only.
     ``defences`` restricts the entry to train jobs whose defence chain is listed, by label
-    (``mixup(lambda=0.75)``) or by names alone (``mixup``, matching any arguments); default: all.
+    (``mixup(lambda=0.6)``, read in its canonical form: ``mixup(lambda=0.75)`` is ``mixup``) or by names
+    alone (``mixup``, matching any arguments); default: all.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -148,6 +169,11 @@ class AttackEntry(BaseModel):
     @classmethod
     def _listify(cls, v):
         return _as_list(v)
+
+    @field_validator("defences", mode="after")
+    @classmethod
+    def _canonical_labels(cls, v):
+        return None if v is None else [canonical_label(lab) for lab in v]
 
     @field_validator("params", mode="before")
     @classmethod

@@ -8,14 +8,24 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
 from splitleak.errors import ConfigError
-from splitleak.wire.defences import build_defence
+from splitleak.wire.defences import canonical_args
 from splitleak.wire.store import config_hash
 
 
 class DefenceConfig(BaseModel):
+    """One defence of a chain: its registered name and the arguments that differ from its defaults
+    (``canonical_args``), so that one configuration has one hash however its arguments were typed."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str
     args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _canonical(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("name"), str) and isinstance(data.get("args"), dict | None):
+            return {**data, "args": canonical_args(data["name"], data.get("args"))}  # ConfigError names a problem
+        return data
 
 
 class LatentConfig(BaseModel):
@@ -120,13 +130,6 @@ class _ModelAndSplit(BaseModel):
                     "pass --latent-arg gauge_entropy=derived for reproducible draws"
                 )
         return self
-
-    @field_validator("defences")
-    @classmethod
-    def _known_defences(cls, v):
-        for d in v:
-            build_defence(d.name, d.args)  # raises ConfigError naming the problem
-        return v
 
     def as_dict(self) -> dict[str, Any]:
         d = self.model_dump(mode="json")

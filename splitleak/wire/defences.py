@@ -816,6 +816,23 @@ def build_defence(name: str, args: dict[str, Any] | None = None) -> Defence:
         raise ConfigError(f"defence {name!r}: an argument has a value of the wrong type ({given}): {exc}") from None
 
 
+def canonical_args(name: str, args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The arguments that identify a configured defence, as a configuration hashes them: those whose
+    value differs from the defence's default, each in its default's type (an int given for a float is a
+    float). ``mixup`` and ``mixup(lambda=0.75)`` are one configuration, as are ``quant4-noisy(clip=1)``
+    and ``quant4-noisy``; the arguments are checked as ``build_defence`` checks them."""
+    given = build_defence(name, args).args()
+    default = build_defence(name).args()
+    out: dict[str, Any] = {}
+    for key, value in given.items():
+        base = default.get(key)
+        if isinstance(base, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if key not in default or value != base or type(value) is not type(base):
+            out[key] = value
+    return out
+
+
 class DefenceChain:
     """Defences applied in the order given, in both directions. The training code asks the chain
     where its defences act: ``client_transform`` (at most one defence acting after receipt, with
