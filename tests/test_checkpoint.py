@@ -60,3 +60,28 @@ def test_the_newest_are_kept_and_damage_is_refused(tmp_path):
         restore_state(list(other.parameters()), other_opt, tensors, record)
     with pytest.raises(ConfigError, match="holds no checkpoint"):
         CheckpointDir(tmp_path / "empty").load()
+
+
+def test_a_checkpoint_whose_tensors_changed_is_refused(tmp_path):
+    """A byte of a tensor flipped (the safetensors header intact): the digest in the header no longer matches."""
+    m, opt = _model(0)
+    _step(m, opt, 1)
+    folder = CheckpointDir(tmp_path / "ck")
+    path, sha = folder.save(1, *state_tensors(list(m.parameters()), opt))
+    data = bytearray(path.read_bytes())
+    assert folder.load(1)[3] == sha
+    data[-3] ^= 0x10  # inside the last tensor's bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="its tensors differ from the digest in its header"):
+        folder.load(1)
+
+
+def test_a_checkpoint_is_pruned_only_when_asked(tmp_path):
+    """The client records a checkpoint in its run's journal before the previous one goes (``prune=False``)."""
+    m, opt = _model(0)
+    folder = CheckpointDir(tmp_path / "ck", keep=1)
+    folder.save(2, *state_tensors(list(m.parameters()), opt))
+    folder.save(4, *state_tensors(list(m.parameters()), opt), prune=False)
+    assert folder.steps() == [2, 4]
+    folder.prune()
+    assert folder.steps() == [4]

@@ -7,7 +7,10 @@ running the remaining steps gives the same bits as an uninterrupted run: AdamW's
 on the parameters, the moments, the step count and the gradient.
 
 Files are written atomically (a reader or a crash sees a whole checkpoint or the previous one) into a
-folder of their own, outside any run directory's journal; the newest ``keep`` are kept. The client
+folder of their own, outside any run directory's journal; the newest ``keep`` are kept. Each records the
+SHA-256 of its tensor data in its own header (``data_sha256``), checked when it is loaded, so that a
+damaged checkpoint is refused rather than resumed from; the client's run also records each checkpoint's
+file digest in its journal (``splitleak.training.run``), which is what ``--resume`` trusts. The client
 writes its checkpoint after the step's reply arrived, the server before it replies, so the server
 always holds the client's newest checkpoint step or a later one (hence ``keep`` = 2 on the server).
 """
@@ -83,14 +86,25 @@ class CheckpointDir:
     def path(self, done: int) -> Path:
         return self.folder / f"step-{done:08d}.safetensors"
 
-    def save(self, done: int, tensors: dict[str, torch.Tensor], record: dict[str, Any]) -> Path:
+    def save(
+        self, done: int, tensors: dict[str, torch.Tensor], record: dict[str, Any], *, prune: bool = True
+    ) -> tuple[Path, str]:
+        """Write the checkpoint after ``done`` steps; (its path, the SHA-256 of its bytes). ``prune``: then
+        delete all but the newest ``keep`` (a caller that records the checkpoint first prunes after)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        blob = save(tensors, metadata={"splitleak": canonical_json({**record, "done": done}).decode()})
+        data = _data_section(save(tensors))  # the same tensors lay out the same way, whatever the header
+        meta = {**record, "done": done, "data_sha256": sha256_bytes(data)}
+        blob = save(tensors, metadata={"splitleak": canonical_json(meta).decode()})
         path = self.path(done)
         write_atomic(path, blob)
+        if prune:
+            self.prune()
+        return path, sha256_bytes(blob)
+
+    def prune(self) -> None:
+        """Delete all but the newest ``keep`` checkpoints."""
         for old in self.steps()[: -self.keep]:
             self.path(old).unlink(missing_ok=True)
-        return path
 
     def load(self, done: int | None = None) -> tuple[int, dict[str, torch.Tensor], dict[str, Any], str]:
         """(done, tensors, record, sha256) of the checkpoint after ``done`` steps (the newest when None)."""
@@ -108,6 +122,18 @@ class CheckpointDir:
             tensors = load(data)
             header_len = int.from_bytes(data[:8], "little")
             record = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"]["splitleak"])
+            if not isinstance(record, dict):
+                raise ValueError("its record is not a JSON object")
         except Exception as exc:  # noqa: BLE001 (safetensors and JSON errors alike)
             raise IntegrityError(f"{self.path(done)} is not a readable checkpoint ({exc}); it was damaged") from None
+        if "data_sha256" in record and record["data_sha256"] != sha256_bytes(_data_section(data)):
+            raise IntegrityError(
+                f"{self.path(done)}: its tensors differ from the digest in its header; the checkpoint was damaged "
+                "and cannot be resumed from"
+            )
         return done, tensors, record, sha256_bytes(data)
+
+
+def _data_section(blob: bytes) -> bytes:
+    """The tensor bytes of a safetensors file (after its 8-byte length and JSON header)."""
+    return blob[8 + int.from_bytes(blob[:8], "little") :]
