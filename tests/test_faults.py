@@ -73,18 +73,23 @@ def test_train_on_a_full_disk_stops_in_one_line_and_leaves_the_run_whole_to_its_
     err = _one_line(r, "cannot write", "client_layers.safetensors", "File too large", "free space on that disk")
     assert str(run) in err
     v = verify_run(run)
-    # every entry the journal holds is whole and every file it records is there unchanged: only the closing
-    # entry is missing, and nothing half-written or unrecorded lies beside them
-    assert not v.ok and "ends without a closing entry after" in v.message, v.message
-    assert v.entries >= 4 and not [p for p in run.rglob("*") if p.name.endswith(".tmp")]
+    # every entry the journal holds is whole and every file it records is there unchanged, nothing
+    # half-written or unrecorded lies beside them, and the run is closed as failed (issue 33), its closing
+    # entry naming the stage, the steps done and the cause (the closing line is small enough to fit)
+    assert v.ok and v.status == "failed", v.message
+    assert v.entries >= 5 and not [p for p in run.rglob("*") if p.name.endswith(".tmp")]
     assert not (run / "client_layers.safetensors").exists()
     recorded = set()
-    for line in (run / "journal.jsonl").read_text().splitlines():
+    lines = (run / "journal.jsonl").read_text().splitlines()
+    for line in lines:
         recorded |= set(json.loads(line)["files"])
     assert {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()} == recorded | {"journal.jsonl"}
-    # the disk has room again: the rerun (with --force, after the refusal that names the unfinished run)
+    closing = json.loads(lines[-1])["info"]
+    assert closing["stage"] == "writing the client layers" and closing["steps_done"] == 4
+    assert "File too large" in closing["error"]
+    # the disk has room again: the rerun (with --force, after the refusal that names the failed run)
     r = _cli(["train", "--out", str(run), *TINY])
-    _one_line(r, "holds an unfinished run")
+    _one_line(r, "holds a run that failed", "File too large")
     r = _cli(["train", "--out", str(run), *TINY, "--force"])
     assert r.returncode == 0, r.stderr
     assert verify_run(run).ok

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from splitleak.attacks.registry import help_text as attack_help
@@ -186,20 +187,42 @@ def train_cmd(
             cfg = _options_config(**options)
         if checkpoint_every is None and connect is not None and cfg.latent is None:
             checkpoint_every = 16  # the latent mode does not checkpoint yet
-        with progress(quiet) as prog:
-            res = run_training(
-                cfg,
-                out,
-                force=force,
-                device=device,
-                threads=threads,
-                progress=prog,
-                connect=connect,
-                tls_dir=tls_dir,
-                checkpoint_every=checkpoint_every,
-                resume=resume,
-            )
+        try:
+            with progress(quiet) as prog:
+                res = run_training(
+                    cfg,
+                    out,
+                    force=force,
+                    device=device,
+                    threads=threads,
+                    progress=prog,
+                    connect=connect,
+                    tls_dir=tls_dir,
+                    checkpoint_every=checkpoint_every,
+                    resume=resume,
+                )
+        except KeyboardInterrupt:  # Ctrl-C: the run is closed already (run_training); say where it stopped
+            err.print(f"[bold red]stopped:[/] {escape(_stopped(out, connect is not None))}", highlight=False)
+            raise typer.Exit(130) from None
         print_summary(res)
+
+
+def _stopped(out: Path, deployed: bool) -> str:
+    """One line for a `train` stopped by Ctrl-C: how its run was closed, and how to go on."""
+    from splitleak.wire.store import journal_entries
+
+    try:
+        last = journal_entries(out)[-1]
+    except Exception:  # noqa: BLE001 (no run written yet, or none readable): nothing to name
+        return f"interrupted before {out} held a run; nothing was written"
+    if last.get("kind") != "failed":
+        return f"interrupted; {out} holds an unfinished run: rerun it with --force"
+    info = last.get("info") or {}
+    resume = f", or continue it from its last checkpoint with --resume {out} --out NEW" if deployed else ""
+    return (
+        f"interrupted; {out} is closed as failed in {info.get('stage', '?')} after {info.get('steps_done', '?')} "
+        f"training steps: rerun it with --force{resume}"
+    )
 
 
 def _options_config(**o):

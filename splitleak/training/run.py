@@ -8,20 +8,23 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import json
+import logging
 import os
 import platform
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 import splitleak
 from splitleak.data import DocumentSets, load_documents
-from splitleak.errors import ConfigError, NonFiniteError, UndeclaredChannelError
+from splitleak.errors import ConfigError
 from splitleak.models import LoadedModel, SplitModel, load_model
 from splitleak.progress import Progress, Silent
 from splitleak.seeds import model_init_seed, server_seed
@@ -34,6 +37,7 @@ from splitleak.wire.store import RunStore, read_run_json
 from splitleak.wire.tap import WireRecorder
 from splitleak.wire.transport import TransportError
 
+_log = logging.getLogger("splitleak.train")
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic", "faker", "gguf")
 
 
@@ -234,62 +238,74 @@ def run_training(
             not_resumable = "the server keeps no checkpoints (start it with --checkpoints DIR)"
             checkpoint_every = None
 
-    store = RunStore.create(out, force=force, keep=resume)
-    manifest = {
-        **manifest_head(config, lm),
-        "split": split.spec.as_dict(),
-        "defences": chain_client.describe(),
-        "documents": documents_record(docs),
-        "runtime": {"device": str(dev), "threads": torch.get_num_threads()},
-        "labels_cross_wire": not split.spec.u_shape,
-        "channels": declaration.as_dict(),
-    }
-    if remote is not None:
-        manifest["transport"] = {
-            "server": remote.where,
-            "kind": "websockets over mutual TLS 1.3",
-            "server_config_hash": server_config.hash(),
-        }
-        manifest["checkpoints"] = {"every": checkpoint_every, "not_resumable": not_resumable}
-        if point is not None:
-            manifest["resumed_from"] = {
-                "run": str(resume),
-                "after_steps": point.done,
-                "checkpoint_sha256": point.sha256,
-                "note": "the train-phase capture holds the frames from the resumed step on; the frames before "
-                "it are in the capture of the run named here",
-            }
-    store.add_json("manifest", "manifest.json", manifest)
-    store.add_json("documents", "documents.json", docs.to_json())
-    if secret is not None:
-        store.add_json("client-draws", DRAWS_FILE, {"secret": secret.hex(), "note": DRAWS_NOTE})
-
-    pre = utility(
-        evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss", answer_only=answer_only)
-    )
-    server = remote if remote is not None else chain_server.build_server(split, config.lr)  # None: one ServerRole
-    server_logits = getattr(server, "median_logits", None)
-    # the tap: every frame of the training steps and of the capture pass, recorded as it crossed
-    train_tap = WireRecorder(store, "train", declaration)
+    try:
+        store = RunStore.create(out, force=force, keep=resume)
+    except BaseException:
+        if remote is not None:
+            remote.abort()  # the server closes its session as failed
+        raise
     log = TrainLog()
-    on_step = None
     if point is not None:
         log.losses, log.doc_ids = list(point.record["losses"]), list(point.record["doc_ids"])
-    if checkpoint_every is not None:
-        assert remote is not None
-        folder = CheckpointDir(checkpoint_folder(out), keep=1)
-        token = remote.welcome["token"]
+    end = RunEnd(store, log, remote)
+    with end.on_fault():  # from here on the run ends closed, whatever raises
+        manifest = {
+            **manifest_head(config, lm),
+            "split": split.spec.as_dict(),
+            "defences": chain_client.describe(),
+            "documents": documents_record(docs),
+            "runtime": {"device": str(dev), "threads": torch.get_num_threads()},
+            "labels_cross_wire": not split.spec.u_shape,
+            "channels": declaration.as_dict(),
+        }
+        if remote is not None:
+            manifest["transport"] = {
+                "server": remote.where,
+                "kind": "websockets over mutual TLS 1.3",
+                "server_config_hash": server_config.hash(),
+            }
+            manifest["checkpoints"] = {"every": checkpoint_every, "not_resumable": not_resumable}
+            if point is not None:
+                manifest["resumed_from"] = {
+                    "run": str(resume),
+                    "after_steps": point.done,
+                    "checkpoint_sha256": point.sha256,
+                    "note": "the train-phase capture holds the frames from the resumed step on; the frames before "
+                    "it are in the capture of the run named here",
+                }
+        store.add_json("manifest", "manifest.json", manifest)
+        store.add_json("documents", "documents.json", docs.to_json())
+        if secret is not None:
+            store.add_json("client-draws", DRAWS_FILE, {"secret": secret.hex(), "note": DRAWS_NOTE})
 
-        def on_step(done: int, client) -> None:
-            if done % checkpoint_every or done >= config.n_steps:
-                return
-            tensors, record = state_tensors(client.params, client.opt)
-            record.update(config_hash=config.hash(), token=token, losses=log.losses, doc_ids=log.doc_ids)
-            if secret is not None:
-                record["draws_secret"] = secret.hex()
-            folder.save(done, tensors, record)
+        end.stage = "pretrained loss"
+        pre = utility(
+            evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss", answer_only=answer_only)
+        )
+        server = remote if remote is not None else chain_server.build_server(split, config.lr)  # None: one ServerRole
+        server_logits = getattr(server, "median_logits", None)
+        on_step = None
+        if checkpoint_every is not None:
+            assert remote is not None
+            folder = CheckpointDir(checkpoint_folder(out), keep=1)
+            token = remote.welcome["token"]
 
-    try:
+            def on_step(done: int, client) -> None:
+                if done % checkpoint_every or done >= config.n_steps:
+                    return
+                tensors, record = state_tensors(client.params, client.opt)
+                record.update(config_hash=config.hash(), token=token, losses=log.losses, doc_ids=log.doc_ids)
+                if secret is not None:
+                    record["draws_secret"] = secret.hex()
+                # recorded in the journal once whole, and only then is the previous one deleted: a kill at any
+                # point leaves a checkpoint that the journal vouches for (what --resume trusts)
+                path, sha = folder.save(done, tensors, record, prune=False)
+                store.add("checkpoint", None, {"done": done, "file": path.name, "sha256": sha})
+                folder.prune()
+
+        # the tap: every frame of the training steps and of the capture pass, recorded as it crossed
+        end.stage = "training"
+        train_tap = end.train_tap = WireRecorder(store, "train", declaration)
         train_split(
             split,
             docs.train,
@@ -306,29 +322,22 @@ def run_training(
             client_state=None if point is None else (point.tensors, point.record),
             on_step=on_step,
         )
-    except (NonFiniteError, UndeclaredChannelError, TransportError) as exc:
-        log.error = str(exc)
-        if remote is not None:
-            remote.abort()
-            store.add_json("messages", MESSAGES_FILE, remote.messages)
-        train_tap.close(log.ledgers)
-        store.add_json("training", "training.json", log.as_dict())
-        store.close(False, {"error": str(exc), "steps_done": len(log.losses)})
-        raise
-    train_tap.close(log.ledgers)
-    train_record = log.as_dict()
-    if server is not None and hasattr(server, "flag_log"):
-        train_record["replica_flags"] = list(server.flag_log)
-    store.add_json("training", "training.json", train_record)
-    post: dict[str, Any] | None = None
-    if remote is None:
-        post = utility(
-            evaluate_ce(split, docs.evaluation, progress=progress, server_logits=server_logits, answer_only=answer_only)
-        )
+        train_record = log.as_dict()
+        if server is not None and hasattr(server, "flag_log"):
+            train_record["replica_flags"] = list(server.flag_log)
+        end.record_training(train_record)
+        post: dict[str, Any] | None = None
+        if remote is None:
+            end.stage = "held-out loss"
+            post = utility(
+                evaluate_ce(
+                    split, docs.evaluation, progress=progress, server_logits=server_logits, answer_only=answer_only
+                )
+            )
 
-    capture_tap = WireRecorder(store, "capture", declaration)
-    client_side: dict[str, list[torch.Tensor]] | None = {} if split.spec.label_shielded else None
-    try:
+        end.stage = "capture"
+        capture_tap = WireRecorder(store, "capture", declaration)
+        client_side: dict[str, list[torch.Tensor]] | None = {} if split.spec.label_shielded else None
         cap, ledgers = capture_traffic(
             split,
             docs.evaluation,
@@ -340,95 +349,155 @@ def run_training(
             server=server,
             client_side=client_side,
         )
-    except (NonFiniteError, UndeclaredChannelError, TransportError) as exc:
+        capture_tap.close(ledgers)
         if remote is not None:
-            remote.abort()
-            store.add_json("messages", MESSAGES_FILE, remote.messages)
-        store.close(False, {"error": str(exc), "stage": "capture"})
-        raise
-    capture_tap.close(ledgers)
-    if remote is not None:
-        remote.close()  # the server closes its capture
-        store.add_json("messages", MESSAGES_FILE, remote.messages)
-        client_losses = cap.pop("client_losses")
-        post = None if client_losses is None else utility(np.asarray(client_losses, dtype=np.float64))
-    for d in chain_client.defences:
-        record = getattr(d, "client_record", None)
-        if record is not None:  # the client's own record (mixup: where each decoy came from); it never crosses
-            rel, obj = record()
-            store.add_json("client-record", rel, obj)
-    if client_side:  # label-shielded: the output gradient before and after the defences, kept by the client
-        raw, sent = torch.cat(client_side["raw"]), torch.cat(client_side["sent"])
+            end.stage = "closing the session"
+            remote.close()  # the server closes its capture
+            end.record_messages()
+            client_losses = cap.pop("client_losses")
+            post = None if client_losses is None else utility(np.asarray(client_losses, dtype=np.float64))
+        end.stage = "writing the client's records"
+        for d in chain_client.defences:
+            record = getattr(d, "client_record", None)
+            if record is not None:  # the client's own record (mixup: where each decoy came from); it never crosses
+                rel, obj = record()
+                store.add_json("client-record", rel, obj)
+        if client_side:  # label-shielded: the output gradient before and after the defences, kept by the client
+            raw, sent = torch.cat(client_side["raw"]), torch.cat(client_side["sent"])
+            store.add_tensors(
+                "client-record",
+                "shielded/output_gradients.safetensors",
+                {"raw": raw.contiguous(), "sent": sent.contiguous()},
+                {"phase": "capture", "note": "never crosses: the client's own copy, for the gradient-utility metrics"},
+            )
+            cap["gradient_utility"] = gradient_utility_summary(raw, sent)
+        end.stage = "writing the client layers"
         store.add_tensors(
-            "client-record",
-            "shielded/output_gradients.safetensors",
-            {"raw": raw.contiguous(), "sent": sent.contiguous()},
-            {"phase": "capture", "note": "never crosses: the client's own copy, for the gradient-utility metrics"},
+            "client-layers",
+            "client_layers.safetensors",
+            split.client_state_dict(),
+            {"cut": split.spec.cut},
+            metadata={"model": lm.name, "cut": split.spec.cut, "config_hash": config.hash()},  # bound to this run
         )
-        cap["gradient_utility"] = gradient_utility_summary(raw, sent)
-    store.add_tensors(
-        "client-layers",
-        "client_layers.safetensors",
-        split.client_state_dict(),
-        {"cut": split.spec.cut},
-        metadata={"model": lm.name, "cut": split.spec.cut, "config_hash": config.hash()},  # bound to this run
-    )
 
-    metrics: dict[str, Any] = {
-        "heldout_ce": None if post is None else post["ce"],
-        "perplexity": None if post is None else post["perplexity"],
-        "pretrained_ce": pre["ce"],
-        "pretrained_perplexity": pre["perplexity"],
-        "wire_bytes_per_step": log.bytes_per_step,
-        "train_tokens_per_second": log.as_dict()["tokens_per_second"],
-        "capture": cap,
-    }
-    if server is not None and hasattr(server, "flag_log"):
-        metrics["replica_flagged_messages"] = sum(1 for f in server.flag_log if f["flagged"])
-        metrics["replica_max_deviation"] = max((max(f["deviation"]) for f in server.flag_log), default=0.0)
-    if config.all_local_baseline:
-        assert pristine is not None
-        # free the split phase first (its model, the server's replicas and optimisers, the client's record)
-        del split
-        lm = server = server_logits = client_side = None
-        gc.collect()
-        base_lm = pristine()
-        base_lm.model.to(dev)
-        base = SplitModel(base_lm, depth=1)  # the cut is irrelevant: the whole model trains locally
-        local_log = train_all_local(
-            base,
-            docs.train,
-            seed=config.seed,
-            steps=config.n_steps,
-            lr=config.lr,
-            progress=progress,
-            answer_only=answer_only,
-        )
-        local = utility(
-            evaluate_ce(base, docs.evaluation, progress=progress, name="all-local loss", answer_only=answer_only)
-        )
-        metrics.update(
-            {
-                "all_local_ce": local["ce"],
-                "all_local_perplexity": local["perplexity"],
-                "delta_u": None if post is None else post["ce"] - local["ce"],
-                "all_local_train_tokens_per_second": local_log.as_dict()["tokens_per_second"],
-            }
-        )
-        store.add_json("all-local", "all_local.json", local_log.as_dict())
-    else:
-        metrics.update({"all_local_ce": None, "all_local_perplexity": None, "delta_u": None})
-    if remote is not None:
-        metrics["heldout_measured"] = (
-            "split inference over TLS (the capture pass, defences as deployed)"
-            if post is not None
-            else "not on the client: in a plain split the loss stays on the server (its server_log.json)"
-        )
-    store.add_json("metrics", "metrics.json", metrics)
-    store.close(True, {"config_hash": config.hash()})
+        metrics: dict[str, Any] = {
+            "heldout_ce": None if post is None else post["ce"],
+            "perplexity": None if post is None else post["perplexity"],
+            "pretrained_ce": pre["ce"],
+            "pretrained_perplexity": pre["perplexity"],
+            "wire_bytes_per_step": log.bytes_per_step,
+            "train_tokens_per_second": log.as_dict()["tokens_per_second"],
+            "capture": cap,
+        }
+        if server is not None and hasattr(server, "flag_log"):
+            metrics["replica_flagged_messages"] = sum(1 for f in server.flag_log if f["flagged"])
+            metrics["replica_max_deviation"] = max((max(f["deviation"]) for f in server.flag_log), default=0.0)
+        if config.all_local_baseline:
+            end.stage = "all-local baseline"
+            assert pristine is not None
+            # free the split phase first (its model, the server's replicas and optimisers, the client's record)
+            del split
+            lm = server = server_logits = client_side = None
+            gc.collect()
+            base_lm = pristine()
+            base_lm.model.to(dev)
+            base = SplitModel(base_lm, depth=1)  # the cut is irrelevant: the whole model trains locally
+            local_log = train_all_local(
+                base,
+                docs.train,
+                seed=config.seed,
+                steps=config.n_steps,
+                lr=config.lr,
+                progress=progress,
+                answer_only=answer_only,
+            )
+            local = utility(
+                evaluate_ce(base, docs.evaluation, progress=progress, name="all-local loss", answer_only=answer_only)
+            )
+            metrics.update(
+                {
+                    "all_local_ce": local["ce"],
+                    "all_local_perplexity": local["perplexity"],
+                    "delta_u": None if post is None else post["ce"] - local["ce"],
+                    "all_local_train_tokens_per_second": local_log.as_dict()["tokens_per_second"],
+                }
+            )
+            store.add_json("all-local", "all_local.json", local_log.as_dict())
+        else:
+            metrics.update({"all_local_ce": None, "all_local_perplexity": None, "delta_u": None})
+        if remote is not None:
+            metrics["heldout_measured"] = (
+                "split inference over TLS (the capture pass, defences as deployed)"
+                if post is not None
+                else "not on the client: in a plain split the loss stays on the server (its server_log.json)"
+            )
+        end.stage = "writing metrics"
+        store.add_json("metrics", "metrics.json", metrics)
+        store.close(True, {"config_hash": config.hash()})
     if checkpoint_every is not None:
         shutil.rmtree(checkpoint_folder(out), ignore_errors=True)  # the run is whole: nothing to resume
     return RunResult(Path(out), metrics, config)
+
+
+class RunEnd:
+    """How a run's record ends, whichever way the run ends. Everything ``run_training`` does after the
+    run directory exists runs inside ``on_fault()``: whatever raises there (any Exception, a
+    KeyboardInterrupt) closes the run as failed, its closing entry naming the ``stage`` it was in, the
+    training steps done and the cause, and is then raised again. Before closing it records what the
+    fault would otherwise leave unrecorded: the frames and ledger of a training phase still open, the
+    training log, the session's messages (and drops the connection, so that the server closes its
+    session as failed too). Nothing written before is removed, and each of these writes is tried on its
+    own (a full disk may refuse some; the journal then ends at its last whole entry)."""
+
+    def __init__(self, store: RunStore, log: TrainLog, remote: Any = None):
+        self.store, self.log, self.remote = store, log, remote
+        self.stage = "writing the manifest"
+        self.train_tap: WireRecorder | None = None  # the training phase's tap, until its ledger is written
+        self._trained = False  # training.json written
+        self._messages = False  # messages.json written
+
+    def record_training(self, record: dict[str, Any] | None = None) -> None:
+        """The training phase's last frames and ledger, and ``training.json`` (once)."""
+        if self.train_tap is not None:
+            tap, self.train_tap = self.train_tap, None
+            tap.close(self.log.ledgers)
+        if not self._trained:
+            self._trained = True
+            self.store.add_json("training", "training.json", record if record is not None else self.log.as_dict())
+
+    def record_messages(self) -> None:
+        """Every envelope of the session, both ways (once)."""
+        if self.remote is not None and not self._messages:
+            self._messages = True
+            self.store.add_json("messages", MESSAGES_FILE, self.remote.messages)
+
+    @contextmanager
+    def on_fault(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException as exc:
+            self.close_failed(exc)
+            raise
+
+    def close_failed(self, exc: BaseException) -> None:
+        cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if self.remote is not None:
+            self.remote.abort()
+        if self.store.closed:
+            return
+        self.log.error = str(exc) or cause
+        writes: list[tuple[str, Callable[[], None]]] = [("the session's messages", self.record_messages)]
+        if self.train_tap is not None or self._trained:
+            writes.insert(0, ("the training log", self.record_training))
+        for what, write in writes:
+            try:
+                write()
+            except Exception as err:  # noqa: BLE001 (a full disk, or the fault itself again): close all the same
+                _log.warning("%s: %s not recorded (%s)", self.store.root, what, err)
+        try:
+            self.store.close(False, {"stage": self.stage, "steps_done": len(self.log.doc_ids), "error": cause})
+        except Exception as err:  # noqa: BLE001 (the journal ends at its last whole entry: an unfinished run)
+            _log.warning("%s: the failure could not be recorded (%s)", self.store.root, err)
 
 
 def gradient_utility_summary(raw: torch.Tensor, sent: torch.Tensor) -> dict[str, Any]:
@@ -495,22 +564,48 @@ def read_draws_secret(run_dir: str | Path) -> bytes | None:
 
 
 def resume_point(run: str | Path, config: TrainConfig) -> ResumePoint:
-    """The newest client checkpoint of a failed run of ``config``, checked against the run."""
-    from splitleak.wire.store import verify_run
+    """The newest client checkpoint of a run of ``config`` that failed or was killed, checked against the run.
+
+    A client that is killed (SIGKILL, a power cut) cannot close its run, so a resume does not ask for a
+    closed run: it verifies what it reads, and reads nothing else. The run's journal is checked to its last
+    whole entry (``verify_run(..., to_last_entry=True)``: the hash chain, every file each whole entry
+    records, the manifest's config hash; an entry the kill cut off mid-write is passed over, its files never
+    read). The manifest must be of this configuration and say that checkpoints were kept. The checkpoint
+    resumed is the newest one the journal records (a ``checkpoint`` entry holds its file's SHA-256, written
+    once the file was whole and before the previous one was deleted), and its bytes must hash to that
+    digest; its own header's digest of its tensors is checked as it is loaded. A checkpoint written after
+    the journal's last entry is not trusted (the one before it still is). The frames of the run are not
+    read: the new run's manifest names the run that holds those before the resumed step."""
+    from splitleak.wire.store import JOURNAL, sha256_file, verify_run
 
     run = Path(run)
-    v = verify_run(run)
+    again = "train again with --force (or another --out)"
+    v = verify_run(run, to_last_entry=True)
     if not v.ok:
-        raise ConfigError(f"{run} does not verify ({v.message}); it cannot be resumed")
+        raise ConfigError(f"{run} does not verify ({v.message}); it cannot be resumed: {again}")
     if v.status == "complete":
         raise ConfigError(f"{run} is complete; there is nothing to resume")
     m = read_run_json(run, "manifest.json")
     if m.get("config_hash") != config.hash():
         raise ConfigError(f"{run} was trained with another configuration ({m.get('config_hash', '?')[:12]})")
-    why = (m.get("checkpoints") or {}).get("not_resumable")
-    if why:
-        raise ConfigError(f"{run} wrote no checkpoints: {why}")
-    done, tensors, record, sha = CheckpointDir(checkpoint_folder(run)).load()
+    ck = m.get("checkpoints") or {}
+    if ck.get("not_resumable"):
+        raise ConfigError(f"{run} wrote no checkpoints: {ck['not_resumable']}")
+    whole = (run / JOURNAL).read_bytes().split(b"\n")[: v.entries]  # the entries verify_run checked
+    entries = [json.loads(line) for line in whole]
+    recorded = [e.get("info") or {} for e in entries if e.get("kind") == "checkpoint"]
+    if not recorded:
+        raise ConfigError(f"{run} stopped before its first checkpoint (every {ck.get('every')} steps); {again}")
+    last = recorded[-1]
+    folder = CheckpointDir(checkpoint_folder(run))
+    path = folder.path(int(last["done"]))
+    if not path.is_file() or sha256_file(path) != last.get("sha256"):
+        state = "missing" if not path.is_file() else "changed since it was recorded"
+        raise ConfigError(
+            f"the checkpoint after {last['done']} steps that {run}'s journal records is {state} ({path}); "
+            f"it cannot be resumed: {again}"
+        )
+    done, tensors, record, sha = folder.load(int(last["done"]))
     if record.get("config_hash") != config.hash():
         raise ConfigError(f"the checkpoint in {checkpoint_folder(run)} belongs to another configuration")
     return ResumePoint(done, str(record["token"]), tensors, record, sha)

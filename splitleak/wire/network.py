@@ -313,7 +313,21 @@ class Session:
                 raise TransportError(
                     "the client asks to resume, but this server keeps no checkpoints (start it with --checkpoints DIR)"
                 )
-            got, tensors, record, _ = CheckpointDir(Path(folder) / token).load(done)
+            ck = CheckpointDir(Path(folder) / token)
+            held = ck.steps()
+            if done not in held:  # both sides must continue from the same step, or the weights part ways
+                where = (
+                    "none: that training completed, or its checkpoints were removed"
+                    if not held
+                    else f"{', '.join(map(str, held))}: "
+                    + ("ahead of" if min(held) > done else "behind" if max(held) < done else "none of them")
+                    + " the client's"
+                )
+                raise TransportError(
+                    f"this server holds no checkpoint of that training after {done} steps (it holds {where}); "
+                    "train the run again without --resume"
+                )
+            got, tensors, record, _ = ck.load(done)
             if record.get("config_hash") != self.config.hash():
                 raise TransportError(
                     _mismatch("configuration of the checkpoint", record.get("config_hash"), self.config.hash())
@@ -418,13 +432,13 @@ class Session:
 
         self.rec.status = "complete" if ok else "failed"
         self.rec.reason = reason
+        if ok and self.token is not None and self.node.checkpoints is not None:  # with or without a capture
+            shutil.rmtree(Path(self.node.checkpoints) / self.token, ignore_errors=True)  # whole: nothing to resume
         if self.store is None or self.store.closed:
             return
         self._close_recorder()
         self.store.add_json("messages", MESSAGES_FILE, self.messages)
         self.store.add_json("server-log", "server_log.json", {"losses": self.losses, "frames": self.rec.frames})
-        if ok and self.token is not None and self.node.checkpoints is not None:
-            shutil.rmtree(Path(self.node.checkpoints) / self.token, ignore_errors=True)  # whole: nothing to resume
         if ok and self.role is not None:
             if isinstance(self.role, LatentServer):  # the surrogate is all the server trains
                 state = {k: v.detach().cpu().contiguous() for k, v in self.role.surrogate.state_dict().items()}
