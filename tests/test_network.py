@@ -284,17 +284,20 @@ class RawClient:
             f"wss://127.0.0.1:{port}/", ssl=client_context(tls_dir), compression=None, proxy=None, max_size=None
         )
         self.seq = 0
+        self.session = None
         self.send({"type": "hello", **hello})
         self.welcome, _ = unpack(self.conn.recv(timeout=30))
         assert self.welcome["type"] == "welcome", self.welcome
+        self.session = self.welcome.get("session")  # every later message carries it (protocol 2)
 
     def send(self, header, payload=b""):
-        self.conn.send(pack({"seq": self.seq, "nonce": new_nonce(), **header}, payload))
+        bound = {} if self.session is None else {"session": self.session}
+        self.conn.send(pack({"seq": self.seq, "nonce": new_nonce(), **bound, **header}, payload))
         self.seq += 1
 
     def frame(self, frame: Frame, **over):
         blob = encode(frame)
-        header = {**frame_header(frame, blob, self.seq), **over}
+        header = {**frame_header(frame, blob, self.seq), "session": self.session, **over}
         self.conn.send(pack(header, blob))
         self.seq += 1
         return header
@@ -338,7 +341,7 @@ def test_bad_frames_are_refused_and_never_captured(tls, tmp_path, case):
         assert header["type"] == "frame" and header["kind"] == "backward"
         f = _forward(step=1)
         blob = encode(f)
-        h = frame_header(f, blob, c.seq)
+        h = {**frame_header(f, blob, c.seq), "session": c.session}
         if case == "replayed nonce":
             c.conn.send(pack({**h, "nonce": good["nonce"]}, blob))
         elif case == "truncated":

@@ -9,6 +9,14 @@ from typing import Optional
 import typer
 
 from splitleak.cli.common import ThreadsOpt, app, console, err, user_errors
+from splitleak.wire.transport import (
+    HELLO_SECONDS,
+    MAX_CONCURRENT,
+    MAX_FRAME_MIB,
+    MAX_FRAME_TOKENS,
+    MAX_ROWS,
+    MAX_TOKENS,
+)
 
 tls_app = typer.Typer(help="TLS material for `serve` and `train --connect`: a private CA and two certificates.")
 app.add_typer(tls_app, name="tls")
@@ -48,11 +56,47 @@ def serve_cmd(
     allow_remote: bool = typer.Option(False, "--allow-remote", help="allow binding a non-loopback address"),
     max_sessions: Optional[int] = typer.Option(None, "--max-sessions", help="exit after this many sessions"),
     idle: float = typer.Option(300.0, "--idle-timeout", help="seconds a session may stay silent"),
+    max_concurrent: int = typer.Option(
+        MAX_CONCURRENT,
+        "--max-concurrent",
+        help="sessions at once (each holds its own model copy); a connection over it is refused with a message",
+    ),
+    hello_timeout: float = typer.Option(
+        HELLO_SECONDS, "--hello-timeout", help="seconds a new connection has to send its hello (no model before it)"
+    ),
+    max_rows: int = typer.Option(
+        MAX_ROWS,
+        "--max-rows",
+        help="most rows of one frame a hello may ask: the client's --capture-batch x 2 (mixup's probe rows); "
+        "the latent mode: --capture-batch",
+    ),
+    max_tokens: int = typer.Option(
+        MAX_TOKENS, "--max-tokens", help="most tokens per row a hello may ask: --doc-len (latent: + decoys)"
+    ),
+    max_frame_tokens: int = typer.Option(
+        MAX_FRAME_TOKENS,
+        "--max-frame-tokens",
+        help="most rows x tokens of one frame a hello may ask: what the server's logits and their gradient grow with",
+    ),
+    max_frame_mib: int = typer.Option(
+        MAX_FRAME_MIB,
+        "--max-frame-mib",
+        help="most MiB of one frame; the WebSocket layer refuses a larger message unread",
+    ),
     threads: Optional[int] = ThreadsOpt,
 ) -> None:
     """Run the untrusted node: it receives its part of the configuration in the handshake, loads the same
     preset, trains the layers it is given and answers the client's frames. Prints the port it
-    listens on, then one line per session."""
+    listens on, then one line per session.
+
+    A client holding a valid certificate cannot take it down: a hello that asks for more rows, tokens
+    or frame bytes than the --max-* flags allow is refused naming the flag, before a model loads; at
+    most --max-concurrent sessions run at once, each must say hello within --hello-timeout, and each
+    holds at most one unanswered forward. The defaults cover the study's settings (32-token documents,
+    capture batches of 16, 48 decoys) with room to spare and bound the server's memory to about
+    --max-concurrent x (model + one forward of --max-frame-tokens rows x tokens, whose logits over the
+    vocabulary are what costs; with the tiny model four sessions at the maxima peak at 0.8 GiB); raise
+    them for longer documents or larger batches, lower --max-concurrent for a large model."""
     from splitleak.training.run import apply_threads
     from splitleak.wire.network import ServerNode, parse_address
 
@@ -76,6 +120,12 @@ def serve_cmd(
             allow_remote=allow_remote,
             max_sessions=max_sessions,
             idle_seconds=idle,
+            max_concurrent=max_concurrent,
+            hello_seconds=hello_timeout,
+            max_rows=max_rows,
+            max_tokens=max_tokens,
+            max_frame_tokens=max_frame_tokens,
+            max_frame_bytes=max_frame_mib << 20,
             on_session=report,
         )
         bound = node.start()

@@ -55,6 +55,11 @@ def make_optimizer(params, lr: float):
         return torch.optim.AdamW(params, lr=lr)
 
 
+#: forwards a server session holds at once awaiting their backward-top (each keeps its graph): a client
+#: sends one forward and waits for its answer, so a second one before the first is answered is refused
+PENDING_WINDOW = 1
+
+
 class ServerRole:
     def __init__(self, split: SplitModel, chain: DefenceChain, lr: float):
         self.split = split

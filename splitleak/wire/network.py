@@ -22,6 +22,20 @@ Every message is checked before allocation (``splitleak.wire.transport``); a rep
 out-of-window sequence number, a backward with no pending forward, a frame after close, NaN/Inf,
 an unknown kind or a lying header ends the session with the reason logged. Compression is off:
 message sizes must not depend on the content.
+
+**A hostile client** (one holding a valid certificate) cannot take the server down: every size a
+hello may ask is capped by the server (``max_rows``, ``max_tokens``, their product
+``max_frame_tokens``, ``max_frame_bytes``; a hello
+over one is refused naming the value, the maximum and the ``serve`` flag that raises it), and the
+WebSocket layer refuses a message larger than the session's frame limit plus its envelope before
+reading it (only a header-sized message before the welcome); at most ``PENDING_WINDOW`` forwards
+await their backward-top per session; at most ``max_concurrent`` sessions run at once (a connection
+over the cap is told so, and no model is loaded for it); the hello must arrive within
+``hello_seconds``, and the model loads only after a valid hello; a phase only goes forward (train,
+then capture); every message after the welcome carries the session id the welcome gave, so a
+message recorded in one session is refused in another; a failed TLS handshake is logged with the
+peer's address and the reason. Whatever raises, a session's capture ends closed (complete, or failed
+with the reason and the last step).
 """
 
 from __future__ import annotations
@@ -38,16 +52,28 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from splitleak.errors import ConfigError
+from splitleak.training.roles import PENDING_WINDOW
 from splitleak.wire.channel import MAIN_LINK, WireLedger
 from splitleak.wire.declare import MESSAGES_FILE
-from splitleak.wire.frames import Frame, decode, encode
+from splitleak.wire.frames import PHASES, Frame, decode, encode
 from splitleak.wire.transport import (
+    ENVELOPE_BYTES,
+    HANDSHAKE_MESSAGE_BYTES,
+    HELLO_SECONDS,
+    MAX_CONCURRENT,
+    MAX_FRAME_MIB,
+    MAX_FRAME_TOKENS,
+    MAX_ROWS,
+    MAX_TOKENS,
+    PROBE_FACTOR,
     PROTOCOL_VERSION,
     Limits,
     ReplayGuard,
     TransportError,
+    frame_bytes,
     frame_header,
     new_nonce,
+    new_session_id,
     pack,
     receive_frame,
     unpack,
@@ -65,7 +91,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("splitleak.serve")
 CLIENT_KINDS = ("forward", "backward-top")
 SERVER_KINDS = ("backward", "forward-return")
-MAX_MESSAGE_BYTES = 512 << 20  # the WebSocket layer refuses anything larger before reading it
+#: the client's ceiling on one message whatever a server's welcome says (a session's own cap is lower)
+MAX_MESSAGE_BYTES = 512 << 20
 OPEN_TIMEOUT_S = 30.0  # the server's limit on a connection's TLS and WebSocket opening handshakes
 OPEN_ATTEMPTS = 3  # the client's attempts at an opening handshake the server closed before answering
 IDLE_SECONDS = 300.0
@@ -133,6 +160,7 @@ class Session:
         self.node = node
         self.conn = conn
         self.rec = SessionRecord(index, str(getattr(conn, "remote_address", "?")))
+        self.session_id = new_session_id()  # the welcome gives it; every later message must carry it
         self.guard = ReplayGuard()
         self.send_seq = 0
         self.ledger = WireLedger(link=MAIN_LINK)
@@ -160,6 +188,7 @@ class Session:
     def _envelope(self, header: dict[str, Any], payload: bytes = b"") -> bytes:
         """The message for ``header`` with its sequence number and nonce, logged as sent."""
         header = {**header, "seq": self.send_seq, "nonce": header.get("nonce") or new_nonce()}
+        header["session"] = self.session_id
         self.send_seq += 1
         self.messages.append({"direction": "server->client", "bytes": len(payload), "header": header})
         return pack(header, payload)
@@ -167,8 +196,8 @@ class Session:
     def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         self.conn.send(self._envelope(header, payload))
 
-    def _recv(self) -> tuple[dict[str, Any], bytes]:
-        header, payload = unpack(self.conn.recv(timeout=self.node.idle_seconds))
+    def _recv(self, timeout: float | None = None) -> tuple[dict[str, Any], bytes]:
+        header, payload = unpack(self.conn.recv(timeout=self.node.idle_seconds if timeout is None else timeout))
         self.messages.append({"direction": "client->server", "bytes": len(payload), "header": header})
         return header, payload
 
@@ -189,6 +218,7 @@ class Session:
             config = ServerConfig(**hello["config"])
         except Exception as exc:  # noqa: BLE001 (pydantic and type errors alike)
             raise TransportError(f"the hello's configuration is invalid: {str(exc).splitlines()[0]}") from None
+        self._check_sizes(config)
         if config.latent is not None:
             self._setup_latent(hello, config)
             return
@@ -233,14 +263,15 @@ class Session:
         self.completes = "backward-top" if split.spec.u_shape and not split.sends_no_gradient else "forward"
         self.loss_on_server = not split.spec.u_shape
         self.model_record = {"name": lm.name, "source": lm.source, "fingerprint": hello["fingerprint"], **lm.info}
+        self._check_frame_bytes(PROBE_FACTOR * max(config.capture_batch, 1), config.doc_len, width, str(split.dtype))
         self.role = ServerRole(split, chain, config.lr)
         self._checkpoints(hello)
-        probe = 2  # mixup may add probe rows: at most as many as the real ones
         self.limits = Limits(
             width=width,
             max_tokens=config.doc_len,
-            max_rows=probe * max(config.capture_batch, 1),
+            max_rows=PROBE_FACTOR * max(config.capture_batch, 1),
             float_dtype=str(split.dtype),
+            max_frame_bytes=self.node.max_frame_bytes,
         )
         self.declaration = declare_channels(
             u_shape=split.spec.u_shape, defences=chain.defences, transport=True, gradients=not split.sends_no_gradient
@@ -281,11 +312,15 @@ class Session:
             "fingerprint_checked": False,
         }
         self.freed = 0
+        self._check_frame_bytes(
+            max(config.capture_batch, 1), config.doc_len + cfg.decoys, cfg.width, f"torch.{config.precision}"
+        )
         self.limits = Limits(
             width=cfg.width,
             max_tokens=config.doc_len + cfg.decoys,  # a frame's rows: one document's and its decoys
             max_rows=max(config.capture_batch, 1),  # frames per request
             float_dtype=f"torch.{config.precision}",
+            max_frame_bytes=self.node.max_frame_bytes,
         )
         self.declaration = declare_latent_channels(
             output_gradient=cfg.output_gradient,
@@ -295,6 +330,46 @@ class Session:
         )
         if self.node.capture is not None:
             self._open_store()
+
+    def _check_sizes(self, config) -> None:
+        """Refuse a hello whose rows or tokens exceed the server's maxima, before any model loads."""
+        node = self.node
+        batch = max(config.capture_batch, 1)
+        if config.latent is None:
+            rows, rows_why = (
+                PROBE_FACTOR * batch,
+                f"capture_batch {config.capture_batch} x {PROBE_FACTOR} for probe rows",
+            )
+            tokens, tokens_why = config.doc_len, f"doc_len {config.doc_len}"
+        else:
+            rows, rows_why = batch, f"capture_batch {config.capture_batch}"
+            decoys = config.latent.decoys
+            tokens, tokens_why = config.doc_len + decoys, f"doc_len {config.doc_len} + {decoys} decoys"
+        if rows > node.max_rows:
+            raise TransportError(
+                f"the hello asks for {rows} rows per frame ({rows_why}); this server allows at most {node.max_rows} "
+                "(raise it with `splitleak serve --max-rows`, or lower the client's --capture-batch)"
+            )
+        if tokens > node.max_tokens:
+            raise TransportError(
+                f"the hello asks for {tokens} tokens per row ({tokens_why}); this server allows at most "
+                f"{node.max_tokens} (raise it with `splitleak serve --max-tokens`, or lower the client's --doc-len)"
+            )
+        if rows * tokens > node.max_frame_tokens:
+            raise TransportError(
+                f"the hello asks for frames of {rows} rows x {tokens} tokens = {rows * tokens}; this server allows at "
+                f"most {node.max_frame_tokens} rows x tokens (raise it with `splitleak serve --max-frame-tokens`, or "
+                "lower the client's --capture-batch or --doc-len)"
+            )
+
+    def _check_frame_bytes(self, rows: int, tokens: int, width: int, float_dtype: str) -> None:
+        """Refuse a hello whose largest frame would exceed the server's frame-byte maximum."""
+        need, cap = frame_bytes(rows, tokens, width, float_dtype), self.node.max_frame_bytes
+        if need > cap:
+            raise TransportError(
+                f"the hello's frames would hold up to {need} bytes ({rows} rows x {tokens} tokens x width {width}, "
+                f"{float_dtype}); this server allows at most {cap} (raise it with `splitleak serve --max-frame-mib`)"
+            )
 
     def _checkpoints(self, hello: dict[str, Any]) -> None:
         """Resume from a checkpoint the hello names, and set up this session's own checkpoints."""
@@ -391,6 +466,11 @@ class Session:
 
         if phase == self.phase:
             return
+        if self.phase is not None and PHASES.index(phase) < PHASES.index(self.phase):
+            raise TransportError(
+                f"a {phase} frame arrived after the {self.phase} phase began; a phase may only go forward "
+                f"({' -> '.join(PHASES[:2])}), never back"
+            )
         self._close_recorder()
         self.phase = phase
         if phase == "capture" and self.role is not None:
@@ -399,9 +479,9 @@ class Session:
         self.ledger.set_taps([self.recorder] if self.recorder is not None else [])
 
     def _close_recorder(self) -> None:
-        if self.recorder is not None:
-            self.recorder.close([self.ledger.ledger])
-            self.recorder = None
+        recorder, self.recorder = self.recorder, None  # closed once, even when closing it raises
+        if recorder is not None:
+            recorder.close([self.ledger.ledger])
 
     def _frame(self, header: dict[str, Any], payload: bytes) -> None:
         assert self.limits is not None and self.role is not None
@@ -411,6 +491,13 @@ class Session:
             raise TransportError(f"a backward-top frame for step {frame.step} arrived with no pending forward")
         if frame.phase == "train" and frame.kind == "forward" and frame.step <= self.last_step:
             raise TransportError(f"a training forward for step {frame.step} arrived after step {self.last_step}")
+        pending = getattr(self.role, "_pending", {})
+        if frame.kind == "forward" and len(pending) >= PENDING_WINDOW:
+            raise TransportError(
+                f"a {frame.phase} forward for step {frame.step} arrived while the forward of step "
+                f"{', '.join(map(str, sorted(pending)))} awaits its backward-top; a session may hold at most "
+                f"{PENDING_WINDOW} unanswered forward(s) (send the backward-top first)"
+            )
         self._switch_phase(frame.phase)
         self.ledger.record(frame, payload)
         reply = self.role.handle(frame)
@@ -428,15 +515,47 @@ class Session:
         self.rec.frames += 1
 
     def _finish(self, ok: bool, reason: str = "") -> None:
-        from splitleak.training.latent import LatentServer
-
+        """End the session's record: its capture closes complete (``ok``) or failed with ``reason``,
+        the phase and the last training step. Never raises: when recording the end fails (a full disk,
+        a record already there), the capture closes as failed naming that, or, where even the closing
+        entry cannot be written, the session is logged as such (``verify`` then calls it unfinished)."""
         self.rec.status = "complete" if ok else "failed"
         self.rec.reason = reason
         if ok and self.token is not None and self.node.checkpoints is not None:  # with or without a capture
             shutil.rmtree(Path(self.node.checkpoints) / self.token, ignore_errors=True)  # whole: nothing to resume
         if self.store is None or self.store.closed:
             return
-        self._close_recorder()
+        try:
+            self._close_store(ok, reason)
+            return
+        except Exception as exc:  # noqa: BLE001 (whatever it was, the capture must still end closed)
+            why = f"{type(exc).__name__}: {exc}"
+            self.rec.status = "failed"
+            self.rec.reason = f"{reason}; " * bool(reason) + f"recording the session's end failed ({why})"
+            log.warning("session %d: %s", self.rec.index, self.rec.reason)
+        try:
+            if not self.store.closed:
+                self.store.close(False, self._failure_info(self.rec.reason))
+        except Exception as exc:  # noqa: BLE001
+            log.error(
+                "session %d: its capture %s could not be closed (%s: %s); `splitleak verify` calls it unfinished",
+                self.rec.index,
+                self.store.root,
+                type(exc).__name__,
+                exc,
+            )
+
+    def _failure_info(self, reason: str) -> dict[str, Any]:
+        return {"reason": reason, "phase": self.phase, "last_step": self.last_step, "frames": self.rec.frames}
+
+    def _close_store(self, ok: bool, reason: str) -> None:
+        from splitleak.training.latent import LatentServer
+
+        assert self.store is not None
+        try:
+            self._close_recorder()
+        finally:
+            self.recorder = None
         self.store.add_json("messages", MESSAGES_FILE, self.messages)
         self.store.add_json("server-log", "server_log.json", {"losses": self.losses, "frames": self.rec.frames})
         if ok and self.role is not None:
@@ -446,13 +565,14 @@ class Session:
                 assert self.split is not None
                 state = {n: p.detach().cpu().contiguous() for n, p in _server_params(self.split)}
             self.store.add_tensors("server-layers", "server_layers.safetensors", state, {"session": self.rec.index})
-        self.store.close(ok, {"reason": reason} if reason else {"frames": self.rec.frames})
+        self.store.close(ok, self._failure_info(reason) if not ok else {"frames": self.rec.frames})
 
     def run(self) -> None:
         from websockets.exceptions import ConnectionClosed
 
         try:
-            hello, _ = self._recv()
+            _cap_messages(self.conn, HANDSHAKE_MESSAGE_BYTES)  # a hello is a header: nothing larger yet
+            hello, _ = self._recv(timeout=self.node.hello_seconds)
             self._setup(hello)
             assert self.limits is not None and self.role is not None
             self._send(
@@ -468,13 +588,19 @@ class Session:
                     "resumed_after_steps": self.resumed,
                 }
             )
+            self.guard.session = self.session_id  # from now on every message must carry it
+            _cap_messages(self.conn, self.limits.max_message_bytes())
             while True:
                 header, payload = self._recv()
+                self.guard.check_session(header)
                 kind = header.get("type")
                 if kind == "close":
                     bye = self._envelope({"type": "bye", "frames": self.rec.frames})  # logged before the capture closes
                     self._finish(True)
-                    self.conn.send(bye)
+                    if self.rec.status == "complete":
+                        self.conn.send(bye)
+                    else:  # the end could not be recorded: the client must not take the session as whole
+                        self.conn.send(self._envelope({"type": "error", "message": self.rec.reason}))
                     self.conn.close()
                     return
                 if kind != "frame":
@@ -482,7 +608,20 @@ class Session:
                 self._frame(header, payload)
         except (ConnectionClosed, TimeoutError) as exc:
             where = f"after {self.rec.frames} frames (phase {self.phase}, last training step {self.last_step})"
-            reason = f"the client went away {where}" if isinstance(exc, ConnectionClosed) else f"idle timeout {where}"
+            if isinstance(exc, TimeoutError):
+                reason = (
+                    f"no hello within {self.node.hello_seconds:g} s of connecting"
+                    if self.limits is None
+                    else f"idle timeout {where}"
+                )
+            elif exc.sent is not None and exc.sent.code == 1009:  # the WebSocket layer refused a message unread
+                cap = self.limits.max_message_bytes() if self.limits else HANDSHAKE_MESSAGE_BYTES
+                reason = (
+                    f"a message over the session's limit of {cap} bytes was refused unread {where} "
+                    "(the frame limit is `splitleak serve --max-frame-mib`)"
+                )
+            else:
+                reason = f"the client went away {where}"
             log.warning("session %d: %s", self.rec.index, reason)
             self._finish(False, reason)
         except Exception as exc:  # noqa: BLE001 (a refused frame, or a fault of the server itself: either way the
@@ -495,6 +634,49 @@ class Session:
             except Exception:  # noqa: BLE001 (the peer may be gone already)
                 pass
             self._finish(False, reason)
+        finally:  # even a BaseException (KeyboardInterrupt) leaves the capture closed
+            if self.store is not None and not self.store.closed:
+                self._finish(False, f"the session stopped {self.phase and f'in phase {self.phase}' or ''}".strip())
+
+
+def _cap_messages(conn, n: int) -> None:
+    """Set the largest message the WebSocket layer reads on ``conn`` (a larger one is refused from its
+    frame header, unread, and the connection closed with code 1009)."""
+    conn.protocol.max_message_size = n
+
+
+class _LoggedSSLSocket(ssl.SSLSocket):
+    """The server's TLS sockets: a handshake that fails is logged with the peer's address and why."""
+
+    def do_handshake(self, block: bool = False) -> None:
+        try:
+            peer = "{}:{}".format(*self.getpeername()[:2])  # before the handshake: a refused peer may leave at once
+        except OSError:
+            peer = "an unknown peer"
+        try:
+            super().do_handshake(block)
+        except Exception as exc:
+            log.warning("TLS handshake with %s failed: %s", peer, _tls_reason(exc))
+            raise
+
+
+def _tls_reason(exc: BaseException) -> str:
+    """Why the server refused a TLS handshake, in words, with OpenSSL's own reason."""
+    reason = getattr(exc, "reason", None) or type(exc).__name__
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return (
+            f"the client's certificate is not signed by this server's CA ({exc.verify_message}; {reason}): "
+            "a certificate from another `splitleak tls init`"
+        )
+    if reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
+        return f"the client sent no certificate ({reason}); mutual TLS needs the client's client.pem"
+    if "ALERT" in str(reason):
+        return f"the client refused this server's certificate ({reason}): it trusts another CA"
+    if isinstance(exc, TimeoutError):
+        return f"no TLS handshake within {OPEN_TIMEOUT_S:g} s"
+    if reason in ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "UNSUPPORTED_PROTOCOL"):
+        return f"not TLS 1.3 ({reason}): plaintext or an older TLS version"
+    return f"{reason} ({exc})"
 
 
 def _server_params(split) -> list[tuple[str, torch.nn.Parameter]]:
@@ -505,7 +687,9 @@ def _server_params(split) -> list[tuple[str, torch.nn.Parameter]]:
 @dataclass
 class ServerNode:
     """``splitleak serve``: listens on ``host:port`` (loopback unless ``allow_remote``) with mutual TLS
-    from ``tls_dir``; one ``Session`` per connection, at most ``max_sessions`` in all (None: no limit)."""
+    from ``tls_dir``; one ``Session`` per connection, at most ``max_sessions`` in all (None: no limit),
+    at most ``max_concurrent`` at once. ``max_rows``, ``max_tokens``, ``max_frame_tokens`` (rows x
+    tokens), ``max_frame_bytes``: the most a hello may ask (see ``MAX_ROWS`` and the rest); ``hello_seconds``: how soon the hello must come."""
 
     tls_dir: str | Path
     host: str = "127.0.0.1"
@@ -515,6 +699,12 @@ class ServerNode:
     max_sessions: int | None = None
     idle_seconds: float = IDLE_SECONDS
     checkpoints: str | Path | None = None  # where sessions keep their training checkpoints (to resume)
+    max_rows: int = MAX_ROWS
+    max_tokens: int = MAX_TOKENS
+    max_frame_tokens: int = MAX_FRAME_TOKENS
+    max_frame_bytes: int = MAX_FRAME_MIB << 20
+    max_concurrent: int = MAX_CONCURRENT
+    hello_seconds: float = HELLO_SECONDS
     sessions: list[SessionRecord] = field(default_factory=list)
     on_session: Callable[[SessionRecord], None] | None = None
 
@@ -529,7 +719,19 @@ class ServerNode:
             raise ConfigError(
                 f"--listen {self.host} is not a loopback address; pass --allow-remote to serve other machines"
             )
+        for flag, value in (
+            ("--max-rows", self.max_rows),
+            ("--max-tokens", self.max_tokens),
+            ("--max-frame-tokens", self.max_frame_tokens),
+            ("--max-frame-mib", self.max_frame_bytes),
+            ("--max-concurrent", self.max_concurrent),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{flag} must be a positive integer, not {value!r}")
+        if not self.hello_seconds > 0:
+            raise ConfigError(f"--hello-timeout must be positive, not {self.hello_seconds!r}")
         self._lock = threading.Lock()
+        self._active = 0  # sessions running now
         self._server: Server | None = None
         self._count = 0  # the next session's number
         self._started = 0  # sessions this process started
@@ -537,22 +739,57 @@ class ServerNode:
             taken = [int(p.name[8:]) for p in Path(self.capture).glob("session-*") if p.name[8:].isdigit()]
             self._count = max(taken, default=-1) + 1
 
+    def max_message_bytes(self) -> int:
+        """The WebSocket layer's cap on one message: the largest frame this server allows, in its envelope."""
+        return self.max_frame_bytes + ENVELOPE_BYTES
+
     def _handler(self, conn) -> None:
+        _cap_messages(conn, HANDSHAKE_MESSAGE_BYTES)
         with self._lock:
             if self.max_sessions is not None and self._started >= self.max_sessions:
                 conn.close()
                 return
-            self._started += 1
-            ordinal = self._started
-            index = self._count
-            self._count += 1
-        session = Session(self, conn, index)
-        self.sessions.append(session.rec)
-        session.run()
+            busy = self._active >= self.max_concurrent
+            if not busy:
+                self._active += 1
+                self._started += 1
+                ordinal = self._started
+                index = self._count
+                self._count += 1
+        if busy:
+            self._refuse(conn)
+            return
+        try:
+            session = Session(self, conn, index)
+            self.sessions.append(session.rec)
+            session.run()
+        finally:
+            with self._lock:
+                self._active -= 1
         if self.on_session is not None:
             self.on_session(session.rec)
         if self.max_sessions is not None and ordinal >= self.max_sessions and self._server is not None:
             threading.Thread(target=self._server.shutdown, daemon=True).start()
+
+    def _refuse(self, conn) -> None:
+        """A connection over ``max_concurrent``: told so in one error message, no model loaded. The
+        hello is read (header-sized at most, within a second or two) before the close, so that the
+        client reads the refusal rather than a connection closed under its hello."""
+        peer = getattr(conn, "remote_address", "?")
+        message = (
+            f"the server is busy: {self.max_concurrent} sessions are running, its limit "
+            "(`splitleak serve --max-concurrent`); try again later"
+        )
+        log.warning("refused a connection from %s: %s", peer, message)
+        try:
+            conn.send(pack({"type": "error", "message": message, "seq": 0, "nonce": new_nonce()}))
+            conn.recv(timeout=min(2.0, self.hello_seconds))
+        except Exception:  # noqa: BLE001 (a silent or vanished peer: closed all the same)
+            pass
+        try:
+            conn.close()
+        except Exception:  # noqa: BLE001
+            pass
 
     def start(self) -> int:
         """Bind and return the port (an ephemeral one when ``port`` is 0); serve with ``serve_forever``."""
@@ -560,13 +797,15 @@ class ServerNode:
 
         from splitleak.wire.tls import server_context
 
+        ctx = server_context(self.tls_dir)
+        ctx.sslsocket_class = _LoggedSSLSocket  # a failed TLS handshake is logged (websockets drops it silently)
         self._server = serve(
             self._handler,
             self.host,
             self.port,
-            ssl=server_context(self.tls_dir),
+            ssl=ctx,
             compression=None,
-            max_size=MAX_MESSAGE_BYTES,
+            max_size=self.max_message_bytes(),
             ping_interval=None,
             server_header=None,
             open_timeout=OPEN_TIMEOUT_S,
@@ -592,6 +831,8 @@ class RemoteServer(WireLedger):
     plain split the loss stays on the server."""
 
     def __init__(self, host: str, port: int, tls_dir: str | Path, hello: dict[str, Any], timeout: float = 60.0):
+        from websockets.exceptions import ConnectionClosed
+
         super().__init__(link=MAIN_LINK)
         self.remote = True
         self.where = f"{host}:{port}"
@@ -601,20 +842,30 @@ class RemoteServer(WireLedger):
         self.guard = ReplayGuard()
         self.seq = 0
         self.closed = False
+        self.tls_dir = Path(tls_dir)
+        self.session_id: str | None = None  # the welcome's; every later message carries it
         self.messages: list[dict[str, Any]] = []  # every envelope, both ways, as the server's capture has them
         try:
             self.conn = self._open(host, port, tls_dir, timeout)
-        except ssl.SSLError as exc:  # before OSError, of which it is one
+        except ssl.SSLCertVerificationError as exc:  # the server's certificate (before OSError, of which it is one)
             raise TransportError(
-                f"the TLS handshake with {self.where} failed ({exc.reason or exc}): both sides need certificates "
-                "from the same CA (`splitleak tls init`)"
+                f"the TLS handshake with {self.where} failed (CERTIFICATE_VERIFY_FAILED): the server's certificate "
+                f"does not verify against {self.tls_dir / 'ca.pem'} ({exc.verify_message}); both sides need "
+                "certificates from the same CA (`splitleak tls init`)"
             ) from None
+        except ssl.SSLError as exc:  # the server's alert: it refused this client's certificate
+            raise TransportError(self._refused_certificate(exc)) from None
         except (OSError, TimeoutError) as exc:
             raise TransportError(f"cannot reach the server at {self.where}: {exc}") from None
         except Exception as exc:  # noqa: BLE001 (websockets' handshake errors)
+            if isinstance(_ssl_cause(exc), ssl.SSLError):  # the TLS session broke right after it opened
+                raise TransportError(self._refused_certificate(_ssl_cause(exc))) from None
             raise TransportError(f"the TLS/WebSocket handshake with {self.where} failed: {exc}") from None
         try:
-            self._send(hello)
+            try:
+                self._send(hello)
+            except ConnectionClosed:  # a server that refused at once (busy) has sent why: read it below
+                pass
             reply, _ = self._recv("the handshake")
             if reply.get("type") != "welcome":
                 raise TransportError(f"the server at {self.where} refused the session: {reply.get('message', reply)}")
@@ -628,11 +879,50 @@ class RemoteServer(WireLedger):
                         f"the server at {self.where} runs another {key}: it has {reply.get(key)!r}, "
                         f"this client {hello[key]!r}"
                     )
+            session = reply.get("session")
+            if not (isinstance(session, str) and len(session) == 32):
+                raise TransportError(f"the server at {self.where} sent no session id in its welcome ({session!r})")
+            self.session_id = self.guard.session = session
+            self.limits = Limits(**reply["limits"])
+            # the WebSocket layer reads no message larger than the session's largest frame in its envelope
+            _cap_messages(self.conn, min(self.limits.max_message_bytes(), MAX_MESSAGE_BYTES))
         except BaseException:
             self.abort()
             raise
-        self.limits = Limits(**reply["limits"])
         self.welcome = reply  # the server's token and checkpoint interval: what a later resume names
+
+    def _refused_certificate(self, exc: BaseException | None) -> str:
+        """Which certificate the server refused, and why as far as this side can tell."""
+        from datetime import datetime, timezone
+
+        from cryptography import x509
+
+        alert = getattr(exc, "reason", None) or type(exc).__name__
+        cert_path, ca_path = self.tls_dir / "client.pem", self.tls_dir / "ca.pem"
+        head = f"the server at {self.where} refused this client's certificate {cert_path} ({alert})"
+        try:
+            cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+            ca = x509.load_pem_x509_certificate(ca_path.read_bytes())
+        except (OSError, ValueError) as err:
+            return f"{head}; it cannot be read here either ({err}); make new material with `splitleak tls init`"
+        issuer = cert.issuer.rfc4514_string()
+        try:
+            cert.verify_directly_issued_by(ca)
+            signed = True
+        except Exception:  # noqa: BLE001 (another issuer, or another key's signature)
+            signed = False
+        if not signed:
+            other = "another CA of the same name" if cert.issuer == ca.subject else "another CA"
+            return (
+                f"{head}: it is signed by {other} ({issuer}) than {ca_path}, the CA of the server's certificate; "
+                "give the client the client.pem and client.key of the server's `splitleak tls init` folder"
+            )
+        if cert.not_valid_after_utc < datetime.now(timezone.utc):
+            return f"{head}: it expired on {cert.not_valid_after_utc:%Y-%m-%d}; make new material with `splitleak tls init`"
+        return (
+            f"{head}: it is issued by {issuer}, which this server does not trust; give both sides certificates from "
+            "the same `splitleak tls init` folder"
+        )
 
     def _open(self, host: str, port: int, tls_dir: str | Path, timeout: float, attempts: int = OPEN_ATTEMPTS):
         """The WebSocket over TLS. A server that closes the connection before its HTTP answer (a busy
@@ -649,7 +939,7 @@ class RemoteServer(WireLedger):
                     f"wss://{host}:{port}/splitleak",
                     ssl=client_context(tls_dir),
                     compression=None,
-                    max_size=MAX_MESSAGE_BYTES,
+                    max_size=HANDSHAKE_MESSAGE_BYTES,  # raised to the session's limits by the welcome
                     open_timeout=timeout,
                     ping_interval=None,
                     proxy=None,
@@ -666,6 +956,8 @@ class RemoteServer(WireLedger):
         if self.closed:
             raise TransportError("the session is closed; no frame may follow")
         header = {**header, "seq": self.seq, "nonce": header.get("nonce") or new_nonce()}
+        if self.session_id is not None:
+            header["session"] = self.session_id
         self.seq += 1
         self.conn.send(pack(header, payload))
         self.messages.append({"direction": "client->server", "bytes": len(payload), "header": header})
@@ -676,6 +968,8 @@ class RemoteServer(WireLedger):
         try:
             message = self.conn.recv(timeout=self.timeout)
         except ConnectionClosed as exc:
+            if self.session_id is None and isinstance(_ssl_cause(exc), ssl.SSLError):
+                raise TransportError(self._refused_certificate(_ssl_cause(exc))) from None
             raise TransportError(f"the server at {self.where} closed the connection during {what} ({exc})") from None
         except TimeoutError:
             raise TransportError(
@@ -685,6 +979,7 @@ class RemoteServer(WireLedger):
         self.messages.append({"direction": "server->client", "bytes": len(payload), "header": header})
         if header.get("type") == "error":
             raise TransportError(f"the server at {self.where} ended the session during {what}: {header.get('message')}")
+        self.guard.check_session(header)
         return header, payload
 
     def request(self, frame: Frame) -> Frame:
@@ -693,7 +988,7 @@ class RemoteServer(WireLedger):
         blob = encode(frame)
         self.record(decode(blob), blob)
         what = f"{frame.phase} step {frame.step}" if frame.step >= 0 else f"the {frame.phase} pass"
-        header = frame_header(frame, blob, self.seq)
+        header = {**frame_header(frame, blob, self.seq), "session": self.session_id}
         try:
             self.conn.send(pack(header, blob))
         except ConnectionClosed as exc:
@@ -731,6 +1026,19 @@ class RemoteServer(WireLedger):
         finally:
             self.closed = True
             self.conn.close()
+
+
+def _ssl_cause(exc: BaseException) -> BaseException | None:
+    """The TLS error under a websockets exception (its cause or context), if any."""
+    seen = exc
+    for _ in range(4):
+        if isinstance(seen, ssl.SSLError):
+            return seen
+        nxt = seen.__cause__ or seen.__context__
+        if nxt is None:
+            return None
+        seen = nxt
+    return None
 
 
 def wait_port(host: str, port: int, timeout: float = 30.0) -> None:

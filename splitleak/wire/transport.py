@@ -5,7 +5,9 @@ messages carry the frame's encoded blob (``splitleak.wire.frames.encode``: itsel
 JSON header with dtype, shape and offsets of each tensor, then the raw little-endian tensors), so
 the bytes that cross are exactly the bytes the in-process channel hashes into its ledger. The
 envelope header names the kind, step, phase, row ids, dtype and shape, a 128-bit random nonce and a
-sequence number.
+sequence number and, from protocol 2 on, the session id the server's welcome gave (every later
+message of either side carries it, and the receiver refuses another: a message recorded in one
+session is never accepted in another).
 
 ``check_frame_message`` validates all of it against the limits agreed in the handshake *before*
 the tensors are decoded: the envelope agrees with the blob's own header, dtypes are allowed, the
@@ -26,9 +28,31 @@ from typing import Any
 from splitleak.errors import SplitleakError
 from splitleak.wire.frames import KINDS, PHASES, Frame
 
-PROTOCOL_VERSION = 1
+#: 2: every message after the handshake carries the session id of the welcome (``session``)
+PROTOCOL_VERSION = 2
 MAGIC = b"SLK1"
 MAX_HEADER_BYTES = 1 << 20
+#: what a message may hold beyond its frame: the prefix, the header length and the largest header
+ENVELOPE_BYTES = 8 + MAX_HEADER_BYTES
+#: the largest message before the welcome (a hello, a welcome or an error: a header and no payload)
+HANDSHAKE_MESSAGE_BYTES = ENVELOPE_BYTES
+
+# ``splitleak serve``'s defaults (its --max-* flags): the server-side maxima of what a hello may ask.
+# They cover the study's settings (32-token documents, capture batches of 16 with as many mixup probe
+# rows; the latent mode's 48 decoys) with room to spare. A session holds at most one frame of
+# MAX_FRAME_MIB and one forward's graph of at most MAX_FRAME_TOKENS rows x tokens, whose logits
+# (rows x tokens x the vocabulary, and their gradient) are what costs memory in a plain split; the
+# server's memory is bounded by MAX_CONCURRENT x (model + that), whatever a client asks (with the tiny
+# model, 50k vocabulary: four sessions at these maxima peaked at 0.8 GiB, 16,384 rows x tokens each at
+# 2.8 GiB; benchmarks/RESULTS.md, "Memory of `serve` under hostile clients").
+MAX_ROWS = 64  # rows of one frame, mixup's probe rows included (capture_batch x PROBE_FACTOR)
+MAX_TOKENS = 256  # tokens of one row (doc_len; in the latent mode doc_len + decoys)
+MAX_FRAME_TOKENS = 2048  # rows x tokens of one frame (the study's 32 x 32 is 1024)
+MAX_FRAME_MIB = 64  # bytes of one frame (the WebSocket cap is this plus the envelope)
+MAX_CONCURRENT = 4  # sessions at once, each with its own model copy
+HELLO_SECONDS = 10.0  # the first message (the hello) must arrive this soon after the connection opens
+PROBE_FACTOR = 2  # mixup may add probe rows: at most as many as the real ones
+
 #: safetensors dtype names a frame may carry, and their sizes in bytes
 DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -67,24 +91,45 @@ def new_nonce() -> str:
 
 @dataclass(frozen=True)
 class Limits:
-    """What the receiver accepts, fixed by the handshake."""
+    """What the receiver accepts, fixed by the handshake. ``max_frame_bytes``: the server's own cap
+    on one frame's bytes (``serve --max-frame-mib``), below the bound the rows and tokens give."""
 
     width: int
     max_tokens: int
     max_rows: int
     float_dtype: str
+    max_frame_bytes: int | None = None
 
     def max_payload_bytes(self) -> int:
         per_row = self.max_tokens * (self.width * DTYPES["F64"] + 2 * DTYPES["I64"])
-        return self.max_rows * per_row + (1 << 16)
+        bound = self.max_rows * per_row + FRAME_HEADER_SLACK
+        return bound if self.max_frame_bytes is None else min(bound, self.max_frame_bytes)
+
+    def max_message_bytes(self) -> int:
+        """The largest message of the session: a frame at the limit in its envelope (the WebSocket cap)."""
+        return self.max_payload_bytes() + ENVELOPE_BYTES
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "width": self.width,
             "max_tokens": self.max_tokens,
             "max_rows": self.max_rows,
             "float_dtype": self.float_dtype,
         }
+        if self.max_frame_bytes is not None:
+            out["max_frame_bytes"] = self.max_frame_bytes
+        return out
+
+
+#: room for a frame's own safetensors header (dtypes, shapes, offsets, the frame metadata)
+FRAME_HEADER_SLACK = 1 << 16
+
+
+def frame_bytes(rows: int, tokens: int, width: int, float_dtype: str) -> int:
+    """The bytes of the largest frame of ``rows`` x ``tokens`` x ``width`` in ``float_dtype``
+    (``torch.float32`` or ``F32``), with its mask, labels and header: what a hello's sizes imply."""
+    name = _ST_NAME.get(float_dtype, float_dtype)
+    return rows * tokens * (width * DTYPES.get(name, DTYPES["F64"]) + 2 * DTYPES["I64"]) + FRAME_HEADER_SLACK
 
 
 def frame_header(frame: Frame, blob: bytes, seq: int) -> dict[str, Any]:
@@ -224,11 +269,17 @@ def receive_frame(header: dict[str, Any], payload: bytes, limits: Limits, allowe
     return frame
 
 
-class ReplayGuard:
-    """Refuses a nonce seen before in the session and a sequence number outside the sliding window
-    (more than ``window`` behind the highest seen, or seen before)."""
+def new_session_id() -> str:
+    return secrets.token_hex(16)  # 128 bits, fresh for each session: what binds its messages to it
 
-    def __init__(self, window: int = 64, memory: int = 1 << 16):
+
+class ReplayGuard:
+    """Refuses a nonce seen before in the session, a sequence number outside the sliding window
+    (more than ``window`` behind the highest seen, or seen before) and, once ``session`` is set (the
+    welcome's session id), a message that does not carry it: a message recorded in another session."""
+
+    def __init__(self, window: int = 64, memory: int = 1 << 16, session: str | None = None):
+        self.session = session
         self.window = window
         self.highest = -1
         self._seqs: set[int] = set()
@@ -236,7 +287,16 @@ class ReplayGuard:
         self._order: deque[str] = deque()
         self.memory = memory
 
+    def check_session(self, header: dict[str, Any]) -> None:
+        if self.session is not None and header.get("session") != self.session:
+            got = header.get("session")
+            raise TransportError(
+                f"a {header.get('type')!r} message carries session id {got!r}, not this session's: a message of "
+                "another session (a replay), or a client older than protocol 2"
+            )
+
     def check(self, header: dict[str, Any]) -> None:
+        self.check_session(header)
         seq = _int(header.get("seq"), "the sequence number")
         nonce = header.get("nonce")
         if not (isinstance(nonce, str) and len(nonce) == 32 and all(c in "0123456789abcdef" for c in nonce)):
