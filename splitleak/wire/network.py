@@ -348,7 +348,7 @@ class Session:
         if rows > node.max_rows:
             raise TransportError(
                 f"the hello asks for {rows} rows per frame ({rows_why}); this server allows at most {node.max_rows} "
-                "(raise it with `splitleak serve --max-rows`, or lower the client's --capture-batch)"
+                "(raise it with `splitleak serve --max-rows`, or lower the client's capture_batch)"
             )
         if tokens > node.max_tokens:
             raise TransportError(
@@ -359,7 +359,7 @@ class Session:
             raise TransportError(
                 f"the hello asks for frames of {rows} rows x {tokens} tokens = {rows * tokens}; this server allows at "
                 f"most {node.max_frame_tokens} rows x tokens (raise it with `splitleak serve --max-frame-tokens`, or "
-                "lower the client's --capture-batch or --doc-len)"
+                "lower the client's capture_batch or --doc-len)"
             )
 
     def _check_frame_bytes(self, rows: int, tokens: int, width: int, float_dtype: str) -> None:
