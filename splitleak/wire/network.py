@@ -521,12 +521,12 @@ class Session:
         entry cannot be written, the session is logged as such (``verify`` then calls it unfinished)."""
         self.rec.status = "complete" if ok else "failed"
         self.rec.reason = reason
-        if ok and self.token is not None and self.node.checkpoints is not None:  # with or without a capture
-            shutil.rmtree(Path(self.node.checkpoints) / self.token, ignore_errors=True)  # whole: nothing to resume
         if self.store is None or self.store.closed:
+            self._drop_checkpoints()
             return
         try:
             self._close_store(ok, reason)
+            self._drop_checkpoints()
             return
         except Exception as exc:  # noqa: BLE001 (whatever it was, the capture must still end closed)
             why = f"{type(exc).__name__}: {exc}"
@@ -544,6 +544,12 @@ class Session:
                 type(exc).__name__,
                 exc,
             )
+
+    def _drop_checkpoints(self) -> None:
+        """A session recorded complete (with or without a capture) leaves nothing to resume: its training's
+        checkpoints go. Only then: a session whose end could not be recorded keeps them for the client's resume."""
+        if self.rec.status == "complete" and self.token is not None and self.node.checkpoints is not None:
+            shutil.rmtree(Path(self.node.checkpoints) / self.token, ignore_errors=True)
 
     def _failure_info(self, reason: str) -> dict[str, Any]:
         return {"reason": reason, "phase": self.phase, "last_step": self.last_step, "frames": self.rec.frames}
