@@ -233,17 +233,19 @@ def test_an_edited_copy_of_the_protocol_changes_the_verdict(tmp_path):
 
 def write_battery_result(folder: Path, digest: str, read: float = 0.3) -> Path:
     """A probe-battery RESULT.json and its per-frame predictions, as ``run_probe_attack`` writes them,
-    under the protocol hash ``digest``; the run directory holds its metrics (0.1 nats over pretrained)."""
+    under the protocol hash ``digest``; the run directory holds its metrics (0.1 nats over pretrained), recorded
+    in its journal and closed complete (the gate reads the metrics of a run that verifies only)."""
     from splitleak.audit.evaluate import write_result
-    from splitleak.wire.store import config_hash
+    from splitleak.wire.store import RunStore, config_hash
 
     stats, extra, probes, frame_rows = battery(read=read)
     twin_stats, _, twin_probes, _ = battery(read=0.0, seed=1)
     run = folder / "run"
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "metrics.json").write_text(
-        json.dumps({"heldout_ce": 3.1, "pretrained_ce": 3.0, "ce_increase_over_pretrained": 0.1})
+    store = RunStore.create(run)
+    store.add_json(
+        "metrics", "metrics.json", {"heldout_ce": 3.1, "pretrained_ce": 3.0, "ce_increase_over_pretrained": 0.1}
     )
+    store.close(True)
     cfg = {"attack": "latent-probe", "params": {"restarts": 3}}
     run_cfg = {"model": "tiny-gpt2", "seed": 7, "latent": {"split_after": 0, "resume_at": 3, "output_gradient": "open"}}
     twin = {**twin_probes, "verdict": {"verdict": "at floor"}, "type": "shuffled"}
@@ -430,3 +432,64 @@ def test_a_protocol_whose_gate_cannot_be_read_is_refused(tmp_path, edit, words):
 
     with pytest.raises(ConfigError, match=words):
         thresholds(edited_copy(tmp_path, "bad.yaml", edit))
+
+
+# ------------------------------------------------------------------ utility read only from a run that verifies (issue 33)
+
+
+def _edit_metrics(run: Path, **fields) -> None:
+    m = json.loads((run / "metrics.json").read_text())
+    m.update(fields)
+    (run / "metrics.json").write_text(json.dumps(m))  # NaN is written as NaN, which json reads back
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value", [0.123, float("nan")])
+def test_protocol_analyse_marks_the_utility_of_a_battery_run_whose_metrics_were_edited(tmp_path, value):
+    from splitleak.cli import app
+
+    loose = edited_copy(tmp_path / "q", "gate.yaml", ("gate: 0.01", "gate: 0.5"))
+    res = write_battery_result(tmp_path / "b", load_protocol(loose)[1])
+    out = tmp_path / "an"
+    r = runner.invoke(app, ["protocol", "analyse", str(loose), str(res), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    g = json.loads(out.with_suffix(".json").read_text())["gate"][0]
+    assert g["utility"]["passes"] is True and g["passes"] is True and "unverified" not in g["utility"]
+    _edit_metrics(tmp_path / "b" / "run", ce_increase_over_pretrained=value, heldout_ce=3.0 + value)
+    r = runner.invoke(app, ["protocol", "analyse", str(loose), str(res), "--out", str(out)])
+    g = json.loads(out.with_suffix(".json").read_text())["gate"][0]
+    assert "metrics.json" in g["utility"]["unverified"] and "content differs" in g["utility"]["unverified"]
+    assert g["utility"]["ce_increase"] is None and g["utility"]["passes"] is None  # never read as measured
+    assert g["passes"] is None and g["privacy_holds"] is True  # the configuration cannot be called passing
+    assert "utility unverified" in g["verdict"] and "utility unverified" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("value", [0.123, float("nan")])
+def test_the_split_gate_and_the_delta_u_rows_read_no_edited_metrics(tmp_path, shared_run, value):
+    import shutil
+
+    from splitleak.audit.analysis import run_rows_from_results
+    from splitleak.audit.gate import split_utility
+    from splitleak.errors import IntegrityError
+
+    run = tmp_path / "run"
+    shutil.copytree(
+        shared_run(model="tiny-gpt2", depth=2, n_calib=4, n_train=6, n_eval=12, seed=0, all_local_baseline=False), run
+    )
+    cfg = json.loads((run / "manifest.json").read_text())["config"]
+    defended = {**cfg, "defences": [{"name": "quant8", "args": {}}]}  # a defended run's ΔU is read from its metrics
+    th = shipped_thresholds()
+    intact = split_utility(run, defended, th)
+    assert "unverified" not in intact and intact["ce_increase"] is None  # no all-local run: ΔU not measured
+    found = [(tmp_path / "R.json", {"attack": "pi", "config_hash": "0" * 64, "leakage_index": 0.2,
+                                    "run": {"dir": str(run), "config": cfg}})]  # fmt: skip
+    assert run_rows_from_results(found)[0]["delta_u"] is None
+
+    _edit_metrics(run, delta_u=value, heldout_ce=value)
+    u = split_utility(run, defended, th)
+    assert u["ce_increase"] is None and u["passes"] is None and "metrics.json" in u["unverified"]
+    assert "utility unverified" in u["text"]
+    with pytest.raises(IntegrityError, match="does not verify") as exc:
+        run_rows_from_results(found)
+    assert "\n" not in str(exc.value) and "splitleak verify" in str(exc.value) and "metrics.json" in str(exc.value)

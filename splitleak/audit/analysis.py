@@ -41,7 +41,6 @@ from splitleak.audit.predictions import RESULT_FIX, read_predictions  # noqa: F4
 from splitleak.audit.protocol import Protocol, check_results
 from splitleak.errors import ConfigError, DataError, IntegrityError, SplitleakError
 from splitleak.stats import bonferroni_alpha, heldout_rmse, paired_difference_ci, partial_r2_test
-from splitleak.wire.store import read_run_json
 
 #: the attack's fields of a record: its identity (``attacks.config.IDENTITY``, derived from AttackConfig:
 #: ``params`` holds every hyperparameter without a field of its own, as canonical JSON)
@@ -223,9 +222,14 @@ def rows_from_results(found: Sequence[tuple[Path, dict[str, Any]]]) -> list[dict
 def run_rows_from_results(found: Sequence[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
     """One record per property-inference result, with its run's ΔU (for the partial-offloading tests).
 
-    The run directory named in the result must still exist (its metrics.json holds ΔU)."""
+    The run directory named in the result must still exist (its metrics.json holds ΔU) and verify,
+    complete: a run whose metrics.json was edited is refused in one line, never read as measured nor
+    dropped from the test without a word (a test on fewer runs would be another test)."""
+    from splitleak.audit.predictions import verified_metrics
+
     rows = []
-    for _, res in found:
+    checked: dict[str, dict[str, Any]] = {}
+    for path, res in found:
         if res.get("leakage_index") is None:
             continue
         metrics_path = Path(res["run"]["dir"]) / "metrics.json"
@@ -234,7 +238,15 @@ def run_rows_from_results(found: Sequence[tuple[Path, dict[str, Any]]]) -> list[
                 f"result {res['config_hash'][:12]} names run {res['run']['dir']}, which has no "
                 "metrics.json; keep the run directories beside their results"
             )
-        m = read_run_json(res["run"]["dir"], "metrics.json")
+        if res["run"]["dir"] not in checked:
+            m, why = verified_metrics(res["run"]["dir"])
+            if m is None:
+                raise IntegrityError(
+                    f"{path} names run {res['run']['dir']}, which does not verify ({why}): its ΔU is not what it "
+                    f"measured; run `splitleak verify {res['run']['dir']}`, then restore or retrain the run"
+                )
+            checked[res["run"]["dir"]] = m
+        m = checked[res["run"]["dir"]]
         if not isinstance(m.get("delta_u"), (int, float, type(None))) or isinstance(m.get("delta_u"), bool):
             raise IntegrityError(f"{metrics_path}: delta_u is not a number; rerun `splitleak train` for that run")
         rows.append(

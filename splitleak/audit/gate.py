@@ -174,6 +174,19 @@ def utility_gate(ce_increase: float | None, th: GateThresholds, reference: str) 
     return out
 
 
+def unverified_utility(run_dir: str | Path, why: str | None, th: GateThresholds, reference: str) -> dict[str, Any]:
+    """The utility gate of a run that does not verify: not measured (``passes`` None, so the configuration
+    cannot be called passing where the protocol declares a utility gate), marked ``unverified`` with why,
+    as ``compare`` marks it: what its metrics.json says is not vouched for by its journal."""
+    out = utility_gate(None, th, reference)
+    out["unverified"] = f"{run_dir}: {why}"
+    out["text"] = (
+        f"utility unverified: the run {run_dir} does not verify ({why}); its metrics are not read as measured "
+        "(`splitleak verify` names what changed: retrain or restore the run)"
+    )
+    return out
+
+
 def passes(privacy_holds: bool | None, utility: dict[str, Any] | None) -> bool | None:
     """A configuration passes when it holds the privacy gate and is within the utility gate (an
     unmeasured utility, where the protocol declares a gate, leaves it undecided)."""
@@ -307,7 +320,7 @@ def latent_verdict(
     ok = passes(privacy, utility)
     if utility is not None and utility.get("passes") is False:
         words += f"; {utility['text']}: not a passing configuration"
-    elif utility is not None and utility.get("max") is not None:
+    elif utility is not None and (utility.get("max") is not None or utility.get("unverified")):
         words += f"; {utility['text']}"
     js = sorted({int(r["J"]) for r in by_view.values()})
     return {
@@ -391,26 +404,32 @@ def reread_probes(
 
 def latent_utility(run_dir: str | Path, th: GateThresholds) -> dict[str, Any]:
     """A latent run's utility gate: its held-out CE over the frozen pretrained model (``metrics.json``'s
-    ``ce_increase_over_pretrained``, 002's Δ loss)."""
-    from splitleak.wire.store import read_run_json
+    ``ce_increase_over_pretrained``, 002's Δ loss), read only from a run that verifies (else marked unverified)."""
+    from splitleak.audit.predictions import verified_metrics
 
-    m = read_run_json(run_dir, "metrics.json")
+    reference = "the frozen pretrained model (002's Δ loss)"
+    m, why = verified_metrics(run_dir)
+    if m is None:
+        return unverified_utility(run_dir, why, th, reference)
     ce = m.get("ce_increase_over_pretrained")
     if ce is None and m.get("heldout_ce") is not None and m.get("pretrained_ce") is not None:
         ce = float(m["heldout_ce"]) - float(m["pretrained_ce"])
-    return utility_gate(None if ce is None else float(ce), th, "the frozen pretrained model (002's Δ loss)")
+    return utility_gate(None if ce is None else float(ce), th, reference)
 
 
 def split_utility(run_dir: str | Path, run_config: dict[str, Any], th: GateThresholds) -> dict[str, Any]:
     """A split run's utility gate: ΔU, its held-out CE over the all-local run (``metrics.json``); an
-    undefended plain split is its own reference (it reproduces the all-local run exactly), so ΔU = 0."""
-    from splitleak.wire.store import read_run_json
+    undefended plain split is its own reference (it reproduces the all-local run exactly), so ΔU = 0. ΔU is
+    read only from a run that verifies; else the utility is marked unverified and the run cannot pass."""
+    from splitleak.audit.predictions import verified_metrics
 
     defences = [d.get("name") for d in run_config.get("defences", [{"name": "none"}])]
     plain = run_config.get("offload_start") is None and run_config.get("shielded") is None
     if plain and all(d == "none" for d in defences):
         return utility_gate(0.0, th, "itself (undefended: the plain split reproduces the all-local run)")
-    m = read_run_json(run_dir, "metrics.json")
+    m, why = verified_metrics(run_dir)
+    if m is None:
+        return unverified_utility(run_dir, why, th, "the all-local run (ΔU)")
     du = m.get("delta_u")
     return utility_gate(None if du is None else float(du), th, "the all-local run (ΔU)")
 
@@ -512,7 +531,7 @@ def _read_split(item: dict[str, Any], th: GateThresholds) -> dict[str, Any]:
     words += f" (+{100 * th.gate:.2f} pp)"
     if utility.get("passes") is False:
         words += f"; {utility['text']}: not a passing configuration"
-    elif utility.get("max") is not None:
+    elif utility.get("max") is not None or utility.get("unverified"):
         words += f"; {utility['text']}"
     cfg = res0["run"]["config"]
     return {

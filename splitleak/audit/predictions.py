@@ -27,3 +27,17 @@ def read_predictions(path: Path, res: dict[str, Any], columns: list[str]) -> lis
     if want is not None and sha256_file(pq_path) != want:
         raise IntegrityError(f"{pq_path} does not hash to the digest {path.name} records; {RESULT_FIX}")
     return read_parquet(pq_path, "predictions file", RESULT_FIX, columns=columns).to_pylist()
+
+
+def verified_metrics(run_dir: str | Path) -> tuple[dict[str, Any] | None, str | None]:
+    """A run's ``metrics.json`` only when the run verifies, complete (``verify_run``, as ``compare`` checks it):
+    ``(metrics, None)``, or ``(None, why not)``. An edited held-out CE (0.123, NaN) is not what the run
+    measured, and no reader of utility may take it as measured."""
+    from splitleak.wire.store import read_run_json, verify_run
+
+    v = verify_run(run_dir)
+    if not v.ok:
+        return None, v.message
+    if v.status != "complete":
+        return None, f"the run {v.status}"
+    return read_run_json(run_dir, "metrics.json"), None
