@@ -93,3 +93,37 @@ def shared_run(tmp_path_factory):
         now = _listing(path)
         changed = sorted(k for k in trained.keys() | now.keys() if trained.get(k) != now.get(k))
         assert not changed, f"a test wrote into the shared run {path} (read only; train your own): {changed}"
+
+
+#: the options of the tiny audits shared by tests/test_compare.py and tests/test_audit_resume.py (``--draws
+#: derived``: an audit trained again under them is the same audit, which the resume tests compare against)
+TINY_AUDIT = [
+    "--model", "tiny-gpt2", "--n-calib", "8", "--n-train", "8", "--n-eval", "12", "--device", "cpu",
+    "--draws", "derived", "--threads", "2",  # the float sums of training depend on the number of threads
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_audit(tmp_path_factory):
+    """Tiny audits made once per session: ``tiny_audit(defence)`` returns the folder of ``splitleak audit
+    --defence DEFENCE`` with ``TINY_AUDIT``'s options. Read only (a test that writes works on a copy); at the
+    end of the session each must still be what the audit left."""
+    from typer.testing import CliRunner
+
+    from splitleak.cli import app
+
+    made: dict[str, tuple[Path, dict]] = {}
+
+    def get(defence: str = "none") -> Path:
+        if defence not in made:
+            out = tmp_path_factory.mktemp(f"audit-{defence}") / "audit"
+            r = CliRunner().invoke(app, ["audit", "--defence", defence, "--out", str(out), "--quiet", *TINY_AUDIT])
+            assert r.exit_code == 0, r.output
+            made[defence] = (out, _listing(out))
+        return made[defence][0]
+
+    yield get
+    for path, written in made.values():
+        now = _listing(path)
+        changed = sorted(k for k in written.keys() | now.keys() if written.get(k) != now.get(k))
+        assert not changed, f"a test wrote into the shared audit {path} (read only; copy it): {changed}"

@@ -141,7 +141,9 @@ def test_audit_force_deletes_an_audit_folder_but_never_a_foreign_one(tmp_path, m
     (audit / "report.json").write_text("{}")
     with pytest.raises(RuntimeError, match="training started"):
         audit_run.run_audit(audit, model="tiny-gpt2", force=True)
-    assert list(audit.iterdir()) == []
+    # all of it deleted; what is there now is the new audit's record of where it stopped (for --resume)
+    assert [p.name for p in audit.iterdir()] == ["stages.json"]
+    assert json.loads((audit / "stages.json").read_text())["stages"] == {}
 
 
 # ------------------------------------------------------------------ attack results

@@ -7,20 +7,16 @@ from splitleak.report.compare import compare_runs, leakage_cost_figure, table_ro
 
 runner = CliRunner()
 pytestmark = pytest.mark.e2e  # every test here compares whole audits
-SMALL = ["--n-calib", "8", "--n-train", "8", "--n-eval", "12", "--quiet", "--device", "cpu", "--model", "tiny-gpt2"]
 
 
 @pytest.fixture(scope="module")
-def audits(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cmp")
-    for d in ("none", "quant4-noisy", "mixup"):
-        r = runner.invoke(app, ["audit", "--defence", d, "--out", str(root / d), *SMALL])
-        assert r.exit_code == 0, r.output
-    return root
+def audits(tiny_audit):
+    """The session's tiny audits (tests/conftest.py), undefended and under two defences."""
+    return {d: tiny_audit(d) for d in ("none", "quant4-noisy", "mixup")}
 
 
 def test_compare_relates_each_defended_run_to_its_undefended_twin(audits):
-    runs = compare_runs([audits / "none", audits / "quant4-noisy"])
+    runs = compare_runs([audits["none"], audits["quant4-noisy"]])
     none, noisy = runs
     assert none.rel_ppl_change == 0.0
     expected = noisy.metrics["perplexity"] / none.metrics["perplexity"] - 1
@@ -44,8 +40,8 @@ def test_compare_relates_each_defended_run_to_its_undefended_twin(audits):
 def test_a_defended_audit_names_the_attacks_built_for_its_defence(audits):
     import json
 
-    noisy = json.loads((audits / "quant4-noisy" / "report.json").read_text())
-    none = json.loads((audits / "none" / "report.json").read_text())
+    noisy = json.loads((audits["quant4-noisy"] / "report.json").read_text())
+    none = json.loads((audits["none"] / "report.json").read_text())
     built = [a for a in noisy["attacks"] if a.get("built_for")]
     assert {a["attack"] for a in built} == {"sipit-aware", "activation-aware"}
     assert all(a["built_for"] == ["quant4-noisy"] for a in built)
@@ -67,8 +63,8 @@ def test_an_audit_takes_the_all_local_loss_from_a_run_it_trains_anyway(audits):
     exactly, tests/test_experiments.py); defended, the undefended twin is."""
     import json
 
-    none = json.loads((audits / "none" / "report.json").read_text())
-    noisy = json.loads((audits / "quant4-noisy" / "report.json").read_text())
+    none = json.loads((audits["none"] / "report.json").read_text())
+    noisy = json.loads((audits["quant4-noisy"] / "report.json").read_text())
     for rep in (none, noisy):
         assert rep["config"]["all_local_baseline"] is False and rep["metrics"]["all_local_ce"] is None
     assert none["utility_baseline"]["delta_u"] == 0.0
@@ -77,30 +73,30 @@ def test_an_audit_takes_the_all_local_loss_from_a_run_it_trains_anyway(audits):
     assert noisy["utility_baseline"]["all_local_ce"] == twin_ce
     assert noisy["utility_baseline"]["delta_u"] == pytest.approx(noisy["metrics"]["heldout_ce"] - twin_ce)
     assert noisy["utility_baseline"]["delta_u"] != 0
-    assert "ΔU = L_split − L_all-local" in (audits / "quant4-noisy" / "report.md").read_text()
+    assert "ΔU = L_split − L_all-local" in (audits["quant4-noisy"] / "report.md").read_text()
 
 
 def test_a_mixup_audit_attacks_the_probe_rows(audits):
-    runs = compare_runs([audits / "none", audits / "mixup"])
+    runs = compare_runs([audits["none"], audits["mixup"]])
     header, rows = table_rows(runs)
     mixup_rows = {r[8]: r for r in rows if r[1].startswith("mixup")}
     assert "mixup-unmix k=32" in mixup_rows
     import json
 
-    report = json.loads((audits / "mixup" / "report.json").read_text())
+    report = json.loads((audits["mixup"] / "report.json").read_text())
     channels = {c["channel"]: c for c in report["channels"]}
     assert channels["probe-activations"]["read_by"] == ["mixup-unmix k=32"]
     assert channels["probe-activations"]["status"] == "no positive control"
     unmix = next(a for a in report["attacks"] if a["attack"] == "mixup-unmix")
     plain = next(
-        a for a in json.loads((audits / "none" / "report.json").read_text())["attacks"] if a["attack"] == "activation"
+        a for a in json.loads((audits["none"] / "report.json").read_text())["attacks"] if a["attack"] == "activation"
     )
     assert unmix["token_recovery"] >= plain["token_recovery"] - 0.01
 
 
 def test_compare_cli_writes_png_and_svg(audits, tmp_path):
     r = runner.invoke(
-        app, ["compare", str(audits / "none"), str(audits / "quant4-noisy"), "--figure", str(tmp_path / "f")]
+        app, ["compare", str(audits["none"]), str(audits["quant4-noisy"]), "--figure", str(tmp_path / "f")]
     )
     assert r.exit_code == 0, r.output
     png, svg = tmp_path / "f.png", tmp_path / "f.svg"
@@ -110,6 +106,6 @@ def test_compare_cli_writes_png_and_svg(audits, tmp_path):
 
 def test_compare_without_a_baseline_cannot_plot(audits, tmp_path):
     with pytest.raises(SplitleakError, match="undefended run"):
-        leakage_cost_figure(compare_runs([audits / "quant4-noisy"]), tmp_path / "f")
+        leakage_cost_figure(compare_runs([audits["quant4-noisy"]]), tmp_path / "f")
     r = runner.invoke(app, ["compare", str(tmp_path)])
     assert r.exit_code == 2 and "neither a finished run" in " ".join(r.output.split())

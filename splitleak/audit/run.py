@@ -28,11 +28,12 @@ import torch
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
 from splitleak.attacks.knowledge import eval_token_ids, find_session
-from splitleak.audit.calibrate import calibrate
+from splitleak.audit.calibrate import CalibrationResult, calibrate, read_calibration
 from splitleak.audit.channels import IN_CLEAR, channel_table, not_attacked, run_declaration
 from splitleak.audit.defaults import AUDIT_N_EVAL, AUDIT_N_TRAIN
 from splitleak.audit.evaluate import attack_label, run_attack
 from splitleak.audit.gate import audit_utility, gate_record, shipped_thresholds
+from splitleak.audit.stages import START_AGAIN, AuditStages
 from splitleak.audit.verdicts import CONTROL_DOCS, arm_effects, arm_gate, recovery_intervals
 from splitleak.data import N_CALIB
 from splitleak.errors import ConfigError, SplitleakError
@@ -45,6 +46,7 @@ from splitleak.stats import frame_weights
 from splitleak.training import DefenceConfig, RunResult, make_train_config, run_training
 from splitleak.training.config import adaptive_attacks_of
 from splitleak.wire import load_capture, verify_run
+from splitleak.wire.store import read_run_json
 
 DEFAULT_MODEL = "smollm2-135m"
 FALLBACK_MODEL = "tiny-gpt2"
@@ -196,28 +198,37 @@ def capture_summary(run_dir: Path) -> dict[str, Any]:
 
 
 #: what an audit writes into its folder (``run_audit``); ``--force`` deletes a folder that holds only these
-AUDIT_ENTRIES = frozenset({"run", "twin", "attacks", "calibration", "report.json", "report.md", "report.html"})
+AUDIT_ENTRIES = frozenset(
+    {"run", "twin", "attacks", "calibration", "report.json", "report.md", "report.html", "stages.json"}
+)
 
 
-def check_audit_out(out: Path, force: bool) -> bool:
+def check_audit_out(out: Path, force: bool, resume: bool = False) -> bool:
     """Refuse an ``--out`` that the audit must not write into (one line): one that exists and is not
-    empty without ``force``; with it, a link (whatever it leads to) or a folder that is not an audit
-    folder splitleak wrote (its run, or only what an audit writes). True when ``out`` is to be deleted."""
+    empty without ``force`` or ``resume``; with either, a link (whatever it leads to) or a folder that is
+    not an audit folder splitleak wrote (its run, or only what an audit writes). True when ``out`` is to
+    be deleted (``force``); ``resume`` keeps it, for ``AuditStages.prior`` to check what it holds."""
     from splitleak.wire.store import is_run_dir, refuse_clobber
 
+    if force and resume:
+        raise ConfigError("--resume continues the audit in --out and --force deletes it to start again; pass one")
     refuse_clobber(out)
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return False
-    if not force:
-        raise SplitleakError(f"{out} already exists and is not empty; choose another --out or pass --force")
+    if not force and not resume:
+        raise SplitleakError(
+            f"{out} already exists and is not empty; pass --resume to continue the audit there, --force to start "
+            "it again, or choose another --out"
+        )
     names = {p.name for p in out.iterdir() if not p.name.endswith(".tmp")} if out.is_dir() else {out.name}
     ours = out.is_dir() and names <= AUDIT_ENTRIES and (not (out / "run").exists() or is_run_dir(out / "run"))
     if not ours:
         raise SplitleakError(
             f"{out} is not an audit folder (it holds {', '.join(sorted(names - AUDIT_ENTRIES)[:3]) or 'a run that splitleak did not write'}, "
-            "which an audit never writes), and --force deletes only what splitleak wrote; choose another --out"
+            f"which an audit never writes), and {'--force deletes' if force else '--resume continues'} only what "
+            "splitleak wrote; choose another --out"
         )
-    return True
+    return force
 
 
 def run_audit(
@@ -236,6 +247,7 @@ def run_audit(
     n_train: int = AUDIT_N_TRAIN,
     n_eval: int = AUDIT_N_EVAL,
     force: bool = False,
+    resume: bool = False,
     device: str = "auto",
     threads: int | None = None,
     progress: Progress | None = None,
@@ -260,9 +272,16 @@ def run_audit(
     baseline is trained (the identity that spares it is tested for the plain split only).
 
     With a defence and ``twin``, the same run without the defence is trained too (``out/twin``, no
-    all-local baseline) so that the cost reads as the relative perplexity change against it (What Gradients Add §4.5)."""
+    all-local baseline) so that the cost reads as the relative perplexity change against it (What Gradients Add §4.5).
+
+    ``resume``: continue the audit that a kill or an error stopped in ``out`` (``splitleak.audit.stages``):
+    each stage it finished is reused once its files hash as it recorded them (a run must also verify,
+    complete), the others are done again; refused in one line when ``out`` was audited with other
+    settings or a finished stage's files were changed. The report is the one an uninterrupted audit writes."""
     out = Path(out)
-    clear = check_audit_out(out, force)  # before anything is loaded, trained or deleted
+    clear = check_audit_out(out, force, resume)  # before anything is loaded, trained or deleted
+    # the stages a stopped audit finished, their files checked against its record, before anything is loaded
+    prior = AuditStages.prior(out) if resume and out.is_dir() and any(out.iterdir()) else None
     check_certify(certify)  # before anything is trained or written
     if mode not in AUDIT_MODES:
         raise ConfigError(f"unknown --mode {mode!r}; the audit runs in {', '.join(AUDIT_MODES)}")
@@ -295,20 +314,71 @@ def run_audit(
         # split run reproduces it exactly, with one the undefended twin does
         all_local_baseline=(defended and not twin) or mode != "plain",
     )
+    settings = {
+        "config": cfg.as_dict(),
+        "twin": bool(twin and defended),
+        "certify": certify,
+        "control_docs": control_docs,
+        "connect": connect,
+        "server_capture": None if server_capture is None else str(server_capture),
+    }
     if clear:
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
+    if resume and prior is None:
+        say(f"resume: {out} holds no audit yet; starting it")
+    stages = AuditStages.begin(out, settings, prior)
+    try:
+        return _audit_stages(
+            out, stages, lm, cfg, model, preset, depth, data, defended, seed, device, threads, progress, say, twin,
+            connect, tls_dir, server_capture, certify, control_docs, mode,
+        )  # fmt: skip
+    except BaseException as exc:  # an error or an interrupt: the record says where it stopped (a kill, nothing)
+        try:
+            stages.stopped(stages.data.pop("current", "run"), exc)
+        except OSError:  # a full disk: the record stays as the last finished stage left it
+            pass
+        raise
+
+
+def _audit_stages(
+    out, stages, lm, cfg, model, preset, depth, data, defended, seed, device, threads, progress, say, twin, connect,
+    tls_dir, server_capture, certify, control_docs, mode,
+) -> AuditResult:  # fmt: skip
+    """``run_audit``'s stages, each skipped where ``stages`` records it finished (its files verified)."""
     deployed: dict[str, Any] = {"connect": connect, "tls_dir": tls_dir}
     # the model is loaded once: training, the all-local baseline, the twin and each attacker's copy start
     # from clones of the pristine weights (load_knowledge checks them against the run's fingerprint)
     pristine = lm.clone()
-    run = run_training(
-        cfg, out / "run", device=device, threads=threads, progress=progress, lm=lm, pristine=pristine.clone, **deployed
-    )
+    stages.data["current"] = "run"
+    if stages.done("run"):
+        say(f"resume: the run {out / 'run'} (its journal as recorded)")
+    else:
+        stages.clear_run("run", cfg.hash())
+        run_training(
+            cfg,
+            out / "run",
+            device=device,
+            threads=threads,
+            progress=progress,
+            lm=lm,
+            pristine=pristine.clone,
+            **deployed,
+        )
     del lm  # the trained weights; the attacker holds its own copy
     ver = verify_run(out / "run")
-    if not ver.ok:
-        raise SplitleakError(f"the run just written does not verify: {ver.message}")
+    if not ver.ok or ver.status != "complete":
+        why = ver.message if not ver.ok else f"the run {ver.status}"
+        raise SplitleakError(
+            f"the audit's run {out / 'run'} does not verify: {why}"
+            + ("" if not stages.done("run") else f"; {START_AGAIN}")
+        )
+    if read_run_json(out / "run", "manifest.json").get("config_hash") != cfg.hash():
+        raise SplitleakError(f"{out / 'run'} is a run of another configuration than the audit's; {START_AGAIN}")
+    if not stages.done("run"):
+        stages.finish("run", ["run/journal.jsonl"])
+    # the metrics as the run recorded them (the same whether trained now or by the audit a kill stopped)
+    run = RunResult(out / "run", read_run_json(out / "run", "metrics.json"), cfg)
     cap = capture_summary(out / "run")
     # the label-shielded readers fit on the pretrained Top as well (GMA-SL, 003 §3)
     knowledges = {
@@ -328,23 +398,40 @@ def run_audit(
     results = []
     predictions: dict[str, Any] = {}
     controls: dict[str, Any] = {}
-    for name, params, copy in audit_attacks(traffic, certify, adaptive, mode):
-        if copy not in knowledges:
-            knowledges[copy] = load_knowledge(out / "run", copy, lm=pristine.clone())
-        acfg = make_attack_config(attack=name, client_copy=copy, attack_seed=seed, params=params)
-        stem = name if copy == "public" else f"{name}-{copy}"
-        res = run_attack(
-            traffic_dir,
-            acfg,
-            out=out / "attacks" / f"{stem}.json",
-            knowledge=knowledges[copy],
-            traffic=traffic,
-            progress=progress,
-            force=force,
-            documents=out / "run" if session is not None else None,
-            control_docs=control_docs,
-            protocol_hash=th.protocol_hash,  # `protocol analyse gate_002.yaml OUT/attacks` reads them
+    planned = audit_attacks(traffic, certify, adaptive, mode)
+    stems = [name if copy == "public" else f"{name}-{copy}" for name, _, copy in planned]
+    stages.plan([{"stem": s, "attack": n, "params": p, "copy": c} for s, (n, p, c) in zip(stems, planned)])
+    unplanned = sorted(
+        p.name for p in (out / "attacks").glob("*") if not p.name.startswith(".") and p.stem not in stems
+    ) if (out / "attacks").is_dir() else []  # fmt: skip
+    if unplanned:
+        raise SplitleakError(
+            f"{out / 'attacks'} holds {', '.join(unplanned[:3])}, no attack of this audit; move it out, or {START_AGAIN}"
         )
+    for stem, (name, params, copy) in zip(stems, planned):
+        acfg = make_attack_config(attack=name, client_copy=copy, attack_seed=seed, params=params)
+        path = out / "attacks" / f"{stem}.json"
+        stages.data["current"] = f"attack {stem}"
+        if stages.done(f"attack:{stem}"):
+            res = _finished_attack(path, acfg, cfg.hash())
+            say(f"resume: attack {stem} ({path.name} as recorded)")
+        else:
+            stages.clear_files(f"attacks/{stem}.json", f"attacks/{stem}.parquet")
+            if copy not in knowledges:
+                knowledges[copy] = load_knowledge(out / "run", copy, lm=pristine.clone())
+            run_attack(
+                traffic_dir,
+                acfg,
+                out=path,
+                knowledge=knowledges[copy],
+                traffic=traffic,
+                progress=progress,
+                documents=out / "run" if session is not None else None,
+                control_docs=control_docs,
+                protocol_hash=th.protocol_hash,  # `protocol analyse gate_002.yaml OUT/attacks` reads them
+            )
+            stages.finish(f"attack:{stem}", [f"attacks/{stem}.json", f"attacks/{stem}.parquet"])
+            res = _finished_attack(path, acfg, cfg.hash())  # as written: the same whether run now or resumed
         predictions[attack_label(res)] = [row["predicted"] for row in res.pop("per_doc")]
         if "control" in res:
             controls[attack_label(res)] = res["control"]["per_doc_delta"]
@@ -360,39 +447,71 @@ def run_audit(
         res["intervals"] = recovery_intervals(predictions[attack_label(res)], truth, weights)
     probe_arms = [a for a in arms if not a.name.startswith("majority")]
     gate = arm_gate(probe_arms, base, th.alpha, th.gate)
-    cal = calibrate(
-        out / "run",
-        CALIBRATION_ATTACK,
-        gate=th.gate,
-        out=out / "calibration",
-        coverages=CALIBRATION_COVERAGES,
-        n_docs=min(CALIBRATION_DOCS, len(traffic)),
-        seed=seed,
-        force=force,
-        progress=progress,
-        knowledge=knowledges["public"],
-        traffic=traffic,
-        trained=knowledges.get("trained"),
-    )
+    stages.data["current"] = "calibration"
+    if stages.done("calibration"):
+        say(f"resume: the calibration ({out / 'calibration' / 'calibration.json'} as recorded)")
+    else:
+        stages.clear_files("calibration")
+        if "trained" not in knowledges:  # every attack on the trained copy was resumed: the membership frames need it
+            knowledges["trained"] = load_knowledge(out / "run", "trained", lm=pristine.clone())
+        calibrate(
+            out / "run",
+            CALIBRATION_ATTACK,
+            gate=th.gate,
+            out=out / "calibration",
+            coverages=CALIBRATION_COVERAGES,
+            n_docs=min(CALIBRATION_DOCS, len(traffic)),
+            seed=seed,
+            progress=progress,
+            knowledge=knowledges["public"],
+            traffic=traffic,
+            trained=knowledges.get("trained"),
+        )
+        stages.finish("calibration", ["calibration/calibration.json"])
+    cal = CalibrationResult(out / "calibration", read_calibration(out / "calibration"))  # as written
     for res in results:
         arm = next(a for a in arms if a.name == attack_label(res))
         res["arm"] = arm.as_dict()
     m = run.metrics
     cost = None
     if twin and defended:
-        say("training the undefended twin (same model, split, data and seed) for the cost of the defence")
         twin_cfg = cfg.model_copy(update={"defences": (DefenceConfig(name="none"),), "all_local_baseline": False})
-        t = run_training(
-            twin_cfg, out / "twin", device=device, threads=threads, progress=progress, lm=pristine.clone(), **deployed
-        )
-        measured = m["perplexity"] is not None and t.metrics["perplexity"] is not None
+        stages.data["current"] = "twin"
+        if stages.done("twin"):
+            say(f"resume: the undefended twin {out / 'twin'} (its journal as recorded)")
+        else:
+            say("training the undefended twin (same model, split, data and seed) for the cost of the defence")
+            stages.clear_run("twin", twin_cfg.hash())
+            run_training(
+                twin_cfg,
+                out / "twin",
+                device=device,
+                threads=threads,
+                progress=progress,
+                lm=pristine.clone(),
+                **deployed,
+            )
+        tv = verify_run(out / "twin")
+        if (
+            not tv.ok
+            or tv.status != "complete"
+            or read_run_json(out / "twin", "manifest.json").get("config_hash") != twin_cfg.hash()
+        ):
+            raise SplitleakError(
+                f"the audit's undefended twin {out / 'twin'} does not verify "
+                f"({tv.message if not tv.ok else f'the run {tv.status}, or of another configuration'}); {START_AGAIN}"
+            )
+        if not stages.done("twin"):
+            stages.finish("twin", ["twin/journal.jsonl"])
+        tm = read_run_json(out / "twin", "metrics.json")
+        measured = m["perplexity"] is not None and tm["perplexity"] is not None
         cost = {
             "twin_dir": "twin",
             "twin_config_hash": twin_cfg.hash(),
-            "twin_heldout_ce": t.metrics["heldout_ce"],
-            "twin_perplexity": t.metrics["perplexity"],
-            "rel_ppl_change": m["perplexity"] / t.metrics["perplexity"] - 1.0 if measured else None,
-            "ce_change": m["heldout_ce"] - t.metrics["heldout_ce"] if measured else None,
+            "twin_heldout_ce": tm["heldout_ce"],
+            "twin_perplexity": tm["perplexity"],
+            "rel_ppl_change": m["perplexity"] / tm["perplexity"] - 1.0 if measured else None,
+            "ce_change": m["heldout_ce"] - tm["heldout_ce"] if measured else None,
         }
     verdicts = {
         "constant_baseline": {"token_id": base.token_id, "rate": base.rate},
@@ -474,8 +593,30 @@ def run_audit(
         else {"server": connect, "traffic": str(traffic_dir), "recorded_by": "server" if session else "client"},
         "torch_threads": torch.get_num_threads(),
     }
+    stages.data["current"] = "report"
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True, default=json_default) + "\n")
+    stages.data.pop("current", None)
+    stages.complete()
     return AuditResult(out, run, cap, summary, results, verdict, baseline)
+
+
+def _finished_attack(path: Path, acfg, run_config_hash: str) -> dict[str, Any]:
+    """An attack result the audit wrote (``path``: RESULT.json, its predictions beside it), read back and
+    checked: its hashes (``read_result``), the predictions' digest, and that it is this attack on this run.
+    The dictionary ``run_attack`` returned, with ``per_doc`` holding the predictions."""
+    from splitleak.audit.analysis import read_result
+    from splitleak.audit.predictions import read_predictions
+
+    res = read_result(path)
+    if res is None or res.get("config_hash") != acfg.hash() or res["run"].get("config_hash") != run_config_hash:
+        raise SplitleakError(
+            f"{path} is not the result of the audit's attack {acfg.attack} on its run (another attack or run wrote "
+            f"it); {START_AGAIN}"
+        )
+    res["per_doc"] = read_predictions(path, res, ["doc_id", "predicted"])
+    res.pop("predictions", None)
+    res.pop("predictions_sha256", None)
+    return res
 
 
 def utility_baseline(

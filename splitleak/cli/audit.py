@@ -160,6 +160,17 @@ def compare_cmd(
                     "what changed: retrain or restore the run)",
                     highlight=False,
                 )
+        for r in summaries:
+            if r.incomplete is not None:
+                missing = r.incomplete["missing"]
+                console.print(
+                    f"incomplete: {r.path}: the audit did not finish ({r.incomplete['why']}); missing attacks: "
+                    + (", ".join(missing) if missing else "not known" if missing is None else "none")
+                    + f"; its strongest reading may be understated: continue it with `splitleak audit --out {r.path} "
+                    "--resume` and the options it was started with",
+                    highlight=False,
+                    soft_wrap=True,
+                )
         if figure is not None:
             for p in leakage_cost_figure(summaries, figure):
                 console.print(f"figure: {p}")
@@ -192,7 +203,15 @@ def audit_cmd(
     n_eval: int = typer.Option(
         AUDIT_N_EVAL, "--n-eval", help=f"evaluation documents the attacks read (the study's: {N_EVAL})"
     ),
-    force: bool = typer.Option(False, "--force"),
+    force: bool = typer.Option(
+        False, "--force", help="delete the audit folder --out (only one an audit wrote) and start the audit again"
+    ),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="continue the audit that a kill or an error stopped in --out, with the options it was started with: "
+        "the stages it finished are reused once their files check against its record (stages.json), the others run",
+    ),
     device: str = DeviceOpt,
     threads: Optional[int] = ThreadsOpt,
     quiet: bool = typer.Option(False, "--quiet"),
@@ -237,6 +256,10 @@ def audit_cmd(
         if model is None:
             model, why = choose_default_model()
             console.print(f"model: [bold]{model}[/] ({why})")
+        if out is None and resume:
+            raise ConfigError(
+                "--resume continues the audit in --out: pass --out with the folder of the audit to continue"
+            )
         if out is None:
             out = Path("runs") / f"audit-{datetime.now():%Y%m%d-%H%M%S}"
         with progress(quiet) as prog:
@@ -255,6 +278,7 @@ def audit_cmd(
                 n_train=n_train,
                 n_eval=n_eval,
                 force=force,
+                resume=resume,
                 device=device,
                 threads=threads,
                 progress=prog,

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from splitleak.audit.evaluate import attack_label as _label
+from splitleak.audit.stages import STAGES, audit_state
 from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
 from splitleak.wire.store import read_run_json, verify_run
@@ -33,6 +34,9 @@ class RunSummary:
     #: why the run does not verify (``verify_run``'s message), or None for an intact, complete run: the
     #: utility of an unverified run is never shown as measured, nor used as another run's baseline
     unverified: str | None = None
+    #: an audit folder whose audit did not finish (``splitleak.audit.stages.audit_state``: why, and the
+    #: labels of the attacks it is missing, None when unknown), or None for a finished audit or a run
+    incomplete: dict[str, Any] | None = None
 
     @property
     def defence(self) -> str:
@@ -71,6 +75,11 @@ class RunSummary:
 def load_summary(path: str | Path) -> RunSummary:
     path = Path(path)
     run = path / "run" if (path / "run" / "manifest.json").is_file() else path
+    if (path / STAGES).is_file() and not (path / "run" / "metrics.json").is_file():
+        raise SplitleakError(
+            f"{path} is an audit that stopped before its run finished (killed, or failed): nothing to compare yet; "
+            f"continue it with `splitleak audit --out {path} --resume` and the options it was started with"
+        )
     if not (run / "manifest.json").is_file() or not (run / "metrics.json").is_file():
         raise SplitleakError(
             f"{path} is neither a finished run directory nor an audit folder (no manifest.json and metrics.json); "
@@ -89,7 +98,8 @@ def load_summary(path: str | Path) -> RunSummary:
     if adir.is_dir():
         for f in sorted(adir.glob("*.json")):
             attacks.append(json.loads(f.read_text()))
-    return RunSummary(path, manifest["config"], metrics, attacks, unverified=unverified)
+    incomplete = audit_state(path) if run != path else None  # killed or failed: some attacks never ran
+    return RunSummary(path, manifest["config"], metrics, attacks, unverified=unverified, incomplete=incomplete)
 
 
 def compare_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
@@ -137,7 +147,7 @@ def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
                 "n/a" if r.rel_ppl_change is None else f"{100 * r.rel_ppl_change:+.2f} %",
             ]
         scored = [a for a in r.attacks if a.get("token_recovery") is not None]
-        if not scored:
+        if not scored and r.incomplete is None:
             rows.append(util + ["(no attack results)", "", "", "", "", "", ""])
         built = set(adaptive_attacks_of(r.config))
         for a in scored:
@@ -148,6 +158,10 @@ def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
                 + ["n/a" if spans.get(c) is None else fmt_pct(spans[c]) for c in LABELS]
                 + ["yes" if a["attack"] in built else ""]
             )
+        if r.incomplete is not None:  # the attacks a killed or failed audit never ran, each named
+            missing = r.incomplete["missing"]
+            for label in missing if missing is not None else ["(attacks not known: audit incomplete)"]:
+                rows.append(util + [label, "incomplete", "incomplete", "", "", "", ""])
     return header, rows
 
 
@@ -177,7 +191,8 @@ def leakage_cost_figure(runs: list[RunSummary], out_stem: str | Path) -> list[Pa
             cost, leak = r.rel_ppl_change, r.strongest(what)
             # pts keeps runs with a cost and a token recovery; an attack scores doc and token recovery together
             assert cost is not None and leak is not None
-            out.append((100 * cost, 100 * leak, f"{r.defence}, depth {r.depth}", r.defence == "none"))
+            label = f"{r.defence}, depth {r.depth}" + (" (audit incomplete)" if r.incomplete is not None else "")
+            out.append((100 * cost, 100 * leak, label, r.defence == "none"))
         return out
 
     return recovery_cost_figure(
