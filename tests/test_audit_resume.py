@@ -11,6 +11,7 @@ made once per module with the same options; each test that writes works on its o
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -48,6 +49,17 @@ def same_numbers(report: dict) -> dict:
         return x
 
     return strip(report)
+
+
+def close(a, b, rel: float = 1e-6) -> bool:
+    """``a == b``, but floats within ``rel`` of each other (the loss a run measured in another process)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k], rel) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(close(x, y, rel) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=rel) or (math.isnan(a) and math.isnan(b))
+    return a == b
 
 
 def report_of(out: Path) -> dict:
@@ -236,4 +248,6 @@ def test_a_sigkilled_audit_resumes_to_the_uninterrupted_report(whole, tmp_path, 
     r = runner.invoke(app, ["audit", "--out", str(out), "--resume", *CLI])
     assert r.exit_code == 0, r.output
     assert spies["train"] == [] and "majority" not in spies["attack"] and "sipit-trained" in spies["attack"]
-    assert report_of(out) == report_of(whole)
+    # the run was trained in another process, whose pretrained loss may differ from this process's in the
+    # last digits of a float (seen: 6.40811276 against 6.40811265); every other number is the same
+    assert close(report_of(out), report_of(whole))
