@@ -414,3 +414,75 @@ def test_a_server_checkpoint_ahead_of_or_behind_the_client_s_is_refused_naming_b
         node.shutdown()
         thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+LATENT = dict(
+    model="tiny-gpt2", n_calib=2, n_train=4, n_eval=4, steps=4, lr=3e-4, capture_batch=2, seed=3,
+    latent={"split_after": 0, "resume_at": 3, "width": 16, "gauge_entropy": "derived"},
+)  # fmt: skip
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("stage", "target"),
+    [
+        ("pretrained loss", "splitleak.training.loop.evaluate_ce"),
+        ("training", "splitleak.training.latent.LatentClient.exchange"),
+        ("capture", "splitleak.training.latent.capture_latent"),
+        ("writing the client's records", "splitleak.training.latent.LatentClient.truth_tensors"),
+        ("writing metrics", "splitleak.training.latent.privacy_accounting"),
+    ],
+)
+def test_a_latent_run_closes_failed_whatever_stage_raises(tmp_path, monkeypatch, stage, target):
+    """The latent mode's client ends its run as run_training does (RunEnd): closed as failed with the stage,
+    the steps done and the cause, whatever raises; before, a fault after the capture left it unfinished."""
+
+    from splitleak.training.latent import LatentClient
+
+    exchange = LatentClient.exchange
+
+    def boom(*args, **kwargs):
+        if stage == "training" and args[3] < 2:  # LatentClient.exchange(self, ids, doc_ids, step, phase): steps 0, 1
+            return exchange(*args, **kwargs)
+        raise Boom(f"planted in {stage}")
+
+    monkeypatch.setattr(target, boom)
+    with pytest.raises(Boom):
+        run_training(make_train_config(**LATENT), tmp_path / "run", device="cpu", threads=1)
+    info = _closing(tmp_path / "run")
+    assert info["stage"] == stage and f"planted in {stage}" in info["error"]
+    kinds = _kinds(tmp_path / "run")
+    assert info["steps_done"] == {"pretrained loss": 0, "training": 2}.get(stage, 4)
+    assert ("training" in kinds) == (stage != "pretrained loss")  # the training log, also of a failed training
+    assert "metrics" not in kinds
+
+
+@pytest.mark.integration
+def test_a_latent_server_that_fails_at_close_leaves_the_client_run_closed_failed(tls, tmp_path, monkeypatch):
+    from splitleak.wire import network
+
+    finish = network.Session._finish
+
+    def finish_fails(self, ok, reason=""):
+        if ok:
+            raise OSError("the server's disk is full")
+        return finish(self, ok, reason)
+
+    monkeypatch.setattr(network.Session, "_finish", finish_fails)
+    node = network.ServerNode(tls)
+    port = node.start()
+    thread = threading.Thread(target=node.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(TransportError, match="during close.*disk is full"):
+            run_training(
+                make_train_config(**LATENT), tmp_path / "run", device="cpu", threads=1,
+                connect=f"127.0.0.1:{port}", tls_dir=tls,
+            )  # fmt: skip
+    finally:
+        node.shutdown()
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+    info = _closing(tmp_path / "run")
+    assert info["stage"] == "closing the session" and info["steps_done"] == 4
+    assert {"training", "wire-ledger", "messages"} <= set(_kinds(tmp_path / "run"))

@@ -467,6 +467,7 @@ def run_latent(
     from splitleak.seeds import model_init_seed, server_seed
     from splitleak.training.loop import evaluate_ce, utility
     from splitleak.training.run import (
+        RunEnd,
         _documents,
         apply_threads,
         documents_record,
@@ -474,7 +475,7 @@ def run_latent(
         resolve_device,
     )
     from splitleak.wire.channel import InProcessChannel
-    from splitleak.wire.declare import MESSAGES_FILE, declare_latent_channels
+    from splitleak.wire.declare import declare_latent_channels
     from splitleak.wire.store import RunStore
     from splitleak.wire.tap import WireRecorder
 
@@ -516,7 +517,12 @@ def run_latent(
         )
         remote = RemoteServer(host, port, tls_dir, hello)
 
-    store = RunStore.create(out, force=force)
+    try:
+        store = RunStore.create(out, force=force)
+    except BaseException:
+        if remote is not None:
+            remote.abort()  # the server closes its session as failed
+        raise
     manifest = {
         **manifest_head(config, lm),
         "mode": "latent",
@@ -534,88 +540,73 @@ def run_latent(
             "kind": "websockets over mutual TLS 1.3",
             "server_config_hash": server_config.hash(),
         }
-    store.add_json("manifest", "manifest.json", manifest)
-    store.add_json("documents", "documents.json", docs.to_json())
-
-    def failed(info: dict[str, Any]) -> None:
-        if remote is not None:
-            remote.abort()
-            store.add_json("messages", MESSAGES_FILE, remote.messages)
-        store.close(False, info)
-
-    try:
-        pre = utility(evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss"))
-    except BaseException as exc:
-        failed({"error": f"{type(exc).__name__}: {exc}", "stage": "pretrained loss"})
-        raise
-    train_tap = WireRecorder(store, "train", declaration)
-    channel: InProcessChannel | RemoteServer
-    if remote is not None:
-        channel = remote
-        channel.set_taps([train_tap])
-    else:
-        assert server is not None
-        channel = InProcessChannel(server.handle, [train_tap])
-    client = LatentClient(split, cfg, config.seed, channel, config.lr)
     log = LatentLog()
-    try:
+    channel: InProcessChannel | RemoteServer | None = None
+    end = RunEnd(store, log, remote, ledgers=lambda: [] if channel is None else [channel.ledger])
+    with end.on_fault():  # from here on the run ends closed, whatever raises (RunEnd, as run_training)
+        store.add_json("manifest", "manifest.json", manifest)
+        store.add_json("documents", "documents.json", docs.to_json())
+        end.stage = "pretrained loss"
+        pre = utility(evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss"))
+        end.stage = "training"
+        train_tap = end.train_tap = WireRecorder(store, "train", declaration)
+        if remote is not None:
+            channel = remote
+            channel.set_taps([train_tap])
+        else:
+            assert server is not None
+            channel = InProcessChannel(server.handle, [train_tap])
+        client = LatentClient(split, cfg, config.seed, channel, config.lr)
         train_latent(client, docs.train, seed=config.seed, steps=config.n_steps, progress=progress, log=log)
-    except BaseException as exc:
-        log.error = f"{type(exc).__name__}: {exc}"
-        train_tap.close([channel.ledger])
-        store.add_json("training", "training.json", log.as_dict())
-        failed({"error": log.error, "steps_done": len(log.losses)})
-        raise
-    train_tap.close([channel.ledger])
-    bytes_per_step = {k: v / max(1, len(log.losses)) for k, v in channel.bytes_per_direction().items()}
-    store.add_json("training", "training.json", log.as_dict())
+        bytes_per_step = {k: v / max(1, len(log.losses)) for k, v in channel.bytes_per_direction().items()}
+        end.record_training()
 
-    capture_tap = WireRecorder(store, "capture", declaration)
-    channel.set_taps([capture_tap])
-    if server is not None:
-        server.opt = None
-    try:
+        end.stage = "capture"
+        capture_tap = WireRecorder(store, "capture", declaration)
+        channel.set_taps([capture_tap])
+        if server is not None:
+            server.opt = None
         cap = capture_latent(client, docs.evaluation, batch=config.capture_batch, progress=progress)
-    except BaseException as exc:
-        failed({"error": f"{type(exc).__name__}: {exc}", "stage": "capture"})
-        raise
-    capture_tap.close([channel.ledger])
-    if remote is not None:
-        remote.close()  # the server closes its capture, with the trained surrogate in it
-        store.add_json("messages", MESSAGES_FILE, remote.messages)
-    store.add_tensors("latent-truth", TRUTH_FILE, client.truth_tensors(), {"frames": len(client.truth)})
-    if client.secret is not None:  # the client's own, never sent and not in the manifest: a positive control reads it
-        store.add_json(
-            "latent-secret", SECRET_FILE, {"noise_and_decoy_key": client.secret.hex(), "bytes": SECRET_BYTES}
-        )
-    store.add_tensors("latent-codec", CODEC_FILE, client.state_dict(), {"width": cfg.width})
-    if server is not None:
-        surrogate = {k: v.detach().clone().contiguous() for k, v in server.surrogate.state_dict().items()}
-        store.add_tensors(
-            "latent-surrogate", SURROGATE_FILE, surrogate, {"parameters": manifest["surrogate_parameters"]}
-        )
+        capture_tap.close([channel.ledger])
+        if remote is not None:
+            end.stage = "closing the session"
+            remote.close()  # the server closes its capture, with the trained surrogate in it
+            end.record_messages()
+        end.stage = "writing the client's records"
+        store.add_tensors("latent-truth", TRUTH_FILE, client.truth_tensors(), {"frames": len(client.truth)})
+        if client.secret is not None:  # the client's own, never sent and not in the manifest: a control reads it
+            store.add_json(
+                "latent-secret", SECRET_FILE, {"noise_and_decoy_key": client.secret.hex(), "bytes": SECRET_BYTES}
+            )
+        store.add_tensors("latent-codec", CODEC_FILE, client.state_dict(), {"width": cfg.width})
+        if server is not None:
+            surrogate = {k: v.detach().clone().contiguous() for k, v in server.surrogate.state_dict().items()}
+            store.add_tensors(
+                "latent-surrogate", SURROGATE_FILE, surrogate, {"parameters": manifest["surrogate_parameters"]}
+            )
 
-    post = utility(np.asarray(cap.pop("client_losses"), dtype=np.float64))
-    releases = client.max_row_releases()
-    metrics: dict[str, Any] = {
-        "heldout_ce": post["ce"],
-        "perplexity": post["perplexity"],
-        "pretrained_ce": pre["ce"],
-        "pretrained_perplexity": pre["perplexity"],
-        "ce_increase_over_pretrained": post["ce"] - pre["ce"],
-        "heldout_measured": "the capture pass: the latent pipeline as deployed (noise, decoys, gauges); rows form a "
-        "set, so a position's output may depend on later tokens of its block",
-        "all_local_ce": None,
-        "all_local_perplexity": None,
-        "delta_u": None,
-        "final_teacher_match": next((t for t in reversed(log.teacher) if t is not None), None),
-        "wire_bytes_per_step": bytes_per_step,
-        "train_tokens_per_second": log.as_dict()["tokens_per_second"],
-        "capture": cap,
-        "privacy": privacy_accounting(cfg, releases),
-    }
-    store.add_json("metrics", "metrics.json", metrics)
-    store.close(True, {"config_hash": config.hash()})
+        end.stage = "writing metrics"
+        post = utility(np.asarray(cap.pop("client_losses"), dtype=np.float64))
+        releases = client.max_row_releases()
+        metrics: dict[str, Any] = {
+            "heldout_ce": post["ce"],
+            "perplexity": post["perplexity"],
+            "pretrained_ce": pre["ce"],
+            "pretrained_perplexity": pre["perplexity"],
+            "ce_increase_over_pretrained": post["ce"] - pre["ce"],
+            "heldout_measured": "the capture pass: the latent pipeline as deployed (noise, decoys, gauges); rows form "
+            "a set, so a position's output may depend on later tokens of its block",
+            "all_local_ce": None,
+            "all_local_perplexity": None,
+            "delta_u": None,
+            "final_teacher_match": next((t for t in reversed(log.teacher) if t is not None), None),
+            "wire_bytes_per_step": bytes_per_step,
+            "train_tokens_per_second": log.as_dict()["tokens_per_second"],
+            "capture": cap,
+            "privacy": privacy_accounting(cfg, releases),
+        }
+        store.add_json("metrics", "metrics.json", metrics)
+        store.close(True, {"config_hash": config.hash()})
     from splitleak.training.run import RunResult
 
     return RunResult(Path(out), metrics, config)

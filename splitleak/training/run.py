@@ -449,8 +449,11 @@ class RunEnd:
     session as failed too). Nothing written before is removed, and each of these writes is tried on its
     own (a full disk may refuse some; the journal then ends at its last whole entry)."""
 
-    def __init__(self, store: RunStore, log: TrainLog, remote: Any = None):
+    def __init__(self, store: RunStore, log: Any, remote: Any = None, ledgers: Callable[[], list] | None = None):
+        """``log``: the run's training log (``TrainLog``, or the latent mode's ``LatentLog``: ``doc_ids``,
+        ``error``, ``as_dict``); ``ledgers``: what the training tap closes with (default ``log.ledgers``)."""
         self.store, self.log, self.remote = store, log, remote
+        self.ledgers = ledgers if ledgers is not None else (lambda: log.ledgers)
         self.stage = "writing the manifest"
         self.train_tap: WireRecorder | None = None  # the training phase's tap, until its ledger is written
         self._trained = False  # training.json written
@@ -460,7 +463,7 @@ class RunEnd:
         """The training phase's last frames and ledger, and ``training.json`` (once)."""
         if self.train_tap is not None:
             tap, self.train_tap = self.train_tap, None
-            tap.close(self.log.ledgers)
+            tap.close(self.ledgers())
         if not self._trained:
             self._trained = True
             self.store.add_json("training", "training.json", record if record is not None else self.log.as_dict())
