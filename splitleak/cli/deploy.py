@@ -97,8 +97,9 @@ def serve_cmd(
     --max-concurrent x (model + one forward of --max-frame-tokens rows x tokens, whose logits over the
     vocabulary are what costs; with the tiny model four sessions at the maxima peak at 0.8 GiB); raise
     them for longer documents or larger batches, lower --max-concurrent for a large model."""
-    from splitleak.training.run import apply_threads
-    from splitleak.wire.network import ServerNode, parse_address
+    from splitleak.deploy import ServerNode
+    from splitleak.runtime import apply_threads
+    from splitleak.wire.client import parse_address
 
     logging.basicConfig(level=logging.WARNING, format="serve: %(message)s")
     with user_errors():

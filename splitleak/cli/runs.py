@@ -469,7 +469,7 @@ def attack_cmd(
     """Run one attack against a run's captured traffic and score it per token, document and span."""
     from splitleak.attacks import make_attack_config
     from splitleak.audit.evaluate import run_attack
-    from splitleak.training.run import apply_threads, resolve_device
+    from splitleak.runtime import apply_threads, resolve_device
     from splitleak.wire.defences import parse_defence_args
 
     with user_errors():
