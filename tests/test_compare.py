@@ -109,3 +109,34 @@ def test_compare_without_a_baseline_cannot_plot(audits, tmp_path):
         leakage_cost_figure(compare_runs([audits["quant4-noisy"]]), tmp_path / "f")
     r = runner.invoke(app, ["compare", str(tmp_path)])
     assert r.exit_code == 2 and "neither a finished run" in " ".join(r.output.split())
+
+
+def test_compare_derives_an_audits_delta_u_from_its_verified_runs_not_from_its_report(audits, tmp_path):
+    """An audit's ΔU (no all-local run of its own: the undefended twin's held-out loss) is recomputed from the
+    runs, each verified: an edited report.json changes nothing, an edited twin makes the utility unverified."""
+    import json
+    import shutil
+
+    src = audits["quant4-noisy"]
+    report = json.loads((src / "report.json").read_text())
+    twin_ce = json.loads((src / "twin" / "metrics.json").read_text())["heldout_ce"]
+    (clean,) = compare_runs([src])
+    assert clean.unverified is None
+    assert clean.metrics["delta_u"] == pytest.approx(clean.metrics["heldout_ce"] - twin_ce) != 0
+    assert clean.metrics["delta_u"] == pytest.approx(report["utility_baseline"]["delta_u"])
+
+    edited = tmp_path / "edited-report"
+    shutil.copytree(src, edited)
+    report["utility_baseline"]["delta_u"] = -9.99
+    (edited / "report.json").write_text(json.dumps(report))
+    (r,) = compare_runs([edited])
+    assert r.unverified is None and r.metrics["delta_u"] == pytest.approx(clean.metrics["delta_u"])
+
+    twin = tmp_path / "edited-twin"
+    shutil.copytree(src, twin)
+    m = json.loads((twin / "twin" / "metrics.json").read_text())
+    (twin / "twin" / "metrics.json").write_text(json.dumps({**m, "heldout_ce": 0.123}))
+    (r,) = compare_runs([twin])
+    assert r.unverified is not None and "twin" in r.unverified
+    header, rows = table_rows([r])
+    assert not any("0.123" in cell for row in rows for cell in row)

@@ -88,11 +88,9 @@ def load_summary(path: str | Path) -> RunSummary:
     manifest, metrics = read_run_json(run, "manifest.json"), read_run_json(run, "metrics.json")
     v = verify_run(run)  # metrics.json edited (a held-out CE of 0.123, NaN) is not what the run measured
     unverified = None if v.ok and v.status == "complete" else (v.message if not v.ok else f"the run {v.status}")
-    report = path / "report.json"
-    if run != path and report.is_file():  # an audit derives ΔU without an all-local run (audit.run.utility_baseline)
-        base = json.loads(report.read_text()).get("utility_baseline") or {}
-        if base.get("delta_u") is not None:
-            metrics = {**metrics, "all_local_ce": base["all_local_ce"], "delta_u": base["delta_u"]}
+    if run != path and unverified is None:  # an audit: ΔU as it derives it, from its verified runs only
+        metrics, twin_problem = _audit_delta_u(path, manifest, metrics)
+        unverified = twin_problem
     attacks = []
     adir = path / "attacks"
     if adir.is_dir():
@@ -100,6 +98,29 @@ def load_summary(path: str | Path) -> RunSummary:
             attacks.append(json.loads(f.read_text()))
     incomplete = audit_state(path) if run != path else None  # killed or failed: some attacks never ran
     return RunSummary(path, manifest["config"], metrics, attacks, unverified=unverified, incomplete=incomplete)
+
+
+def _audit_delta_u(path: Path, manifest: dict[str, Any], metrics: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """An audit's ΔU without an all-local run of its own (``audit.run.utility_baseline``), recomputed from
+    what verifies, not read from its ``report.json`` (which nothing vouches for): the split run itself when
+    undefended, else its undefended twin ``twin/``, which must verify, complete, to be used (else the
+    second value says why and the audit's utility is not shown as measured)."""
+    from splitleak.audit.run import utility_baseline
+
+    config = manifest["config"]
+    defended = any(d.get("name") != "none" for d in config.get("defences", []))
+    exact_split = not manifest.get("split", {}).get("u_shape") and config.get("shielded") is None
+    cost = None
+    twin = path / "twin"
+    if defended and exact_split and twin.is_dir():
+        tv = verify_run(twin)
+        if not tv.ok or tv.status != "complete":
+            return metrics, f"its undefended twin {twin} does not verify ({tv.message if not tv.ok else tv.status})"
+        cost = {"twin_heldout_ce": read_run_json(twin, "metrics.json").get("heldout_ce")}
+    base = utility_baseline(metrics, cost, defended=defended, exact_split=exact_split)
+    if base.get("delta_u") is None:
+        return metrics, None
+    return {**metrics, "all_local_ce": base["all_local_ce"], "delta_u": base["delta_u"]}, None
 
 
 def compare_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
