@@ -385,11 +385,11 @@ def test_a_server_that_fails_at_close_leaves_a_failed_run_that_resumes(tls, tmp_
 
 
 def test_a_server_checkpoint_ahead_of_or_behind_the_client_s_is_refused_naming_both(tls, tmp_path):
+    from splitleak.defences import DefenceChain
     from splitleak.models import SplitModel, load_model
     from splitleak.seeds import model_init_seed
     from splitleak.training.checkpoint import CheckpointDir
     from splitleak.training.config import ServerConfig
-    from splitleak.wire.defences import DefenceChain
     from splitleak.wire.network import RemoteServer, ServerNode, hello_for
 
     cfg = make_train_config(**TINY)

@@ -24,6 +24,7 @@ import torch
 
 import splitleak
 from splitleak.data import DocumentSets, load_documents
+from splitleak.defences import DefenceChain
 from splitleak.errors import ConfigError
 from splitleak.models import LoadedModel, SplitModel, load_model
 from splitleak.progress import Progress, Silent
@@ -31,8 +32,8 @@ from splitleak.seeds import model_init_seed, server_seed
 from splitleak.training.checkpoint import CheckpointDir, state_tensors
 from splitleak.training.config import ServerConfig, TrainConfig
 from splitleak.training.loop import TrainLog, capture_traffic, evaluate_ce, train_all_local, train_split, utility
+from splitleak.training.replicas import build_server
 from splitleak.wire.declare import MESSAGES_FILE, declare_channels
-from splitleak.wire.defences import DefenceChain
 from splitleak.wire.store import RunStore, read_run_json
 from splitleak.wire.tap import WireRecorder
 from splitleak.wire.transport import TransportError
@@ -282,7 +283,7 @@ def run_training(
         pre = utility(
             evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss", answer_only=answer_only)
         )
-        server = remote if remote is not None else chain_server.build_server(split, config.lr)  # None: one ServerRole
+        server = remote if remote is not None else build_server(chain_server, split, config.lr)  # None: one ServerRole
         server_logits = getattr(server, "median_logits", None)
         on_step = None
         if checkpoint_every is not None:
