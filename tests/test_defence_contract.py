@@ -78,9 +78,9 @@ def test_a_chain_takes_one_defence_per_exclusive_role():
 @pytest.mark.parametrize(
     "name,args,words",
     [
-        ("clip-noise", {"clip": "abc"}, r"clip-noise: clip must be > 0 \(a finite number\), got 'abc'"),
-        ("quant4-noisy", {"noise": "lots"}, r"quant4-noisy: noise must be >= 0 \(a finite number\), got 'lots'"),
-        ("dp-forward", {"delta": "x"}, r"dp-forward: delta must be > 0 and < 1 \(a finite number\), got 'x'"),
+        ("clip-noise", {"clip": "abc"}, r"clip-noise: clip must be a finite number > 0, got 'abc'"),
+        ("quant4-noisy", {"noise": "lots"}, r"quant4-noisy: noise must be a finite number >= 0, got 'lots'"),
+        ("dp-forward", {"delta": "x"}, r"dp-forward: delta must be a finite number > 0 and < 1, got 'x'"),
         ("replica-median", {"k": 3.5}, r"replica-median: k must be an integer >= 3 .*, got 3.5"),
         ("quant8", {"bits": 4}, r"does not take argument\(s\) \['bits'\]; it takes no arguments"),
         ("mixup", {"correction": "exact"}, "correction must be one of probe, cached, none"),
@@ -200,7 +200,7 @@ def test_a_new_file_in_the_package_registers_its_defence_and_is_offered_everywhe
     try:
         assert "splitleak.defences.halve_tmp" in pkg.load_family_modules()
         assert build_defence("halve-tmp", {"factor": 0.25}).args() == {"factor": 0.25}
-        with pytest.raises(ConfigError, match="halve-tmp: factor must be > 0 and <= 1.*got 2"):
+        with pytest.raises(ConfigError, match="halve-tmp: factor must be a finite number > 0 and <= 1, got 2"):
             build_defence("halve-tmp", {"factor": 2})
         assert "halve-tmp" in [r["name"] for r in defence_rows()]
         assert "halve-tmp" in searchable_defences()

@@ -134,7 +134,11 @@ def test_mixup_composes_with_quant8(tmp_path):
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "args,words",
-    [({"lambda": 0.0}, r"lambda must be in \(0, 1\]"), ({"lambda": 1.5}, "lambda"), ({"k": 3}, "does not take")],
+    [
+        ({"lambda": 0.0}, r"mixup: lambda must be a finite number > 0 and <= 1, got 0.0"),
+        ({"lambda": 1.5}, "lambda"),
+        ({"k": 3}, "does not take"),
+    ],
 )
 def test_bad_mixup_arguments_fail_before_training(args, words):
     with pytest.raises(ConfigError, match=words):

@@ -180,7 +180,7 @@ def test_the_gradient_baselines_do_what_they_say():
 
     assert dp.privacy(10) == gaussian_mechanism_epsilon(1e-6, 1e-5, 10)
     for name, args, msg in (
-        ("grad-prune", {"ratio": 1.0}, "ratio must be < 1"),
+        ("grad-prune", {"ratio": 1.0}, "ratio must be a finite number >= 0 and < 1"),
         ("grad-dropout", {"p": "x"}, "p must be a finite number"),
         ("sas", {"groups": 0}, "groups must be an integer"),
         ("scale-blind", {"m": -1}, "m must be a finite number > 0"),

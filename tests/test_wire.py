@@ -92,7 +92,7 @@ def test_unknown_defence_and_bad_arguments_are_clear():
         build_defence("mixupp")
     with pytest.raises(ConfigError, match="does not take.*lambda.*clip, noise"):
         build_defence("quant4-noisy", {"lambda": 0.5})
-    with pytest.raises(ConfigError, match="clip must be > 0"):
+    with pytest.raises(ConfigError, match="clip must be a finite number > 0"):
         build_defence("quant4-noisy", {"clip": 0})
 
 

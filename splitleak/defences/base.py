@@ -210,7 +210,7 @@ def check_number(
     ok = ok and (hi is None or (value < hi if hi_open else value <= hi))
     if not ok:
         rng = _range_text(lo, hi, lo_open, hi_open)
-        what = f"{rng} (a finite number)" if rng else "a finite number"
+        what = f"a finite number {rng}" if rng else "a finite number"
         raise ConfigError(f"{defence}: {arg} must be {what}{why}, got {value!r}")
     return float(value)
 
