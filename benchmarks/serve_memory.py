@@ -122,7 +122,7 @@ def hello(**over) -> dict:
     from splitleak.seeds import model_init_seed
     from splitleak.training import make_train_config
     from splitleak.training.config import ServerConfig
-    from splitleak.wire.network import hello_for
+    from splitleak.wire.client import hello_for
 
     split_kw = over.pop("split", {"depth": 2})
     cfg = make_train_config(

@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE.parent))
 from train_capture import cpu_name, peak_rss_gib, record  # noqa: E402
 
 from splitleak.training import make_train_config, run_training  # noqa: E402
-from splitleak.wire.network import wait_port  # noqa: E402
+from splitleak.wire.client import wait_port  # noqa: E402
 from splitleak.wire.tls import init_tls  # noqa: E402
 
 TLS_RECORD = 16384

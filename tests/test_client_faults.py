@@ -343,7 +343,7 @@ def test_a_client_killed_mid_training_resumes_to_the_result_of_an_uninterrupted_
 def test_a_server_that_fails_at_close_leaves_a_failed_run_that_resumes(tls, tmp_path, monkeypatch):
     """The server fails as it closes the session: the client's run, which trained every step and captured,
     closes as failed ("closing the session", all steps done) with everything it recorded, and resumes."""
-    from splitleak.wire import network
+    from splitleak.deploy import server as network
 
     cfg = make_train_config(**{**TINY, "steps": 4, "draws": "derived"})
     finish, failed_once = network.Session._finish, []
@@ -386,11 +386,12 @@ def test_a_server_that_fails_at_close_leaves_a_failed_run_that_resumes(tls, tmp_
 
 def test_a_server_checkpoint_ahead_of_or_behind_the_client_s_is_refused_naming_both(tls, tmp_path):
     from splitleak.defences import DefenceChain
+    from splitleak.deploy import ServerNode
     from splitleak.models import SplitModel, load_model
     from splitleak.seeds import model_init_seed
     from splitleak.training.checkpoint import CheckpointDir
     from splitleak.training.config import ServerConfig
-    from splitleak.wire.network import RemoteServer, ServerNode, hello_for
+    from splitleak.wire.client import RemoteServer, hello_for
 
     cfg = make_train_config(**TINY)
     lm = load_model(cfg.model, precision=cfg.precision, seed=model_init_seed(cfg.seed))
@@ -459,7 +460,7 @@ def test_a_latent_run_closes_failed_whatever_stage_raises(tmp_path, monkeypatch,
 
 @pytest.mark.integration
 def test_a_latent_server_that_fails_at_close_leaves_the_client_run_closed_failed(tls, tmp_path, monkeypatch):
-    from splitleak.wire import network
+    from splitleak.deploy import server as network
 
     finish = network.Session._finish
 

@@ -18,13 +18,14 @@ import torch
 from safetensors.torch import load_file
 
 from splitleak.audit.channels import channel_table
+from splitleak.deploy import ServerNode
 from splitleak.errors import ConfigError
 from splitleak.seeds import model_init_seed
 from splitleak.training import make_train_config, run_training
 from splitleak.training.config import SERVER_FIELDS, ServerConfig
 from splitleak.wire import load_capture, verify_run
+from splitleak.wire.client import RemoteServer, hello_for
 from splitleak.wire.frames import Frame, encode
-from splitleak.wire.network import RemoteServer, ServerNode, hello_for
 from splitleak.wire.tls import client_context, init_tls
 from splitleak.wire.transport import PROTOCOL_VERSION, TransportError, frame_header, new_nonce, pack, unpack
 
@@ -407,8 +408,8 @@ def test_sessions_do_not_share_state(tls, tmp_path, monkeypatch):
     import gc
     import weakref
 
+    from splitleak.deploy import server as network
     from splitleak.models import load_model
-    from splitleak.wire import network
 
     alive = []
     run_session = network.Session.run
@@ -689,7 +690,7 @@ def test_checkpoints_need_both_sides_and_a_stateless_client(tls, tmp_path):
 
 def test_the_client_checks_the_server_too(tls, tmp_path, monkeypatch):
     """The welcome echoes what the server loaded; a server that runs another model is refused, both named."""
-    from splitleak.wire import network
+    from splitleak.deploy import server as network
 
     setup = network.Session._setup
 
@@ -708,7 +709,7 @@ def test_the_client_checks_the_server_too(tls, tmp_path, monkeypatch):
 def test_an_opening_handshake_the_server_drops_is_asked_again_then_refused(tls):
     """A server that completes TLS but closes before its HTTP answer: the client asks three times in all,
     then names the failure (nothing crossed, so a retry is safe)."""
-    from splitleak.wire.network import OPEN_ATTEMPTS, RemoteServer
+    from splitleak.wire.client import OPEN_ATTEMPTS, RemoteServer
     from splitleak.wire.tls import server_context
     from splitleak.wire.transport import TransportError
 

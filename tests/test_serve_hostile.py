@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from splitleak.training import make_train_config
 from splitleak.wire import verify_run
+from splitleak.wire.client import RemoteServer
 from splitleak.wire.frames import Frame, encode
-from splitleak.wire.network import RemoteServer
 from splitleak.wire.tls import client_context, init_tls
 from splitleak.wire.transport import TransportError, frame_header, pack
 
@@ -110,7 +110,7 @@ def test_the_latent_modes_decoys_count_as_tokens(tls, tmp_path, loads):
     cfg = make_train_config(**SMALL, seed=9, capture_batch=2, latent=latent)
     from splitleak.training.config import ServerConfig
     from splitleak.training.latent import latent_defence_record
-    from splitleak.wire.network import hello_for
+    from splitleak.wire.client import hello_for
 
     hello = hello_for(
         ServerConfig.of(cfg, random_init=True).as_dict(),

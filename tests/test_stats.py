@@ -355,6 +355,8 @@ def test_random_effects_reproduce_the_decoy_papers_pooled_figure_from_its_per_se
     path = (
         SHARED / "data/setloop-decoys/anc/paper-data/collected/diagnostic/e1_hierarchical/e1_hierarchical_estimate.json"
     )
+    if not path.exists():  # as the other artefact tests: ../shared beside the checkout (or SPLITLEAK_SHARED)
+        pytest.skip(f"{path} is not here (set SPLITLEAK_SHARED)")
     art = json.loads(path.read_text())
     seeds = art["seeds"]
     for group, chosen in (

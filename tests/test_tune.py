@@ -21,6 +21,7 @@ from splitleak.experiments.tune import (
     trial_params,
     tune,
 )
+from splitleak.report.tune import render_tune
 
 runner = CliRunner()
 
@@ -164,13 +165,14 @@ def test_tiny_tune_gate_budget_frontier_and_resume(tmp_path):
     weak = trial_params(1, "clip-noise", clip=1.0, sigma=0.01)
     out = tmp_path / "tune"
     res = tune(
-        out, settings, depths=[1], defences=["none", "clip-noise"], n_trials=3, enqueue=[strong, weak], threads=1
-    )
+        out, settings, depths=[1], defences=["none", "clip-noise"], n_trials=3, enqueue=[strong, weak], threads=1,
+        render=render_tune,
+    )  # fmt: skip
     by = {t["number"]: t for t in res.trials}
     assert [(t["depth"], t["defence"]) for t in res.trials] == [
         (1, "none"),
-        (1, "clip-noise(clip=1.0,sigma=1.0)"),
-        (1, "clip-noise(clip=1.0,sigma=0.01)"),
+        (1, "clip-noise(sigma=1.0)"),  # canonical labels: clip=1.0 is clip-noise's default
+        (1, "clip-noise(sigma=0.01)"),
     ]
     none, s, w = by[0], by[1], by[2]
     # the undefended point reads the text: stopped after vmi, far above the baseline, gate broken
@@ -199,7 +201,7 @@ def test_tiny_tune_gate_budget_frontier_and_resume(tmp_path):
     assert record["cheapest_passing"] == 1 and record["frontier"] == [0, 1]
     assert [t["on_frontier"] for t in record["trials"]] == [True, True, False]
     md = (out / "tune.md").read_text()
-    assert "clip-noise(clip=1.0,sigma=1.0)" in md.split("## Every trial")[0] and "does not measure" in md
+    assert "clip-noise(sigma=1.0)" in md.split("## Every trial")[0] and "does not measure" in md
     for p in ("frontier.png", "frontier.svg", "study.db", "spec.yaml"):
         assert (out / p).stat().st_size > 0
     # one store: the undefended train job at depth 1 is trained once for the three trials

@@ -3,8 +3,8 @@ where the gradient reads well enough to be worth the activation candidates they 
 
 The fixed-half joint attacker (``beam.JointBeam``, What Gradients Add §3.1) always gives half of the k
 slots per position to the gradient read-out. How much that read-out is worth depends on how many blocks
-sit between the cut and the loss: on SmolLM2 with 6 server blocks it gains about +36 points over the
-activation-only attacker, with 24 it loses about 1 point (experiments/PILOTS.md). ``joint-adaptive`` keeps
+sit between the cut and the loss: with few server blocks it gains much over the activation-only
+attacker, with many it loses a little (measured on SmolLM2 in experiments/PILOTS.md). ``joint-adaptive`` keeps
 k candidates per position (so it costs what activation-only costs) and decides per position how many of
 them come from the gradient, from estimates it makes on the observed traffic and the attacker's own
 calibration documents; no label, server layer, evaluation text or truth enters.

@@ -9,8 +9,7 @@ embedding of token t, minus the model's expected embedding. Two read-outs turn i
 
 - ``gradient`` (default): the tokens whose input embeddings are most cosine-similar to −gradient.
   It needs nothing but the embedding matrix, and reads well when few blocks sit between the cut and
-  the loss (SmolLM2 cut 6 blocks before the loss: next token within the top 16 at 90 % of
-  positions), and poorly when many do (24 blocks: 4 %); experiments/PILOTS.md. It assumes tied
+  the loss, and poorly when many do (measured on SmolLM2 in experiments/PILOTS.md). It assumes tied
   input and output embeddings, as GPT-2, SmolLM2 and Qwen3-0.6B have; with untied ones −gradient
   points towards the output embedding, which the observer's copy of the client layers lacks.
 - ``pseudo-map``: a ridge map fitted on the observed traffic itself, from the unit-normalised

@@ -36,7 +36,7 @@ from splitleak.errors import ConfigError, SplitleakError
 from splitleak.files import json_default
 from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
 from splitleak.progress import Progress, Silent
-from splitleak.wire.store import require_verified
+from splitleak.wire.captures import require_verified
 
 #: bootstrap replicates of a single attack's control interval (the audit recomputes its arms' with ARM_BOOT)
 CONTROL_BOOT = 2000

@@ -61,10 +61,8 @@ CERTIFY_CHECKS = 32
 #: at What Gradients Add's 32 checks per position by default (``certify``): where the candidate order
 #: ranks the true token deeper the position is read but not certified, and so are the positions after
 #: it (their prefix is then wrong), and the report says within how many checks. Without the bound
-#: (``--certify exhaustive``) every position is searched until it matches: on SmolLM2 at depth 6 that
-#: certified every position of 12 documents in 72 s on 2 cores (341 checks per position on average,
-#: one position needed the whole vocabulary; benchmarks/RESULTS.md), about five minutes for the
-#: audit's 48 documents, which would double the audit's time.
+#: (``--certify exhaustive``) every position is searched until it matches, at a cost that grows with how
+#: deep the candidate order ranks the true tokens (measured in benchmarks/RESULTS.md, "Exhaustive SipIt").
 AUDIT_ATTACKS: tuple[tuple[str, dict[str, Any], str], ...] = (
     ("majority", {}, "public"),
     ("vmi", {}, "public"),

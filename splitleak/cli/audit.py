@@ -58,7 +58,7 @@ def calibrate_cmd(
     top-1, rare-token top-1, cross-entropy, membership AUC) first detects it (Politis & Pappas 2026, §4).
     On a latent-mode run, `--attack latent-probe` runs the paper's 19-dose ladder on the probe battery."""
     from splitleak.report.calibration import calibration_table, onset_text, write_calibration_report
-    from splitleak.training.run import apply_threads
+    from splitleak.runtime import apply_threads
 
     with user_errors():
         apply_threads(threads)

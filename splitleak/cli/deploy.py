@@ -95,10 +95,11 @@ def serve_cmd(
     holds at most one unanswered forward. The defaults cover the study's settings (32-token documents,
     capture batches of 16, 48 decoys) with room to spare and bound the server's memory to about
     --max-concurrent x (model + one forward of --max-frame-tokens rows x tokens, whose logits over the
-    vocabulary are what costs; with the tiny model four sessions at the maxima peak at 0.8 GiB); raise
-    them for longer documents or larger batches, lower --max-concurrent for a large model."""
-    from splitleak.training.run import apply_threads
-    from splitleak.wire.network import ServerNode, parse_address
+    vocabulary are what costs; measured in benchmarks/RESULTS.md); raise them for longer documents or
+    larger batches, lower --max-concurrent for a large model."""
+    from splitleak.deploy import ServerNode
+    from splitleak.runtime import apply_threads
+    from splitleak.wire.client import parse_address
 
     logging.basicConfig(level=logging.WARNING, format="serve: %(message)s")
     with user_errors():

@@ -470,7 +470,7 @@ def attack_cmd(
     from splitleak.attacks import make_attack_config
     from splitleak.audit.evaluate import run_attack
     from splitleak.defences import parse_defence_args
-    from splitleak.training.run import apply_threads, resolve_device
+    from splitleak.runtime import apply_threads, resolve_device
 
     with user_errors():
         apply_threads(threads)

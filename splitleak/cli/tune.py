@@ -67,6 +67,7 @@ def tune_cmd(
     """Search cut depth × defence × strength for the configurations that hold the gate against the attack
     suite within a utility budget, and draw the privacy–utility frontier. A rerun resumes."""
     from splitleak.experiments.tune import TuneSettings, parse_enqueue, tune
+    from splitleak.report.tune import render_tune
 
     def say(s: str) -> None:
         if not quiet:
@@ -102,6 +103,7 @@ def tune_cmd(
             threads=threads,
             device=device,
             say=say,
+            render=render_tune,
         )
     console.print(
         f"{res.ran_trials} trial(s) ran now ({res.jobs_ran} job(s)); {len(res.trials)} in the study; "

@@ -141,7 +141,7 @@ def grid_status(
 
 
 def _resolve_local_device(device: str) -> str:
-    from splitleak.training.run import resolve_device
+    from splitleak.runtime import resolve_device
 
     return str(resolve_device(device))
 

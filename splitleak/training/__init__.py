@@ -1,5 +1,6 @@
 """Running split training: client and server roles, the step loop, utility, the all-local baseline."""
 
+from splitleak.runtime import resolve_device
 from splitleak.training.config import DefenceConfig, TrainConfig, config_from_record, make_train_config
 from splitleak.training.loop import (
     TrainLog,
@@ -10,8 +11,9 @@ from splitleak.training.loop import (
     training_order,
     utility,
 )
+from splitleak.training.record import RunResult
 from splitleak.training.roles import ClientRole, ServerRole
-from splitleak.training.run import RunResult, read_metrics, resolve_device, run_training
+from splitleak.training.run import read_metrics, run_training
 
 __all__ = [
     "ClientRole",

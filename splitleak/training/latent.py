@@ -464,16 +464,10 @@ def run_latent(
     from pathlib import Path
 
     from splitleak.models import load_model
+    from splitleak.runtime import apply_threads, resolve_device
     from splitleak.seeds import model_init_seed, server_seed
     from splitleak.training.loop import evaluate_ce, utility
-    from splitleak.training.run import (
-        RunEnd,
-        _documents,
-        apply_threads,
-        documents_record,
-        manifest_head,
-        resolve_device,
-    )
+    from splitleak.training.record import RunEnd, documents_record, manifest_head, run_documents
     from splitleak.wire.channel import InProcessChannel
     from splitleak.wire.declare import declare_latent_channels
     from splitleak.wire.store import RunStore
@@ -492,7 +486,7 @@ def run_latent(
             config.model, precision=config.precision, seed=model_init_seed(config.seed), model_path=config.model_path
         )
     lm.model.to(dev)
-    docs = _documents(config, lm.tokenizer)
+    docs = run_documents(config, lm.tokenizer)
     split, spec = latent_split(lm, cfg)
     hidden = int(split.model.get_input_embeddings().weight.shape[1])
     declaration = declare_latent_channels(
@@ -507,7 +501,7 @@ def run_latent(
         server = LatentServer(cfg, config.lr, server_seed(config.seed), hidden=hidden)
     else:
         from splitleak.training.config import ServerConfig
-        from splitleak.wire.network import RemoteServer, hello_for, parse_address
+        from splitleak.wire.client import RemoteServer, hello_for, parse_address
 
         RunStore.check_out(out, force)  # the same refusals as below, before any connection
         host, port = parse_address(connect)
@@ -607,6 +601,6 @@ def run_latent(
         }
         store.add_json("metrics", "metrics.json", metrics)
         store.close(True, {"config_hash": config.hash()})
-    from splitleak.training.run import RunResult
+    from splitleak.training.record import RunResult
 
     return RunResult(Path(out), metrics, config)

@@ -7,109 +7,34 @@ model, documents, split), so bad input writes nothing.
 from __future__ import annotations
 
 import gc
-import importlib.metadata
 import json
 import logging
 import os
-import platform
 import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-import splitleak
-from splitleak.data import DocumentSets, load_documents
 from splitleak.defences import DefenceChain
 from splitleak.errors import ConfigError
 from splitleak.models import LoadedModel, SplitModel, load_model
 from splitleak.progress import Progress, Silent
+from splitleak.runtime import apply_threads, resolve_device
 from splitleak.seeds import model_init_seed, server_seed
 from splitleak.training.checkpoint import CheckpointDir, state_tensors
 from splitleak.training.config import ServerConfig, TrainConfig
 from splitleak.training.loop import TrainLog, capture_traffic, evaluate_ce, train_all_local, train_split, utility
+from splitleak.training.record import RunEnd, RunResult, documents_record, manifest_head, run_documents
 from splitleak.training.replicas import build_server
-from splitleak.wire.declare import MESSAGES_FILE, declare_channels
+from splitleak.wire.declare import declare_channels
 from splitleak.wire.store import RunStore, read_run_json
 from splitleak.wire.tap import WireRecorder
 from splitleak.wire.transport import TransportError
 
 _log = logging.getLogger("splitleak.train")
-PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic", "faker", "gguf")
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was requested but no CUDA device is visible; use --device cpu or auto")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ConfigError(f"unknown device {device!r}; use auto, cpu or cuda")
-    return torch.device(device)
-
-
-def apply_threads(threads: int | None) -> None:
-    if threads is not None:
-        if threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-
-
-def package_versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"python": platform.python_version(), "splitleak": splitleak.__version__}
-    for name in PACKAGES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-@dataclass
-class RunResult:
-    run_dir: Path
-    metrics: dict[str, Any]
-    config: TrainConfig
-
-
-def _documents(config: TrainConfig, tokenizer) -> DocumentSets:
-    return load_documents(
-        config.data,
-        tokenizer,
-        seed=config.data_seed,
-        n_calib=config.n_calib,
-        n_train=config.n_train,
-        n_eval=config.n_eval,
-        doc_len=config.doc_len,
-        data_path=config.data_path,
-    )
-
-
-def manifest_head(config: TrainConfig, lm: LoadedModel) -> dict[str, Any]:
-    """The first fields of every run's manifest: version, time, configuration, packages, model."""
-    return {
-        "splitleak_version": splitleak.__version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "config": config.as_dict(),
-        "config_hash": config.hash(),
-        "packages": package_versions(),
-        "model": {"name": lm.name, "source": lm.source, "fingerprint": lm.fingerprint(), **lm.info},
-    }
-
-
-def documents_record(docs: DocumentSets) -> dict[str, Any]:
-    """The manifest's record of a run's documents."""
-    return {
-        "source": docs.source,
-        "fingerprint": docs.fingerprint(),
-        "n_calib": len(docs.calibration),
-        "n_train": len(docs.train),
-        "n_eval": len(docs.evaluation),
-    }
 
 
 def run_training(
@@ -138,7 +63,7 @@ def run_training(
     caller still holds ``lm``, so nothing would be saved).
 
     ``connect`` (``HOST:PORT``, with ``tls_dir``): run the trusted node only, against a server
-    started with ``splitleak serve`` (``splitleak.wire.network``). The handshake happens before the
+    started with ``splitleak serve`` (``splitleak.wire.client`` and ``splitleak.deploy``). The handshake happens before the
     run directory is created, so a refused session writes nothing. The client cannot then run the
     uncut model (the server's trained layers stay there): its held-out utility is the loss of the
     capture pass, split inference with the defences as deployed, when it holds the head (U-shape);
@@ -184,7 +109,7 @@ def run_training(
             config.model, precision=config.precision, seed=model_init_seed(config.seed), model_path=config.model_path
         )
     lm.model.to(dev)
-    docs = _documents(config, lm.tokenizer)
+    docs = run_documents(config, lm.tokenizer)
     split = SplitModel(lm, config.depth, config.offload_start, config.offload_length, shielded=config.shielded)
     if config.doc_len > getattr(
         lm.model.config, "max_position_embeddings", getattr(lm.model.config, "n_positions", 10**9)
@@ -216,7 +141,7 @@ def run_training(
         not_resumable = f"defence {chain_client.client_transform.name!r} keeps client state across steps"
         checkpoint_every = None
     if connect is not None:
-        from splitleak.wire.network import RemoteServer, hello_for, parse_address
+        from splitleak.wire.client import RemoteServer, hello_for, parse_address
 
         if tls_dir is None:
             raise ConfigError("--connect needs --tls-dir (the folder `splitleak tls init` wrote)")
@@ -438,70 +363,6 @@ def run_training(
     if checkpoint_every is not None:
         shutil.rmtree(checkpoint_folder(out), ignore_errors=True)  # the run is whole: nothing to resume
     return RunResult(Path(out), metrics, config)
-
-
-class RunEnd:
-    """How a run's record ends, whichever way the run ends. Everything ``run_training`` does after the
-    run directory exists runs inside ``on_fault()``: whatever raises there (any Exception, a
-    KeyboardInterrupt) closes the run as failed, its closing entry naming the ``stage`` it was in, the
-    training steps done and the cause, and is then raised again. Before closing it records what the
-    fault would otherwise leave unrecorded: the frames and ledger of a training phase still open, the
-    training log, the session's messages (and drops the connection, so that the server closes its
-    session as failed too). Nothing written before is removed, and each of these writes is tried on its
-    own (a full disk may refuse some; the journal then ends at its last whole entry)."""
-
-    def __init__(self, store: RunStore, log: Any, remote: Any = None, ledgers: Callable[[], list] | None = None):
-        """``log``: the run's training log (``TrainLog``, or the latent mode's ``LatentLog``: ``doc_ids``,
-        ``error``, ``as_dict``); ``ledgers``: what the training tap closes with (default ``log.ledgers``)."""
-        self.store, self.log, self.remote = store, log, remote
-        self.ledgers = ledgers if ledgers is not None else (lambda: log.ledgers)
-        self.stage = "writing the manifest"
-        self.train_tap: WireRecorder | None = None  # the training phase's tap, until its ledger is written
-        self._trained = False  # training.json written
-        self._messages = False  # messages.json written
-
-    def record_training(self, record: dict[str, Any] | None = None) -> None:
-        """The training phase's last frames and ledger, and ``training.json`` (once)."""
-        if self.train_tap is not None:
-            tap, self.train_tap = self.train_tap, None
-            tap.close(self.ledgers())
-        if not self._trained:
-            self._trained = True
-            self.store.add_json("training", "training.json", record if record is not None else self.log.as_dict())
-
-    def record_messages(self) -> None:
-        """Every envelope of the session, both ways (once)."""
-        if self.remote is not None and not self._messages:
-            self._messages = True
-            self.store.add_json("messages", MESSAGES_FILE, self.remote.messages)
-
-    @contextmanager
-    def on_fault(self) -> Iterator[None]:
-        try:
-            yield
-        except BaseException as exc:
-            self.close_failed(exc)
-            raise
-
-    def close_failed(self, exc: BaseException) -> None:
-        cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        if self.remote is not None:
-            self.remote.abort()
-        if self.store.closed:
-            return
-        self.log.error = str(exc) or cause
-        writes: list[tuple[str, Callable[[], None]]] = [("the session's messages", self.record_messages)]
-        if self.train_tap is not None or self._trained:
-            writes.insert(0, ("the training log", self.record_training))
-        for what, write in writes:
-            try:
-                write()
-            except Exception as err:  # noqa: BLE001 (a full disk, or the fault itself again): close all the same
-                _log.warning("%s: %s not recorded (%s)", self.store.root, what, err)
-        try:
-            self.store.close(False, {"stage": self.stage, "steps_done": len(self.log.doc_ids), "error": cause})
-        except Exception as err:  # noqa: BLE001 (the journal ends at its last whole entry: an unfinished run)
-            _log.warning("%s: the failure could not be recorded (%s)", self.store.root, err)
 
 
 def gradient_utility_summary(raw: torch.Tensor, sent: torch.Tensor) -> dict[str, Any]:

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from splitleak.errors import IntegrityError, NonFiniteError
-from splitleak.wire.store import journal_entries, read_tensors
-from splitleak.wire.tap import exchanges, links_of, read_wire, stack_channel, wire_phases
+from splitleak.wire.store import VerifyResult, journal_entries, read_tensors, verify_run
+from splitleak.wire.tap import exchanges, links_of, read_wire, stack_channel, verify_wire, wire_phases
 
 
 @dataclass
@@ -114,3 +114,35 @@ def load_capture(run_dir: str | Path, phase: str = "capture", link: str | None =
                 f"refuse non-finite frames): the capture was altered; run `splitleak verify {run_dir}`"
             )
     return Capture(doc_ids, act, grad, mask, steps, probe, probe_g, present, trunk, out_g, phase, link, frames)
+
+
+def require_verified(root: str | Path, what: str) -> VerifyResult:
+    """``verify_run(root)``, raising IntegrityError when the run does not verify: ``what`` (``the attack``)
+    reads nothing from a run whose recorded files, journal or closing entry are not whole."""
+    v = verify_run(root)
+    if not v.ok:
+        raise IntegrityError(
+            f"{root} does not verify: {v.message}. {what[0].upper()}{what[1:]} read nothing from it; retrain or restore "
+            "the run, or pass --no-verify to read it as it is"
+        )
+    if v.status == "complete":  # the frames re-encode to what the ledgers say crossed (`splitleak verify` too)
+        try:
+            verify_wire(root)
+        except IntegrityError as exc:
+            raise IntegrityError(
+                f"{root} does not verify: {exc}. {what[0].upper()}{what[1:]} read nothing from it; retrain or restore "
+                "the run, or pass --no-verify to read it as it is"
+            ) from None
+    if v.status == "failed":
+        why = ""
+        try:
+            info = journal_entries(root)[-1].get("info") or {}
+            why = str(info.get("error") or info.get("stage") or "").strip().splitlines()[0][:200] if info else ""
+        except (IntegrityError, IndexError):
+            pass
+        raise IntegrityError(
+            f"{root} is intact but the run failed ({why or 'no reason recorded'}): its traffic stops where it failed "
+            f"and it has no metrics. {what[0].upper()}{what[1:]} read nothing from it; retrain it, or pass --no-verify "
+            "to read what it holds"
+        )
+    return v

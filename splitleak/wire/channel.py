@@ -4,7 +4,7 @@ A channel sends one frame and returns the reply frame (``request``). The in-proc
 encodes every frame to bytes and decodes it on the other side, exactly as a network transport
 would, counts the bytes per direction, keeps a ledger of every blob that crossed (its SHA-256 and
 length) and hands every crossing to its taps (the recorder of what crosses the split,
-``splitleak.wire.tap``). The network transport (``splitleak.wire.network``) implements the same
+``splitleak.wire.tap``). The network transport (``splitleak.wire.client`` and ``splitleak.deploy``) implements the same
 two methods over WebSockets and TLS, and both of its ends keep the same ledger.
 
 ``link`` names the connection: ``main`` for the one server of a split, ``replica-K`` for the K-th

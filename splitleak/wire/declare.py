@@ -89,7 +89,7 @@ def declare_channels(
     """The channels of a plain split (``u_shape`` False: labels cross for the server's loss) or a
     U-shape (partial offloading, label-shielded: the trunk's output comes back, the output gradient goes
     out), plus what each defence adds (``Defence.declare(channels)``) and the links (``Defence.links``).
-    ``transport``: client and server are two processes (``splitleak.wire.network``), so the
+    ``transport``: client and server are two processes (``splitleak.wire.client`` and ``splitleak.deploy``), so the
     handshake and every message's envelope cross too. ``gradients`` False: no gradient crosses in either
     direction (label-shielded top-only training). ``draws``: what keys the client's draws on the wire
     (``TrainConfig.draws``; None where the declaring side does not know it, as the server), named in the note

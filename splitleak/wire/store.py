@@ -465,40 +465,6 @@ def read_run_json(root: str | Path, rel: str, *, mapping: bool = True) -> Any:
     return read_json(path, rel, fix, mapping=mapping)
 
 
-def require_verified(root: str | Path, what: str) -> VerifyResult:
-    """``verify_run(root)``, raising IntegrityError when the run does not verify: ``what`` (``the attack``)
-    reads nothing from a run whose recorded files, journal or closing entry are not whole."""
-    v = verify_run(root)
-    if not v.ok:
-        raise IntegrityError(
-            f"{root} does not verify: {v.message}. {what[0].upper()}{what[1:]} read nothing from it; retrain or restore "
-            "the run, or pass --no-verify to read it as it is"
-        )
-    if v.status == "complete":  # the frames re-encode to what the ledgers say crossed (`splitleak verify` too)
-        from splitleak.wire.tap import verify_wire
-
-        try:
-            verify_wire(root)
-        except IntegrityError as exc:
-            raise IntegrityError(
-                f"{root} does not verify: {exc}. {what[0].upper()}{what[1:]} read nothing from it; retrain or restore "
-                "the run, or pass --no-verify to read it as it is"
-            ) from None
-    if v.status == "failed":
-        why = ""
-        try:
-            info = journal_entries(root)[-1].get("info") or {}
-            why = str(info.get("error") or info.get("stage") or "").strip().splitlines()[0][:200] if info else ""
-        except (IntegrityError, IndexError):
-            pass
-        raise IntegrityError(
-            f"{root} is intact but the run failed ({why or 'no reason recorded'}): its traffic stops where it failed "
-            f"and it has no metrics. {what[0].upper()}{what[1:]} read nothing from it; retrain it, or pass --no-verify "
-            "to read what it holds"
-        )
-    return v
-
-
 def journal_entries(root: str | Path) -> list[dict[str, Any]]:
     """The journal's entries, parsed, for the readers that look things up in it (``verify_run`` checks the
     chain itself). IntegrityError in one line when the journal is missing, a link out of the run, or has a

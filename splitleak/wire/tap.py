@@ -30,7 +30,7 @@ from splitleak.errors import IntegrityError
 from splitleak.wire.channel import Crossing
 from splitleak.wire.declare import Declaration, check_declared
 from splitleak.wire.frames import Frame, _metadata, encode
-from splitleak.wire.store import RunStore, inside_run, journal_entries, sha256_bytes, sha256_file
+from splitleak.wire.store import RunStore, inside_run, journal_entries, read_run_json, sha256_bytes, sha256_file
 
 WIRE_KIND = "wire"
 LEDGER_KIND = "wire-ledger"
@@ -265,7 +265,6 @@ def read_ledger(run_dir: str | Path, phase: str) -> list[dict]:
     path = inside_run(root, rel)
     if not path.is_file() or sha256_file(path) != files[rel]:
         raise IntegrityError(f"{rel} does not match its recorded sha256; run `splitleak verify {root}` for details")
-    from splitleak.wire.store import read_run_json
 
     ledger = read_run_json(root, rel, mapping=False)
     fields = {"link": str, "seq": int, "kind": str, "blob_sha256": str, "blob_bytes": int}

@@ -42,9 +42,8 @@ HANDSHAKE_MESSAGE_BYTES = ENVELOPE_BYTES
 # rows; the latent mode's 48 decoys) with room to spare. A session holds at most one frame of
 # MAX_FRAME_MIB and one forward's graph of at most MAX_FRAME_TOKENS rows x tokens, whose logits
 # (rows x tokens x the vocabulary, and their gradient) are what costs memory in a plain split; the
-# server's memory is bounded by MAX_CONCURRENT x (model + that), whatever a client asks (with the tiny
-# model, 50k vocabulary: four sessions at these maxima peaked at 0.8 GiB, 16,384 rows x tokens each at
-# 2.8 GiB; benchmarks/RESULTS.md, "Memory of `serve` under hostile clients").
+# server's memory is bounded by MAX_CONCURRENT x (model + that), whatever a client asks (measured in
+# benchmarks/RESULTS.md, "Memory of `serve` under hostile clients").
 MAX_ROWS = 64  # rows of one frame, mixup's probe rows included (capture_batch x PROBE_FACTOR)
 MAX_TOKENS = 256  # tokens of one row (doc_len; in the latent mode doc_len + decoys)
 MAX_FRAME_TOKENS = 2048  # rows x tokens of one frame (the study's 32 x 32 is 1024)

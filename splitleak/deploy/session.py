@@ -1,70 +1,26 @@
-"""Client and server as two processes: WebSockets over mutual TLS 1.3, the tap on the server's side.
-
-**Server** (``ServerNode``; ``splitleak serve``): the untrusted node. Each connection is one session
-with its own state. The client's hello names the server's part of the configuration
-(``ServerConfig``: no run seed, no data); the server loads the same preset, checks the pretrained
-model's fingerprint, the split and the defence chain against the client's, and refuses a mismatch
-naming both values (the welcome echoes them, and the client checks them too). It then frees the
-weights it never reads (``SplitModel.release_client_side``) and answers frames with a
-``ServerRole`` (``splitleak.training.roles``), exactly as in one process, and, given a capture
-folder, records everything it receives and sends in a capture store of its own (``session-NNNN/``:
-manifest, ``wire/`` shards and ledgers, every message's envelope, the server's trained layers, its
-loss log, the hash-chained journal; ``splitleak verify`` works on it unchanged). A session that
-ends badly (the client vanished, a frame broke the protocol) closes its store as failed at the last
-whole frame. Given a checkpoint folder, a session checkpoints its side every so many steps, and a
-later session resumes from such a checkpoint (``splitleak.training.checkpoint``).
-
-**Client** (``RemoteServer``; ``splitleak train --connect``): the trusted node's channel. It sends
-the same encoded frames the in-process channel would, and keeps the same ledger and taps, so the
-client's run directory is the same in one process and over TLS.
-
-Every message is checked before allocation (``splitleak.wire.transport``); a replayed nonce, an
-out-of-window sequence number, a backward with no pending forward, a frame after close, NaN/Inf,
-an unknown kind or a lying header ends the session with the reason logged. Compression is off:
-message sizes must not depend on the content.
-
-**A hostile client** (one holding a valid certificate) cannot take the server down: every size a
-hello may ask is capped by the server (``max_rows``, ``max_tokens``, their product
-``max_frame_tokens``, ``max_frame_bytes``; a hello
-over one is refused naming the value, the maximum and the ``serve`` flag that raises it), and the
-WebSocket layer refuses a message larger than the session's frame limit plus its envelope before
-reading it (only a header-sized message before the welcome); at most ``PENDING_WINDOW`` forwards
-await their backward-top per session; at most ``max_concurrent`` sessions run at once (a connection
-over the cap is told so, and no model is loaded for it); the hello must arrive within
-``hello_seconds``, and the model loads only after a valid hello; a phase only goes forward (train,
-then capture); every message after the welcome carries the session id the welcome gave, so a
-message recorded in one session is refused in another; a failed TLS handshake is logged with the
-peer's address and the reason. Whatever raises, a session's capture ends closed (complete, or failed
-with the reason and the last step).
-"""
+"""One client connection of ``splitleak serve`` (``Session``): the handshake and its checks, the frames,
+the session's own capture and checkpoints, and its end, recorded whatever raises. The node that accepts
+connections and caps them is ``splitleak.deploy.server``; the module docstring there says what a hostile
+client meets."""
 
 from __future__ import annotations
 
 import logging
 import shutil
-import ssl
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from splitleak.errors import ConfigError
 from splitleak.training.roles import PENDING_WINDOW
 from splitleak.wire.channel import MAIN_LINK, WireLedger
+from splitleak.wire.client import CLIENT_KINDS, cap_messages
 from splitleak.wire.declare import MESSAGES_FILE
 from splitleak.wire.frames import PHASES, Frame, decode, encode
 from splitleak.wire.transport import (
-    ENVELOPE_BYTES,
     HANDSHAKE_MESSAGE_BYTES,
-    HELLO_SECONDS,
-    MAX_CONCURRENT,
-    MAX_FRAME_MIB,
-    MAX_FRAME_TOKENS,
-    MAX_ROWS,
-    MAX_TOKENS,
     PROBE_FACTOR,
     PROTOCOL_VERSION,
     Limits,
@@ -80,8 +36,6 @@ from splitleak.wire.transport import (
 )
 
 if TYPE_CHECKING:
-    from websockets.sync.server import Server
-
     from splitleak.models import SplitModel
     from splitleak.training.latent import LatentServer
     from splitleak.training.roles import ServerRole
@@ -89,58 +43,34 @@ if TYPE_CHECKING:
     from splitleak.wire.tap import WireRecorder
 
 log = logging.getLogger("splitleak.serve")
-CLIENT_KINDS = ("forward", "backward-top")
-SERVER_KINDS = ("backward", "forward-return")
-#: the client's ceiling on one message whatever a server's welcome says (a session's own cap is lower)
-MAX_MESSAGE_BYTES = 512 << 20
-OPEN_TIMEOUT_S = 30.0  # the server's limit on a connection's TLS and WebSocket opening handshakes
-OPEN_ATTEMPTS = 3  # the client's attempts at an opening handshake the server closed before answering
-IDLE_SECONDS = 300.0
 #: transformers' lazy imports are not thread-safe, and two sessions need not hold two copies at once
 #: while loading: sessions load their model one at a time
 _LOAD_LOCK = threading.Lock()
-
-
-def parse_address(text: str, *, what: str = "--connect") -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ConfigError(f"{what} {text!r} is not HOST:PORT (for example 127.0.0.1:8443)")
-    return host.strip("[]"), int(port)
-
-
-def hello_for(
-    server_config: dict[str, Any],
-    fingerprint: str,
-    split: dict[str, Any],
-    defences: list[dict],
-    *,
-    checkpoint_every: int | None = None,
-    resume: dict[str, Any] | None = None,
-) -> dict:
-    """The client's hello: the protocol version, the server's part of the configuration
-    (``ServerConfig``: model, split, defences, learning rate, frame sizes and the two seeds derived
-    one-way from the run seed), the pretrained model's fingerprint, the split and the defence chain
-    for the server to check. It crosses as the declared ``handshake`` channel; the run seed, the
-    data set and the document counts are not in it. ``checkpoint_every``: the server checkpoints its
-    side every so many steps (if it keeps checkpoints); ``resume``: ``{"token", "done"}`` of the
-    checkpoint to continue from."""
-    return {
-        "type": "hello",
-        "protocol": PROTOCOL_VERSION,
-        "config": server_config,
-        "fingerprint": fingerprint,
-        "split": split,
-        "defences": defences,
-        "checkpoint_every": checkpoint_every,
-        "resume": resume,
-    }
 
 
 def _mismatch(what: str, mine: Any, theirs: Any) -> str:
     return f"{what} differs: the server has {mine!r}, the client sent {theirs!r}"
 
 
-# ====================================================================== server
+class Node(Protocol):
+    """What a session reads of the node that accepted it (``splitleak.deploy.server.ServerNode``)."""
+
+    @property
+    def capture(self) -> str | Path | None: ...
+    @property
+    def checkpoints(self) -> str | Path | None: ...
+    @property
+    def hello_seconds(self) -> float: ...
+    @property
+    def idle_seconds(self) -> float: ...
+    @property
+    def max_rows(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def max_frame_tokens(self) -> int: ...
+    @property
+    def max_frame_bytes(self) -> int: ...
 
 
 @dataclass
@@ -156,7 +86,7 @@ class SessionRecord:
 class Session:
     """One client connection: handshake, frames, close. Owns its model, role, ledger and capture."""
 
-    def __init__(self, node: ServerNode, conn, index: int):
+    def __init__(self, node: Node, conn, index: int):
         self.node = node
         self.conn = conn
         self.rec = SessionRecord(index, str(getattr(conn, "remote_address", "?")))
@@ -428,7 +358,7 @@ class Session:
         CheckpointDir(Path(self.node.checkpoints) / self.token).save(done, tensors, record)
 
     def _open_store(self) -> None:
-        from splitleak.training.run import package_versions
+        from splitleak.runtime import package_versions
         from splitleak.wire.store import RunStore
 
         assert self.node.capture is not None
@@ -577,7 +507,7 @@ class Session:
         from websockets.exceptions import ConnectionClosed
 
         try:
-            _cap_messages(self.conn, HANDSHAKE_MESSAGE_BYTES)  # a hello is a header: nothing larger yet
+            cap_messages(self.conn, HANDSHAKE_MESSAGE_BYTES)  # a hello is a header: nothing larger yet
             hello, _ = self._recv(timeout=self.node.hello_seconds)
             self._setup(hello)
             assert self.limits is not None and self.role is not None
@@ -595,7 +525,7 @@ class Session:
                 }
             )
             self.guard.session = self.session_id  # from now on every message must carry it
-            _cap_messages(self.conn, self.limits.max_message_bytes())
+            cap_messages(self.conn, self.limits.max_message_bytes())
             while True:
                 header, payload = self._recv()
                 self.guard.check_session(header)
@@ -645,418 +575,6 @@ class Session:
                 self._finish(False, f"the session stopped {self.phase and f'in phase {self.phase}' or ''}".strip())
 
 
-def _cap_messages(conn, n: int) -> None:
-    """Set the largest message the WebSocket layer reads on ``conn`` (a larger one is refused from its
-    frame header, unread, and the connection closed with code 1009)."""
-    conn.protocol.max_message_size = n
-
-
-class _LoggedSSLSocket(ssl.SSLSocket):
-    """The server's TLS sockets: a handshake that fails is logged with the peer's address and why."""
-
-    def do_handshake(self, block: bool = False) -> None:
-        try:
-            peer = "{}:{}".format(*self.getpeername()[:2])  # before the handshake: a refused peer may leave at once
-        except OSError:
-            peer = "an unknown peer"
-        try:
-            super().do_handshake(block)
-        except Exception as exc:
-            log.warning("TLS handshake with %s failed: %s", peer, _tls_reason(exc))
-            raise
-
-
-def _tls_reason(exc: BaseException) -> str:
-    """Why the server refused a TLS handshake, in words, with OpenSSL's own reason."""
-    reason = getattr(exc, "reason", None) or type(exc).__name__
-    if isinstance(exc, ssl.SSLCertVerificationError):
-        return (
-            f"the client's certificate is not signed by this server's CA ({exc.verify_message}; {reason}): "
-            "a certificate from another `splitleak tls init`"
-        )
-    if reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
-        return f"the client sent no certificate ({reason}); mutual TLS needs the client's client.pem"
-    if "ALERT" in str(reason):
-        return f"the client refused this server's certificate ({reason}): it trusts another CA"
-    if isinstance(exc, TimeoutError):
-        return f"no TLS handshake within {OPEN_TIMEOUT_S:g} s"
-    if reason in ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "UNSUPPORTED_PROTOCOL"):
-        return f"not TLS 1.3 ({reason}): plaintext or an older TLS version"
-    return f"{reason} ({exc})"
-
-
 def _server_params(split) -> list[tuple[str, torch.nn.Parameter]]:
     ids = {id(p) for p in split.trainable_parameters()[1]}
     return [(n, p) for n, p in split.model.named_parameters() if id(p) in ids]
-
-
-@dataclass
-class ServerNode:
-    """``splitleak serve``: listens on ``host:port`` (loopback unless ``allow_remote``) with mutual TLS
-    from ``tls_dir``; one ``Session`` per connection, at most ``max_sessions`` in all (None: no limit),
-    at most ``max_concurrent`` at once. ``max_rows``, ``max_tokens``, ``max_frame_tokens`` (rows x
-    tokens), ``max_frame_bytes``: the most a hello may ask (see ``MAX_ROWS`` and the rest); ``hello_seconds``: how soon the hello must come."""
-
-    tls_dir: str | Path
-    host: str = "127.0.0.1"
-    port: int = 0
-    capture: str | Path | None = None
-    allow_remote: bool = False
-    max_sessions: int | None = None
-    idle_seconds: float = IDLE_SECONDS
-    checkpoints: str | Path | None = None  # where sessions keep their training checkpoints (to resume)
-    max_rows: int = MAX_ROWS
-    max_tokens: int = MAX_TOKENS
-    max_frame_tokens: int = MAX_FRAME_TOKENS
-    max_frame_bytes: int = MAX_FRAME_MIB << 20
-    max_concurrent: int = MAX_CONCURRENT
-    hello_seconds: float = HELLO_SECONDS
-    sessions: list[SessionRecord] = field(default_factory=list)
-    on_session: Callable[[SessionRecord], None] | None = None
-
-    def __post_init__(self) -> None:
-        import ipaddress
-
-        try:
-            loopback = self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback and not self.allow_remote:
-            raise ConfigError(
-                f"--listen {self.host} is not a loopback address; pass --allow-remote to serve other machines"
-            )
-        for flag, value in (
-            ("--max-rows", self.max_rows),
-            ("--max-tokens", self.max_tokens),
-            ("--max-frame-tokens", self.max_frame_tokens),
-            ("--max-frame-mib", self.max_frame_bytes),
-            ("--max-concurrent", self.max_concurrent),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{flag} must be a positive integer, not {value!r}")
-        if not self.hello_seconds > 0:
-            raise ConfigError(f"--hello-timeout must be positive, not {self.hello_seconds!r}")
-        self._lock = threading.Lock()
-        self._active = 0  # sessions running now
-        self._server: Server | None = None
-        self._count = 0  # the next session's number
-        self._started = 0  # sessions this process started
-        if self.capture is not None and Path(self.capture).is_dir():  # a restarted server: number on, never overwrite
-            taken = [int(p.name[8:]) for p in Path(self.capture).glob("session-*") if p.name[8:].isdigit()]
-            self._count = max(taken, default=-1) + 1
-
-    def max_message_bytes(self) -> int:
-        """The WebSocket layer's cap on one message: the largest frame this server allows, in its envelope."""
-        return self.max_frame_bytes + ENVELOPE_BYTES
-
-    def _handler(self, conn) -> None:
-        _cap_messages(conn, HANDSHAKE_MESSAGE_BYTES)
-        with self._lock:
-            if self.max_sessions is not None and self._started >= self.max_sessions:
-                conn.close()
-                return
-            busy = self._active >= self.max_concurrent
-            if not busy:
-                self._active += 1
-                self._started += 1
-                ordinal = self._started
-                index = self._count
-                self._count += 1
-        if busy:
-            self._refuse(conn)
-            return
-        try:
-            session = Session(self, conn, index)
-            self.sessions.append(session.rec)
-            session.run()
-        finally:
-            with self._lock:
-                self._active -= 1
-        if self.on_session is not None:
-            self.on_session(session.rec)
-        if self.max_sessions is not None and ordinal >= self.max_sessions and self._server is not None:
-            threading.Thread(target=self._server.shutdown, daemon=True).start()
-
-    def _refuse(self, conn) -> None:
-        """A connection over ``max_concurrent``: told so in one error message, no model loaded. The
-        hello is read (header-sized at most, within a second or two) before the close, so that the
-        client reads the refusal rather than a connection closed under its hello."""
-        peer = getattr(conn, "remote_address", "?")
-        message = (
-            f"the server is busy: {self.max_concurrent} sessions are running, its limit "
-            "(`splitleak serve --max-concurrent`); try again later"
-        )
-        log.warning("refused a connection from %s: %s", peer, message)
-        try:
-            conn.send(pack({"type": "error", "message": message, "seq": 0, "nonce": new_nonce()}))
-            conn.recv(timeout=min(2.0, self.hello_seconds))
-        except Exception:  # noqa: BLE001 (a silent or vanished peer: closed all the same)
-            pass
-        try:
-            conn.close()
-        except Exception:  # noqa: BLE001
-            pass
-
-    def start(self) -> int:
-        """Bind and return the port (an ephemeral one when ``port`` is 0); serve with ``serve_forever``."""
-        from websockets.sync.server import serve
-
-        from splitleak.wire.tls import server_context
-
-        ctx = server_context(self.tls_dir)
-        ctx.sslsocket_class = _LoggedSSLSocket  # a failed TLS handshake is logged (websockets drops it silently)
-        self._server = serve(
-            self._handler,
-            self.host,
-            self.port,
-            ssl=ctx,
-            compression=None,
-            max_size=self.max_message_bytes(),
-            ping_interval=None,
-            server_header=None,
-            open_timeout=OPEN_TIMEOUT_S,
-        )
-        self.port = int(self._server.socket.getsockname()[1])
-        return self.port
-
-    def serve_forever(self) -> None:
-        assert self._server is not None, "call start() first"
-        self._server.serve_forever()
-
-    def shutdown(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-
-
-# ====================================================================== client
-
-
-class RemoteServer(WireLedger):
-    """The trusted node's channel to a ``ServerNode``: ``request(frame)`` sends the encoded frame and
-    returns the decoded reply; ledger and taps as in one process. ``last_losses`` stays None: in a
-    plain split the loss stays on the server."""
-
-    def __init__(self, host: str, port: int, tls_dir: str | Path, hello: dict[str, Any], timeout: float = 60.0):
-        from websockets.exceptions import ConnectionClosed
-
-        super().__init__(link=MAIN_LINK)
-        self.remote = True
-        self.where = f"{host}:{port}"
-        self.timeout = timeout
-        self.last_losses = None
-        self.opt = None
-        self.guard = ReplayGuard()
-        self.seq = 0
-        self.closed = False
-        self.tls_dir = Path(tls_dir)
-        self.session_id: str | None = None  # the welcome's; every later message carries it
-        self.messages: list[dict[str, Any]] = []  # every envelope, both ways, as the server's capture has them
-        try:
-            self.conn = self._open(host, port, tls_dir, timeout)
-        except ssl.SSLCertVerificationError as exc:  # the server's certificate (before OSError, of which it is one)
-            raise TransportError(
-                f"the TLS handshake with {self.where} failed (CERTIFICATE_VERIFY_FAILED): the server's certificate "
-                f"does not verify against {self.tls_dir / 'ca.pem'} ({exc.verify_message}); both sides need "
-                "certificates from the same CA (`splitleak tls init`)"
-            ) from None
-        except ssl.SSLError as exc:  # the server's alert: it refused this client's certificate
-            raise TransportError(self._refused_certificate(exc)) from None
-        except (OSError, TimeoutError) as exc:
-            raise TransportError(f"cannot reach the server at {self.where}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 (websockets' handshake errors)
-            if isinstance(_ssl_cause(exc), ssl.SSLError):  # the TLS session broke right after it opened
-                raise TransportError(self._refused_certificate(_ssl_cause(exc))) from None
-            raise TransportError(f"the TLS/WebSocket handshake with {self.where} failed: {exc}") from None
-        try:
-            try:
-                self._send(hello)
-            except ConnectionClosed:  # a server that refused at once (busy) has sent why: read it below
-                pass
-            reply, _ = self._recv("the handshake")
-            if reply.get("type") != "welcome":
-                raise TransportError(f"the server at {self.where} refused the session: {reply.get('message', reply)}")
-            # the client checks the server as well (a latent-mode server holds no weights to fingerprint)
-            latent = isinstance(hello.get("config"), dict) and hello["config"].get("latent") is not None
-            for key in (
-                ("protocol", "split", "defences") if latent else ("protocol", "fingerprint", "split", "defences")
-            ):
-                if reply.get(key) != hello[key]:
-                    raise TransportError(
-                        f"the server at {self.where} runs another {key}: it has {reply.get(key)!r}, "
-                        f"this client {hello[key]!r}"
-                    )
-            session = reply.get("session")
-            if not (isinstance(session, str) and len(session) == 32):
-                raise TransportError(f"the server at {self.where} sent no session id in its welcome ({session!r})")
-            self.session_id = self.guard.session = session
-            self.limits = Limits(**reply["limits"])
-            # the WebSocket layer reads no message larger than the session's largest frame in its envelope
-            _cap_messages(self.conn, min(self.limits.max_message_bytes(), MAX_MESSAGE_BYTES))
-        except BaseException:
-            self.abort()
-            raise
-        self.welcome = reply  # the server's token and checkpoint interval: what a later resume names
-
-    def _refused_certificate(self, exc: BaseException | None) -> str:
-        """Which certificate the server refused, and why as far as this side can tell."""
-        from datetime import datetime, timezone
-
-        from cryptography import x509
-
-        alert = getattr(exc, "reason", None) or type(exc).__name__
-        cert_path, ca_path = self.tls_dir / "client.pem", self.tls_dir / "ca.pem"
-        head = f"the server at {self.where} refused this client's certificate {cert_path} ({alert})"
-        try:
-            cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-            ca = x509.load_pem_x509_certificate(ca_path.read_bytes())
-        except (OSError, ValueError) as err:
-            return f"{head}; it cannot be read here either ({err}); make new material with `splitleak tls init`"
-        issuer = cert.issuer.rfc4514_string()
-        try:
-            cert.verify_directly_issued_by(ca)
-            signed = True
-        except Exception:  # noqa: BLE001 (another issuer, or another key's signature)
-            signed = False
-        if not signed:
-            other = "another CA of the same name" if cert.issuer == ca.subject else "another CA"
-            return (
-                f"{head}: it is signed by {other} ({issuer}) than {ca_path}, the CA of the server's certificate; "
-                "give the client the client.pem and client.key of the server's `splitleak tls init` folder"
-            )
-        if cert.not_valid_after_utc < datetime.now(timezone.utc):
-            return f"{head}: it expired on {cert.not_valid_after_utc:%Y-%m-%d}; make new material with `splitleak tls init`"
-        return (
-            f"{head}: it is issued by {issuer}, which this server does not trust; give both sides certificates from "
-            "the same `splitleak tls init` folder"
-        )
-
-    def _open(self, host: str, port: int, tls_dir: str | Path, timeout: float, attempts: int = OPEN_ATTEMPTS):
-        """The WebSocket over TLS. A server that closes the connection before its HTTP answer (a busy
-        machine past the server's opening timeout) is asked again, ``attempts`` times in all: nothing
-        has crossed yet, so a retry changes nothing but the nonce-free TCP connection."""
-        from websockets.exceptions import InvalidMessage
-        from websockets.sync.client import connect
-
-        from splitleak.wire.tls import client_context
-
-        for attempt in range(attempts):
-            try:
-                return connect(
-                    f"wss://{host}:{port}/splitleak",
-                    ssl=client_context(tls_dir),
-                    compression=None,
-                    max_size=HANDSHAKE_MESSAGE_BYTES,  # raised to the session's limits by the welcome
-                    open_timeout=timeout,
-                    ping_interval=None,
-                    proxy=None,
-                    close_timeout=5,
-                )
-            except InvalidMessage as exc:
-                if attempt + 1 == attempts:
-                    raise
-                log.warning("the server at %s:%d closed the opening handshake (%s); asking again", host, port, exc)
-                time.sleep(0.5 * (attempt + 1))
-        raise AssertionError("unreachable")
-
-    def _send(self, header: dict[str, Any], payload: bytes = b"") -> None:
-        if self.closed:
-            raise TransportError("the session is closed; no frame may follow")
-        header = {**header, "seq": self.seq, "nonce": header.get("nonce") or new_nonce()}
-        if self.session_id is not None:
-            header["session"] = self.session_id
-        self.seq += 1
-        self.conn.send(pack(header, payload))
-        self.messages.append({"direction": "client->server", "bytes": len(payload), "header": header})
-
-    def _recv(self, what: str) -> tuple[dict[str, Any], bytes]:
-        from websockets.exceptions import ConnectionClosed
-
-        try:
-            message = self.conn.recv(timeout=self.timeout)
-        except ConnectionClosed as exc:
-            if self.session_id is None and isinstance(_ssl_cause(exc), ssl.SSLError):
-                raise TransportError(self._refused_certificate(_ssl_cause(exc))) from None
-            raise TransportError(f"the server at {self.where} closed the connection during {what} ({exc})") from None
-        except TimeoutError:
-            raise TransportError(
-                f"the server at {self.where} did not answer within {self.timeout:g} s during {what}"
-            ) from None
-        header, payload = unpack(message)
-        self.messages.append({"direction": "server->client", "bytes": len(payload), "header": header})
-        if header.get("type") == "error":
-            raise TransportError(f"the server at {self.where} ended the session during {what}: {header.get('message')}")
-        self.guard.check_session(header)
-        return header, payload
-
-    def request(self, frame: Frame) -> Frame:
-        from websockets.exceptions import ConnectionClosed
-
-        blob = encode(frame)
-        self.record(decode(blob), blob)
-        what = f"{frame.phase} step {frame.step}" if frame.step >= 0 else f"the {frame.phase} pass"
-        header = {**frame_header(frame, blob, self.seq), "session": self.session_id}
-        try:
-            self.conn.send(pack(header, blob))
-        except ConnectionClosed as exc:
-            raise TransportError(f"the server at {self.where} closed the connection during {what} ({exc})") from None
-        self.messages.append({"direction": "client->server", "bytes": len(blob), "header": header})
-        self.seq += 1
-        header, payload = self._recv(what)
-        if header.get("type") != "frame":
-            raise TransportError(f"the server sent a {header.get('type')!r} message during {what}")
-        assert self.limits is not None
-        self.guard.check(header)
-        reply = receive_frame(header, payload, self.limits, SERVER_KINDS)
-        self.record(reply, payload)
-        return reply
-
-    @property
-    def channel(self) -> RemoteServer:
-        return self
-
-    def abort(self) -> None:
-        """Drop the connection without a goodbye (the server closes its capture as failed)."""
-        self.closed = True
-        try:
-            self.conn.close()
-        except Exception:  # noqa: BLE001 (already gone)
-            pass
-
-    def close(self) -> None:
-        """Tell the server the session is over and wait for its goodbye (its capture is then closed)."""
-        if self.closed:
-            return
-        try:
-            self._send({"type": "close"})
-            self._recv("close")
-        finally:
-            self.closed = True
-            self.conn.close()
-
-
-def _ssl_cause(exc: BaseException) -> BaseException | None:
-    """The TLS error under a websockets exception (its cause or context), if any."""
-    seen = exc
-    for _ in range(4):
-        if isinstance(seen, ssl.SSLError):
-            return seen
-        nxt = seen.__cause__ or seen.__context__
-        if nxt is None:
-            return None
-        seen = nxt
-    return None
-
-
-def wait_port(host: str, port: int, timeout: float = 30.0) -> None:
-    """Block until something listens on host:port (for tests and scripts that start ``serve``)."""
-    import socket
-
-    t0 = time.monotonic()
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return
-        except OSError:
-            if time.monotonic() - t0 > timeout:
-                raise TransportError(f"nothing listens on {host}:{port} after {timeout:g} s") from None
-            time.sleep(0.05)
