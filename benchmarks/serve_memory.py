@@ -117,12 +117,12 @@ class Server:
 
 
 def hello(**over) -> dict:
+    from splitleak.defences import DefenceChain
     from splitleak.models import SplitModel, load_model
     from splitleak.seeds import model_init_seed
     from splitleak.training import make_train_config
     from splitleak.training.config import ServerConfig
     from splitleak.wire.client import hello_for
-    from splitleak.wire.defences import DefenceChain
 
     split_kw = over.pop("split", {"depth": 2})
     cfg = make_train_config(

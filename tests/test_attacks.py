@@ -20,10 +20,10 @@ from splitleak.attacks import (
 from splitleak.attacks.core import derangement, random_fill
 from splitleak.attacks.ridge import RidgeMap, cosine_topk
 from splitleak.audit.evaluate import run_attack
+from splitleak.defences import quantize_symmetric
 from splitleak.errors import ConfigError
 from splitleak.models import load_model
 from splitleak.training import make_train_config, run_training
-from splitleak.wire import quantize_symmetric
 
 
 def _run(path, seed, depth=3, n_calib=2, defence="none", n_eval=64):

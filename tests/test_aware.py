@@ -11,9 +11,8 @@ import torch
 
 from splitleak.attacks import load_knowledge, load_traffic
 from splitleak.attacks.core import make_attack
+from splitleak.defences import DefenceChain, WireContext, build_defence, quantize_symmetric
 from splitleak.errors import ConfigError
-from splitleak.wire import DefenceChain, build_defence
-from splitleak.wire.defences import WireContext, quantize_symmetric
 
 
 def _truth(run, phase="evaluation"):

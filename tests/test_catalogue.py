@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from splitleak.attacks.registry import REGISTRY, AttackInfo, register, unregister
 from splitleak.cli import app
-from splitleak.wire.defences import DEFENCES, Defence, build_defence
+from splitleak.defences import DEFENCES, Defence, build_defence
 
 runner = CliRunner()
 WIDE = {"COLUMNS": "400"}  # one table row per line, so that a name is not wrapped across lines

@@ -385,13 +385,13 @@ def test_a_server_that_fails_at_close_leaves_a_failed_run_that_resumes(tls, tmp_
 
 
 def test_a_server_checkpoint_ahead_of_or_behind_the_client_s_is_refused_naming_both(tls, tmp_path):
+    from splitleak.defences import DefenceChain
     from splitleak.deploy import ServerNode
     from splitleak.models import SplitModel, load_model
     from splitleak.seeds import model_init_seed
     from splitleak.training.checkpoint import CheckpointDir
     from splitleak.training.config import ServerConfig
     from splitleak.wire.client import RemoteServer, hello_for
-    from splitleak.wire.defences import DefenceChain
 
     cfg = make_train_config(**TINY)
     lm = load_model(cfg.model, precision=cfg.precision, seed=model_init_seed(cfg.seed))

@@ -5,10 +5,10 @@ mode it does not support, naming itself."""
 import pytest
 import torch
 
+from splitleak.defences import DEFENCES, ROLES, SPLIT_MODES, DefenceChain, build_defence
 from splitleak.errors import ConfigError
 from splitleak.training import make_train_config, run_training
-from splitleak.wire import DEFENCES, DefenceChain, build_defence, load_capture
-from splitleak.wire.defences import ROLES, SPLIT_MODES
+from splitleak.wire import load_capture
 
 SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=8, seed=2, all_local_baseline=False, draws="derived")
 NAMES = [n for n in DEFENCES if n != "none"]
@@ -43,7 +43,7 @@ def test_each_defence_is_deterministic_and_composes_with_quant8(tmp_path, name):
         caps.append(load_capture(tmp_path / run))
     assert torch.equal(caps[0].activations, caps[1].activations)
     assert torch.equal(caps[0].gradients, caps[1].gradients)
-    from splitleak.wire import quantize_symmetric
+    from splitleak.defences import quantize_symmetric
 
     if "client-forward" in build_defence(name).roles() or name == "replica-median":
         assert torch.equal(quantize_symmetric(caps[0].activations, 8), caps[0].activations)  # quant8 applied last
@@ -78,9 +78,10 @@ def test_a_chain_takes_one_defence_per_exclusive_role():
 @pytest.mark.parametrize(
     "name,args,words",
     [
-        ("clip-noise", {"clip": "abc"}, r"wrong type \(clip='abc'\)"),
-        ("quant4-noisy", {"noise": "lots"}, r"wrong type \(noise='lots'\)"),
-        ("dp-forward", {"delta": "x"}, r"wrong type \(delta='x'\)"),
+        ("clip-noise", {"clip": "abc"}, r"clip-noise: clip must be a finite number > 0, got 'abc'"),
+        ("quant4-noisy", {"noise": "lots"}, r"quant4-noisy: noise must be a finite number >= 0, got 'lots'"),
+        ("dp-forward", {"delta": "x"}, r"dp-forward: delta must be a finite number > 0 and < 1, got 'x'"),
+        ("replica-median", {"k": 3.5}, r"replica-median: k must be an integer >= 3 .*, got 3.5"),
         ("quant8", {"bits": 4}, r"does not take argument\(s\) \['bits'\]; it takes no arguments"),
         ("mixup", {"correction": "exact"}, "correction must be one of probe, cached, none"),
     ],
@@ -96,7 +97,7 @@ def test_each_defence_names_the_attacks_built_for_it(name):
     """Kerckhoffs: every defence names registered attacks that know its mechanism, for every split mode it
     supports (``none`` says why none applies), and each of them reads traffic of that mode."""
     from splitleak.attacks.registry import attack_info
-    from splitleak.wire.defences import check_adaptive
+    from splitleak.defences import check_adaptive
 
     cls = DEFENCES[name]
     check_adaptive(cls)
@@ -116,7 +117,7 @@ def test_each_defence_names_the_attacks_built_for_it(name):
 
 @pytest.mark.unit
 def test_a_defence_without_an_adaptive_attack_is_refused():
-    from splitleak.wire.defences import Defence, check_adaptive
+    from splitleak.defences import Defence, check_adaptive
 
     class Blindfold(Defence):
         name = "blindfold"
@@ -154,3 +155,73 @@ def test_the_chain_names_each_adaptive_attack_once_with_the_defences_it_serves()
     assert DefenceChain([build_defence("mirage")], seed=0).adaptive_attacks("label-shielded") == {
         "gma-sl-aware": ("mirage",)
     }
+
+
+@pytest.mark.unit
+def test_every_module_of_the_package_is_imported_and_holds_the_classes_it_registers():
+    """A new defence is one file: ``import splitleak.defences`` imports every module of the package, and every
+    registered class lives in one of them."""
+    import pkgutil
+    import sys
+
+    import splitleak.defences as pkg
+
+    names = {f"splitleak.defences.{m.name}" for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_")}
+    assert names == set(pkg.FAMILY_MODULES) and all(n in sys.modules for n in names)
+    assert {cls.__module__ for cls in DEFENCES.values()} <= names
+
+
+@pytest.mark.unit
+def test_a_new_file_in_the_package_registers_its_defence_and_is_offered_everywhere(tmp_path, monkeypatch):
+    """A module dropped into the package's path (here a temporary folder added to it) is imported by
+    ``load_family_modules``: its defence is built, listed by ``splitleak defences`` and offered to ``tune``."""
+    import sys
+
+    import splitleak.defences as pkg
+    from splitleak.cli.catalogue import defence_rows
+    from splitleak.experiments.tune import searchable_defences
+
+    (tmp_path / "halve_tmp.py").write_text(
+        "from splitleak.defences.base import Defence, SearchRange, check_number, register\n\n\n"
+        "@register\n"
+        "class Halve(Defence):\n"
+        "    name = 'halve-tmp'\n"
+        "    adaptive_note = 'a test defence'\n"
+        "    search = {'factor': SearchRange(0.1, 1.0)}\n\n"
+        "    def __init__(self, factor: float = 0.5):\n"
+        "        self.factor = check_number(self.name, 'factor', factor, 0.0, 1.0, lo_open=True)\n\n"
+        "    def args(self):\n"
+        "        return {'factor': self.factor}\n\n"
+        "    def forward(self, x, ctx):\n"
+        "        return x * self.factor\n"
+    )
+    before = dict(DEFENCES)
+    monkeypatch.setattr(pkg, "__path__", [*pkg.__path__, str(tmp_path)])
+    try:
+        assert "splitleak.defences.halve_tmp" in pkg.load_family_modules()
+        assert build_defence("halve-tmp", {"factor": 0.25}).args() == {"factor": 0.25}
+        with pytest.raises(ConfigError, match="halve-tmp: factor must be a finite number > 0 and <= 1, got 2"):
+            build_defence("halve-tmp", {"factor": 2})
+        assert "halve-tmp" in [r["name"] for r in defence_rows()]
+        assert "halve-tmp" in searchable_defences()
+    finally:
+        DEFENCES.clear()
+        DEFENCES.update(before)
+        sys.modules.pop("splitleak.defences.halve_tmp", None)
+
+
+@pytest.mark.unit
+def test_the_defence_package_imports_nothing_above_it():
+    """The defences stand below training, attacks, audit and the rest: none of their modules imports them."""
+    import ast
+    from pathlib import Path
+
+    import splitleak.defences as pkg
+
+    above = ("splitleak.training", "splitleak.attacks", "splitleak.audit", "splitleak.experiments", "splitleak.cli")
+    for path in Path(pkg.__path__[0]).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith(above), f"{path.name} imports {node.module}"
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith(above) for a in node.names), f"{path.name} imports {node.names}"

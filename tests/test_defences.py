@@ -1,12 +1,13 @@
 import pytest
 import torch
 
+from splitleak.defences import DefenceChain, build_defence
+from splitleak.defences.mixup import draw_decoy_indices
 from splitleak.errors import ConfigError
 from splitleak.models import SplitModel, load_model
 from splitleak.training import make_train_config, run_training
 from splitleak.training.roles import ClientRole
-from splitleak.wire import DefenceChain, Frame, InProcessChannel, build_defence, load_capture
-from splitleak.wire.defences import draw_decoy_indices
+from splitleak.wire import Frame, InProcessChannel, load_capture
 
 
 @pytest.mark.unit
@@ -124,7 +125,7 @@ def test_mixup_composes_with_quant8(tmp_path):
         all_local_baseline=False,
     )
     run_training(cfg, tmp_path / "r", device="cpu")
-    from splitleak.wire import quantize_symmetric
+    from splitleak.defences import quantize_symmetric
 
     cap = load_capture(tmp_path / "r")
     assert torch.equal(quantize_symmetric(cap.activations, 8), cap.activations)
@@ -133,7 +134,11 @@ def test_mixup_composes_with_quant8(tmp_path):
 @pytest.mark.unit
 @pytest.mark.parametrize(
     "args,words",
-    [({"lambda": 0.0}, r"lambda must be in \(0, 1\]"), ({"lambda": 1.5}, "lambda"), ({"k": 3}, "does not take")],
+    [
+        ({"lambda": 0.0}, r"mixup: lambda must be a finite number > 0 and <= 1, got 0.0"),
+        ({"lambda": 1.5}, "lambda"),
+        ({"k": 3}, "does not take"),
+    ],
 )
 def test_bad_mixup_arguments_fail_before_training(args, words):
     with pytest.raises(ConfigError, match=words):

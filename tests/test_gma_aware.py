@@ -20,8 +20,8 @@ from splitleak.attacks.gma import (
     match_labels_aware,
     resolve_objective,
 )
+from splitleak.defences import Defence, DefenceChain, build_defence
 from splitleak.errors import ConfigError
-from splitleak.wire.defences import Defence, DefenceChain, build_defence
 
 N_DOCS, T = 4, 16
 

@@ -28,7 +28,7 @@ def _mean_cosine(d: int, kappa: float, terms: int = 5000) -> float:
 def test_the_vmf_sampler_draws_what_scipy_draws(d, kappa, seed):
     from scipy.stats import ks_2samp, vonmises_fisher
 
-    from splitleak.wire.vmf import sample_vmf
+    from splitleak.defences.vmf import sample_vmf
 
     rng = np.random.default_rng(seed)
     mu = rng.normal(size=d)
@@ -52,7 +52,7 @@ def test_the_vmf_sampler_draws_what_scipy_draws(d, kappa, seed):
 
 @pytest.mark.unit
 def test_the_vmf_sampler_is_deterministic_under_its_generator_and_refuses_bad_kappa():
-    from splitleak.wire.vmf import privatize_rows, sample_vmf
+    from splitleak.defences.vmf import privatize_rows, sample_vmf
 
     mu = torch.nn.functional.normalize(torch.randn(8, 16, generator=torch.Generator().manual_seed(0)), dim=-1)
     a = sample_vmf(mu, 10.0, torch.Generator().manual_seed(5))
@@ -97,8 +97,8 @@ def test_gradient_utility_metrics_on_known_cases():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_vmf_never_brings_the_asnr_below_one_half(seed):
     """‖r − g‖ ≤ ‖r‖ + ‖g‖ = 2‖g‖ row by row when the norm is kept, so ASNR ≥ 1/2 at any kappa."""
+    from splitleak.defences.vmf import privatize_rows
     from splitleak.metrics.gradient_utility import gradient_utility
-    from splitleak.wire.vmf import privatize_rows
 
     gen = torch.Generator().manual_seed(seed)
     g = torch.randn(6, 8, 64, generator=gen, dtype=torch.float64) * torch.rand(
@@ -115,7 +115,7 @@ def test_vmf_never_brings_the_asnr_below_one_half(seed):
 
 @pytest.mark.unit
 def test_vmf_epsilon_and_the_defences_arguments():
-    from splitleak.wire import build_defence
+    from splitleak.defences import build_defence
 
     d = build_defence("vmf", {"kappa": 250})
     assert d.roles() == ("backward-wire",) and d.split_modes == ("u-shape", "label-shielded")

@@ -174,9 +174,9 @@ def test_the_server_cannot_regenerate_the_clients_forward_noise(tls, tmp_path, s
     ``draws="derived"``; under ``draws="os"`` not even the run seed does, and only the client's own record
     of its secret (which never crossed) redraws it."""
     from splitleak.attacks.knowledge import read_documents
+    from splitleak.defences import DefenceChain
     from splitleak.models import SplitModel, load_model
     from splitleak.training.run import read_draws_secret
-    from splitleak.wire.defences import DefenceChain
     from splitleak.wire.tap import read_wire
 
     defences = [{"name": "clip-noise", "args": {"sigma": 0.5, "where": "forward"}}]
@@ -212,8 +212,8 @@ def test_the_server_cannot_regenerate_the_clients_forward_noise(tls, tmp_path, s
 
 
 def _hello(cfg, **over):
+    from splitleak.defences import DefenceChain
     from splitleak.models import SplitModel, load_model
-    from splitleak.wire.defences import DefenceChain
 
     lm = load_model(cfg.model, precision=cfg.precision, seed=model_init_seed(cfg.seed))
     split = SplitModel(lm, cfg.depth, cfg.offload_start, cfg.offload_length)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from splitleak.defences import canonical_args
 from splitleak.errors import ConfigError
 from splitleak.experiments import read_results, run_grid
 from splitleak.experiments.rekey import apply_rekeys, find_rekeys
@@ -18,7 +19,6 @@ from splitleak.experiments.runner import grid_status, plan_grid
 from splitleak.experiments.store import ResultsStore
 from splitleak.training import make_train_config
 from splitleak.wire import verify_run
-from splitleak.wire.defences import canonical_args
 
 PINNED = Path(__file__).parent / "data" / "legacy-store"
 MEASURED = ["doc_id", "token_correct", "token_counted", "exact", "predicted", "leakage_index"]
@@ -49,6 +49,18 @@ def test_arguments_that_differ_from_the_defaults_still_tell_configurations_apart
     assert base == "e6900e41fd5889b63792abca80b2301b55a61f09ad840ce631c02546e79faa11"
     with pytest.raises(ConfigError, match="does not take argument"):
         make_train_config(defences=[{"name": "mixup", "args": {"lamda": 0.6}}])
+
+
+@pytest.mark.unit
+def test_mixups_lambda_keeps_its_hash_under_either_spelling():
+    """mixup's ``__init__`` names its weight ``lam`` (``lambda`` is a Python keyword); a configuration may spell
+    it either way, and both hash as configurations did before it had that signature (pinned)."""
+    typed = make_train_config(defences=[{"name": "mixup", "args": {"lambda": 0.6}}])
+    spelled = make_train_config(defences=[{"name": "mixup", "args": {"lam": 0.6}}])
+    assert typed.hash() == spelled.hash() == "538d1a262d516e4e584ce0a70bf1bda4f88989d000b7075dd386e6fc73ea1e79"
+    assert typed.defences[0].args == spelled.defences[0].args == {"lambda": 0.6}
+    with pytest.raises(ConfigError, match="give lambda or lam, not both"):
+        make_train_config(defences=[{"name": "mixup", "args": {"lambda": 0.6, "lam": 0.6}}])
 
 
 def _copy(tmp_path: Path) -> Path:

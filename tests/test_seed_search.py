@@ -7,9 +7,10 @@ import torch
 
 from splitleak.attacks import load_traffic
 from splitleak.attacks.seedsearch import SeedSearch
+from splitleak.defences import WireContext
+from splitleak.defences.base import clip_rows
 from splitleak.training import make_train_config, run_training
 from splitleak.training.run import read_draws_secret
-from splitleak.wire.defences import WireContext, clip_rows
 
 CLIP, SIGMA = 0.5, 0.1  # the tiny model's rows have norm about 0.8: every row is clipped
 

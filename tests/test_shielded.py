@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from splitleak.defences import DefenceChain, WireContext, build_defence
 from splitleak.errors import ConfigError, DataError
 from splitleak.training import make_train_config, run_training
 from splitleak.wire import load_capture
-from splitleak.wire.defences import DefenceChain, WireContext, build_defence
 
 SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=6, doc_len=32, lr=1e-3)
 
@@ -176,11 +176,11 @@ def test_the_gradient_baselines_do_what_they_say():
     assert torch.allclose(out.flatten(1).norm(dim=1), torch.ones(3), atol=1e-3)  # clipped to 1, tiny noise
     loud = build_defence("seq-dp", {"clip": 1.0, "noise_multiplier": 2.0}).top_gradient(g, ctx)
     assert abs(float((loud - out).std()) - 2.0) < 0.05
-    from splitleak.wire.defences import gaussian_mechanism_epsilon
+    from splitleak.defences.noise import gaussian_mechanism_epsilon
 
     assert dp.privacy(10) == gaussian_mechanism_epsilon(1e-6, 1e-5, 10)
     for name, args, msg in (
-        ("grad-prune", {"ratio": 1.0}, "ratio must be < 1"),
+        ("grad-prune", {"ratio": 1.0}, "ratio must be a finite number >= 0 and < 1"),
         ("grad-dropout", {"p": "x"}, "p must be a finite number"),
         ("sas", {"groups": 0}, "groups must be an integer"),
         ("scale-blind", {"m": -1}, "m must be a finite number > 0"),

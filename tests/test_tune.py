@@ -53,7 +53,7 @@ def test_pareto_front_keeps_exactly_the_non_dominated_points():
 
 @pytest.mark.unit
 def test_every_declared_search_range_is_a_valid_argument_and_labelled_ours():
-    from splitleak.wire.defences import DEFENCES, build_defence
+    from splitleak.defences import DEFENCES, build_defence
 
     names = searchable_defences()
     assert {"none", "quant8", "quant4", "quant4-noisy", "clip-noise", "dp-forward", "mixup"} <= set(names)

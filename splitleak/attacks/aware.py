@@ -46,8 +46,8 @@ from splitleak.attacks.knowledge import ClientCopy, Knowledge, Traffic
 from splitleak.attacks.ridge import RidgeMap, cosine_topk
 from splitleak.attacks.search import SearchResult
 from splitleak.attacks.sipit import Order, SipIt
+from splitleak.defences import DefenceChain
 from splitleak.errors import ConfigError
-from splitleak.wire.defences import DefenceChain
 
 #: the weight of the distance to the dequantised row that breaks ties between candidates inside the rounding
 #: cell (ours; far below 1, so that it never outweighs being outside the cell)

@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from splitleak.attacks.core import ATTACKS, DEFAULT_READOUT, make_attack
 from splitleak.attacks.registry import Copy
+from splitleak.defences import quantize_symmetric
 from splitleak.errors import ConfigError
-from splitleak.wire.defences import quantize_symmetric
 from splitleak.wire.store import config_hash
 
 #: hyperparameters that had their own columns before ``params`` existed; they stay top-level keys of

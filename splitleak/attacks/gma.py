@@ -486,15 +486,9 @@ def exposed_model(chain: Sequence[Any]) -> ExposedModel:
     """The ``ExposedModel`` of a defence chain (``Knowledge.chain()``), its transforms taken in order. A
     defence that changes the exposed loss or the output gradient in a way this attack does not model is
     refused, naming it; defences acting elsewhere (the forward wire) are passed over."""
-    from splitleak.wire.defences import VMFDirection
-    from splitleak.wire.mirage import (
-        GradientDropout,
-        GradientPruning,
-        Mirage,
-        ScaleBlinding,
-        SelectiveSupervision,
-        SequenceDP,
-    )
+    from splitleak.defences.masking import GradientDropout, GradientPruning
+    from splitleak.defences.mirage import Mirage, ScaleBlinding, SelectiveSupervision, SequenceDP
+    from splitleak.defences.vmf import VMFDirection
 
     m = ExposedModel()
     for d in chain:
@@ -848,7 +842,7 @@ class AwareGMASL(GMASL):
 
 
 def _build_chain(chain: Any) -> list[Any]:
-    from splitleak.wire.defences import build_defence
+    from splitleak.defences import build_defence
 
     if not isinstance(chain, (list, tuple)) or not all(isinstance(d, dict) and "name" in d for d in chain):
         raise ConfigError(

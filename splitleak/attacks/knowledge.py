@@ -182,7 +182,7 @@ class Knowledge:
     def chain(self) -> list[Any]:
         """The run's defences rebuilt from their public record (``splitleak.wire.build_defence``), in chain
         order, without ``none``; no seed or secret goes into them."""
-        from splitleak.wire.defences import build_defence
+        from splitleak.defences import build_defence
 
         return [build_defence(d["name"], d.get("args")) for d in self.defences if d["name"] != "none"]
 

@@ -1,6 +1,6 @@
 """Seed search (ours): the forward noise of ``clip-noise`` and ``dp-forward`` is Gaussian, drawn per document
 from a generator keyed by SHA-256 of (key, phase, step, direction, position in the chain, document id)
-(``splitleak.wire.defences.WireContext``). Everything but the key crosses with the frame (the phase, the
+(``splitleak.defences.WireContext``). Everything but the key crosses with the frame (the phase, the
 step, the row ids) or is public (the chain). Under ``draws="derived"`` the key is the run seed, an integer
 that is 0 unless the user chose another; trying seeds regenerates the noise, and once it is removed only
 the deterministic clip remains, which ``sipit-aware`` reads. Under ``draws="os"`` the key is a 128-bit
@@ -80,7 +80,7 @@ class SeedSearch(Attack):
 
     def _noise(self, key: int, traffic: Traffic, row: int, position: int, std: float) -> torch.Tensor:
         """The noise key ``key`` gives row ``row`` of the traffic (as ``gaussian_rows`` draws it)."""
-        from splitleak.wire.defences import WireContext
+        from splitleak.defences import WireContext
 
         step = -1 if traffic.steps is None else traffic.steps[row]
         doc = traffic.doc_ids[row]

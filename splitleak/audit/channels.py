@@ -24,8 +24,8 @@ from typing import Any, Iterable
 from splitleak.attacks.knowledge import read_manifest
 from splitleak.attacks.registry import attacks_for_mode, attacks_reading
 from splitleak.audit.evaluate import attack_label, run_mode
+from splitleak.defences import DefenceChain
 from splitleak.wire.declare import Declaration, declare_channels
-from splitleak.wire.defences import DefenceChain
 from splitleak.wire.tap import read_wire, wire_phases
 
 HEADER = ["channel", "link(s)", "direction", "shape", "captured", "read by", "status"]

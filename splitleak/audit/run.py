@@ -651,7 +651,7 @@ def utility_baseline(
 def adaptive_sentence(results: list[dict[str, Any]], cfg) -> str:
     """Who reads the traffic knowing the defence (Kerckhoffs): the strongest attack built for the run's
     defences under each threat model, beside the strongest that ignores them; empty without a defence."""
-    from splitleak.wire.defences import build_defence
+    from splitleak.defences import build_defence
 
     chain = [d for d in cfg.defences if d.name != "none"]
     if not chain:

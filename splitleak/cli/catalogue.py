@@ -31,7 +31,7 @@ def models_cmd() -> None:
 def defence_rows() -> list[dict[str, Any]]:
     """One row per registered defence: its arguments with their defaults and the range ``tune`` searches
     (ours), where its default configuration acts, its split modes and the attacks built for it."""
-    from splitleak.wire.defences import DEFENCES, build_defence
+    from splitleak.defences import DEFENCES, build_defence
 
     rows = []
     for name, cls in sorted(DEFENCES.items()):
@@ -133,7 +133,7 @@ def name_defences_in_help(ctx: typer.Context) -> None:
     and the CLI's start do not need."""
     if ctx.invoked_subcommand not in ("train", "tune", "audit"):
         return
-    from splitleak.wire.defences import DEFENCES
+    from splitleak.defences import DEFENCES
 
     # typer builds its commands on a click of its own: read them by their attributes, not their classes
     command = getattr(ctx.command, "commands", {}).get(ctx.invoked_subcommand)

@@ -96,7 +96,7 @@ DrawsOpt = typer.Option(
 def parse_defences(names: list[str], args: list[str]) -> list[dict[str, Any]]:
     """``--defence quant4-noisy --defence-arg clip=1.0`` or ``--defence quant4-noisy:clip=1.0,noise=0.1``;
     with several defences, ``--defence-arg NAME.KEY=VALUE``. Applied in the order given."""
-    from splitleak.wire.defences import parse_defence_args
+    from splitleak.defences import parse_defence_args
 
     specs: list[dict[str, Any]] = []
     for raw in names or ["none"]:

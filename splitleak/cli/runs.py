@@ -263,8 +263,8 @@ def _options_config(**o):
 
 def _latent_options(model: str, named: str | None, args: list[str]) -> dict:
     """The latent config from ``--latent-split`` (a preset name or S/R) and ``--latent-arg KEY=VALUE``."""
+    from splitleak.defences import parse_defence_args
     from splitleak.models.latent import preset_split
-    from splitleak.wire.defences import parse_defence_args
 
     if named is None:
         raise ConfigError("--mode latent needs --latent-split (main, mitigation, or S/R: split after S, resume at R)")
@@ -469,8 +469,8 @@ def attack_cmd(
     """Run one attack against a run's captured traffic and score it per token, document and span."""
     from splitleak.attacks import make_attack_config
     from splitleak.audit.evaluate import run_attack
+    from splitleak.defences import parse_defence_args
     from splitleak.runtime import apply_threads, resolve_device
-    from splitleak.wire.defences import parse_defence_args
 
     with user_errors():
         apply_threads(threads)

@@ -133,12 +133,12 @@ class Session:
 
     # ------------------------------------------------------------ handshake
     def _setup(self, hello: dict[str, Any]) -> None:
+        from splitleak.defences import DefenceChain
         from splitleak.models import SplitModel, load_model
         from splitleak.training.config import ServerConfig
         from splitleak.training.loop import set_trainable
         from splitleak.training.roles import ServerRole
         from splitleak.wire.declare import declare_channels
-        from splitleak.wire.defences import DefenceChain
 
         if hello.get("type") != "hello":
             raise TransportError(f"the first message must be a hello, not {hello.get('type')!r}")
@@ -178,7 +178,7 @@ class Session:
             raise TransportError(_mismatch("split", split.spec.as_dict(), hello.get("split")))
         if chain.describe() != hello.get("defences"):
             raise TransportError(_mismatch("defence chain", chain.describe(), hello.get("defences")))
-        if chain.build_server(split, config.lr) is not None:
+        if chain.server_defence is not None:
             raise TransportError(
                 "this defence chain runs several server copies (replica median); over TLS each copy would be its "
                 "own server, which this version does not deploy. Run it in one process"

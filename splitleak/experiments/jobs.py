@@ -249,7 +249,7 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
     dup = sorted({lab for lab in labels if labels.count(lab) > 1})
     if dup:
         raise ConfigError(f"{loaded.path}: the defence chain {dup[0]!r} is listed twice")
-    from splitleak.wire.defences import DEFENCES
+    from splitleak.defences import DEFENCES
 
     arms = [a.label for a in spec.latent] + [a.label for a in spec.shielded]
     split_labels = set(labels) if _splits(spec) else set()  # the chains label train jobs only where a split runs

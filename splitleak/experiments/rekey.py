@@ -1,7 +1,7 @@
 """Results stored under a job key that an earlier version of splitleak computed, found and re-keyed.
 
 A job's key hashes its configuration (``splitleak.experiments.jobs``). When the configuration's
-canonical form changes — defence arguments became normalised (``splitleak.wire.defences.canonical_args``:
+canonical form changes — defence arguments became normalised (``splitleak.defences.canonical_args``:
 ``mixup`` and ``mixup(lambda=0.75)`` are one configuration, ``clip=1`` is ``clip=1.0``) — the same job
 gets a new key, and a store written before would run it again. ``find_rekeys`` reads each stored row
 file that the grid does not plan, recomputes its key from the job configuration it recorded, and names

@@ -59,7 +59,7 @@ def canonical_label(label: str) -> str:
     is ``mixup``, ``quant4-noisy(clip=1)`` is ``quant4-noisy``), so that an attack entry's ``defences`` filter
     matches the chain however its arguments were typed. A label that is not a chain of known defences with
     valid arguments (an arm's label, a typo the expansion names) is returned as it is."""
-    from splitleak.wire.defences import parse_defence_args
+    from splitleak.defences import parse_defence_args
 
     chain = []
     for part in label.split("+"):

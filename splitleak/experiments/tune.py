@@ -6,7 +6,7 @@ derived from the audit's, and draws recovery against cost (What Gradients Add, F
 
 - **Space.** Depths come from a list; the defence is a categorical over chains (``none`` included);
   each defence brings its own searchable arguments and ranges (``Defence.search`` in
-  ``splitleak.wire.defences``, every range ours). Strengths are rounded to 3 significant digits, so a
+  ``splitleak.defences``, every range ours). Strengths are rounded to 3 significant digits, so a
   label stays readable and near-equal proposals share their jobs.
 - **Optimiser.** Optuna, two objectives minimised: the utility cost and the gate statistic G. The
   sampler is TPE, re-seeded before every trial from (seed, number of finished trials), so a tune is
@@ -128,7 +128,7 @@ class Space:
 
 def searchable_defences() -> list[str]:
     """The defences a tune offers by default: those that declare ``search`` and run on a plain split."""
-    from splitleak.wire.defences import DEFENCES
+    from splitleak.defences import DEFENCES
 
     return [n for n, cls in DEFENCES.items() if cls.search is not None and "plain" in cls.split_modes]
 
@@ -136,7 +136,7 @@ def searchable_defences() -> list[str]:
 def build_space(depths: Sequence[int], defences: Sequence[str] | None, n_blocks: int | None, model: str) -> Space:
     """The space of a tune; ConfigError for an unknown defence, one that does not run on a plain split, or
     no depth that fits the model (``n_blocks``)."""
-    from splitleak.wire.defences import DEFENCES
+    from splitleak.defences import DEFENCES
 
     if not depths:
         raise ConfigError("give at least one cut depth (--depth 2 --depth 4)")

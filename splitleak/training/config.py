@@ -7,8 +7,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
+from splitleak.defences import canonical_args
 from splitleak.errors import ConfigError
-from splitleak.wire.defences import canonical_args
 from splitleak.wire.store import config_hash
 
 
@@ -191,7 +191,7 @@ def adaptive_attacks_of(config: "_ModelAndSplit") -> dict[str, tuple[str, ...]]:
     """The attacks built for the defences of a configuration (attack name -> the defences it is built for),
     as the audit, grids and ``tune`` run them: the chain's (``DefenceChain.adaptive_attacks``) or, in the
     latent mode, the decoy system's own."""
-    from splitleak.wire.defences import DefenceChain
+    from splitleak.defences import DefenceChain
 
     mode = split_mode_of(config)
     if mode == "latent":

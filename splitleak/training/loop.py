@@ -11,12 +11,12 @@ import numpy as np
 import torch
 
 from splitleak.data import Document
+from splitleak.defences import DefenceChain
 from splitleak.errors import ConfigError
 from splitleak.models.split import SplitModel, next_token_loss
 from splitleak.progress import Progress, Silent, end
 from splitleak.training.roles import FLOAT64_HINT, ClientRole, ServerRole, _grads_finite, make_optimizer
 from splitleak.wire.channel import InProcessChannel, Tap
-from splitleak.wire.defences import DefenceChain
 from splitleak.wire.frames import Frame, check_finite
 
 

@@ -17,10 +17,10 @@ import hashlib
 
 import torch
 
+from splitleak.defences import DefenceChain
 from splitleak.models import LoadedModel, SplitModel
 from splitleak.training.roles import ServerRole
 from splitleak.wire.channel import InProcessChannel, Tap
-from splitleak.wire.defences import DefenceChain
 from splitleak.wire.frames import Frame
 
 
@@ -115,3 +115,17 @@ class ReplicaMedianLink:
             ctx = rep.context(*hidden.shape[:2])
             outs.append(rep.head_logits(rep.trunk(hidden, ctx), ctx))
         return torch.stack(outs).median(dim=0).values
+
+
+def build_server(chain: DefenceChain, split: SplitModel, lr: float) -> ReplicaMedianLink | None:
+    """The server side the chain's defence acting on the ``server`` (``chain.server_defence``) asks for, built
+    here from its public arguments (the defence package does not import training), or None: one
+    ``ServerRole``. Today that defence is ``replica-median``: its ``k`` copies, perturbed by ``perturbation``
+    with the chain's seed, their replies compared against ``threshold``."""
+    d = chain.server_defence
+    if d is None:
+        return None
+    if d.name != "replica-median":
+        raise NotImplementedError(f"no server side is built for defence {d.name!r} (splitleak.training.replicas)")
+    a = d.args()
+    return ReplicaMedianLink(make_replicas(split, a["k"], a["perturbation"], chain.seed), chain, lr, a["threshold"])

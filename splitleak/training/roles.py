@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from splitleak.defences import DefenceChain
 from splitleak.errors import ConfigError, NonFiniteError
 from splitleak.models.split import BlockContext, SplitModel, next_token_loss
 from splitleak.wire.channel import Channel
-from splitleak.wire.defences import DefenceChain
 from splitleak.wire.frames import Frame, check_finite
 
 FLOAT64_HINT = "; if this comes from overflow in float32, rerun with --precision float64"

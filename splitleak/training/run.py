@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from splitleak.defences import DefenceChain
 from splitleak.errors import ConfigError
 from splitleak.models import LoadedModel, SplitModel, load_model
 from splitleak.progress import Progress, Silent
@@ -27,8 +28,8 @@ from splitleak.training.checkpoint import CheckpointDir, state_tensors
 from splitleak.training.config import ServerConfig, TrainConfig
 from splitleak.training.loop import TrainLog, capture_traffic, evaluate_ce, train_all_local, train_split, utility
 from splitleak.training.record import RunEnd, RunResult, documents_record, manifest_head, run_documents
+from splitleak.training.replicas import build_server
 from splitleak.wire.declare import declare_channels
-from splitleak.wire.defences import DefenceChain
 from splitleak.wire.store import RunStore, read_run_json
 from splitleak.wire.tap import WireRecorder
 from splitleak.wire.transport import TransportError
@@ -207,7 +208,7 @@ def run_training(
         pre = utility(
             evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss", answer_only=answer_only)
         )
-        server = remote if remote is not None else chain_server.build_server(split, config.lr)  # None: one ServerRole
+        server = remote if remote is not None else build_server(chain_server, split, config.lr)  # None: one ServerRole
         server_logits = getattr(server, "median_logits", None)
         on_step = None
         if checkpoint_every is not None:

@@ -12,13 +12,13 @@ sends, g_t, derives from the *exposed* loss, sum_l w_l CE_l / N, whose per-targe
 - ``scale-blind``: scale blinding. Each kept target's weight is multiplied by a fresh
   s ~ Unif[m(1-r), m(1+r)] (003: m=1750, r=1/7, i.e. Unif[1500, 2000]); with ``recover`` the client
   divides the gradient it gets back for its Bottom by E[s] = m (Bottom-gradient recovery).
-- ``vmf`` (``splitleak.wire.defences.VMFDirection``): each row of g_t keeps its norm, its direction drawn
+- ``vmf`` (``splitleak.defences.vmf.VMFDirection``): each row of g_t keeps its norm, its direction drawn
   from vMF(kappa).
 - ``mirage``: all three, in that order, with recovery.
 
 The baselines act on g_t only (``backward-wire``): ``grad-prune`` (zero the smallest-magnitude share of
-each document's coordinates), ``grad-dropout`` (zero each coordinate with probability p) and
-``seq-dp`` (clip each document's g_t to an L2 norm, add Gaussian noise; its epsilon from the Opacus
+each document's coordinates) and ``grad-dropout`` (zero each coordinate with probability p), both in
+``splitleak.defences.masking``, and ``seq-dp`` (clip each document's g_t to an L2 norm, add Gaussian noise; its epsilon from the Opacus
 accountant splitleak already uses). Top-only training, the last baseline, is a training mode
 (``ShieldedConfig.train = "top-only"``): no gradient crosses at all.
 
@@ -30,36 +30,27 @@ seq-dp's clip 1.0 and noise multiplier 1.0.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 
-from splitleak.errors import ConfigError
-from splitleak.wire.defences import Defence, VMFDirection, WireContext, gaussian_mechanism_epsilon
+from splitleak.defences.base import Defence, WireContext, check_bool, check_integer, check_number, register
+from splitleak.defences.noise import gaussian_mechanism_epsilon
+from splitleak.defences.vmf import VMFDirection
 
 SHIELDED = ("label-shielded",)
 GRADIENT_MODES = ("u-shape", "label-shielded")
 
 
-def _number(name: str, arg: str, value: Any, lo: float, hi: float | None = None, *, lo_open: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > lo if lo_open else value >= lo) and (hi is None or value <= hi)
-    if not ok:
-        rng = f"{'>' if lo_open else '>='} {lo:g}" + ("" if hi is None else f" and <= {hi:g}")
-        raise ConfigError(f"{name}: {arg} must be a finite number {rng}, got {value!r}")
-    return float(value)
-
-
-def _noted(channels, note: str):
+def noted_gradient(channels, note: str):
     """The output-gradient channel with ``note`` added (what the defence did to it)."""
     return [
         replace(c, note=f"{c.note}; {note}" if c.note else note) if c.name == "output-gradient" else c for c in channels
     ]
 
 
-class _LabelDefence(Defence):
+class LabelDefence(Defence):
     """What the label-shielded defences share: the attack built for them is GMA-SL that knows the exposed
     loss (``gma-sl-aware``: the public scale divided out or fitted per target, masked where coordinates are
     zeroed, seq-dp's clip applied); in a U-shape, which has no label attack, they change no
@@ -75,7 +66,8 @@ class _LabelDefence(Defence):
         return ("gma-sl-aware",) if mode == "label-shielded" else ("sipit-aware",)
 
 
-class SelectiveSupervision(_LabelDefence):
+@register
+class SelectiveSupervision(LabelDefence):
     """``sas``: one entropy stratum of the supervised targets fully supervised per step, the others kept
     with probability ``keep``, the last ``last`` targets always (see the module docstring)."""
 
@@ -83,12 +75,9 @@ class SelectiveSupervision(_LabelDefence):
     split_modes = SHIELDED
 
     def __init__(self, keep: float = 0.3, groups: int = 3, last: int = 5):
-        self.keep = _number("sas", "keep", keep, 0.0, 1.0)
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-            raise ConfigError(f"sas: groups must be an integer >= 1, got {groups!r}")
-        if isinstance(last, bool) or not isinstance(last, int) or last < 0:
-            raise ConfigError(f"sas: last must be an integer >= 0, got {last!r}")
-        self.groups, self.last = groups, last
+        self.keep = check_number("sas", "keep", keep, 0.0, 1.0)
+        self.groups = check_integer("sas", "groups", groups, 1)
+        self.last = check_integer("sas", "last", last, 0)
 
     def args(self):
         return {"keep": self.keep, "groups": self.groups, "last": self.last}
@@ -120,14 +109,15 @@ class SelectiveSupervision(_LabelDefence):
         return out
 
     def declare(self, channels):
-        return _noted(
+        return noted_gradient(
             channels,
             f"from sas's masked loss (one entropy stratum of {self.groups} and a share {self.keep:g} of the rest, "
             f"the last {self.last} targets always)",
         )
 
 
-class ScaleBlinding(_LabelDefence):
+@register
+class ScaleBlinding(LabelDefence):
     """``scale-blind``: every target's weight times a fresh s ~ Unif[m(1-r), m(1+r)] (003: m=1750, r=1/7);
     with ``recover`` the client divides its returned Bottom gradient by E[s] = m."""
 
@@ -135,11 +125,9 @@ class ScaleBlinding(_LabelDefence):
     split_modes = SHIELDED
 
     def __init__(self, m: float = 1750.0, r: float = 1 / 7, recover: bool = True):
-        self.m = _number("scale-blind", "m", m, 0.0, lo_open=True)
-        self.r = _number("scale-blind", "r", r, 0.0, 1.0)
-        if not isinstance(recover, bool):
-            raise ConfigError(f"scale-blind: recover must be true or false, got {recover!r}")
-        self.recover = recover
+        self.m = check_number("scale-blind", "m", m, 0.0, lo_open=True)
+        self.r = check_number("scale-blind", "r", r, 0.0, 1.0)
+        self.recover = check_bool("scale-blind", "recover", recover)
 
     def args(self):
         return {"m": self.m, "r": self.r, "recover": self.recover}
@@ -159,12 +147,13 @@ class ScaleBlinding(_LabelDefence):
         return self.m if self.recover else 1.0
 
     def declare(self, channels):
-        return _noted(
+        return noted_gradient(
             channels, f"each target's term scaled by s ~ Unif[{self.m * (1 - self.r):g}, {self.m * (1 + self.r):g}]"
         )
 
 
-class Mirage(_LabelDefence):
+@register
+class Mirage(LabelDefence):
     """``mirage``: Gradient Mirage whole (003 §4): sas, then scale blinding, then vMF on each row of the
     exposed gradient; dual-track backpropagation and Bottom-gradient recovery by E[s]."""
 
@@ -208,65 +197,8 @@ class Mirage(_LabelDefence):
         return self.vmf.privacy()
 
 
-class GradientPruning(_LabelDefence):
-    """``grad-prune``: per document, zero the ``ratio`` share of g_t's coordinates smallest in magnitude
-    (per document is ours)."""
-
-    name = "grad-prune"
-    split_modes = GRADIENT_MODES
-
-    def __init__(self, ratio: float = 0.9):
-        self.ratio = _number("grad-prune", "ratio", ratio, 0.0, 1.0)
-        if self.ratio >= 1.0:
-            raise ConfigError("grad-prune: ratio must be < 1 (1 would send nothing); use top-only training instead")
-
-    def args(self):
-        return {"ratio": self.ratio}
-
-    def roles(self):
-        return ("backward-wire",)
-
-    def top_gradient(self, g, ctx):
-        flat = g.reshape(g.shape[0], -1)
-        k = int(round(self.ratio * flat.shape[1]))
-        if k == 0:
-            return g
-        idx = flat.abs().argsort(dim=1, stable=True)[:, :k]
-        return flat.scatter(1, idx, 0.0).view_as(g)
-
-    def declare(self, channels):
-        return _noted(channels, f"after grad-prune: the {self.ratio:g} share of smallest coordinates zeroed")
-
-
-class GradientDropout(_LabelDefence):
-    """``grad-dropout``: each coordinate of g_t zeroed with probability ``p``, not rescaled (ours)."""
-
-    name = "grad-dropout"
-    split_modes = GRADIENT_MODES
-
-    def __init__(self, p: float = 0.5):
-        self.p = _number("grad-dropout", "p", p, 0.0, 1.0)
-        if self.p >= 1.0:
-            raise ConfigError("grad-dropout: p must be < 1 (1 would send nothing); use top-only training instead")
-
-    def args(self):
-        return {"p": self.p}
-
-    def roles(self):
-        return ("backward-wire",)
-
-    def top_gradient(self, g, ctx):
-        out = g.clone()
-        for i, doc_id in enumerate(ctx.doc_ids):
-            drop = torch.rand(g[i].shape, generator=ctx.generator("grad-dropout", doc_id)) < self.p
-            out[i][drop.to(g.device)] = 0.0
-        return out
-
-    def declare(self, channels):
-        return _noted(channels, f"after grad-dropout: each coordinate zeroed with probability {self.p:g}")
-
-
-class SequenceDP(_LabelDefence):
+@register
+class SequenceDP(LabelDefence):
     """``seq-dp``: each document's g_t clipped to L2 norm ``clip`` and given N(0, (noise_multiplier·clip)²)
     per coordinate, the Gaussian mechanism at sequence level (003's GradSeq-LDP baseline). ``privacy()``
     gives its (epsilon, delta) per release and over a run's releases (Opacus's RDP accountant)."""
@@ -275,9 +207,9 @@ class SequenceDP(_LabelDefence):
     split_modes = GRADIENT_MODES
 
     def __init__(self, clip: float = 1.0, noise_multiplier: float = 1.0, delta: float = 1e-5):
-        self.clip = _number("seq-dp", "clip", clip, 0.0, lo_open=True)
-        self.noise_multiplier = _number("seq-dp", "noise_multiplier", noise_multiplier, 0.0, lo_open=True)
-        self.delta = _number("seq-dp", "delta", delta, 0.0, 1.0, lo_open=True)
+        self.clip = check_number("seq-dp", "clip", clip, 0.0, lo_open=True)
+        self.noise_multiplier = check_number("seq-dp", "noise_multiplier", noise_multiplier, 0.0, lo_open=True)
+        self.delta = check_number("seq-dp", "delta", delta, 0.0, 1.0, lo_open=True)
 
     def args(self):
         return {"clip": self.clip, "noise_multiplier": self.noise_multiplier, "delta": self.delta}
@@ -295,7 +227,7 @@ class SequenceDP(_LabelDefence):
         return out
 
     def declare(self, channels):
-        return _noted(
+        return noted_gradient(
             channels,
             f"after seq-dp: each document clipped to norm {self.clip:g}, Gaussian noise of std "
             f"{self.noise_multiplier * self.clip:g} per coordinate",
@@ -303,8 +235,3 @@ class SequenceDP(_LabelDefence):
 
     def privacy(self, releases: int = 1) -> dict[str, Any]:
         return gaussian_mechanism_epsilon(self.noise_multiplier, self.delta, releases)
-
-
-MIRAGE_DEFENCES: dict[str, type[Defence]] = {
-    cls.name: cls for cls in (SelectiveSupervision, ScaleBlinding, Mirage, GradientPruning, GradientDropout, SequenceDP)
-}

@@ -1,0 +1,72 @@
+"""Defences: transforms of what crosses the split, one module a family (Opacus-style).
+
+``base`` holds what every defence shares (``Defence``, ``WireContext``, ``SearchRange``, the chain, the
+registry ``DEFENCES`` and its decorator ``@register``); every other module of this package is a family
+whose classes register themselves. Importing ``splitleak.defences`` imports every module of the package
+(``load_family_modules``), so a new defence is one new file here: it then appears in ``DEFENCES``,
+``splitleak defences``, ``train --help``, ``tune``'s search space and the contract tests.
+"""
+
+import importlib
+import pkgutil
+
+from splitleak.defences.base import (
+    DEFENCES,
+    FORWARD_AWARE,
+    ROLES,
+    SPLIT_MODES,
+    Defence,
+    DefenceChain,
+    SearchRange,
+    WireContext,
+    build_defence,
+    canonical_args,
+    check_adaptive,
+    clip_per_document,
+    parse_defence_args,
+    quantize_symmetric,
+    register,
+)
+
+#: the families first imported, in this order: ``DEFENCES`` then lists their defences in the order the registry
+#: had before it became a package (``tune`` offers the searchable ones in that order); any other module of the
+#: package follows, by name, with no edit here
+FAMILY_ORDER = ("base", "quant", "noise", "mixup", "replicas", "vmf", "mirage", "masking")
+
+
+def load_family_modules() -> list[str]:
+    """Import every module of this package (its ``__path__``: ``FAMILY_ORDER`` first, then the others by
+    name), so that its defences register; returns the modules' full names in that order. Run when the
+    package is imported; a module already imported is not run again."""
+    names = []
+    found = [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
+    rank = {name: i for i, name in enumerate(FAMILY_ORDER)}
+    for name in sorted(found, key=lambda n: (rank.get(n, len(rank)), n)):
+        full = f"{__name__}.{name}"
+        importlib.import_module(full)
+        names.append(full)
+    return names
+
+
+FAMILY_MODULES = load_family_modules()
+
+__all__ = [
+    "DEFENCES",
+    "FAMILY_MODULES",
+    "FAMILY_ORDER",
+    "FORWARD_AWARE",
+    "ROLES",
+    "SPLIT_MODES",
+    "Defence",
+    "DefenceChain",
+    "SearchRange",
+    "WireContext",
+    "build_defence",
+    "canonical_args",
+    "check_adaptive",
+    "clip_per_document",
+    "load_family_modules",
+    "parse_defence_args",
+    "quantize_symmetric",
+    "register",
+]
