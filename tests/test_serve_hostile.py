@@ -373,7 +373,10 @@ def test_a_failed_tls_handshake_is_logged_on_the_server_and_explained_to_the_cli
     logged = [r.getMessage() for r in caplog.records if "TLS handshake" in r.getMessage()]
     peer = r"TLS handshake with 127\.0\.0\.1:\d+ failed: "
     assert re.fullmatch(peer + r"the client's certificate is not signed by this server's CA .*", logged[0]), logged
-    assert re.fullmatch(peer + r"the client refused this server's certificate .*", logged[1]), logged
+    # both sides distrust each other: which refusal the server sees first depends on the order of TLS 1.3's
+    # flights (the client's alert, or its certificate), and either is logged with its reason
+    either = r"the client(?: refused this server's certificate|'s certificate is not signed by this server's CA) .*"
+    assert re.fullmatch(peer + either, logged[1]), logged
     assert re.fullmatch(peer + r"the client sent no certificate .*", logged[2]), logged
 
 
