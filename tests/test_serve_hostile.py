@@ -367,17 +367,21 @@ def test_a_failed_tls_handshake_is_logged_on_the_server_and_explained_to_the_cli
         with pytest.raises(Exception):  # noqa: B017 (TLS 1.3 reports the refusal on the first read)
             connect(f"wss://localhost:{srv.port}/", ssl=bare, open_timeout=5, proxy=None).recv(timeout=5)
         t0 = time.monotonic()
-        while len([r for r in caplog.records if "TLS handshake" in r.getMessage()]) < 3:
+        while not any("sent no certificate" in r.getMessage() for r in caplog.records):
             assert time.monotonic() - t0 < 10, [r.getMessage() for r in caplog.records]
             time.sleep(0.05)
     logged = [r.getMessage() for r in caplog.records if "TLS handshake" in r.getMessage()]
     peer = r"TLS handshake with 127\.0\.0\.1:\d+ failed: "
-    assert re.fullmatch(peer + r"the client's certificate is not signed by this server's CA .*", logged[0]), logged
-    # both sides distrust each other: which refusal the server sees first depends on the order of TLS 1.3's
-    # flights (the client's alert, or its certificate), and either is logged with its reason
-    either = r"the client(?: refused this server's certificate|'s certificate is not signed by this server's CA) .*"
-    assert re.fullmatch(peer + either, logged[1]), logged
-    assert re.fullmatch(peer + r"the client sent no certificate .*", logged[2]), logged
+    not_ours = peer + r"the client's certificate is not signed by this server's CA .*"
+    refused = peer + r"the client refused this server's certificate .*"
+    bare_client = peer + r"the client sent no certificate .*"
+    # each handshake is logged with its reason; how many lines a refused client leaves depends on timing (the
+    # client asks again when the server closes before answering) and, where both sides distrust each other, on
+    # the order of TLS 1.3's flights (the client's alert or its certificate comes first): so the reasons, not
+    # their positions, are what is checked
+    assert all(any(re.fullmatch(p, line) for p in (not_ours, refused, bare_client)) for line in logged), logged
+    assert re.fullmatch(not_ours, logged[0]), logged  # the first connection: the other CA's client certificate
+    assert any(re.fullmatch(bare_client, line) for line in logged), logged
 
 
 def test_serve_refuses_a_maximum_that_is_not_positive(tls):

@@ -118,8 +118,11 @@ class RemoteServer(WireLedger):
         except (OSError, TimeoutError) as exc:
             raise TransportError(f"cannot reach the server at {self.where}: {exc}") from None
         except Exception as exc:  # noqa: BLE001 (websockets' handshake errors)
-            if isinstance(_ssl_cause(exc), ssl.SSLError):  # the TLS session broke right after it opened
-                raise TransportError(self._refused_certificate(_ssl_cause(exc))) from None
+            cause = _ssl_cause(exc)
+            # the TLS session broke right after it opened (the server's alert read, or only its closing: TLS 1.3
+            # lets the client finish before the server checks the client's certificate, so the alert may be lost)
+            if isinstance(cause, ssl.SSLError) or self._certificate_signed_by_own_ca() is False:
+                raise TransportError(self._refused_certificate(cause)) from None
             raise TransportError(f"the TLS/WebSocket handshake with {self.where} failed: {exc}") from None
         try:
             try:
@@ -151,13 +154,34 @@ class RemoteServer(WireLedger):
             raise
         self.welcome = reply  # the server's token and checkpoint interval: what a later resume names
 
+    def _certificate_signed_by_own_ca(self) -> bool | None:
+        """Whether this client's ``client.pem`` is signed by its own ``ca.pem`` (None: unreadable). A
+        client certificate that its own CA did not sign is refused by a server of that CA, whatever the
+        server said before it closed."""
+        from cryptography import x509
+
+        try:
+            cert = x509.load_pem_x509_certificate((self.tls_dir / "client.pem").read_bytes())
+            ca = x509.load_pem_x509_certificate((self.tls_dir / "ca.pem").read_bytes())
+        except (OSError, ValueError):
+            return None
+        try:
+            cert.verify_directly_issued_by(ca)
+        except Exception:  # noqa: BLE001 (another issuer, or another key's signature)
+            return False
+        return True
+
     def _refused_certificate(self, exc: BaseException | None) -> str:
         """Which certificate the server refused, and why as far as this side can tell."""
         from datetime import datetime, timezone
 
         from cryptography import x509
 
-        alert = getattr(exc, "reason", None) or type(exc).__name__
+        alert = (
+            (getattr(exc, "reason", None) or type(exc).__name__)
+            if exc is not None
+            else "it closed the connection once TLS was up"
+        )
         cert_path, ca_path = self.tls_dir / "client.pem", self.tls_dir / "ca.pem"
         head = f"the server at {self.where} refused this client's certificate {cert_path} ({alert})"
         try:
@@ -206,7 +230,7 @@ class RemoteServer(WireLedger):
                     close_timeout=5,
                 )
             except InvalidMessage as exc:
-                if attempt + 1 == attempts:
+                if attempt + 1 == attempts or isinstance(_ssl_cause(exc), ssl.SSLError):  # a refusal: say why now
                     raise
                 log.warning("the server at %s:%d closed the opening handshake (%s); asking again", host, port, exc)
                 time.sleep(0.5 * (attempt + 1))
