@@ -163,7 +163,7 @@ def test_the_claims_read_each_arm_on_its_strongest_label_reader():
 # ------------------------------------------------------------------ the tiny grid, end to end
 
 
-@pytest.mark.integration
+@pytest.mark.e2e  # a whole grid run through the runner and its report (the tier of the other grids)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_tiny_grid_reads_the_claims_of_shape_on_eight_documents(tmp_path, seed):
     from splitleak.experiments import read_results, run_grid
