@@ -67,8 +67,8 @@ def serve_cmd(
     max_rows: int = typer.Option(
         MAX_ROWS,
         "--max-rows",
-        help="most rows of one frame a hello may ask: the client's --capture-batch x 2 (mixup's probe rows); "
-        "the latent mode: --capture-batch",
+        help="most rows of one frame a hello may ask: the client's capture_batch (its configuration) x 2 for "
+        "mixup's probe rows; the latent mode: capture_batch",
     ),
     max_tokens: int = typer.Option(
         MAX_TOKENS, "--max-tokens", help="most tokens per row a hello may ask: --doc-len (latent: + decoys)"

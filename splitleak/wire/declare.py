@@ -190,7 +190,8 @@ def _transport_channels() -> list[ChannelDecl]:
             "the run seed; the "
             "model's fingerprint; how often to checkpoint, and when resuming the checkpoint's token and step "
             "count) and the welcome (the server's model fingerprint, split and defence chain, the agreed "
-            "limits, its checkpoint token)",
+            "limits, its checkpoint token and a fresh 128-bit session id drawn from the operating system's random "
+            "source)",
             "once per session",
             recorded_in=MESSAGES_FILE,
             note="the run seed, the data set, its seed and the document counts do not cross",
@@ -200,8 +201,9 @@ def _transport_channels() -> list[ChannelDecl]:
             "both",
             "each message's envelope: type, frame kind, phase, step, row ids, dtype, shape and size (as in the "
             "frame's own header), a sequence number counting the messages, a 128-bit nonce drawn from the "
-            "operating system's random source (independent of the data and the seeds); a refusal's error "
-            "text; the goodbye's frame count",
+            "operating system's random source (independent of the data and the seeds), and after the welcome "
+            "its session id (the same random value in every message of the session); a refusal's error text; "
+            "the goodbye's frame count",
             "per message",
             recorded_in=MESSAGES_FILE,
         ),
