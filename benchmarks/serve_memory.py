@@ -59,6 +59,15 @@ CASES = (
 SECTION = "## Memory of `serve` under hostile clients (`benchmarks/serve_memory.py`)"
 
 
+def in_parallel(fn, n: int, timeout: float = 300.0) -> None:
+    """Run ``fn(0) .. fn(n - 1)`` in ``n`` threads at once (n clients of the server) and wait for all."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+
+
 def proc_meminfo_gib() -> float:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
@@ -198,11 +207,7 @@ def run_case(case: str, tls: Path) -> dict:
                 conn.recv(timeout=60)
                 conn.close()
 
-            threads = [threading.Thread(target=steps, args=(i,)) for i in range(4)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=300)
+            in_parallel(steps, 4)
             notes.append(f"{kinds.count('backward')} of 12 steps of 32 x 64 answered")
         elif case == "oversized-hello":
             h = hello(capture_batch=512, doc_len=256)
@@ -231,11 +236,7 @@ def run_case(case: str, tls: Path) -> dict:
                 sent.append(n)
                 conn.close()
 
-            threads = [threading.Thread(target=flood, args=(i,)) for i in range(4)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=300)
+            in_parallel(flood, 4)
             notes.append(f"forwards answered per session: {sorted(sent)} (of up to {170 // 4 + 1} sent each)")
         elif case == "oversized-messages":
             h = hello()
