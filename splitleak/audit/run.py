@@ -45,7 +45,7 @@ from splitleak.seeds import model_init_seed
 from splitleak.stats import frame_weights
 from splitleak.training import DefenceConfig, RunResult, make_train_config, run_training
 from splitleak.training.config import adaptive_attacks_of
-from splitleak.wire import load_capture, verify_run
+from splitleak.wire import VerifyResult, load_capture, verify_run
 from splitleak.wire.store import read_run_json
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -348,33 +348,13 @@ def _audit_stages(
     # the model is loaded once: training, the all-local baseline, the twin and each attacker's copy start
     # from clones of the pristine weights (load_knowledge checks them against the run's fingerprint)
     pristine = lm.clone()
-    stages.data["current"] = "run"
-    if stages.done("run"):
-        say(f"resume: the run {out / 'run'} (its journal as recorded)")
-    else:
-        stages.clear_run("run", cfg.hash())
+    if _stage_to_train(stages, out, "run", cfg, "the audit's run", say):
         run_training(
-            cfg,
-            out / "run",
-            device=device,
-            threads=threads,
-            progress=progress,
-            lm=lm,
-            pristine=pristine.clone,
+            cfg, out / "run", device=device, threads=threads, progress=progress, lm=lm, pristine=pristine.clone,
             **deployed,
-        )
+        )  # fmt: skip
+    ver = _finish_stage(stages, out, "run", cfg, "the audit's run")
     del lm  # the trained weights; the attacker holds its own copy
-    ver = verify_run(out / "run")
-    if not ver.ok or ver.status != "complete":
-        why = ver.message if not ver.ok else f"the run {ver.status}"
-        raise SplitleakError(
-            f"the audit's run {out / 'run'} does not verify: {why}"
-            + ("" if not stages.done("run") else f"; {START_AGAIN}")
-        )
-    if read_run_json(out / "run", "manifest.json").get("config_hash") != cfg.hash():
-        raise SplitleakError(f"{out / 'run'} is a run of another configuration than the audit's; {START_AGAIN}")
-    if not stages.done("run"):
-        stages.finish("run", ["run/journal.jsonl"])
     # the metrics as the run recorded them (the same whether trained now or by the audit a kill stopped)
     run = RunResult(out / "run", read_run_json(out / "run", "metrics.json"), cfg)
     cap = capture_summary(out / "run")
@@ -474,33 +454,13 @@ def _audit_stages(
     cost = None
     if twin and defended:
         twin_cfg = cfg.model_copy(update={"defences": (DefenceConfig(name="none"),), "all_local_baseline": False})
-        stages.data["current"] = "twin"
-        if stages.done("twin"):
-            say(f"resume: the undefended twin {out / 'twin'} (its journal as recorded)")
-        else:
+        if _stage_to_train(stages, out, "twin", twin_cfg, "the audit's undefended twin", say):
             say("training the undefended twin (same model, split, data and seed) for the cost of the defence")
-            stages.clear_run("twin", twin_cfg.hash())
             run_training(
-                twin_cfg,
-                out / "twin",
-                device=device,
-                threads=threads,
-                progress=progress,
-                lm=pristine.clone(),
+                twin_cfg, out / "twin", device=device, threads=threads, progress=progress, lm=pristine.clone(),
                 **deployed,
-            )
-        tv = verify_run(out / "twin")
-        if (
-            not tv.ok
-            or tv.status != "complete"
-            or read_run_json(out / "twin", "manifest.json").get("config_hash") != twin_cfg.hash()
-        ):
-            raise SplitleakError(
-                f"the audit's undefended twin {out / 'twin'} does not verify "
-                f"({tv.message if not tv.ok else f'the run {tv.status}, or of another configuration'}); {START_AGAIN}"
-            )
-        if not stages.done("twin"):
-            stages.finish("twin", ["twin/journal.jsonl"])
+            )  # fmt: skip
+        _finish_stage(stages, out, "twin", twin_cfg, "the audit's undefended twin")
         tm = read_run_json(out / "twin", "metrics.json")
         measured = m["perplexity"] is not None and tm["perplexity"] is not None
         cost = {
@@ -615,6 +575,33 @@ def _finished_attack(path: Path, acfg, run_config_hash: str) -> dict[str, Any]:
     res.pop("predictions", None)
     res.pop("predictions_sha256", None)
     return res
+
+
+def _stage_to_train(stages, out: Path, name: str, cfg, what: str, say) -> bool:
+    """Whether the audit's run stage ``name`` (a run in ``out / name`` of ``cfg``) must be trained: not
+    when ``stages`` records it finished (it is reused); else what an unfinished attempt left is cleared."""
+    stages.data["current"] = name
+    if stages.done(name):
+        say(f"resume: {what} {out / name} (its journal as recorded)")
+        return False
+    stages.clear_run(name, cfg.hash())
+    return True
+
+
+def _finish_stage(stages, out: Path, name: str, cfg, what: str) -> VerifyResult:
+    """The run stage ``name``, trained now or reused, must verify, complete, as a run of ``cfg``; then it is
+    recorded finished. Returns its verification."""
+    v = verify_run(out / name)
+    if not v.ok or v.status != "complete":
+        why = v.message if not v.ok else f"the run {v.status}"
+        raise SplitleakError(
+            f"{what} {out / name} does not verify: {why}" + ("" if not stages.done(name) else f"; {START_AGAIN}")
+        )
+    if read_run_json(out / name, "manifest.json").get("config_hash") != cfg.hash():
+        raise SplitleakError(f"{out / name} is a run of another configuration than the audit's; {START_AGAIN}")
+    if not stages.done(name):
+        stages.finish(name, [f"{name}/journal.jsonl"])
+    return v
 
 
 def utility_baseline(
