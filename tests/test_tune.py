@@ -189,7 +189,9 @@ def test_tiny_tune_gate_budget_frontier_and_resume(tmp_path):
     assert s["worst_token_recovery"] < 0.05
     # weak noise: within the budget but read like the undefended run -> fails on the gate
     assert w["within_budget"] and w["gate_breaks"] and not w["passes"] and w["stopped"]
-    assert 0 <= w["cost"] < s["cost"]
+    # sigma=0.01 moves the held-out loss by less than its run-to-run noise: either sign, far below strong's
+    # (CI measured -7.4e-05 where this machine measures a small positive cost)
+    assert abs(w["cost"]) < s["cost"] / 10
     # utility is against the undefended run of the same depth
     assert s["rel_ppl"] == pytest.approx(s["perplexity"] / s["undefended_perplexity"] - 1)
     assert s["undefended_perplexity"] == pytest.approx(none["perplexity"])
