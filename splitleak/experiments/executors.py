@@ -10,13 +10,17 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor
 from concurrent.futures import wait as futures_wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from splitleak.errors import ConfigError, SplitleakError
-from splitleak.experiments.worker import execute_job, init_worker, ray_execute_job
+from splitleak.errors import ConfigError, IntegrityError, SplitleakError
+from splitleak.experiments.shipping import deliver, run_parcel
+from splitleak.experiments.store import ResultsStore
+from splitleak.experiments.worker import execute_job, failed_status, init_worker, ray_execute_job
+from splitleak.wire.store import JOURNAL, sha256_file
 
 RAY_HINT = "pip install 'splitleak[ray]'"
 
@@ -126,9 +130,14 @@ class RayExecutor:
     """Ray tasks declaring ``num_cpus`` (= threads) and ``num_gpus`` per job. Without ``address``,
     ``ray.init`` starts a local instance (``workers x threads`` CPUs, no dashboard) and stops it at
     the end; with ``address`` it joins that cluster and leaves it at the end (the cluster stays up).
-    A task uses ``cuda`` when Ray gave it a GPU. On a cluster of several machines the store must be
-    on a filesystem that every node sees at the same path, and splitleak (with the models) must be
-    installed on every node."""
+    A task uses ``cuda`` when Ray gave it a GPU. Nothing is shared on disk: a task runs its job in a
+    scratch store on its node and returns the files, which ``result`` checks and writes into the
+    driver's store; an attack job gets its run directory from the driver through Ray's object store,
+    put there once per run (``shipping``). The driver claims a job in its store while a task runs it.
+    splitleak (with the models) must be installed on every node."""
+
+    #: run parcels kept in Ray's object store for the attack jobs still to come (most recent runs)
+    RUNS_KEPT = 4
 
     name = "ray"
 
@@ -173,10 +182,14 @@ class RayExecutor:
         by_gpu = int(gpus // gpus_per_job) if gpus_per_job > 0 else by_cpu
         self.capacity = workers or max(1, min(by_cpu, by_gpu))
         from ray.util.queue import Queue
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self._queue = Queue(actor_options={"num_cpus": 0})
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})  # dies with the driver only
         self._task = ray.remote(max_retries=1)(ray_execute_job)
         self._address = address
+        self._inflight: dict[Any, tuple[dict[str, Any], ResultsStore]] = {}
+        self._runs: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
     def describe(self) -> str:
         where = f"cluster {self._address}" if self._address else "local Ray instance"
@@ -187,9 +200,28 @@ class RayExecutor:
 
     def submit(self, job: dict[str, Any], store_root: str):
         task_device = "auto" if self.device in ("auto", "cuda") else self.device
-        return self._task.options(num_cpus=self.threads, num_gpus=self.gpus_per_job).remote(
-            job, store_root, self.threads, self._queue, self.driver, task_device
-        )
+        store = ResultsStore(store_root)
+        store.claim(job["key"], self.driver)
+        try:
+            run = self._run_ref(store, job["train_key"]) if job["kind"] == "attack" else None
+        except OSError as exc:  # its run cannot be read here: the job fails, the grid goes on
+            handle = self.ray.put(failed_status(job["key"], exc, 0.0, task_device, "driver"))
+        else:
+            handle = self._task.options(num_cpus=self.threads, num_gpus=self.gpus_per_job).remote(
+                job, self.threads, self._queue, self.driver, task_device, run
+            )
+        self._inflight[handle] = (job, store)
+        return handle
+
+    def _run_ref(self, store: ResultsStore, train_key: str):
+        """The run's parcel in Ray's object store, put there once per run (and again if its journal changed)."""
+        key = (train_key, sha256_file(store.run_dir(train_key) / JOURNAL))
+        if key not in self._runs:
+            self._runs[key] = self.ray.put(run_parcel(store, train_key))
+            while len(self._runs) > self.RUNS_KEPT:
+                self._runs.popitem(last=False)
+        self._runs.move_to_end(key)
+        return self._runs[key]
 
     def wait(self, handles: list, timeout: float) -> list:
         if not handles:
@@ -200,10 +232,21 @@ class RayExecutor:
         return ready
 
     def result(self, handle) -> dict[str, Any]:
+        """The task's status; the files of a job that is done written into the driver's store first."""
+        job, store = self._inflight.pop(handle)
         try:
-            return self.ray.get(handle)
+            res = self.ray.get(handle)
         except self.ray.exceptions.RayError as exc:
             raise WorkerDied(f"the Ray task running this job failed: {exc}") from None
+        finally:
+            store.release(job["key"])
+        files = res.pop("files", None)
+        if res["status"] == "done":
+            try:
+                deliver(store, job, files or {})
+            except (IntegrityError, OSError) as exc:
+                return failed_status(job["key"], exc, res["seconds"], res["device"], res["node"])
+        return res
 
     def recover(self) -> None:
         pass

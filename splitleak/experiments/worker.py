@@ -5,7 +5,8 @@ directory left by a killed run is removed and redone), checks it with ``verify_r
 utility row. An attack job loads the attacker's knowledge from that run directory, calls
 ``run_attack`` and writes one row per document. Both write their Parquet file atomically and
 return a small status dict; exceptions become ``{"status": "failed", ...}``, so one bad job never
-stops the others.
+stops the others. A Ray task (``ray_execute_job``) does the same in a private scratch store on its
+node and returns the files the job wrote there, for the driver to write into its store (``shipping``).
 
 With ``SPLITLEAK_COUNT_FLOPS=DIR`` in its environment (``benchmarks/grid.py --flops`` sets it), a
 worker also counts each job's floating-point operations with ``torch.utils.flop_counter`` and
@@ -268,7 +269,7 @@ def execute_job(
     """Run one train or attack job and write its result into the store. Never raises: the
     returned dict has ``status`` ``done`` or ``failed`` (with ``error``, ``error_type``, ``traceback``)
     and ``node``, where it ran (the host name, or what the caller passed)."""
-    from splitleak.experiments.store import ResultsStore, format_error
+    from splitleak.experiments.store import ResultsStore
 
     node = node or socket.gethostname()
 
@@ -300,20 +301,27 @@ def execute_job(
             _write_flops(Path(flops_dir), job, counter, seconds, device)
         return {"key": key, "status": "done", "seconds": seconds, "device": device, "node": node}
     except Exception as exc:  # noqa: BLE001 - every failure is recorded, none stops the grid
-        etype, msg, trace = format_error(exc)
-        return {
-            "key": key,
-            "status": "failed",
-            "error_type": etype,
-            "error": msg,
-            "traceback": trace,
-            "seconds": time.perf_counter() - t0,
-            "device": device,
-            "node": node,
-        }
+        return failed_status(key, exc, time.perf_counter() - t0, device, node)
     finally:
         store.release(key)
         release_memory()
+
+
+def failed_status(key: str, exc: BaseException, seconds: float, device: str, node: str) -> dict[str, Any]:
+    """The status dict of a job that failed with ``exc``."""
+    from splitleak.experiments.store import format_error
+
+    etype, msg, trace = format_error(exc)
+    return {
+        "key": key,
+        "status": "failed",
+        "error_type": etype,
+        "error": msg,
+        "traceback": trace,
+        "seconds": seconds,
+        "device": device,
+        "node": node,
+    }
 
 
 def release_memory() -> None:
@@ -333,18 +341,39 @@ def release_memory() -> None:
 
 def ray_execute_job(
     job: dict[str, Any],
-    store_root: str,
     threads: int | None,
     queue: Any,
     driver: dict[str, Any] | None,
     device: str = "auto",
+    run: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A Ray task: ``cuda`` when Ray gave this task a GPU, else ``cpu`` (unless ``device`` is set)."""
+    """A Ray task: run the job in a private scratch store on this node and return its status with the
+    files it wrote (``files``, a parcel the driver writes into its store; see ``shipping``). ``run``: an
+    attack job's run directory, parcelled by the driver, unpacked and verified here first. ``cuda``
+    when Ray gave this task a GPU, else ``cpu`` (unless ``device`` is set)."""
     global _QUEUE
+    import shutil
+    import tempfile
+
     import ray
+
+    from splitleak.experiments.shipping import outputs_parcel, scratch_root, unpack_run
+    from splitleak.experiments.store import ResultsStore
 
     _QUEUE = queue
     if device == "auto":
         device = "cuda" if ray.get_gpu_ids() else "cpu"
     node = f"{socket.gethostname()} (Ray node {ray.get_runtime_context().get_node_id()[:12]})"
-    return execute_job(job, store_root, device=device, threads=threads, driver=driver, node=node)
+    t0 = time.perf_counter()
+    scratch = ResultsStore(tempfile.mkdtemp(prefix=f"splitleak-{job['key'][:12]}-", dir=scratch_root()))
+    try:
+        if run is not None:
+            unpack_run(run, scratch, job["train_key"])
+        status = execute_job(job, str(scratch.root), device=device, threads=threads, driver=driver, node=node)
+        if status["status"] == "done":
+            status["files"] = outputs_parcel(scratch, job)
+        return status
+    except Exception as exc:  # noqa: BLE001 - a run that does not arrive whole fails this job only
+        return failed_status(job["key"], exc, time.perf_counter() - t0, device, node)
+    finally:
+        shutil.rmtree(scratch.root, ignore_errors=True)
