@@ -60,7 +60,7 @@ def codeword(token: int, dim: int, seed: int) -> np.ndarray:
 
 def frame_rotation(frame_id: int, dim: int, seed: int) -> np.ndarray:
     """The invariant mode's Haar rotation of one frame (the gauges' key derivation, its own channel)."""
-    from splitleak.wire.gauges import derive_master, haar_rotation
+    from splitleak.defences.gauges import derive_master, haar_rotation
 
     return haar_rotation(derive_master(seed, "dose", 0, "invariant-codeword", frame_id), dim)
 

@@ -5,8 +5,8 @@ requests of ``capture_batch`` frames. For each frame the trusted node (``LatentC
 
 1. runs the frozen prefix, blocks [0, s], and its private encoder: z = E(h_s), T rows of width D;
 2. draws the frame's k decoys from the FIFO pool of earlier frames' encoder rows (before release),
-   then adds its own rows to the pool (``splitleak.wire.decoys``);
-3. gauges the T + k rows with the frame's rotation and permutation (``splitleak.wire.gauges``), then
+   then adds its own rows to the pool (``splitleak.defences.decoys``);
+3. gauges the T + k rows with the frame's rotation and permutation (``splitleak.defences.gauges``), then
    clips every row to C and adds Gaussian noise σ·C afresh (002 Figure 2, steps 3-5: gauge, decoy
    mix, perturb), and sends them: the **forward** frame [frames, T + k, D]. Under
    ``decoy_release="verbatim"`` (the weak variant) the real rows are released first, the decoys are
@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 
 from splitleak.data import Document
+from splitleak.defences.decoys import DecoyPool, derived_seed, release, torch_generator
+from splitleak.defences.gauges import Gauge, frame_gauge
 from splitleak.errors import ConfigError
 from splitleak.models.latent import Decoder, Encoder, GaugeSurrogate, LatentSpec, check_no_wide_parameters, latent_spec
 from splitleak.models.split import SplitModel, next_token_loss
@@ -53,9 +55,7 @@ from splitleak.training.config import LatentConfig
 from splitleak.training.loop import ids_tensor, training_order
 from splitleak.training.roles import _finite, _grads_finite, make_optimizer
 from splitleak.wire.channel import Channel
-from splitleak.wire.decoys import DecoyPool, derived_seed, release, torch_generator
 from splitleak.wire.frames import Frame
-from splitleak.wire.gauges import Gauge, frame_gauge
 
 
 def latent_split(lm, cfg: LatentConfig) -> tuple[SplitModel, LatentSpec]:
@@ -417,7 +417,7 @@ def privacy_accounting(cfg: LatentConfig, releases: int, delta: float = 1e-6) ->
     release and for ``releases`` releases of the same document row. A fresh decoy is one more release
     of its row; a verbatim one re-sends a released row (post-processing: no further cost). The return
     wire protects nothing of the client's input."""
-    from splitleak.wire.decoys import gaussian_row_epsilon
+    from splitleak.defences.decoys import gaussian_row_epsilon
 
     one = gaussian_row_epsilon(cfg.clip, cfg.sigma, 1, delta) if cfg.sigma > 0 else None
     many = gaussian_row_epsilon(cfg.clip, cfg.sigma, releases, delta) if cfg.sigma > 0 else None
