@@ -137,8 +137,8 @@ def _partition(run, rule="support", phase="capture"):
 
 @pytest.mark.integration
 def test_a_latent_run_captures_all_four_wires_and_verifies(runs):
-    from splitleak.wire import verify_run
-    from splitleak.wire.tap import read_wire, verify_wire
+    from splitleak.runs.verify import verify_run
+    from splitleak.runs.wire import read_wire, verify_wire
 
     run = runs["open"]
     assert verify_run(run.run_dir).ok

@@ -142,10 +142,11 @@ def dose_ladder(
     """Run the probe battery at every dose; returns the per-dose metrics and the onsets. The gate and α
     are ``thresholds``' (``splitleak.audit.gate.GateThresholds``; default: the shipped gate_002's),
     recorded in the output."""
-    from splitleak.attacks.partition import load_latent_traffic, load_row_tokens, load_truth
+    from splitleak.attacks.partition import load_latent_traffic
     from splitleak.attacks.probes import ProbeBattery
     from splitleak.audit.gate import shipped_thresholds
     from splitleak.progress import Silent
+    from splitleak.runs.truth import load_row_tokens, load_truth
     from splitleak.stats.paired import battery_verdict, score_arms
 
     progress = progress or Silent()

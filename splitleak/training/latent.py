@@ -51,6 +51,7 @@ from splitleak.errors import ConfigError
 from splitleak.models.latent import Decoder, Encoder, GaugeSurrogate, LatentSpec, check_no_wide_parameters, latent_spec
 from splitleak.models.split import SplitModel, next_token_loss
 from splitleak.progress import Progress, Silent, end
+from splitleak.runs.truth import TRUTH_FILE
 from splitleak.training.config import LatentConfig
 from splitleak.training.loop import ids_tensor, training_order
 from splitleak.training.roles import _finite, _grads_finite, make_optimizer
@@ -405,7 +406,6 @@ def capture_latent(
     return {"seconds": secs, "tokens_per_second": n_tok / secs if secs > 0 else None, "client_losses": losses}
 
 
-TRUTH_FILE = "latent/truth.safetensors"
 SECRET_FILE = "latent/secret.json"  # the client's own: the per-run secret under gauge_entropy="os"
 SECRET_BYTES = 16
 CODEC_FILE = "latent/codec.safetensors"
@@ -464,13 +464,13 @@ def run_latent(
     from pathlib import Path
 
     from splitleak.models import load_model
+    from splitleak.runs.store import RunStore
     from splitleak.runtime import apply_threads, resolve_device
     from splitleak.seeds import model_init_seed, server_seed
     from splitleak.training.loop import evaluate_ce, utility
     from splitleak.training.record import RunEnd, documents_record, manifest_head, run_documents
     from splitleak.wire.channel import InProcessChannel
     from splitleak.wire.declare import declare_latent_channels
-    from splitleak.wire.store import RunStore
     from splitleak.wire.tap import WireRecorder
 
     cfg: LatentConfig = config.latent
