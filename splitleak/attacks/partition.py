@@ -19,7 +19,8 @@ document, is known to the server from the handshake's frame sizes):
   evaluated on the capture pass.
 
 An attack reads the frames as the server holds them (``LatentTraffic``); the truth is the client's
-own record (``latent/truth.safetensors``), used for scoring and, for ``classifier``, for fitting.
+own record (``latent/truth.safetensors``), which the scorer reads (``splitleak.runs.truth.load_truth``)
+and passes in, for scoring and, for ``classifier``, for fitting; this package never reads it.
 Every partition attack has the shape of ``LatentPartition``; the attacks built for the decoy mix and
 the gauges (``decoy-history``, ``gauge-key-search``) live in their own files.
 """
