@@ -31,8 +31,8 @@ sys.path.insert(0, str(HERE.parent))
 from train_capture import cpu_name, peak_rss_gib, record  # noqa: E402
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack  # noqa: E402
-from splitleak.attacks.knowledge import eval_token_ids  # noqa: E402
 from splitleak.attacks.search import beam_search, beam_search_naive  # noqa: E402
+from splitleak.runs.truth import eval_token_ids  # noqa: E402
 
 
 def matmul_gflops(n: int = 2048, reps: int = 5) -> float:

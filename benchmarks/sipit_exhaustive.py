@@ -31,8 +31,8 @@ from attack_throughput import matmul_gflops  # noqa: E402
 from train_capture import cpu_name, peak_rss_gib, record  # noqa: E402
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack  # noqa: E402
-from splitleak.attacks.knowledge import eval_token_ids  # noqa: E402
 from splitleak.attacks.search import round_sizes  # noqa: E402
+from splitleak.runs.truth import eval_token_ids  # noqa: E402
 
 
 def sipit_flops(client, checks: torch.Tensor, round_size: int = 16, growth: int = 16) -> float:

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from splitleak.attacks import load_knowledge, load_traffic, merge_candidates  # noqa: E402
 from splitleak.attacks.core import GradientMap, gradient_readout, make_attack  # noqa: E402
-from splitleak.attacks.knowledge import read_documents, read_manifest  # noqa: E402
+from splitleak.runs.manifest import read_manifest  # noqa: E402
+from splitleak.runs.truth import read_documents  # noqa: E402
 
 
 def public_gradients(run: Path, n_docs: int, exclude: set[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:

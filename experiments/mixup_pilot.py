@@ -21,12 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config  # noqa: E402
-from splitleak.attacks.knowledge import phase_documents, read_manifest  # noqa: E402
 from splitleak.audit.evaluate import run_attack  # noqa: E402
 from splitleak.models import load_model  # noqa: E402
+from splitleak.runs.manifest import read_manifest  # noqa: E402
+from splitleak.runs.truth import phase_documents  # noqa: E402
+from splitleak.runs.verify import verify_run  # noqa: E402
 from splitleak.training import make_train_config, run_training  # noqa: E402
 from splitleak.training.run import read_metrics  # noqa: E402
-from splitleak.wire import verify_run  # noqa: E402
 
 VARIANTS = {
     "none": [{"name": "none"}],

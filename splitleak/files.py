@@ -1,12 +1,56 @@
-"""Reading the small text files a user writes (YAML configurations, specs, protocols): one reader,
-one kind of error, a message in one line that names the file, the place and the fix."""
+"""Files without run semantics: reading the small text files a user writes (YAML configurations,
+specs, protocols) and the JSON and Parquet files splitleak writes, with one kind of error, a message
+in one line that names the file, the place and the fix; hashing bytes, files and configurations
+(canonical JSON); and the atomic write every writer uses (the run directory, ``splitleak.runs``,
+builds its journal on these)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from pathlib import Path
 from typing import Any
 
 from splitleak.errors import ConfigError
+
+
+def sha256_bytes(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    return sha256_bytes(canonical_json(config))
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a hidden temporary file beside ``path`` (named by this process), flush it to
+    disk and rename it over ``path``: a reader or a crash sees the whole file or none of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:  # a full disk, a size limit, an interrupt: no half-written file stays behind
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = str(path)  # a failed write names no file by itself
+        raise
 
 
 def read_yaml(path: str | Path, what: str, mapping_hint: str | None = None) -> Any:
@@ -57,8 +101,6 @@ def read_json(path: str | Path, what: str, fix: str, *, mapping: bool = True) ->
     """The JSON document in ``path``, or an IntegrityError in one line that names the file, what is wrong
     (missing, a directory, not UTF-8, not JSON with line and column, or with ``mapping`` not an object)
     and ``fix``. ``what`` names the file's role (``attack result``)."""
-    import json
-
     from splitleak.errors import IntegrityError
 
     path = Path(path)
@@ -103,9 +145,6 @@ DIGEST_KEY = b"splitleak.content_sha256"
 def table_digest(table: Any) -> str:
     """SHA-256 of a table's column names and values (canonical JSON of its rows), independent of how
     Parquet lays it out: what ``read_parquet`` compares with the digest ``parquet_bytes`` recorded."""
-    import hashlib
-    import json
-
     body = {"names": list(table.column_names), "rows": table.to_pylist()}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 

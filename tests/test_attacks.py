@@ -123,7 +123,7 @@ def test_readout_is_part_of_the_config_of_gradient_attacks_only():
 
     from splitleak.attacks.core import BackwardOnly, JointBeam, ShuffledGradient
     from splitleak.audit.analysis import DEFAULT_READOUT, READOUT_ATTACKS
-    from splitleak.wire.store import config_hash
+    from splitleak.files import config_hash
 
     takes = sorted(n for n, cls in ATTACKS.items() if "readout" in inspect.signature(cls.__init__).parameters)
     assert takes == sorted(READOUT_ATTACKS)  # analysis keeps its own copy (it does not import torch)

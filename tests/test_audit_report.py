@@ -5,10 +5,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from splitleak.attacks.knowledge import phase_documents
 from splitleak.audit.run import example_documents, readers_sentence, worst_reader
 from splitleak.report.audit import example_blocks
 from splitleak.report.document import TextComparison, TokenLine, render_html, render_markdown
+from splitleak.runs.truth import phase_documents
 
 
 def _result(attack, copy, tokens, docs, certified=None, budget=None):

@@ -14,9 +14,10 @@ import torch
 
 from splitleak.attacks.bisr import BiSR, BiSRBackward, match_inputs
 from splitleak.attacks.config import make_attack_config
-from splitleak.attacks.knowledge import load_knowledge, load_traffic, phase_documents
+from splitleak.attacks.knowledge import load_knowledge, load_traffic
 from splitleak.audit.evaluate import run_attack
 from splitleak.errors import ConfigError
+from splitleak.runs.truth import phase_documents
 from splitleak.training import make_train_config, run_training
 
 SMALL = dict(model="tiny-gpt2", n_calib=64, n_train=8, n_eval=8, doc_len=32, lr=1e-5, data="instructions")

@@ -101,8 +101,8 @@ def test_dose_ladder_detects_a_large_leak_and_nothing_at_zero_dose(noisy_run):
 @pytest.mark.integration
 def test_the_dose_ladder_recomputes_only_the_dosed_rows_and_gets_the_whole_frames_numbers(noisy_run):
     from splitleak.attacks import load_knowledge, load_traffic
-    from splitleak.attacks.knowledge import eval_token_ids
     from splitleak.audit.calibrate import TokenProbe, dosed_log_likelihood
+    from splitleak.runs.truth import eval_token_ids
 
     kn, tr = load_knowledge(noisy_run, "public"), load_traffic(noisy_run)
     truth = torch.as_tensor(eval_token_ids(noisy_run, tr.doc_ids))

@@ -55,7 +55,7 @@ def test_probe_rows_undo_mixup_exactly(tmp_path, lam, seed):
 
 
 def _eval_docs(run, doc_ids):
-    from splitleak.attacks.knowledge import phase_documents
+    from splitleak.runs.truth import phase_documents
 
     by_id = {d.doc_id: d for d in phase_documents(run, "capture")}
     return [by_id[i] for i in doc_ids]

@@ -26,10 +26,11 @@ from typer.testing import CliRunner
 
 import splitleak
 from splitleak.cli import app
+from splitleak.runs.journal import journal_entries
+from splitleak.runs.store import RunStore
+from splitleak.runs.verify import verify_run
 from splitleak.training import make_train_config, run_training
 from splitleak.training.run import checkpoint_folder
-from splitleak.wire import verify_run
-from splitleak.wire.store import RunStore, journal_entries
 from splitleak.wire.tls import init_tls
 from splitleak.wire.transport import TransportError
 

@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from splitleak.cli import app
 from splitleak.errors import SplitleakError
-from splitleak.wire.store import RunStore, verify_run
+from splitleak.runs.store import RunStore
+from splitleak.runs.verify import verify_run
 
 TINY_RUN = dict(model="tiny-gpt2", depth=2, n_calib=4, n_train=6, n_eval=12, seed=0, all_local_baseline=False)
 TINY = ["--model", "tiny-gpt2", "--depth", "2", "--n-calib", "4", "--n-train", "4", "--n-eval", "4"]

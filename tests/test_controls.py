@@ -21,7 +21,7 @@ PLANTED = textwrap.dedent(
     import torch
 
     from splitleak.attacks import Attack, Reconstruction
-    from splitleak.attacks.knowledge import phase_documents
+    from splitleak.runs.truth import phase_documents
     from splitleak.attacks.registry import AttackInfo, register
 
 

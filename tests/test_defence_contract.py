@@ -7,8 +7,8 @@ import torch
 
 from splitleak.defences import DEFENCES, ROLES, SPLIT_MODES, DefenceChain, build_defence
 from splitleak.errors import ConfigError
+from splitleak.runs.captures import load_capture
 from splitleak.training import make_train_config, run_training
-from splitleak.wire import load_capture
 
 SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=8, seed=2, all_local_baseline=False, draws="derived")
 NAMES = [n for n in DEFENCES if n != "none"]

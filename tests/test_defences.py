@@ -5,9 +5,10 @@ from splitleak.defences import DefenceChain, build_defence
 from splitleak.defences.mixup import draw_decoy_indices
 from splitleak.errors import ConfigError
 from splitleak.models import SplitModel, load_model
+from splitleak.runs.captures import load_capture
 from splitleak.training import make_train_config, run_training
 from splitleak.training.roles import ClientRole
-from splitleak.wire import Frame, InProcessChannel, load_capture
+from splitleak.wire import Frame, InProcessChannel
 
 
 @pytest.mark.unit
@@ -227,9 +228,9 @@ def test_mixup_probe_rows_give_the_text_back_on_smollm2(tmp_path, smollm2):
     import copy
 
     from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
-    from splitleak.attacks.knowledge import phase_documents
     from splitleak.attacks.mixup_unmix import MixupUnmix
     from splitleak.audit.evaluate import run_attack
+    from splitleak.runs.truth import phase_documents
 
     lm = load_model("smollm2-135m", seed=1)
     runs = {}

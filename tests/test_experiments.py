@@ -514,7 +514,7 @@ def test_grid_store_has_one_row_per_job_and_document(tiny_grid):
         assert t["delta_u"] == 0.0 and t["all_local_ce"] == t["heldout_ce"]
         assert t["wire_bytes_client_to_server"] > 0
     assert not list((store / "claims").glob("*.json"))
-    from splitleak.wire import verify_run
+    from splitleak.runs.verify import verify_run
 
     for j in g.of_kind("train"):
         assert verify_run(store / "runs" / j.key[:16]).ok

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from splitleak.audit.protocol import SHIPPED
-from splitleak.wire import verify_run
+from splitleak.runs.verify import verify_run
 
 TINY = ["--model", "tiny-gpt2", "--depth", "2", "--n-calib", "4", "--n-train", "4", "--n-eval", "4"]
 TINY += ["--doc-len", "16", "--threads", "1", "--quiet"]
@@ -98,12 +98,12 @@ def test_train_on_a_full_disk_stops_in_one_line_and_leaves_the_run_whole_to_its_
 @pytest.mark.unit
 def test_a_journal_append_cut_by_a_full_disk_is_rolled_back_to_the_last_whole_entry(tmp_path):
     """The journal's own append fails part-way: the journal is truncated back, the entry's files removed."""
-    from splitleak.wire.store import RunStore
+    from splitleak.runs.store import RunStore
 
     code = f"""
 import resource, sys
 from pathlib import Path
-from splitleak.wire.store import RunStore
+from splitleak.runs.store import RunStore
 s = RunStore.create(Path({str(tmp_path / "run")!r}))
 s.add_json("manifest", "manifest.json", {{"config": {{}}}})
 size = (Path({str(tmp_path / "run")!r}) / "journal.jsonl").stat().st_size

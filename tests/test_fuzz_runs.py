@@ -429,7 +429,8 @@ def _forge(run: Path, rel: str) -> None:
     digest and link of the journal then matches, and only the readers' own checks can tell."""
     import json
 
-    from splitleak.wire.store import GENESIS, canonical_json, sha256_bytes
+    from splitleak.files import canonical_json, sha256_bytes
+    from splitleak.runs.journal import GENESIS
 
     new = sha256_bytes((run / rel).read_bytes())
     prev, out = GENESIS, []

@@ -236,7 +236,8 @@ def write_battery_result(folder: Path, digest: str, read: float = 0.3) -> Path:
     under the protocol hash ``digest``; the run directory holds its metrics (0.1 nats over pretrained), recorded
     in its journal and closed complete (the gate reads the metrics of a run that verifies only)."""
     from splitleak.audit.evaluate import write_result
-    from splitleak.wire.store import RunStore, config_hash
+    from splitleak.files import config_hash
+    from splitleak.runs.store import RunStore
 
     stats, extra, probes, frame_rows = battery(read=read)
     twin_stats, _, twin_probes, _ = battery(read=0.0, seed=1)
@@ -321,11 +322,11 @@ def test_every_shipped_protocol_is_handled_and_says_what_it_did_not_evaluate():
 @pytest.mark.integration
 def test_protocol_analyse_reads_the_gate_over_a_split_runs_attacks(tmp_path, shared_run):
     from splitleak.attacks import make_attack_config
-    from splitleak.attacks.knowledge import eval_token_ids
     from splitleak.audit.analysis import analyse, find_results, rows_from_results, run_rows_from_results
     from splitleak.audit.evaluate import run_attack
     from splitleak.audit.gate import gate_inputs
     from splitleak.audit.verdicts import arm_effects, arm_gate
+    from splitleak.runs.truth import eval_token_ids
 
     run = shared_run(model="tiny-gpt2", depth=2, n_calib=4, n_train=6, n_eval=12, seed=0, all_local_baseline=False)
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from splitleak.defences import gauges as G
 from splitleak.errors import ConfigError
-from splitleak.wire import gauges as G
 
 pytestmark = pytest.mark.unit
 M = bytes(range(16))

@@ -303,7 +303,8 @@ def test_positive_control_on_a_run_the_scale_draws_regenerated_from_the_run_seed
     undefended one (``shielded/output_gradients.safetensors``, raw) for the same documents."""
     from safetensors.torch import load_file
 
-    from splitleak.attacks.knowledge import load_knowledge, load_traffic, read_documents
+    from splitleak.attacks.knowledge import load_knowledge, load_traffic
+    from splitleak.runs.truth import read_documents
 
     run = _run(tmp_path, "sb", [{"name": "scale-blind"}], seed)
     top = load_knowledge(run, with_top=True).top

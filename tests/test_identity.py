@@ -36,9 +36,9 @@ from splitleak.data import LABELS
 from splitleak.errors import ConfigError
 from splitleak.experiments.jobs import _attack_fields, _attack_summary
 from splitleak.experiments.store import ATTACK_SCHEMA, ResultsStore, attack_rows, read_results
+from splitleak.files import config_hash
 from splitleak.report.grid import analysis_rows
 from splitleak.report.grid_stats import recovery_cells
-from splitleak.wire.store import config_hash
 
 runner = CliRunner()
 SEEDS = (0, 1)

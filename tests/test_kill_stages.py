@@ -39,7 +39,8 @@ from typer.testing import CliRunner
 
 from splitleak.cli import app
 from splitleak.errors import SplitleakError
-from splitleak.wire.store import RunStore, verify_run
+from splitleak.runs.store import RunStore
+from splitleak.runs.verify import verify_run
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 120.0  # the most the harness waits for all its processes together
@@ -65,9 +66,9 @@ TIMED = {"manifest.json", "training.json", "all_local.json", "metrics.json"}
 # written half of the predictions' temporary file, so that the harness's SIGKILL lands in the middle of it
 ATTACK_CHILD = """
 import os, signal, sys
-import splitleak.wire.store as store
+import splitleak.files as files
 
-_write = store.write_atomic
+_write = files.write_atomic
 
 def write_atomic(path, data):
     if path.suffix == ".parquet":  # the predictions: half of them written to write_atomic's temporary file
@@ -77,7 +78,7 @@ def write_atomic(path, data):
         os.kill(os.getpid(), signal.SIGSTOP)  # the harness sees it stopped and SIGKILLs it
     _write(path, data)
 
-store.write_atomic = write_atomic
+files.write_atomic = write_atomic
 sys.argv = ["splitleak", *sys.argv[1:]]
 from splitleak.cli import main
 

@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from splitleak.defences.decoys import DecoyPool, gaussian_row_epsilon, zcdp_epsilon
+from splitleak.defences.gauges import frame_gauge
 from splitleak.errors import ConfigError
 from splitleak.models.latent import GaugeSurrogate, check_no_wide_parameters, preset_split
-from splitleak.wire.decoys import DecoyPool, gaussian_row_epsilon, zcdp_epsilon
-from splitleak.wire.gauges import frame_gauge
 
 TINY = dict(model="tiny-gpt2", n_calib=2, n_train=8, n_eval=8, steps=8, lr=3e-4, capture_batch=4)
 
@@ -137,8 +137,8 @@ def _partition(run, rule="support", phase="capture"):
 
 @pytest.mark.integration
 def test_a_latent_run_captures_all_four_wires_and_verifies(runs):
-    from splitleak.wire import verify_run
-    from splitleak.wire.tap import read_wire, verify_wire
+    from splitleak.runs.verify import verify_run
+    from splitleak.runs.wire import read_wire, verify_wire
 
     run = runs["open"]
     assert verify_run(run.run_dir).ok
@@ -250,9 +250,9 @@ def test_fresh_decoys_are_earlier_encoder_rows_gauged_then_clipped_and_noised_af
     a frame's rows, its decoys among them, are gauged, then every row is clipped and noised afresh. With
     the derived keys the client can check it: remove the noise, undo the gauge, and each row is the clip
     of its encoder row (a decoy: its origin's); a decoy's norm is not its origin's as that crossed."""
+    from splitleak.defences.decoys import clip_rows, torch_generator
     from splitleak.training.config import LatentConfig
     from splitleak.training.latent import LatentClient
-    from splitleak.wire.decoys import clip_rows, torch_generator
 
     cfg = LatentConfig(**_latent(decoys=8, pool=400, gauge_entropy="derived"))
     client, forwards, split = _client(cfg, seed, steps=4)

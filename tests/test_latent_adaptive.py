@@ -52,7 +52,7 @@ def test_the_nearest_index_agrees_with_brute_force(seed):
 def test_gram_triples_survive_the_gauge(seed):
     """What history matching compares is what a rotation and a permutation keep."""
     from splitleak.attacks.decoy_history import pair_triples
-    from splitleak.wire.gauges import frame_gauge
+    from splitleak.defences.gauges import frame_gauge
 
     x = torch.randn(12, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     g = frame_gauge(seed, "train", 0, 0, 12, 8, scale=False)
@@ -133,7 +133,8 @@ def test_given_the_decoy_identities_the_partition_is_exact_and_each_verbatim_dec
     exactly by the same scorer; and, split by that record, every verbatim decoy's norm is one an earlier
     frame sent, to float precision, while real rows are far from theirs (the mechanism)."""
     from splitleak.attacks.decoy_history import NearestIndex
-    from splitleak.attacks.partition import load_latent_traffic, load_truth, score_partition
+    from splitleak.attacks.partition import load_latent_traffic, score_partition
+    from splitleak.runs.truth import load_truth
 
     run = runs[("verbatim", SEEDS[0])]
     truth = load_truth(run)
@@ -176,8 +177,8 @@ def test_the_per_run_secret_regenerates_the_noise_and_stays_in_the_client_files(
     noise comes off and every row is inside the clip; with the run seed in its place it does not. The
     secret is in no other file of the run, the manifest and the wire included."""
     from splitleak.attacks.partition import load_latent_traffic
+    from splitleak.defences.decoys import torch_generator
     from splitleak.training.latent import SECRET_FILE
-    from splitleak.wire.decoys import torch_generator
 
     for seed in SEEDS:
         run = runs[("default", seed)]

@@ -132,8 +132,8 @@ SMALL = dict(model="tiny-gpt2", n_calib=2, n_train=4, n_eval=4, doc_len=8, steps
 
 @pytest.mark.integration
 def test_vmf_privatizes_the_output_gradient_that_crosses_and_nothing_else(tmp_path):
+    from splitleak.runs.captures import load_capture
     from splitleak.training import make_train_config, run_training
-    from splitleak.wire import load_capture
 
     # seeded draws: the vMF directions of 8 rows are compared with their expected mean cosine, which a
     # fresh secret per run would make pass or fail by chance (about one run in twenty at this tolerance)

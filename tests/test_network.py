@@ -20,10 +20,11 @@ from safetensors.torch import load_file
 from splitleak.audit.channels import channel_table
 from splitleak.deploy import ServerNode
 from splitleak.errors import ConfigError
+from splitleak.runs.captures import load_capture
+from splitleak.runs.verify import verify_run
 from splitleak.seeds import model_init_seed
 from splitleak.training import make_train_config, run_training
 from splitleak.training.config import SERVER_FIELDS, ServerConfig
-from splitleak.wire import load_capture, verify_run
 from splitleak.wire.client import RemoteServer, hello_for
 from splitleak.wire.frames import Frame, encode
 from splitleak.wire.tls import client_context, init_tls
@@ -173,11 +174,11 @@ def test_the_server_cannot_regenerate_the_clients_forward_noise(tls, tmp_path, s
     cannot redraw the noise the client added before sending, while the run seed itself would under
     ``draws="derived"``; under ``draws="os"`` not even the run seed does, and only the client's own record
     of its secret (which never crossed) redraws it."""
-    from splitleak.attacks.knowledge import read_documents
     from splitleak.defences import DefenceChain
     from splitleak.models import SplitModel, load_model
+    from splitleak.runs.truth import read_documents
+    from splitleak.runs.wire import read_wire
     from splitleak.training.run import read_draws_secret
-    from splitleak.wire.tap import read_wire
 
     defences = [{"name": "clip-noise", "args": {"sigma": 0.5, "where": "forward"}}]
     cfg = make_train_config(**{**SMALL, "steps": 1, "draws": draws}, seed=seed, defences=defences, depth=2)

@@ -5,8 +5,8 @@ more than the tolerance."""
 
 import pytest
 
+from splitleak.runs.captures import load_capture
 from splitleak.training import make_train_config, run_training
-from splitleak.wire import load_capture
 
 pytestmark = pytest.mark.integration
 

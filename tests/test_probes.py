@@ -18,6 +18,7 @@ from splitleak.attacks.probes import (
     row_features,
     squared_gram,
 )
+from splitleak.defences.gauges import frame_gauge
 from splitleak.errors import ConfigError, DataError
 from splitleak.stats.bootstrap import frame_weights
 from splitleak.stats.paired import (
@@ -28,7 +29,6 @@ from splitleak.stats.paired import (
     paired_interval,
     score_arms,
 )
-from splitleak.wire.gauges import frame_gauge
 
 # ----------------------------------------------------------------------------- unit: features
 

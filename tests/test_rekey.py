@@ -17,8 +17,8 @@ from splitleak.experiments import read_results, run_grid
 from splitleak.experiments.rekey import apply_rekeys, find_rekeys
 from splitleak.experiments.runner import grid_status, plan_grid
 from splitleak.experiments.store import ResultsStore
+from splitleak.runs.verify import verify_run
 from splitleak.training import make_train_config
-from splitleak.wire import verify_run
 
 PINNED = Path(__file__).parent / "data" / "legacy-store"
 MEASURED = ["doc_id", "token_correct", "token_counted", "exact", "predicted", "leakage_index"]

@@ -18,8 +18,8 @@ import torch
 from test_network import SMALL, RawClient, Served, _forward, _hello
 from typer.testing import CliRunner
 
+from splitleak.runs.verify import verify_run
 from splitleak.training import make_train_config
-from splitleak.wire import verify_run
 from splitleak.wire.client import RemoteServer
 from splitleak.wire.frames import Frame, encode
 from splitleak.wire.tls import client_context, init_tls
@@ -274,7 +274,7 @@ def test_a_phase_going_back_is_refused_and_the_capture_closes_failed(tls, tmp_pa
 def test_a_full_disk_at_the_sessions_end_closes_its_capture_failed_with_the_reason(
     tls, tmp_path, monkeypatch, caplog, victim
 ):
-    import splitleak.wire.store as store
+    import splitleak.runs.store as store
     from splitleak.cli import app
 
     orig = store.write_atomic

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from splitleak.defences import DefenceChain, WireContext, build_defence
 from splitleak.errors import ConfigError, DataError
+from splitleak.runs.captures import load_capture
 from splitleak.training import make_train_config, run_training
-from splitleak.wire import load_capture
 
 SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=6, doc_len=32, lr=1e-3)
 

@@ -6,9 +6,11 @@ from typer.testing import CliRunner
 
 from splitleak.cli import app
 from splitleak.errors import IntegrityError, SplitleakError
+from splitleak.runs.captures import load_capture
+from splitleak.runs.journal import JOURNAL
+from splitleak.runs.store import RunStore
+from splitleak.runs.verify import verify_run
 from splitleak.training import make_train_config, run_training
-from splitleak.wire import RunStore, load_capture, verify_run
-from splitleak.wire.store import JOURNAL
 
 runner = CliRunner()
 
@@ -60,7 +62,7 @@ def test_fresh_run_verifies(fresh_run):
 @pytest.mark.integration
 def test_manifest_records_config_hash_versions_and_fingerprint(fresh_run):
     m = json.loads((fresh_run / "manifest.json").read_text())
-    from splitleak.wire import config_hash
+    from splitleak.files import config_hash
 
     assert m["config_hash"] == config_hash(m["config"]) and len(m["config_hash"]) == 64
     assert m["packages"]["torch"] and m["packages"]["transformers"]
@@ -143,7 +145,7 @@ def test_store_never_overwrites(tmp_path):
 
 _WRITE_LAYERS = """
 import sys, torch
-from splitleak.wire.store import RunStore
+from splitleak.runs.store import RunStore
 s = RunStore.create(sys.argv[1])
 meta = {"model": "m", "cut": 2, "a": 1, "b": [1, 2], "c": "x", "d": None}
 s.add_tensors("layers", "layers.safetensors", {"w": torch.arange(6.0).reshape(2, 3)}, metadata=meta)

@@ -10,8 +10,10 @@ import torch
 
 from splitleak.attacks import load_traffic
 from splitleak.errors import IntegrityError, UndeclaredChannelError
+from splitleak.runs.verify import verify_run
+from splitleak.runs.wire import check_wire, read_wire
 from splitleak.training import make_train_config, run_training
-from splitleak.wire import InProcessChannel, check_wire, encode, read_wire, verify_run
+from splitleak.wire import InProcessChannel, encode
 from splitleak.wire.tap import WireRecorder
 
 pytestmark = pytest.mark.integration

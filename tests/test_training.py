@@ -8,9 +8,10 @@ from splitleak.data import load_documents
 from splitleak.defences import DefenceChain, quantize_symmetric
 from splitleak.errors import ConfigError, NonFiniteError
 from splitleak.models import SplitModel, load_model, next_token_loss
+from splitleak.runs.captures import load_capture
+from splitleak.runs.verify import verify_run
 from splitleak.seeds import model_init_seed
 from splitleak.training import make_train_config, read_metrics, run_training, train_split, training_order
-from splitleak.wire import load_capture, verify_run
 
 SMALL = dict(n_calib=4, n_train=12, n_eval=20)
 

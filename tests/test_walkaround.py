@@ -18,8 +18,10 @@ from typer.testing import CliRunner
 
 from splitleak.cli import app
 from splitleak.errors import IntegrityError, SplitleakError
-from splitleak.wire.store import canonical_json, inside_run, read_recorded, verify_run
-from splitleak.wire.tap import verify_wire
+from splitleak.files import canonical_json
+from splitleak.runs.journal import inside_run, read_recorded
+from splitleak.runs.verify import verify_run
+from splitleak.runs.wire import verify_wire
 
 TINY = dict(model="tiny-gpt2", depth=1, n_calib=8, n_train=2, n_eval=4, doc_len=16)
 SHARD = "wire/capture-00000.safetensors"

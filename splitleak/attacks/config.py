@@ -28,7 +28,7 @@ from splitleak.attacks.core import ATTACKS, DEFAULT_READOUT, make_attack
 from splitleak.attacks.registry import Copy
 from splitleak.defences import quantize_symmetric
 from splitleak.errors import ConfigError
-from splitleak.wire.store import config_hash
+from splitleak.files import config_hash
 
 #: hyperparameters that had their own columns before ``params`` existed; they stay top-level keys of
 #: the dump (``k`` and ``budget`` always, the others when set), so that earlier job keys do not change

@@ -49,7 +49,7 @@ class GaugeKeySearch(LatentPartition):
         return self
 
     def _gauge(self, seed: int, phase: str, f: LatentFrame):
-        from splitleak.wire.gauges import Gauge, frame_gauge
+        from splitleak.defences.gauges import Gauge, frame_gauge
 
         n, dim = f.x.shape
         if not self.cfg_.gauges:
@@ -58,7 +58,7 @@ class GaugeKeySearch(LatentPartition):
 
     def consistent(self, seed: int, phase: str, f: LatentFrame, real_rows: int) -> bool:
         """Whether removing the forward noise ``seed`` keys leaves the frame's released rows inside C."""
-        from splitleak.wire.decoys import torch_generator
+        from splitleak.defences.decoys import torch_generator
 
         cfg = self.cfg_
         x = f.x.double()

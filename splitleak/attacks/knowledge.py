@@ -17,20 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from splitleak.attacks.registry import COPIES
-from splitleak.data import Document, DocumentSets
-from splitleak.errors import ConfigError, DataError, IntegrityError
-from splitleak.files import validated
+from splitleak.data import Document
+from splitleak.errors import ConfigError, IntegrityError
 from splitleak.models import load_model
 from splitleak.models.presets import _NORM_NAMES, find_blocks
+from splitleak.runs.captures import Capture, load_capture
+from splitleak.runs.journal import read_tensors_and_metadata
+from splitleak.runs.manifest import read_calibration, read_manifest, run_mode
 from splitleak.seeds import model_init_seed
-from splitleak.wire import Capture, load_capture
-from splitleak.wire.store import config_hash, read_run_json, read_tensors_and_metadata
 
 
 class ClientCopy:
@@ -180,7 +178,7 @@ class Knowledge:
         return torch.tensor([list(d.token_ids) for d in self.calibration], dtype=torch.long)
 
     def chain(self) -> list[Any]:
-        """The run's defences rebuilt from their public record (``splitleak.wire.build_defence``), in chain
+        """The run's defences rebuilt from their public record (``splitleak.defences.build_defence``), in chain
         order, without ``none``; no seed or secret goes into them."""
         from splitleak.defences import build_defence
 
@@ -273,106 +271,6 @@ class Traffic:
         )
 
 
-def run_mode(manifest: dict[str, Any]) -> str:
-    """The split mode of a run from its manifest: "latent", "label-shielded", "u-shape" or "plain"."""
-    if manifest.get("mode") == "latent":
-        return "latent"
-    if (manifest.get("split") or {}).get("label_shielded"):
-        return "label-shielded"
-    return "u-shape" if (manifest.get("split") or {}).get("u_shape") else "plain"
-
-
-def read_manifest(run_dir: str | Path) -> dict[str, Any]:
-    """The run's manifest, its structure checked: the fields every reader relies on are there, with
-    their types (``ManifestCore``); an IntegrityError in one line names the file and the field."""
-    path = Path(run_dir) / "manifest.json"
-    if not path.exists() and not path.is_symlink():
-        raise IntegrityError(f"{run_dir} has no manifest.json; pass a run directory written by `splitleak train`")
-    m = read_run_json(run_dir, "manifest.json")
-    fix = f"the manifest is damaged: run `splitleak verify {run_dir}`, or rerun `splitleak train`"
-    validated(ManifestCore, m, path, fix)
-    if config_hash(m["config"]) != m["config_hash"]:
-        raise IntegrityError(f"{path}: config_hash does not match its config (one of them was changed); {fix}")
-    return m
-
-
-class _Split(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    cut: int = Field(ge=1)
-
-
-class ManifestCore(BaseModel):
-    """What every reader of a manifest relies on; the rest is free (it grows with the modes)."""
-
-    model_config = ConfigDict(extra="allow")
-    config: dict[str, Any]
-    config_hash: str
-    split: _Split
-    channels: dict[str, Any]
-    model: dict[str, Any] | None = None
-
-
-def pair_session(session: str | Path, client_run: str | Path, phase: str) -> None:
-    """Check that a server's capture (``splitleak serve --capture``, one ``session-NNNN/``) and a
-    client's run directory recorded the same session: the session's configuration is the one the
-    client sent (its hash is in the client's manifest) and the phase's ledger, the hash of every
-    frame that crossed, is the same bytes on both sides. Raises IntegrityError naming what differs."""
-    m_s, m_c = read_manifest(session), read_manifest(client_run)
-    if m_s.get("role") != "server":
-        raise ConfigError(f"{session} is not a server session (its manifest has no role 'server')")
-    if m_c.get("role") == "server":
-        raise ConfigError(f"{client_run} is a server session too; --documents takes the client's run directory")
-    sent = (m_c.get("transport") or {}).get("server_config_hash")
-    if sent is None:
-        raise IntegrityError(
-            f"{client_run} was not trained against a server (`train --connect`); it pairs with no session"
-        )
-    if sent != m_s.get("config_hash"):
-        raise IntegrityError(
-            f"{session} served configuration {str(m_s.get('config_hash'))[:12]}, but {client_run} sent "
-            f"{sent[:12]}: they are not the same session"
-        )
-    rel = Path("wire") / f"{phase}-ledger.json"
-    a, b = Path(session) / rel, Path(client_run) / rel
-    if not a.is_file() or not b.is_file():
-        raise IntegrityError(f"{rel} is missing from {session if not a.is_file() else client_run}; nothing to pair")
-    if a.read_bytes() != b.read_bytes():
-        raise IntegrityError(
-            f"the {phase} frames the server recorded ({a}) differ from those the client recorded ({b}): "
-            "not the same session, or one side's capture is not what crossed"
-        )
-
-
-def find_session(capture: str | Path, client_run: str | Path) -> Path:
-    """The session of a server's capture folder (or the session folder itself) that recorded the same
-    frames as ``client_run``, in both phases."""
-    capture = Path(capture)
-    candidates = [capture] if (capture / "manifest.json").is_file() else sorted(capture.glob("session-*"))
-    why = []
-    for session in candidates:
-        try:
-            for phase in ("train", "capture"):
-                pair_session(session, client_run, phase)
-        except (ConfigError, IntegrityError) as exc:
-            why.append(f"{session.name}: {exc}")
-            continue
-        return session
-    raise IntegrityError(
-        f"no session in {capture} recorded the frames of {client_run}"
-        + (f" ({len(candidates)} tried; last: {why[-1]})" if why else " (it holds no session-NNNN folder)")
-    )
-
-
-def read_documents(run_dir: str | Path) -> DocumentSets:
-    data = read_run_json(run_dir, "documents.json")
-    try:
-        return DocumentSets.from_json(data)
-    except DataError as exc:
-        raise IntegrityError(
-            f"{Path(run_dir) / 'documents.json'}: {exc}; run `splitleak verify {run_dir}`, or rerun `splitleak train`"
-        ) from None
-
-
 def _public_model(m: dict[str, Any], run_dir, lm=None):
     """The run's public pretrained model (``lm`` when the caller has it loaded), checked against the
     fingerprint the run recorded."""
@@ -430,10 +328,9 @@ def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None, with_top:
                 "the run was written for another model"
             )
         client.embedding = client.owner.get_input_embeddings().weight.detach()
-    docs = read_documents(run_dir)
     return Knowledge(
         client,
-        docs.calibration,
+        read_calibration(run_dir),
         copy,
         cfg["model"],
         top,
@@ -450,20 +347,3 @@ def load_traffic(
     """The recorded traffic of one phase (``capture``: the evaluation documents; ``train``: one
     frame per training step) on one link (default ``main``, or the first server copy)."""
     return Traffic.from_capture(load_capture(run_dir, phase, link), with_gradients)
-
-
-def phase_documents(run_dir: str | Path, phase: str = "capture") -> tuple[Document, ...]:
-    """The documents whose traffic a phase carries: the evaluation set for ``capture``, the training
-    set for ``train`` (for scoring only; never given to an attack)."""
-    sets = read_documents(run_dir)
-    if phase == "capture":
-        return tuple(sets.evaluation)
-    if phase == "train":
-        return tuple(sets.train)
-    raise ConfigError(f"unknown phase {phase!r}; use capture (evaluation documents) or train (the training steps)")
-
-
-def eval_token_ids(run_dir: str | Path, doc_ids: Sequence[int], phase: str = "capture") -> np.ndarray:
-    """The true token ids of a phase's documents, for scoring only (never given to an attack)."""
-    docs = {d.doc_id: d for d in phase_documents(run_dir, phase)}
-    return np.array([docs[i].token_ids for i in doc_ids], dtype=np.int64)

@@ -19,7 +19,8 @@ document, is known to the server from the handshake's frame sizes):
   evaluated on the capture pass.
 
 An attack reads the frames as the server holds them (``LatentTraffic``); the truth is the client's
-own record (``latent/truth.safetensors``), used for scoring and, for ``classifier``, for fitting.
+own record (``latent/truth.safetensors``), which the scorer reads (``splitleak.runs.truth.load_truth``)
+and passes in, for scoring and, for ``classifier``, for fitting; this package never reads it.
 Every partition attack has the shape of ``LatentPartition``; the attacks built for the decoy mix and
 the gauges (``decoy-history``, ``gauge-key-search``) live in their own files.
 """
@@ -65,8 +66,8 @@ class LatentTraffic:
 
 def load_latent_traffic(run_dir: str | Path, phase: str) -> LatentTraffic:
     """The frames of one phase of a latent run's capture, joined per frame id across the four wires."""
-    from splitleak.attacks.knowledge import read_manifest
-    from splitleak.wire.tap import read_wire
+    from splitleak.runs.manifest import read_manifest
+    from splitleak.runs.wire import read_wire
 
     manifest = read_manifest(run_dir)
     if manifest.get("mode") != "latent" and (manifest.get("config") or {}).get("latent") is None:
@@ -86,35 +87,6 @@ def load_latent_traffic(run_dir: str | Path, phase: str) -> LatentTraffic:
             raise IntegrityError(f"frame {fid} of {run_dir} ({phase}) lacks the wire(s) {', '.join(missing)}")
         frames.append(LatentFrame(fid, p["x"], p["ret"], p["g_out"], p["g_in"], steps[fid]))
     return LatentTraffic(phase, frames, int(manifest["config"]["doc_len"]))
-
-
-def load_truth(run_dir: str | Path) -> dict[int, np.ndarray]:
-    """frame id -> bool mask of real rows in the gauged order (the client's record)."""
-    from safetensors.torch import load_file
-
-    from splitleak.training.latent import TRUTH_FILE
-
-    path = Path(run_dir) / TRUTH_FILE
-    if not path.is_file():
-        raise ConfigError(f"{run_dir} has no {TRUTH_FILE}: pass the client's run directory of a latent-mode run")
-    t = load_file(str(path))
-    frames, real = t["frames"].numpy(), t["real"].numpy()
-    return {int(f[0]): real[i, : int(f[4])].astype(bool) for i, f in enumerate(frames)}
-
-
-def load_row_tokens(run_dir: str | Path) -> dict[int, np.ndarray]:
-    """frame id -> the token each gauged row carries (a decoy: its origin's), from the client's record."""
-    from safetensors.torch import load_file
-
-    from splitleak.training.latent import TRUTH_FILE
-
-    t = load_file(str(Path(run_dir) / TRUTH_FILE))
-    if "token" not in t:
-        raise ConfigError(
-            f"{run_dir}/{TRUTH_FILE} records no tokens per row (a run made before the probes existed); train it again"
-        )
-    frames, tokens = t["frames"].numpy(), t["token"].numpy()
-    return {int(f[0]): tokens[i, : int(f[4])] for i, f in enumerate(frames)}
 
 
 def row_features(f: LatentFrame) -> np.ndarray:

@@ -314,7 +314,7 @@ class ProbeBattery:
         return DeepProbe(n_in, self.deep_width, classes, self.deep_layers, self.deep_heads)
 
     def _train(self, view, model, restart, z, adj, pad, y, classes) -> nn.Module:
-        from splitleak.wire.decoys import derived_seed
+        from splitleak.defences.decoys import derived_seed
 
         n_coords = z.shape[-1] - _n_features(view)
         if model == "features":

@@ -168,8 +168,7 @@ def read_result(path: str | Path) -> dict[str, Any] | None:
     matching their configurations. ``None`` for a JSON file that is no attack result (a run's metrics,
     a report); an IntegrityError in one line, naming the file and the fix, for one that is not JSON or
     claims to be a result and is damaged."""
-    from splitleak.files import read_json, validated
-    from splitleak.wire.store import config_hash
+    from splitleak.files import config_hash, read_json, validated
 
     path = Path(path)
     data = read_json(path, "attack result", RESULT_FIX, mapping=False)

@@ -47,13 +47,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
 from splitleak.attacks.core import make_attack
-from splitleak.attacks.knowledge import Knowledge, Traffic, eval_token_ids, read_documents, read_manifest
+from splitleak.attacks.knowledge import Knowledge, Traffic
 from splitleak.attacks.ridge import RidgeMap
 from splitleak.audit.defaults import DEFAULT_COVERAGES
 from splitleak.audit.verdicts import constant_baseline
 from splitleak.errors import ConfigError, IntegrityError, SplitleakError
 from splitleak.metrics import roc_auc
 from splitleak.progress import Progress, Silent
+from splitleak.runs.manifest import read_manifest
+from splitleak.runs.truth import eval_token_ids, read_documents
 from splitleak.stats import Interval, frame_weights, ratio_bootstrap_ci, wilson_upper
 from splitleak.stats._checks import percentile_bounds
 

@@ -21,12 +21,12 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from splitleak.attacks.knowledge import read_manifest
 from splitleak.attacks.registry import attacks_for_mode, attacks_reading
 from splitleak.audit.evaluate import attack_label, run_mode
 from splitleak.defences import DefenceChain
+from splitleak.runs.manifest import read_manifest
+from splitleak.runs.wire import read_wire, wire_phases
 from splitleak.wire.declare import Declaration, declare_channels
-from splitleak.wire.tap import read_wire, wire_phases
 
 HEADER = ["channel", "link(s)", "direction", "shape", "captured", "read by", "status"]
 #: channels that carry the text itself: the server that receives them reads every token, no attack needed

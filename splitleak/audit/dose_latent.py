@@ -60,7 +60,7 @@ def codeword(token: int, dim: int, seed: int) -> np.ndarray:
 
 def frame_rotation(frame_id: int, dim: int, seed: int) -> np.ndarray:
     """The invariant mode's Haar rotation of one frame (the gauges' key derivation, its own channel)."""
-    from splitleak.wire.gauges import derive_master, haar_rotation
+    from splitleak.defences.gauges import derive_master, haar_rotation
 
     return haar_rotation(derive_master(seed, "dose", 0, "invariant-codeword", frame_id), dim)
 
@@ -142,10 +142,11 @@ def dose_ladder(
     """Run the probe battery at every dose; returns the per-dose metrics and the onsets. The gate and α
     are ``thresholds``' (``splitleak.audit.gate.GateThresholds``; default: the shipped gate_002's),
     recorded in the output."""
-    from splitleak.attacks.partition import load_latent_traffic, load_row_tokens, load_truth
+    from splitleak.attacks.partition import load_latent_traffic
     from splitleak.attacks.probes import ProbeBattery
     from splitleak.audit.gate import shipped_thresholds
     from splitleak.progress import Silent
+    from splitleak.runs.truth import load_row_tokens, load_truth
     from splitleak.stats.paired import battery_verdict, score_arms
 
     progress = progress or Silent()

@@ -20,23 +20,15 @@ import torch
 
 from splitleak.attacks.config import AttackConfig, perturb_gradients
 from splitleak.attacks.core import VMI, Majority, make_attack
-from splitleak.attacks.knowledge import (
-    Knowledge,
-    Traffic,
-    load_knowledge,
-    load_traffic,
-    pair_session,
-    phase_documents,
-    read_documents,
-    read_manifest,
-    run_mode,
-)
+from splitleak.attacks.knowledge import Knowledge, Traffic, load_knowledge, load_traffic
 from splitleak.attacks.registry import attack_info, attacks_for_mode
 from splitleak.errors import ConfigError, SplitleakError
 from splitleak.files import json_default
 from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
 from splitleak.progress import Progress, Silent
-from splitleak.wire.captures import require_verified
+from splitleak.runs.manifest import pair_session, read_manifest, run_mode
+from splitleak.runs.truth import phase_documents, read_documents
+from splitleak.runs.verify import require_verified
 
 #: bootstrap replicates of a single attack's control interval (the audit recomputes its arms' with ARM_BOOT)
 CONTROL_BOOT = 2000
@@ -57,7 +49,7 @@ def probe_scores(run_dir: Path, traffic: Traffic, probe_tokens: torch.Tensor, ro
     decoy came from (``client/mixup_decoys.json``; it never crossed): per row, the token of the
     earlier training document at the decoy's position. Also how many distinct training tokens the
     probe rows of this traffic exposed."""
-    from splitleak.wire.store import read_recorded, recorded_digest
+    from splitleak.runs.journal import read_recorded, recorded_digest
 
     rel = "client/mixup_decoys.json"
     if recorded_digest(run_dir, rel) is None:
@@ -383,7 +375,8 @@ def run_partition_attack(
     record of real rows. The attack is given the training-phase frames where it reads what the server
     saw before, their truth only where it fits on labels (the classifier rule: then it is evaluated on
     the capture pass only), and the run's public latent arguments; never the client's private files."""
-    from splitleak.attacks.partition import LatentPartition, load_latent_traffic, load_truth, score_partition
+    from splitleak.attacks.partition import LatentPartition, load_latent_traffic, score_partition
+    from splitleak.runs.truth import load_truth
 
     attack = make_attack(config.attack, **config.attack_params())
     if not isinstance(attack, LatentPartition):
@@ -447,9 +440,10 @@ def run_probe_attack(
     and family (``splitleak.audit.gate``), recorded in each verdict; ``protocol_verdict`` is the
     protocol's test (002's nine arms per view). ``splitleak protocol analyse`` and a grid's report read
     the stored per-frame differences again under the protocol they check against (``reread_probes``)."""
-    from splitleak.attacks.partition import load_latent_traffic, load_row_tokens, load_truth
+    from splitleak.attacks.partition import load_latent_traffic
     from splitleak.attacks.probes import ProbeBattery
     from splitleak.audit.gate import latent_verdict, shipped_thresholds
+    from splitleak.runs.truth import load_row_tokens, load_truth
     from splitleak.stats.paired import battery_verdict, score_arms
 
     attack = make_attack(config.attack, **config.attack_params())
@@ -518,7 +512,7 @@ def check_result_out(out: Path, force: bool, *runs: str | Path | None) -> None:
     ``.parquet`` (the name of its own predictions, written beside it), lies inside a run (``runs``, or any
     folder with a journal: a file added to a run makes it fail ``verify``), cannot be created (a file where
     a folder belongs), is a folder, or exists already without ``force``."""
-    from splitleak.wire.store import JOURNAL
+    from splitleak.runs.journal import JOURNAL
 
     if out.suffix.lower() == ".parquet":
         raise SplitleakError(
@@ -561,8 +555,7 @@ def write_result(
 
     import pyarrow as pa
 
-    from splitleak.files import parquet_bytes
-    from splitleak.wire.store import write_atomic
+    from splitleak.files import parquet_bytes, write_atomic
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     pq_path = out_path.with_suffix(".parquet")

@@ -503,9 +503,9 @@ def _read_latent(item: dict[str, Any], th: GateThresholds) -> dict[str, Any]:
 
 
 def _read_split(item: dict[str, Any], th: GateThresholds) -> dict[str, Any]:
-    from splitleak.attacks.knowledge import eval_token_ids
     from splitleak.audit.predictions import read_predictions
     from splitleak.audit.verdicts import arm_effects, arm_gate
+    from splitleak.runs.truth import eval_token_ids
 
     group = item["results"]
     predictions: dict[str, np.ndarray] = {}

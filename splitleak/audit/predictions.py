@@ -14,8 +14,7 @@ RESULT_FIX = "rerun `splitleak attack` (or the audit) that wrote it, or move it 
 
 def read_predictions(path: Path, res: dict[str, Any], columns: list[str]) -> list[dict[str, Any]]:
     """The per-document predictions beside a result, checked against the digest the result records."""
-    from splitleak.files import read_parquet
-    from splitleak.wire.store import sha256_file
+    from splitleak.files import read_parquet, sha256_file
 
     name = res.get("predictions") or path.with_suffix(".parquet").name
     if name in ("", ".", "..") or Path(name).name != name:
@@ -33,7 +32,8 @@ def verified_metrics(run_dir: str | Path) -> tuple[dict[str, Any] | None, str | 
     """A run's ``metrics.json`` only when the run verifies, complete (``verify_run``, as ``compare`` checks it):
     ``(metrics, None)``, or ``(None, why not)``. An edited held-out CE (0.123, NaN) is not what the run
     measured, and no reader of utility may take it as measured."""
-    from splitleak.wire.store import read_run_json, verify_run
+    from splitleak.runs.journal import read_run_json
+    from splitleak.runs.verify import verify_run
 
     v = verify_run(run_dir)
     if not v.ok:

@@ -2,7 +2,7 @@
 threat models (the public copy of the client layers and the client's trained layers, with the
 exact-inversion check on the latter), report.
 
-Layout of the output folder: ``run/`` is the verifiable run directory (see ``splitleak.wire.store``),
+Layout of the output folder: ``run/`` is the verifiable run directory (see ``splitleak.runs``),
 ``attacks/`` one RESULT.json + Parquet per attack, ``calibration/`` the injected-leak dose ladder
 (``splitleak.audit.calibrate``), ``report.json`` the summary; ``splitleak.report.audit`` renders it as
 ``report.md`` and ``report.html``.
@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
-from splitleak.attacks.knowledge import eval_token_ids, find_session
 from splitleak.audit.calibrate import CalibrationResult, calibrate, read_calibration
 from splitleak.audit.channels import IN_CLEAR, channel_table, not_attacked, run_declaration
 from splitleak.audit.defaults import AUDIT_N_EVAL, AUDIT_N_TRAIN
@@ -41,12 +40,15 @@ from splitleak.files import json_default
 from splitleak.metrics import fmt_pct
 from splitleak.models import PRESETS, load_model, preset_available
 from splitleak.progress import Progress
+from splitleak.runs.captures import load_capture
+from splitleak.runs.journal import read_run_json
+from splitleak.runs.manifest import find_session
+from splitleak.runs.truth import eval_token_ids
+from splitleak.runs.verify import VerifyResult, verify_run
 from splitleak.seeds import model_init_seed
 from splitleak.stats import frame_weights
 from splitleak.training import DefenceConfig, RunResult, make_train_config, run_training
 from splitleak.training.config import adaptive_attacks_of
-from splitleak.wire import VerifyResult, load_capture, verify_run
-from splitleak.wire.store import read_run_json
 
 DEFAULT_MODEL = "smollm2-135m"
 FALLBACK_MODEL = "tiny-gpt2"
@@ -206,7 +208,7 @@ def check_audit_out(out: Path, force: bool, resume: bool = False) -> bool:
     empty without ``force`` or ``resume``; with either, a link (whatever it leads to) or a folder that is
     not an audit folder splitleak wrote (its run, or only what an audit writes). True when ``out`` is to
     be deleted (``force``); ``resume`` keeps it, for ``AuditStages.prior`` to check what it holds."""
-    from splitleak.wire.store import is_run_dir, refuse_clobber
+    from splitleak.runs.store import is_run_dir, refuse_clobber
 
     if force and resume:
         raise ConfigError("--resume continues the audit in --out and --force deletes it to start again; pass one")
@@ -844,7 +846,7 @@ def example_documents(
     reader's reconstruction with its wrong tokens. The documents shown are those whose token accuracy
     lies closest to each reader's mean (the mean over readers of |document accuracy − mean accuracy|),
     so that they are typical, not picked for show."""
-    from splitleak.attacks.knowledge import phase_documents
+    from splitleak.runs.truth import phase_documents
 
     readers = _reader_results(results)
     tok = knowledge.client.tokenizer

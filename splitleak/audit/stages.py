@@ -27,7 +27,7 @@ START_AGAIN = "pass --force instead of --resume to start the audit again, or cho
 
 
 def settings_hash(settings: dict[str, Any]) -> str:
-    from splitleak.wire.store import config_hash
+    from splitleak.files import config_hash
 
     return config_hash(json.loads(json.dumps(settings, default=json_default)))
 
@@ -65,7 +65,7 @@ def read_stages(out: str | Path) -> dict[str, Any]:
 
 
 def _inside(out: Path, rel: str) -> Path:
-    from splitleak.wire.store import path_problem
+    from splitleak.runs.journal import path_problem
 
     problem = path_problem(out, rel)
     if problem:
@@ -86,7 +86,8 @@ class AuditStages:
     def prior(cls, out: Path) -> AuditStages:
         """The record a killed or failed audit left in ``out``, each finished stage's files checked against
         their recorded digests (IntegrityError in one line, naming the file and the fix, on any that differ)."""
-        from splitleak.wire.store import sha256_file, verify_run
+        from splitleak.files import sha256_file
+        from splitleak.runs.verify import verify_run
 
         out = Path(out)
         if not (out / STAGES).exists():
@@ -148,7 +149,7 @@ class AuditStages:
         return name in self.data["stages"]
 
     def finish(self, name: str, files: list[str]) -> None:
-        from splitleak.wire.store import sha256_file
+        from splitleak.files import sha256_file
 
         self.data["stages"][name] = {"files": {rel: sha256_file(self.out / rel) for rel in files}}
         self._write()
@@ -168,7 +169,7 @@ class AuditStages:
         self._write()
 
     def _write(self) -> None:
-        from splitleak.wire.store import write_atomic
+        from splitleak.files import write_atomic
 
         text = json.dumps(self.data, indent=2, sort_keys=True, default=json_default) + "\n"
         write_atomic(self.out / STAGES, text.encode("utf-8"))
@@ -178,7 +179,8 @@ class AuditStages:
     def clear_run(self, rel: str, config_hash: str) -> None:
         """Remove the run folder ``rel`` that an unfinished stage left (killed or failed mid-training), after
         checking it is a run of this audit's configuration; refuse a foreign folder in one line."""
-        from splitleak.wire.store import is_run_dir, read_run_json
+        from splitleak.runs.journal import read_run_json
+        from splitleak.runs.store import is_run_dir
 
         path = self.out / rel
         if not path.exists() and not path.is_symlink():

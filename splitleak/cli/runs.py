@@ -175,7 +175,7 @@ def train_cmd(
                     "were both given; the configuration comes from one place"
                 )
         if resume is not None:
-            from splitleak.attacks.knowledge import read_manifest
+            from splitleak.runs.manifest import read_manifest
             from splitleak.training import config_from_record
 
             cfg = config_from_record(read_manifest(resume)["config"])
@@ -209,7 +209,7 @@ def train_cmd(
 
 def _stopped(out: Path, deployed: bool) -> str:
     """One line for a `train` stopped by Ctrl-C: how its run was closed, and how to go on."""
-    from splitleak.wire.store import journal_entries
+    from splitleak.runs.journal import journal_entries
 
     try:
         last = journal_entries(out)[-1]
@@ -353,8 +353,8 @@ def verify_cmd(run_dir: Path = typer.Argument(..., help="a run directory")) -> N
     """Re-hash every file of a run against its hash-chained journal and, for a complete run, re-encode
     every recorded frame against the channels' ledgers of what crossed. Exit 0 when intact."""
     from splitleak.errors import IntegrityError
-    from splitleak.wire import verify_run
-    from splitleak.wire.tap import verify_wire
+    from splitleak.runs.verify import verify_run
+    from splitleak.runs.wire import verify_wire
 
     res = verify_run(run_dir)
     message = res.message

@@ -2,7 +2,9 @@
 
 ``base`` holds what every defence shares (``Defence``, ``WireContext``, ``SearchRange``, the chain, the
 registry ``DEFENCES`` and its decorator ``@register``); every other module of this package is a family
-whose classes register themselves. Importing ``splitleak.defences`` imports every module of the package
+whose classes register themselves, but for the decoy system's transforms of the latent mode's frames
+(``gauges``: the per-request rotation, permutation and scale; ``decoys``: the decoy pool, clip and
+noise, and their accounting), which its client applies and which register nothing. Importing ``splitleak.defences`` imports every module of the package
 (``load_family_modules``), so a new defence is one new file here: it then appears in ``DEFENCES``,
 ``splitleak defences``, ``train --help``, ``tune``'s search space and the contract tests.
 """

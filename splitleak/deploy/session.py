@@ -37,9 +37,9 @@ from splitleak.wire.transport import (
 
 if TYPE_CHECKING:
     from splitleak.models import SplitModel
+    from splitleak.runs.store import RunStore
     from splitleak.training.latent import LatentServer
     from splitleak.training.roles import ServerRole
-    from splitleak.wire.store import RunStore
     from splitleak.wire.tap import WireRecorder
 
 log = logging.getLogger("splitleak.serve")
@@ -358,8 +358,8 @@ class Session:
         CheckpointDir(Path(self.node.checkpoints) / self.token).save(done, tensors, record)
 
     def _open_store(self) -> None:
+        from splitleak.runs.store import RunStore
         from splitleak.runtime import package_versions
-        from splitleak.wire.store import RunStore
 
         assert self.node.capture is not None
         root = Path(self.node.capture) / f"session-{self.rec.index:04d}"

@@ -35,7 +35,7 @@ from typing import Any
 from splitleak.attacks.registry import attack_info
 from splitleak.errors import ConfigError
 from splitleak.experiments.spec import AttackEntry, ExperimentSpec, LoadedSpec, defence_label, defence_names
-from splitleak.wire.store import config_hash
+from splitleak.files import config_hash
 
 SCHEMA = 1
 KINDS = ("train", "attack", "reuse")

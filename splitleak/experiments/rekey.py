@@ -22,8 +22,7 @@ from typing import Any
 from splitleak.experiments.jobs import SCHEMA, Grid
 from splitleak.experiments.spec import DefenceItem, defence_label
 from splitleak.experiments.store import SCHEMAS, ResultsStore, table_bytes
-from splitleak.files import read_parquet
-from splitleak.wire.store import config_hash, write_atomic
+from splitleak.files import config_hash, read_parquet, write_atomic
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,7 @@ def run_grid(
 def _recheck_train_runs(grid: Grid, rs: ResultsStore, done: set[str], reporter) -> None:
     """A done train job whose attack jobs are still to run must have an intact run directory;
     otherwise it is redone."""
-    from splitleak.wire import verify_run
+    from splitleak.runs.verify import verify_run
 
     for job in grid.of_kind("train"):
         if job.key not in done:

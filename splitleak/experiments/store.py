@@ -34,8 +34,7 @@ import pyarrow as pa
 from splitleak.attacks.config import STORED_FIELDS
 from splitleak.data.documents import LABELS
 from splitleak.errors import IntegrityError, SplitleakError
-from splitleak.files import json_default, parquet_bytes, read_parquet
-from splitleak.wire.store import write_atomic
+from splitleak.files import json_default, parquet_bytes, read_parquet, write_atomic
 
 KIND_DIRS = {"attack": "attacks", "train": "train", "failed": "failed", "retried": "retried"}
 

@@ -471,11 +471,11 @@ class GridEvaluator:
         """Arm effects and the gate over the arms ``names`` of the trial's chain; fills ``outcome``."""
         import numpy as np
 
-        from splitleak.attacks.knowledge import eval_token_ids
         from splitleak.attacks.registry import attack_info
         from splitleak.audit.gate import shipped_thresholds
         from splitleak.audit.verdicts import arm_effects, arm_gate
         from splitleak.experiments.store import ResultsStore
+        from splitleak.runs.truth import eval_token_ids
 
         rs = ResultsStore(self.store)
         by_name = dict(self.attacks)

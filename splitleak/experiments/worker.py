@@ -142,11 +142,11 @@ def cached_model(name: str, precision: str, run_seed: int, model_path: str | Non
 
 
 def _train(job: dict[str, Any], store, device: str, threads: int | None, progress) -> None:
-    from splitleak.attacks.knowledge import read_manifest
     from splitleak.errors import IntegrityError
     from splitleak.experiments.store import train_row
+    from splitleak.runs.manifest import read_manifest
+    from splitleak.runs.verify import verify_run
     from splitleak.training import config_from_record, run_training
-    from splitleak.wire import verify_run
 
     cfg = config_from_record(job["run_config"])  # as_dict leaves draws="derived" out
     run_dir = store.run_dir(job["key"])
@@ -172,12 +172,13 @@ def _train(job: dict[str, Any], store, device: str, threads: int | None, progres
 
 def _attack(job: dict[str, Any], store, device: str, progress) -> None:
     from splitleak.attacks.config import make_attack_config
-    from splitleak.attacks.knowledge import load_knowledge, read_manifest
+    from splitleak.attacks.knowledge import load_knowledge
     from splitleak.attacks.registry import attack_info
     from splitleak.audit.defaults import CONTROL_DOCS
     from splitleak.audit.evaluate import run_attack
     from splitleak.errors import IntegrityError
     from splitleak.experiments.store import attack_rows
+    from splitleak.runs.manifest import read_manifest
 
     run_dir = store.run_dir(job["train_key"])
     if not store.is_done({"kind": "train", "key": job["train_key"]}):
@@ -244,7 +245,7 @@ def _flop_counter():
 
 
 def _write_flops(folder: Path, job: dict[str, Any], counter, seconds: float, device: str) -> None:
-    from splitleak.wire.store import write_atomic
+    from splitleak.files import write_atomic
 
     by_op = {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}
     record = {

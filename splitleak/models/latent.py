@@ -3,7 +3,7 @@
 The trusted node keeps the embeddings and blocks [0, s] (frozen), a private encoder H→D and decoder
 D→H, the frozen tail [r, L) with the final norm and head, the labels and the loss. The untrusted node
 trains only ``GaugeSurrogate``, a small D-wide module, in place of blocks (s, r). Rows cross
-gauged (``splitleak.wire.gauges``): rotated, permuted and mixed with decoys, so whatever the
+gauged (``splitleak.defences.gauges``): rotated, permuted and mixed with decoys, so whatever the
 untrusted node computes must commute with a rotation of the coordinates and a permutation of the
 rows. A plain transformer block does not (its weight matrices fix a basis, its position embeddings
 an order).

@@ -21,7 +21,8 @@ from splitleak.audit.evaluate import attack_label as _label
 from splitleak.audit.stages import STAGES, audit_state
 from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
-from splitleak.wire.store import read_run_json, verify_run
+from splitleak.runs.journal import read_run_json
+from splitleak.runs.verify import verify_run
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load, save
 
 from splitleak.errors import ConfigError, IntegrityError
-from splitleak.wire.store import canonical_json, sha256_bytes, write_atomic
+from splitleak.files import canonical_json, sha256_bytes, write_atomic
 
 _NAME = re.compile(r"^step-(\d{8})\.safetensors$")
 

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
 from splitleak.defences import canonical_args
 from splitleak.errors import ConfigError
-from splitleak.wire.store import config_hash
+from splitleak.files import config_hash
 
 
 class DefenceConfig(BaseModel):

@@ -5,8 +5,8 @@ requests of ``capture_batch`` frames. For each frame the trusted node (``LatentC
 
 1. runs the frozen prefix, blocks [0, s], and its private encoder: z = E(h_s), T rows of width D;
 2. draws the frame's k decoys from the FIFO pool of earlier frames' encoder rows (before release),
-   then adds its own rows to the pool (``splitleak.wire.decoys``);
-3. gauges the T + k rows with the frame's rotation and permutation (``splitleak.wire.gauges``), then
+   then adds its own rows to the pool (``splitleak.defences.decoys``);
+3. gauges the T + k rows with the frame's rotation and permutation (``splitleak.defences.gauges``), then
    clips every row to C and adds Gaussian noise σ·C afresh (002 Figure 2, steps 3-5: gauge, decoy
    mix, perturb), and sends them: the **forward** frame [frames, T + k, D]. Under
    ``decoy_release="verbatim"`` (the weak variant) the real rows are released first, the decoys are
@@ -45,17 +45,18 @@ import torch
 import torch.nn.functional as F
 
 from splitleak.data import Document
+from splitleak.defences.decoys import DecoyPool, derived_seed, release, torch_generator
+from splitleak.defences.gauges import Gauge, frame_gauge
 from splitleak.errors import ConfigError
 from splitleak.models.latent import Decoder, Encoder, GaugeSurrogate, LatentSpec, check_no_wide_parameters, latent_spec
 from splitleak.models.split import SplitModel, next_token_loss
 from splitleak.progress import Progress, Silent, end
+from splitleak.runs.truth import TRUTH_FILE
 from splitleak.training.config import LatentConfig
 from splitleak.training.loop import ids_tensor, training_order
 from splitleak.training.roles import _finite, _grads_finite, make_optimizer
 from splitleak.wire.channel import Channel
-from splitleak.wire.decoys import DecoyPool, derived_seed, release, torch_generator
 from splitleak.wire.frames import Frame
-from splitleak.wire.gauges import Gauge, frame_gauge
 
 
 def latent_split(lm, cfg: LatentConfig) -> tuple[SplitModel, LatentSpec]:
@@ -405,7 +406,6 @@ def capture_latent(
     return {"seconds": secs, "tokens_per_second": n_tok / secs if secs > 0 else None, "client_losses": losses}
 
 
-TRUTH_FILE = "latent/truth.safetensors"
 SECRET_FILE = "latent/secret.json"  # the client's own: the per-run secret under gauge_entropy="os"
 SECRET_BYTES = 16
 CODEC_FILE = "latent/codec.safetensors"
@@ -417,7 +417,7 @@ def privacy_accounting(cfg: LatentConfig, releases: int, delta: float = 1e-6) ->
     release and for ``releases`` releases of the same document row. A fresh decoy is one more release
     of its row; a verbatim one re-sends a released row (post-processing: no further cost). The return
     wire protects nothing of the client's input."""
-    from splitleak.wire.decoys import gaussian_row_epsilon
+    from splitleak.defences.decoys import gaussian_row_epsilon
 
     one = gaussian_row_epsilon(cfg.clip, cfg.sigma, 1, delta) if cfg.sigma > 0 else None
     many = gaussian_row_epsilon(cfg.clip, cfg.sigma, releases, delta) if cfg.sigma > 0 else None
@@ -464,13 +464,13 @@ def run_latent(
     from pathlib import Path
 
     from splitleak.models import load_model
+    from splitleak.runs.store import RunStore
     from splitleak.runtime import apply_threads, resolve_device
     from splitleak.seeds import model_init_seed, server_seed
     from splitleak.training.loop import evaluate_ce, utility
     from splitleak.training.record import RunEnd, documents_record, manifest_head, run_documents
     from splitleak.wire.channel import InProcessChannel
     from splitleak.wire.declare import declare_latent_channels
-    from splitleak.wire.store import RunStore
     from splitleak.wire.tap import WireRecorder
 
     cfg: LatentConfig = config.latent

@@ -15,10 +15,10 @@ from typing import Any, Callable, Iterator
 import splitleak
 from splitleak.data import DocumentSets, load_documents
 from splitleak.models import LoadedModel
+from splitleak.runs.store import RunStore
 from splitleak.runtime import package_versions
 from splitleak.training.config import TrainConfig
 from splitleak.wire.declare import MESSAGES_FILE
-from splitleak.wire.store import RunStore
 from splitleak.wire.tap import WireRecorder
 
 _log = logging.getLogger("splitleak.train")

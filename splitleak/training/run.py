@@ -22,6 +22,8 @@ from splitleak.defences import DefenceChain
 from splitleak.errors import ConfigError
 from splitleak.models import LoadedModel, SplitModel, load_model
 from splitleak.progress import Progress, Silent
+from splitleak.runs.journal import read_run_json
+from splitleak.runs.store import RunStore
 from splitleak.runtime import apply_threads, resolve_device
 from splitleak.seeds import model_init_seed, server_seed
 from splitleak.training.checkpoint import CheckpointDir, state_tensors
@@ -30,7 +32,6 @@ from splitleak.training.loop import TrainLog, capture_traffic, evaluate_ce, trai
 from splitleak.training.record import RunEnd, RunResult, documents_record, manifest_head, run_documents
 from splitleak.training.replicas import build_server
 from splitleak.wire.declare import declare_channels
-from splitleak.wire.store import RunStore, read_run_json
 from splitleak.wire.tap import WireRecorder
 from splitleak.wire.transport import TransportError
 
@@ -441,7 +442,9 @@ def resume_point(run: str | Path, config: TrainConfig) -> ResumePoint:
     digest; its own header's digest of its tensors is checked as it is loaded. A checkpoint written after
     the journal's last entry is not trusted (the one before it still is). The frames of the run are not
     read: the new run's manifest names the run that holds those before the resumed step."""
-    from splitleak.wire.store import JOURNAL, sha256_file, verify_run
+    from splitleak.files import sha256_file
+    from splitleak.runs.journal import JOURNAL
+    from splitleak.runs.verify import verify_run
 
     run = Path(run)
     again = "train again with --force (or another --out)"

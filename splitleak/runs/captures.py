@@ -2,7 +2,9 @@
 
 The tap (``splitleak.wire.tap``) records whole frames; ``load_capture`` reads one phase (``capture``:
 the evaluation documents sent once with frozen weights; ``train``: one frame per training step) on
-one link and splits every frame's rows into its channels, one row per document:
+one link, groups its frames into exchanges (a forward frame and the frames that answer it,
+``exchanges``) and splits every frame's rows into its channels, one row per document
+(``stack_channel``):
 
 - ``activations`` / ``gradients``: the document rows of the forward frames and of their returned
   gradients, after the defences (what crossed);
@@ -25,8 +27,8 @@ from pathlib import Path
 import torch
 
 from splitleak.errors import IntegrityError, NonFiniteError
-from splitleak.wire.store import VerifyResult, journal_entries, read_tensors, verify_run
-from splitleak.wire.tap import exchanges, links_of, read_wire, stack_channel, verify_wire, wire_phases
+from splitleak.runs.journal import journal_entries, read_tensors
+from splitleak.runs.wire import WireRecord, read_wire, wire_phases
 
 
 @dataclass
@@ -116,33 +118,66 @@ def load_capture(run_dir: str | Path, phase: str = "capture", link: str | None =
     return Capture(doc_ids, act, grad, mask, steps, probe, probe_g, present, trunk, out_g, phase, link, frames)
 
 
-def require_verified(root: str | Path, what: str) -> VerifyResult:
-    """``verify_run(root)``, raising IntegrityError when the run does not verify: ``what`` (``the attack``)
-    reads nothing from a run whose recorded files, journal or closing entry are not whole."""
-    v = verify_run(root)
-    if not v.ok:
-        raise IntegrityError(
-            f"{root} does not verify: {v.message}. {what[0].upper()}{what[1:]} read nothing from it; retrain or restore "
-            "the run, or pass --no-verify to read it as it is"
-        )
-    if v.status == "complete":  # the frames re-encode to what the ledgers say crossed (`splitleak verify` too)
-        try:
-            verify_wire(root)
-        except IntegrityError as exc:
+@dataclass
+class Exchange:
+    """One forward frame and the frames that answer it, on one link."""
+
+    forward: WireRecord
+    replies: list[WireRecord]
+
+    def reply(self, kind: str) -> WireRecord | None:
+        return next((r for r in self.replies if r.header["kind"] == kind), None)
+
+
+def exchanges(records: list[WireRecord], link: str) -> list[Exchange]:
+    out: list[Exchange] = []
+    for rec in records:
+        if rec.header["link"] != link:
+            continue
+        if rec.header["kind"] == "forward":
+            out.append(Exchange(rec, []))
+        elif not out:
+            raise IntegrityError(f"a {rec.header['kind']!r} frame on link {link} precedes every forward frame")
+        else:
+            out[-1].replies.append(rec)
+    return out
+
+
+def links_of(records: list[WireRecord]) -> list[str]:
+    return sorted({r.header["link"] for r in records})
+
+
+def stack_channel(
+    exs: list[Exchange], kind: str, channel: str, rows_per_exchange: list[int] | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One channel's rows concatenated over exchanges, and a bool mask of the exchanges' rows that
+    carry it. Where an exchange does not carry the channel (mixup's unmixed warm-up steps carry no
+    probe rows) its rows are zero and the mask False; ``rows_per_exchange`` gives their count (the
+    document rows of each exchange). Returns (None, None) when no exchange carries it."""
+    parts: list[torch.Tensor | None] = []
+    present: list[torch.Tensor] = []
+    any_found = False
+    for i, ex in enumerate(exs):
+        rec = ex.forward if kind == "forward" else ex.reply(kind)
+        rows = None if rec is None else rec.rows(channel)
+        n = rows_per_exchange[i] if rows_per_exchange is not None else (0 if rows is None else rows.shape[0])
+        if rows is None:
+            parts.append(None)
+            present.append(torch.zeros(n, dtype=torch.bool))
+            continue
+        if rows.shape[0] != n:
             raise IntegrityError(
-                f"{root} does not verify: {exc}. {what[0].upper()}{what[1:]} read nothing from it; retrain or restore "
-                "the run, or pass --no-verify to read it as it is"
-            ) from None
-    if v.status == "failed":
-        why = ""
-        try:
-            info = journal_entries(root)[-1].get("info") or {}
-            why = str(info.get("error") or info.get("stage") or "").strip().splitlines()[0][:200] if info else ""
-        except (IntegrityError, IndexError):
-            pass
-        raise IntegrityError(
-            f"{root} is intact but the run failed ({why or 'no reason recorded'}): its traffic stops where it failed "
-            f"and it has no metrics. {what[0].upper()}{what[1:]} read nothing from it; retrain it, or pass --no-verify "
-            "to read what it holds"
-        )
-    return v
+                f"channel {channel} carries {rows.shape[0]} rows in an exchange of {n} documents; "
+                "its rows cannot be paired with the documents by position"
+            )
+        any_found = True
+        parts.append(rows)
+        present.append(torch.ones(n, dtype=torch.bool))
+    if not any_found:
+        return None, None
+    like = next(p for p in parts if p is not None)
+    full = [
+        p if p is not None else like.new_zeros((n, *like.shape[1:]))
+        for p, n in zip(parts, [m.numel() for m in present])
+    ]
+    return torch.cat(full), torch.cat(present)
