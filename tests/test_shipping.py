@@ -10,8 +10,8 @@ import pytest
 from splitleak.errors import IntegrityError
 from splitleak.experiments.shipping import deliver, outputs_parcel, run_parcel, unpack_run
 from splitleak.experiments.store import ResultsStore
-from splitleak.wire import verify_run
-from splitleak.wire.store import sha256_bytes
+from splitleak.files import sha256_bytes
+from splitleak.runs.verify import verify_run
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,8 @@ from splitleak.errors import ConfigError, IntegrityError, SplitleakError
 from splitleak.experiments.shipping import deliver, run_parcel
 from splitleak.experiments.store import ResultsStore
 from splitleak.experiments.worker import execute_job, failed_status, init_worker, ray_execute_job
-from splitleak.wire.store import JOURNAL, sha256_file
+from splitleak.files import sha256_file
+from splitleak.runs.journal import JOURNAL
 
 RAY_HINT = "pip install 'splitleak[ray]'"
 

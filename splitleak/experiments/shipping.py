@@ -22,7 +22,9 @@ from typing import Any
 
 from splitleak.errors import IntegrityError
 from splitleak.experiments.store import ResultsStore
-from splitleak.wire.store import path_problem, sha256_bytes, verify_run, write_atomic
+from splitleak.files import sha256_bytes, write_atomic
+from splitleak.runs.journal import path_problem
+from splitleak.runs.verify import verify_run
 
 #: where a Ray task makes its private scratch store (default: the system's temporary folder)
 SCRATCH_ENV = "SPLITLEAK_SCRATCH"
