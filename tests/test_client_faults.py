@@ -30,7 +30,7 @@ from splitleak.runs.journal import journal_entries
 from splitleak.runs.store import RunStore
 from splitleak.runs.verify import verify_run
 from splitleak.training import make_train_config, run_training
-from splitleak.training.run import checkpoint_folder
+from splitleak.training.checkpoint import checkpoint_folder
 from splitleak.wire.tls import init_tls
 from splitleak.wire.transport import TransportError
 
@@ -162,8 +162,7 @@ def test_resume_trusts_the_journal_to_its_last_whole_entry_and_the_checkpoint_it
     """What a killed client leaves, written by hand: a journal whose last line was cut off mid-write, a file
     of that entry never recorded, a checkpoint recorded by its digest and a newer one the kill left unrecorded."""
     from splitleak.errors import ConfigError
-    from splitleak.training.checkpoint import CheckpointDir
-    from splitleak.training.run import resume_point
+    from splitleak.training.checkpoint import CheckpointDir, resume_point
 
     cfg = make_train_config(**TINY)
     run = tmp_path / "run"
@@ -428,11 +427,11 @@ LATENT = dict(
 @pytest.mark.parametrize(
     ("stage", "target"),
     [
-        ("pretrained loss", "splitleak.training.loop.evaluate_ce"),
+        ("pretrained loss", "splitleak.training.latent_run.evaluate_ce"),
         ("training", "splitleak.training.latent.LatentClient.exchange"),
-        ("capture", "splitleak.training.latent.capture_latent"),
+        ("capture", "splitleak.training.latent_run.capture_latent"),
         ("writing the client's records", "splitleak.training.latent.LatentClient.truth_tensors"),
-        ("writing metrics", "splitleak.training.latent.privacy_accounting"),
+        ("writing metrics", "splitleak.training.latent_run.privacy_accounting"),
     ],
 )
 def test_a_latent_run_closes_failed_whatever_stage_raises(tmp_path, monkeypatch, stage, target):

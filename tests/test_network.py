@@ -586,7 +586,7 @@ def _serve_process(tls, *args):
 @pytest.mark.parametrize("split", [{"depth": 2}, {"offload_start": 1, "offload_length": 2}])
 def test_train_resumes_after_a_killed_server_with_the_same_final_weights(tls, tmp_path, monkeypatch, split):
     import splitleak.training.loop as loop
-    from splitleak.training.run import checkpoint_folder
+    from splitleak.training.checkpoint import checkpoint_folder
 
     cfg = make_train_config(**{**SMALL, "steps": 7}, seed=6, **split)
     # the uninterrupted run, over TLS, checkpointing as the interrupted one does (its server also a process

@@ -10,23 +10,28 @@ Files are written atomically (a reader or a crash sees a whole checkpoint or the
 folder of their own, outside any run directory's journal; the newest ``keep`` are kept. Each records the
 SHA-256 of its tensor data in its own header (``data_sha256``), checked when it is loaded, so that a
 damaged checkpoint is refused rather than resumed from; the client's run also records each checkpoint's
-file digest in its journal (``splitleak.training.run``), which is what ``--resume`` trusts. The client
-writes its checkpoint after the step's reply arrived, the server before it replies, so the server
-always holds the client's newest checkpoint step or a later one (hence ``keep`` = 2 on the server).
+file digest in its journal (``splitleak.training.run``), which is what ``--resume`` trusts
+(``resume_point``). The client writes its checkpoint after the step's reply arrived, the server before it
+replies, so the server always holds the client's newest checkpoint step or a later one (hence ``keep`` = 2
+on the server).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load, save
 
 from splitleak.errors import ConfigError, IntegrityError
 from splitleak.files import canonical_json, sha256_bytes, write_atomic
+
+if TYPE_CHECKING:
+    from splitleak.training.config import TrainConfig
 
 _NAME = re.compile(r"^step-(\d{8})\.safetensors$")
 
@@ -137,3 +142,69 @@ class CheckpointDir:
 def _data_section(blob: bytes) -> bytes:
     """The tensor bytes of a safetensors file (after its 8-byte length and JSON header)."""
     return blob[8 + int.from_bytes(blob[:8], "little") :]
+
+
+def checkpoint_folder(out: str | Path) -> Path:
+    """Where a deployed run keeps its client checkpoints: beside the run directory, outside its journal."""
+    return Path(f"{Path(out)}.checkpoints")
+
+
+@dataclass
+class ResumePoint:
+    """Where a resumed client starts: the steps done, the session's token, its checkpoint and that file's digest."""
+
+    done: int
+    token: str
+    tensors: dict[str, torch.Tensor]
+    record: dict[str, Any]
+    sha256: str
+
+
+def resume_point(run: str | Path, config: TrainConfig) -> ResumePoint:
+    """The newest client checkpoint of a run of ``config`` that failed or was killed, checked against the run.
+
+    A client that is killed (SIGKILL, a power cut) cannot close its run, so a resume does not ask for a
+    closed run: it verifies what it reads, and reads nothing else. The run's journal is checked to its last
+    whole entry (``verify_run(..., to_last_entry=True)``: the hash chain, every file each whole entry
+    records, the manifest's config hash; an entry the kill cut off mid-write is passed over, its files never
+    read). The manifest must be of this configuration and say that checkpoints were kept. The checkpoint
+    resumed is the newest one the journal records (a ``checkpoint`` entry holds its file's SHA-256, written
+    once the file was whole and before the previous one was deleted), and its bytes must hash to that
+    digest; its own header's digest of its tensors is checked as it is loaded. A checkpoint written after
+    the journal's last entry is not trusted (the one before it still is). The frames of the run are not
+    read: the new run's manifest names the run that holds those before the resumed step."""
+    from splitleak.files import sha256_file
+    from splitleak.runs.journal import JOURNAL, read_run_json
+    from splitleak.runs.verify import verify_run
+
+    run = Path(run)
+    again = "train again with --force (or another --out)"
+    v = verify_run(run, to_last_entry=True)
+    if not v.ok:
+        raise ConfigError(f"{run} does not verify ({v.message}); it cannot be resumed: {again}")
+    if v.status == "complete":
+        raise ConfigError(f"{run} is complete; there is nothing to resume")
+    m = read_run_json(run, "manifest.json")
+    if m.get("config_hash") != config.hash():
+        raise ConfigError(f"{run} was trained with another configuration ({m.get('config_hash', '?')[:12]})")
+    ck = m.get("checkpoints") or {}
+    if ck.get("not_resumable"):
+        raise ConfigError(f"{run} wrote no checkpoints: {ck['not_resumable']}")
+    whole = (run / JOURNAL).read_bytes().split(b"\n")[: v.entries]  # the entries verify_run checked
+    entries = [json.loads(line) for line in whole]
+    recorded = [e.get("info") or {} for e in entries if e.get("kind") == "checkpoint"]
+    if not recorded:
+        raise ConfigError(f"{run} stopped before its first checkpoint (every {ck.get('every')} steps); {again}")
+    last = recorded[-1]
+    folder = CheckpointDir(checkpoint_folder(run))
+    path = folder.path(int(last["done"]))
+    if not path.is_file() or sha256_file(path) != last.get("sha256"):
+        state = "missing" if not path.is_file() else "changed since it was recorded"
+        raise ConfigError(
+            f"the checkpoint after {last['done']} steps that {run}'s journal records is {state} ({path}); "
+            f"it cannot be resumed: {again}"
+        )
+    done, tensors, record, sha = folder.load(int(last["done"]))
+    if record.get("config_hash") != config.hash():
+        raise ConfigError(f"the checkpoint in {checkpoint_folder(run)} belongs to another configuration")
+    return ResumePoint(done, str(record["token"]), tensors, record, sha)

@@ -29,7 +29,8 @@ requests of ``capture_batch`` frames. For each frame the trusted node (``LatentC
 The untrusted node (``LatentServer``) holds only the surrogate and its AdamW; it needs no model
 weights at all. The capture pass runs the same four crossings with every parameter frozen.
 The client's own record of which gauged rows were real (``latent/truth.safetensors``) never crosses;
-it is what the partition attacks are scored against.
+it is what the partition attacks are scored against. The run that writes all of it into a run directory
+is ``splitleak.training.latent_run``.
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ from splitleak.errors import ConfigError
 from splitleak.models.latent import Decoder, Encoder, GaugeSurrogate, LatentSpec, check_no_wide_parameters, latent_spec
 from splitleak.models.split import SplitModel, next_token_loss
 from splitleak.progress import Progress, Silent, end
-from splitleak.runs.truth import TRUTH_FILE
 from splitleak.training.config import LatentConfig
 from splitleak.training.loop import ids_tensor, training_order
 from splitleak.training.roles import _finite, _grads_finite, make_optimizer
@@ -436,171 +436,3 @@ def privacy_accounting(cfg: LatentConfig, releases: int, delta: float = 1e-6) ->
             gaussian_row_epsilon(cfg.output_clip, cfg.output_sigma, 1, delta) if cfg.output_sigma > 0 else None
         )
     return out
-
-
-def run_latent(
-    config,
-    out,
-    *,
-    force: bool = False,
-    device: str = "auto",
-    threads: int | None = None,
-    progress: Progress | None = None,
-    lm=None,
-    connect: str | None = None,
-    tls_dir=None,
-    **unsupported: Any,
-):
-    """Train the decoy system's latent mode and write its run directory: manifest, documents, the
-    capture of all four wires in both phases (``wire/``), the client's private record of real rows
-    (``latent/truth.safetensors``), the trained encoder/decoder, and metrics (held-out loss as
-    deployed, the pretrained model's, their difference, the per-row (ε, δ)).
-
-    In one process the surrogate runs here and its trained state is written too. With ``connect``
-    (``HOST:PORT``, with ``tls_dir``) the client is the trusted node only, against ``splitleak serve``:
-    the surrogate trains there (its state in the server's capture), the hello carries the server's part
-    of the configuration (``ServerConfig``, with ``latent``) and the model's width, and the same four
-    crossings go over mutual TLS; every bit that crosses is the same as in one process."""
-    from pathlib import Path
-
-    from splitleak.models import load_model
-    from splitleak.runs.store import RunStore
-    from splitleak.runtime import apply_threads, resolve_device
-    from splitleak.seeds import model_init_seed, server_seed
-    from splitleak.training.loop import evaluate_ce, utility
-    from splitleak.training.record import RunEnd, documents_record, manifest_head, run_documents
-    from splitleak.wire.channel import InProcessChannel
-    from splitleak.wire.declare import declare_latent_channels
-    from splitleak.wire.tap import WireRecorder
-
-    cfg: LatentConfig = config.latent
-    if any(v is not None for v in unsupported.values()):
-        raise ConfigError("the latent mode does not checkpoint or resume yet: omit --checkpoint-every and --resume")
-    if connect is not None and tls_dir is None:
-        raise ConfigError("--connect needs --tls-dir (the folder `splitleak tls init` wrote)")
-    progress = progress or Silent()
-    apply_threads(threads)
-    dev = resolve_device(device)
-    if lm is None:
-        lm = load_model(
-            config.model, precision=config.precision, seed=model_init_seed(config.seed), model_path=config.model_path
-        )
-    lm.model.to(dev)
-    docs = run_documents(config, lm.tokenizer)
-    split, spec = latent_split(lm, cfg)
-    hidden = int(split.model.get_input_embeddings().weight.shape[1])
-    declaration = declare_latent_channels(
-        output_gradient=cfg.output_gradient,
-        transport=connect is not None,
-        gauge_entropy=cfg.gauge_entropy,
-        decoy_release=cfg.decoy_release,
-    )
-    server: LatentServer | None = None
-    remote = None
-    if connect is None:
-        server = LatentServer(cfg, config.lr, server_seed(config.seed), hidden=hidden)
-    else:
-        from splitleak.training.config import ServerConfig
-        from splitleak.wire.client import RemoteServer, hello_for, parse_address
-
-        RunStore.check_out(out, force)  # the same refusals as below, before any connection
-        host, port = parse_address(connect)
-        server_config = ServerConfig.of(config, random_init="init_seed" in lm.info)
-        hello = hello_for(
-            server_config.as_dict(), lm.fingerprint(), {**spec.as_dict(), "hidden": hidden}, latent_defence_record(cfg)
-        )
-        remote = RemoteServer(host, port, tls_dir, hello)
-
-    try:
-        store = RunStore.create(out, force=force)
-    except BaseException:
-        if remote is not None:
-            remote.abort()  # the server closes its session as failed
-        raise
-    manifest = {
-        **manifest_head(config, lm),
-        "mode": "latent",
-        "split": {**spec.as_dict(), "cut": split.spec.cut},
-        "defences": latent_defence_record(cfg),
-        "documents": documents_record(docs),
-        "runtime": {"device": str(dev), "threads": torch.get_num_threads()},
-        "labels_cross_wire": False,
-        "channels": declaration.as_dict(),
-        "surrogate_parameters": surrogate_parameters(cfg),
-    }
-    if remote is not None:
-        manifest["transport"] = {
-            "server": remote.where,
-            "kind": "websockets over mutual TLS 1.3",
-            "server_config_hash": server_config.hash(),
-        }
-    log = LatentLog()
-    channel: InProcessChannel | RemoteServer | None = None
-    end = RunEnd(store, log, remote, ledgers=lambda: [] if channel is None else [channel.ledger])
-    with end.on_fault():  # from here on the run ends closed, whatever raises (RunEnd, as run_training)
-        store.add_json("manifest", "manifest.json", manifest)
-        store.add_json("documents", "documents.json", docs.to_json())
-        end.stage = "pretrained loss"
-        pre = utility(evaluate_ce(split, docs.evaluation, progress=progress, name="pretrained loss"))
-        end.stage = "training"
-        train_tap = end.train_tap = WireRecorder(store, "train", declaration)
-        if remote is not None:
-            channel = remote
-            channel.set_taps([train_tap])
-        else:
-            assert server is not None
-            channel = InProcessChannel(server.handle, [train_tap])
-        client = LatentClient(split, cfg, config.seed, channel, config.lr)
-        train_latent(client, docs.train, seed=config.seed, steps=config.n_steps, progress=progress, log=log)
-        bytes_per_step = {k: v / max(1, len(log.losses)) for k, v in channel.bytes_per_direction().items()}
-        end.record_training()
-
-        end.stage = "capture"
-        capture_tap = WireRecorder(store, "capture", declaration)
-        channel.set_taps([capture_tap])
-        if server is not None:
-            server.opt = None
-        cap = capture_latent(client, docs.evaluation, batch=config.capture_batch, progress=progress)
-        capture_tap.close([channel.ledger])
-        if remote is not None:
-            end.stage = "closing the session"
-            remote.close()  # the server closes its capture, with the trained surrogate in it
-            end.record_messages()
-        end.stage = "writing the client's records"
-        store.add_tensors("latent-truth", TRUTH_FILE, client.truth_tensors(), {"frames": len(client.truth)})
-        if client.secret is not None:  # the client's own, never sent and not in the manifest: a control reads it
-            store.add_json(
-                "latent-secret", SECRET_FILE, {"noise_and_decoy_key": client.secret.hex(), "bytes": SECRET_BYTES}
-            )
-        store.add_tensors("latent-codec", CODEC_FILE, client.state_dict(), {"width": cfg.width})
-        if server is not None:
-            surrogate = {k: v.detach().clone().contiguous() for k, v in server.surrogate.state_dict().items()}
-            store.add_tensors(
-                "latent-surrogate", SURROGATE_FILE, surrogate, {"parameters": manifest["surrogate_parameters"]}
-            )
-
-        end.stage = "writing metrics"
-        post = utility(np.asarray(cap.pop("client_losses"), dtype=np.float64))
-        releases = client.max_row_releases()
-        metrics: dict[str, Any] = {
-            "heldout_ce": post["ce"],
-            "perplexity": post["perplexity"],
-            "pretrained_ce": pre["ce"],
-            "pretrained_perplexity": pre["perplexity"],
-            "ce_increase_over_pretrained": post["ce"] - pre["ce"],
-            "heldout_measured": "the capture pass: the latent pipeline as deployed (noise, decoys, gauges); rows form "
-            "a set, so a position's output may depend on later tokens of its block",
-            "all_local_ce": None,
-            "all_local_perplexity": None,
-            "delta_u": None,
-            "final_teacher_match": next((t for t in reversed(log.teacher) if t is not None), None),
-            "wire_bytes_per_step": bytes_per_step,
-            "train_tokens_per_second": log.as_dict()["tokens_per_second"],
-            "capture": cap,
-            "privacy": privacy_accounting(cfg, releases),
-        }
-        store.add_json("metrics", "metrics.json", metrics)
-        store.close(True, {"config_hash": config.hash()})
-    from splitleak.training.record import RunResult
-
-    return RunResult(Path(out), metrics, config)

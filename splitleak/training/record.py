@@ -1,6 +1,6 @@
 """What every run records about itself, in either split mode: its documents, the head of its manifest, its
 result, and how its record ends whichever way the run ends (``RunEnd``). ``training.run`` (split runs) and
-``training.latent`` (the decoy system's latent mode) both build on it, so neither imports the other's module
+``training.latent_run`` (the decoy system's latent mode) both build on it, so neither imports the other's module
 for it."""
 
 from __future__ import annotations

@@ -221,11 +221,33 @@ class ClientRole:
             h = split.bottom(input_ids)
         transform = self.chain.client_transform  # a defence acting on what the client sends and receives
         prepared = transform.prepare(h.detach(), input_ids, doc_ids, step, phase) if transform is not None else None
+        reply = self._send_forward(h, input_ids, doc_ids, step, phase, prepared)
+        self.last_losses = None
+        if reply.kind == "forward-return" and split.spec.label_shielded:
+            shielded = self._shielded_return(reply, input_ids, doc_ids, step, phase, supervised)
+            if shielded is None:  # top-only training: nothing goes back, the Bottom and the Trunk do not train
+                return self.last_losses
+            reply = shielded
+        elif reply.kind == "forward-return":
+            reply = self._top_return(reply, input_ids, doc_ids, step, phase)
+        g = self._received_gradient(reply, len(doc_ids), step, prepared)
+        if train and transform is not None:
+            transform.after_step(h.detach(), doc_ids, step, g)
+        self.last_gradient = g
+        if train and self.opt is not None:
+            h.backward(g)  # straight-through the forward defence
+            self._step_optimizer(step)
+        return self.last_losses
+
+    def _send_forward(
+        self, h: torch.Tensor, input_ids: torch.Tensor, doc_ids, step: int, phase: str, prepared: tuple | None
+    ) -> Frame:
+        """The forward frame, the forward defences applied (the labels too in a plain split); the reply."""
         meta: dict[str, Any]
         if prepared is None:
-            rows, row_ids, labels, meta, state = h.detach(), tuple(doc_ids), input_ids, {}, None
+            rows, row_ids, labels, meta = h.detach(), tuple(doc_ids), input_ids, {}
         else:
-            rows, row_ids, labels, meta, state = prepared
+            rows, row_ids, labels, meta, _ = prepared
         mask = torch.ones(labels.shape, dtype=torch.int64)
         x = self.chain.forward(rows, phase, step, row_ids)
         bits = self.chain.payload_bits("forward", 8 * x.element_size())
@@ -236,77 +258,75 @@ class ClientRole:
             x,
             mask,
             phase,
-            labels=None if split.spec.u_shape else labels.cpu(),
+            labels=None if self.split.spec.u_shape else labels.cpu(),
             payload_bits=bits,
             meta=meta,
         )
-        reply = self.channel.request(fwd)
-        self.last_losses = None
-        if reply.kind == "forward-return" and split.spec.label_shielded:
-            h_ret = reply.tensor.to(split.device).requires_grad_(True)
-            if supervised is None:
-                supervised = torch.ones(input_ids.shape[0], input_ids.shape[1] - 1, dtype=torch.bool)
-            g_top, self.last_losses = self._shielded_top(
-                h_ret, input_ids, supervised.to(split.device), doc_ids, step, phase
-            )
-            if g_top is None:  # top-only training: nothing goes back, the Bottom and the Trunk do not train
-                if train and self.opt is not None:
-                    _grads_finite(self.params, "client", step)
-                    self.opt.step()
-                    self.opt.zero_grad(set_to_none=False)
-                self.last_gradient = None
-                return self.last_losses
-            self.last_sent_top_gradient = self.chain.top_gradient(g_top, phase, step, doc_ids)
-            reply = self.channel.request(
-                Frame(
-                    "backward-top",
-                    step,
-                    doc_ids,
-                    self.last_sent_top_gradient,
-                    torch.ones(input_ids.shape, dtype=torch.int64),
-                    phase,
-                    payload_bits=8 * h_ret.element_size(),
-                )
-            )
-        elif reply.kind == "forward-return":
-            h_ret = reply.tensor.to(split.device).requires_grad_(True)
-            ctx = split.context(*input_ids.shape)
-            logits = split.head_logits(h_ret, ctx)
-            per_doc = next_token_loss(logits, input_ids, reduction="per_doc")
-            _finite(per_doc, "next-token loss", step)
-            if train:
-                per_doc.sum().backward()
-                g_top = h_ret.grad
-                assert g_top is not None  # h_ret requires grad and the loss was computed from it
-            else:
-                (g_top,) = torch.autograd.grad(per_doc.sum(), h_ret)
-            self.last_losses = [float(v) for v in per_doc.detach()]  # logged here; the loss never crosses
-            top_mask = torch.ones(input_ids.shape, dtype=torch.int64)
-            reply = self.channel.request(
-                Frame(
-                    "backward-top",
-                    step,
-                    doc_ids,
-                    self.chain.top_gradient(g_top.detach(), phase, step, doc_ids),
-                    top_mask,
-                    phase,
-                    payload_bits=8 * h_ret.element_size(),
-                )
-            )
-        g = reply.tensor.to(split.device)
+        return self.channel.request(fwd)
+
+    def _shielded_return(
+        self, reply: Frame, input_ids: torch.Tensor, doc_ids, step: int, phase: str, supervised: torch.Tensor | None
+    ) -> Frame | None:
+        """Label-shielded: the Top's loss on the returned rows, and the output gradient sent back (its reply);
+        None in top-only training, where only the Top steps and nothing goes back."""
+        split = self.split
+        h_ret = reply.tensor.to(split.device).requires_grad_(True)
+        if supervised is None:
+            supervised = torch.ones(input_ids.shape[0], input_ids.shape[1] - 1, dtype=torch.bool)
+        g_top, self.last_losses = self._shielded_top(
+            h_ret, input_ids, supervised.to(split.device), doc_ids, step, phase
+        )
+        if g_top is None:
+            if phase == "train" and self.opt is not None:
+                self._step_optimizer(step)
+            self.last_gradient = None
+            return None
+        self.last_sent_top_gradient = self.chain.top_gradient(g_top, phase, step, doc_ids)
+        return self._send_top_gradient(self.last_sent_top_gradient, h_ret, input_ids, doc_ids, step, phase)
+
+    def _top_return(self, reply: Frame, input_ids: torch.Tensor, doc_ids, step: int, phase: str) -> Frame:
+        """U-shape: the client's top takes the loss on the returned rows (logged here; the loss never
+        crosses) and sends its gradient with respect to them, the backward-wire defences applied; the reply."""
+        split = self.split
+        h_ret = reply.tensor.to(split.device).requires_grad_(True)
+        ctx = split.context(*input_ids.shape)
+        logits = split.head_logits(h_ret, ctx)
+        per_doc = next_token_loss(logits, input_ids, reduction="per_doc")
+        _finite(per_doc, "next-token loss", step)
+        if phase == "train":
+            per_doc.sum().backward()
+            g_top = h_ret.grad
+            assert g_top is not None  # h_ret requires grad and the loss was computed from it
+        else:
+            (g_top,) = torch.autograd.grad(per_doc.sum(), h_ret)
+        self.last_losses = [float(v) for v in per_doc.detach()]  # logged here; the loss never crosses
+        sent = self.chain.top_gradient(g_top.detach(), phase, step, doc_ids)
+        return self._send_top_gradient(sent, h_ret, input_ids, doc_ids, step, phase)
+
+    def _send_top_gradient(
+        self, sent: torch.Tensor, h_ret: torch.Tensor, input_ids: torch.Tensor, doc_ids, step: int, phase: str
+    ) -> Frame:
+        """The output gradient's crossing (``backward-top``); the reply: the gradient at the observation point."""
+        top_mask = torch.ones(input_ids.shape, dtype=torch.int64)
+        return self.channel.request(
+            Frame("backward-top", step, doc_ids, sent, top_mask, phase, payload_bits=8 * h_ret.element_size())
+        )
+
+    def _received_gradient(self, reply: Frame, n_docs: int, step: int, prepared: tuple | None) -> torch.Tensor:
+        """The returned gradient, checked, its blinding undone (label-shielded) and its probe rows taken off
+        by the client transform that prepared the frame."""
+        g = reply.tensor.to(self.split.device)
         _finite(g, "returned gradient", step)
-        recovery = self.chain.recovery() if split.spec.label_shielded else 1.0
+        recovery = self.chain.recovery() if self.split.spec.label_shielded else 1.0
         if recovery != 1.0:
             g = g / recovery  # Bottom-gradient recovery: undo scale blinding's expected amplification
         if prepared is not None:
+            transform = self.chain.client_transform
             assert transform is not None  # only a client transform prepares a frame
-            g = transform.receive(g, len(doc_ids), state)
-        if train and transform is not None:
-            transform.after_step(h.detach(), doc_ids, step, g)
-        self.last_gradient = g
-        if train and self.opt is not None:
-            h.backward(g)  # straight-through the forward defence
-            _grads_finite(self.params, "client", step)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=False)  # keep the buffers: no re-allocation per step
-        return self.last_losses
+            g = transform.receive(g, n_docs, prepared[4])
+        return g
+
+    def _step_optimizer(self, step: int) -> None:
+        _grads_finite(self.params, "client", step)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)  # keep the buffers: no re-allocation per step
