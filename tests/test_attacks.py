@@ -369,10 +369,12 @@ def test_registry_names_match_cli_contract():
 @pytest.mark.slow
 def test_audit_on_smollm2_with_wikitext(tmp_path, smollm2, wikitext_dir):
     from splitleak.audit.run import run_audit
+    from splitleak.report.audit_prose import audit_words
 
     res = run_audit(
         tmp_path / "audit",
         model="smollm2-135m",
+        words=audit_words,
         data="wikitext2",
         data_path=str(wikitext_dir),
         n_calib=8,

@@ -5,8 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from splitleak.audit.run import example_documents, readers_sentence, worst_reader
+from splitleak.audit.examples import example_documents, worst_reader
 from splitleak.report.audit import example_blocks
+from splitleak.report.audit_prose import readers_sentence
 from splitleak.report.document import TextComparison, TokenLine, render_html, render_markdown
 from splitleak.runs.truth import phase_documents
 

@@ -27,13 +27,16 @@ from typer.testing import CliRunner
 import splitleak.audit.run as audit_run
 from splitleak.cli import app
 from splitleak.errors import SplitleakError
+from splitleak.report.audit_prose import audit_words
 from splitleak.report.compare import compare_runs, table_rows
 
 pytestmark = pytest.mark.e2e  # whole audits on the tiny model
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 #: the shared audit's options (conftest.TINY_AUDIT), in run_audit's words
-OPTIONS = dict(model="tiny-gpt2", n_calib=8, n_train=8, n_eval=12, device="cpu", draws="derived", threads=2)
+OPTIONS = dict(
+    words=audit_words, model="tiny-gpt2", n_calib=8, n_train=8, n_eval=12, device="cpu", draws="derived", threads=2
+)
 CLI = [*TINY_AUDIT, "--quiet"]
 #: what differs between two audits of the same settings: timings, and the folder each lives in
 VARIES = {"seconds", "tokens_per_second", "train_tokens_per_second", "dir", "torch_threads"}

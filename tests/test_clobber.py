@@ -118,6 +118,7 @@ def test_resume_with_its_own_run_as_out_is_refused_before_anything_is_deleted(tm
 @pytest.mark.unit
 def test_audit_force_deletes_an_audit_folder_but_never_a_foreign_one(tmp_path, monkeypatch):
     import splitleak.audit.run as audit_run
+    from splitleak.report.audit_prose import audit_words
 
     def reached(*a, **k):
         raise RuntimeError("training started")
@@ -127,13 +128,13 @@ def test_audit_force_deletes_an_audit_folder_but_never_a_foreign_one(tmp_path, m
     foreign.mkdir()
     (foreign / "corpus.txt").write_text("irreplaceable")
     with pytest.raises(SplitleakError, match="not an audit folder") as exc:
-        audit_run.run_audit(foreign, model="tiny-gpt2", force=True)
+        audit_run.run_audit(foreign, model="tiny-gpt2", words=audit_words, force=True)
     assert "\n" not in str(exc.value)
     assert (foreign / "corpus.txt").read_text() == "irreplaceable"
     link = tmp_path / "link"
     link.symlink_to(foreign, target_is_directory=True)
     with pytest.raises(SplitleakError, match="is a link"):
-        audit_run.run_audit(link, model="tiny-gpt2", force=True)
+        audit_run.run_audit(link, model="tiny-gpt2", words=audit_words, force=True)
     assert (foreign / "corpus.txt").read_text() == "irreplaceable"
     # an audit folder splitleak wrote (its run, its report) is deleted and written again
     audit = tmp_path / "audit"
@@ -141,7 +142,7 @@ def test_audit_force_deletes_an_audit_folder_but_never_a_foreign_one(tmp_path, m
     (audit / "attacks").mkdir()
     (audit / "report.json").write_text("{}")
     with pytest.raises(RuntimeError, match="training started"):
-        audit_run.run_audit(audit, model="tiny-gpt2", force=True)
+        audit_run.run_audit(audit, model="tiny-gpt2", words=audit_words, force=True)
     # all of it deleted; what is there now is the new audit's record of where it stopped (for --resume)
     assert [p.name for p in audit.iterdir()] == ["stages.json"]
     assert json.loads((audit / "stages.json").read_text())["stages"] == {}

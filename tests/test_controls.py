@@ -97,17 +97,19 @@ def test_the_control_catches_a_reader_of_the_text_and_not_readers_of_the_traffic
 
 @pytest.mark.e2e
 def test_the_audit_refuses_a_verdict_when_an_arm_reads_the_text(planted, tmp_path, monkeypatch):
+    import splitleak.audit.plan as audit_plan
     import splitleak.audit.run as audit_run
     from splitleak.report.audit import write_audit_report
+    from splitleak.report.audit_prose import audit_words
 
     out = tmp_path / "audit"
     monkeypatch.setattr(
-        audit_run,
+        audit_plan,
         "AUDIT_ATTACKS",
         (("majority", {}, "public"), ("vmi", {}, "public"), ("reads-the-text", {"root": str(out)}, "public")),
     )
     res = audit_run.run_audit(
-        out, model="tiny-gpt2", depth=2, n_calib=16, n_train=6, n_eval=24, seed=1, say=lambda _: None
+        out, model="tiny-gpt2", words=audit_words, depth=2, n_calib=16, n_train=6, n_eval=24, seed=1, say=lambda _: None
     )
     assert res.verdict.startswith("INSTRUMENT FAULT: the mis-paired negative control of reads-the-text reads"), (
         res.verdict
@@ -126,9 +128,10 @@ def test_the_audit_refuses_a_verdict_when_an_arm_reads_the_text(planted, tmp_pat
 def test_control_docs_is_checked_before_anything_runs(tmp_path):
     from splitleak.audit.run import run_audit
     from splitleak.errors import ConfigError
+    from splitleak.report.audit_prose import audit_words
 
     with pytest.raises(ConfigError, match="--control-docs"):
-        run_audit(tmp_path / "a", model="tiny-gpt2", control_docs=1, say=lambda _: None)
+        run_audit(tmp_path / "a", model="tiny-gpt2", words=audit_words, control_docs=1, say=lambda _: None)
     assert not (tmp_path / "a").exists()
 
 
@@ -174,8 +177,11 @@ def test_a_grid_report_names_the_fault_of_a_reader_of_the_text(planted, tmp_path
 def test_the_audit_names_the_server_as_a_reader_and_runs_where_the_labels_stay_home(tmp_path):
     from splitleak.audit.run import run_audit
     from splitleak.report.audit import write_audit_report
+    from splitleak.report.audit_prose import audit_words
 
-    small = dict(model="tiny-gpt2", depth=1, n_calib=16, n_train=4, n_eval=12, seed=2, say=lambda _: None)
+    small = dict(
+        model="tiny-gpt2", words=audit_words, depth=1, n_calib=16, n_train=4, n_eval=12, seed=2, say=lambda _: None
+    )
     u = run_audit(tmp_path / "u", mode="u-shape", **small)
     report = json.loads((tmp_path / "u" / "report.json").read_text())
     assert report["config"]["offload_start"] == 1 and report["config"]["offload_length"] == 2  # 4 blocks: 1 | 2 | 1
@@ -195,15 +201,18 @@ def test_the_audit_names_the_server_as_a_reader_and_runs_where_the_labels_stay_h
 
 @pytest.mark.e2e
 def test_a_label_shielded_audit_adds_the_reader_of_the_labels(tmp_path, monkeypatch):
+    import splitleak.audit.plan as audit_plan
     import splitleak.audit.run as audit_run
+    from splitleak.report.audit_prose import audit_words
 
     # GMA-SL at 20 steps per chunk (the audit's default is the attack's 400): what is tested is that it runs,
     # is scored and stands in the verdict, not how much it reads
-    monkeypatch.setattr(audit_run, "MODE_ATTACKS", {"label-shielded": (("gma-sl", {"steps": 20}, "public"),)})
+    monkeypatch.setattr(audit_plan, "MODE_ATTACKS", {"label-shielded": (("gma-sl", {"steps": 20}, "public"),)})
     res = audit_run.run_audit(
         tmp_path / "s",
         mode="label-shielded",
         model="tiny-gpt2",
+        words=audit_words,
         depth=1,
         n_calib=16,
         n_train=4,

@@ -8,7 +8,7 @@ ids per document (or, for property inference, one score per document). Every ran
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Protocol, Union
 
 import torch
 from pydantic import Field, PositiveInt
@@ -27,10 +27,58 @@ Budget = Union[PositiveInt, Literal["exhaustive"]]  # checks per position, or th
 Share = Annotated[float, Field(gt=0, le=1)]  # a share or a mixing weight in (0, 1]
 
 
+class Judge(Protocol):
+    """What the scorer (``splitleak.audit.evaluate``) offers a reconstruction for the extra outputs that are
+    scored against the truth: the reconstruction names what it read, the judge, which alone holds the
+    evaluation documents and the client's own records, says how much of it was right."""
+
+    def in_candidates(self, candidates: torch.Tensor) -> float:
+        """Share of positions whose true token is among ``candidates`` ([n, T, k])."""
+        ...
+
+    def stage_recovery(self, stage_tokens: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Token recovery of each stage's reading (-1: a position the stage did not read)."""
+        ...
+
+    def labels(self, labels: torch.Tensor) -> dict[str, Any]:
+        """The scores of a label attack's reading of tokens 1 … T-1."""
+        ...
+
+    def probe_rows(self, probe_tokens: torch.Tensor, rows: list[int]) -> dict[str, Any]:
+        """The scores of what was read of mixup's probe rows ``rows``."""
+        ...
+
+
 @dataclass
 class Reconstruction:
     tokens: torch.Tensor | None  # [n, T] long, or None for attacks that infer properties
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def result_fields(self, judge: Judge) -> dict[str, Any]:
+        """The fields of the attack's result that its extra outputs give, those read against the truth
+        scored by ``judge``. The extras an attack may return: ``candidates`` with ``chosen_in_candidates``
+        (a candidate search: how often the truth was among them), ``labels`` (a label attack), ``stage_tokens``
+        (a chain's reading after each stage: BiSR, refit, mixup-history), ``summary`` (what the attack measured
+        on the traffic alone), ``matched`` with ``checks`` (SipIt's exact-match certificate), ``lambda`` with
+        ``lambda_estimated`` and ``probe_tokens`` with ``probed_rows`` (mixup-unmix); others stay unscored."""
+        x, out = self.extra, dict[str, Any]()
+        if "chosen_in_candidates" in x:
+            out["true_token_in_candidates"] = judge.in_candidates(x["candidates"])
+        if "labels" in x:
+            out.update(judge.labels(x["labels"]))
+        if "stage_tokens" in x:  # -1: a token the stage did not read (scored on the others)
+            out["stage_token_recovery"] = judge.stage_recovery(x["stage_tokens"])
+        if "summary" in x:
+            out["attack_summary"] = x["summary"]
+        if "matched" in x:
+            out["certified_tokens"] = float(x["matched"].float().mean())
+            out["mean_checks_per_token"] = float(x["checks"].float().mean())
+        if "lambda" in x:
+            out["lambda"] = x["lambda"]
+            out["lambda_estimated"] = x["lambda_estimated"]
+        if "probe_tokens" in x:
+            out["probe_rows"] = judge.probe_rows(x["probe_tokens"], x["probed_rows"])
+        return out
 
 
 class Attack:

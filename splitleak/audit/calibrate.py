@@ -256,6 +256,58 @@ def calibrate(
     out_path = Path(out) if out is not None else None
     if out_path is not None and out_path.exists() and any(out_path.iterdir()) and not force:
         raise SplitleakError(f"{out_path} already exists and is not empty; choose another --out or pass --force")
+    acfg, att = _calibration_attack(attack, client_copy, seed, k, budget)
+    doses = [Dose(0.0, 1.0)] + [Dose(float(c), float(a)) for a in amplitudes for c in coverages]
+    for d in doses:
+        if not (0.0 <= d.coverage <= 1.0 and 0.0 < d.amplitude <= 1.0):
+            raise ConfigError(f"dose {d.label()}: coverages must lie in [0, 1] and amplitudes in (0, 1]")
+    manifest = read_manifest(run_dir)
+    knowledge = knowledge or load_knowledge(run_dir, client_copy)
+    traffic = traffic or load_traffic(run_dir, with_gradients=att.uses_gradients)
+    if n_docs is not None:
+        if n_docs < 2:
+            raise ConfigError("--n-docs must be at least 2")
+        traffic = traffic.subset(range(min(n_docs, len(traffic))))
+    f = _frames(run_dir, att, knowledge, traffic, trained, client_copy, seed)
+    base = constant_baseline(f.truth)
+    rows, per_dose = _read_doses(
+        f, att, traffic, doses, base.rate, alpha, f"calibration doses ({acfg.attack})", progress
+    )
+    _dose_effects(f, rows, per_dose, n_boot, seed, alpha, gate)
+    gate_hits = sorted((r for r in rows if r["gate_breaks"]), key=lambda r: r["dose"])
+    n, T = f.truth.shape
+    record = {
+        "run": {"dir": str(run_dir), "config_hash": manifest["config_hash"], "cut": manifest["split"]["cut"]},
+        "attack": acfg.model_dump(mode="json"),
+        "attack_params": att.params(),
+        "documents": n,
+        "tokens": n * T,
+        "rare_tokens": int(f.rare.sum()),
+        "members": f.n_mem,
+        "constant_baseline": {"token_id": base.token_id, "rate": base.rate},
+        "probe_temperature": f.probe.tau_,
+        "n_boot": n_boot,
+        "alpha": alpha,
+        "gate": gate,
+        "gate_protocol": {"protocol": th.protocol, "protocol_hash": th.protocol_hash}
+        if (alpha, gate) == (th.alpha, th.gate)
+        else None,
+        "seed": seed,
+        "doses": rows,
+        "onsets": _onsets(rows),
+        "gate_onset": None
+        if not gate_hits
+        else {"coverage": gate_hits[0]["coverage"], "amplitude": gate_hits[0]["amplitude"]},
+        "zero_dose_detects": [m for m in METRICS if rows[0]["effects"][m] and rows[0]["effects"][m]["detected"]],
+    }
+    result = CalibrationResult(out_path, record)
+    if out_path is not None:
+        write_calibration(out_path, record, force=force)
+    return result
+
+
+def _calibration_attack(attack: str, client_copy: str, seed: int, k: int | None, budget: int | str | None):
+    """The attack the calibration reads each dosed frame with (a token attack), and its configuration."""
     params: dict[str, Any] = {}
     if k is not None:
         params["k"] = k
@@ -268,28 +320,41 @@ def calibrate(
             "calibration measures token metrics; the property attack outputs no tokens. "
             "Calibrate a token attack (vmi, activation, joint, sipit, ...)"
         )
-    doses = [Dose(0.0, 1.0)] + [Dose(float(c), float(a)) for a in amplitudes for c in coverages]
-    for d in doses:
-        if not (0.0 <= d.coverage <= 1.0 and 0.0 < d.amplitude <= 1.0):
-            raise ConfigError(f"dose {d.label()}: coverages must lie in [0, 1] and amplitudes in (0, 1]")
-    manifest = read_manifest(run_dir)
+    return acfg, att
 
-    knowledge = knowledge or load_knowledge(run_dir, client_copy)
-    traffic = traffic or load_traffic(run_dir, with_gradients=att.uses_gradients)
-    if n_docs is not None:
-        if n_docs < 2:
-            raise ConfigError("--n-docs must be at least 2")
-        traffic = traffic.subset(range(min(n_docs, len(traffic))))
+
+@dataclass
+class _Frames:
+    """What every dose reads: the truth, the reference the leak is planted from, the rare tokens, the
+    fitted probe, the membership frames (members and non-members through the trained client layers) with
+    their references, and the dosing orders."""
+
+    truth: np.ndarray
+    truth_t: torch.Tensor
+    reference: torch.Tensor
+    probe: TokenProbe
+    rare: np.ndarray
+    n_mem: int
+    mem_ids: torch.Tensor
+    mem_frames: torch.Tensor
+    non_frames: torch.Tensor
+    mem_ref: torch.Tensor
+    non_ref: torch.Tensor
+    same_frames: bool  # the non-member frame is the captured frame (undefended) and needs no dosing of its own
+    order: np.ndarray
+    order_mem: np.ndarray
+
+
+def _frames(run_dir: Path, att, knowledge: Knowledge, traffic: Traffic, trained: Knowledge | None, client_copy: str, seed: int) -> _Frames:  # fmt: skip
+    """Fit the attack and the probe, and compute what every dose reads (``_Frames``)."""
     truth = eval_token_ids(run_dir, traffic.doc_ids)
     truth_t = torch.as_tensor(truth)
     reference = knowledge.client.activations(truth_t).to(traffic.activations.dtype).cpu()
     att.fit(knowledge)
     probe = TokenProbe().fit(knowledge)
-
     # rare tokens: seen at most once in the attacker's calibration documents
     cal_counts = np.bincount(knowledge.calibration_ids().numpy().reshape(-1), minlength=knowledge.client.vocab_size)
     rare = cal_counts[truth] <= 1
-
     # membership frames: training documents (members) and evaluation documents (non-members), both
     # through the run's trained client layers
     docs = read_documents(run_dir)
@@ -309,52 +374,48 @@ def calibrate(
     same_frames = torch.equal(non_frames, traffic.activations.to(non_frames.dtype)) and torch.equal(
         non_ref, reference.to(non_ref.dtype)
     )
-
     n, T = truth.shape
-    order = dose_order(n * T, seed)
-    order_mem = dose_order(n_mem * T, seed + 1)
-    base = constant_baseline(truth)
+    return _Frames(
+        truth, truth_t, reference, probe, rare, n_mem, mem_ids, mem_frames, non_frames, mem_ref, non_ref,
+        same_frames, dose_order(n * T, seed), dose_order(n_mem * T, seed + 1),
+    )  # fmt: skip
+
+
+def _read_doses(
+    f: _Frames, att, traffic: Traffic, doses: list[Dose], base_rate: float, alpha: float, what: str, progress: Progress
+) -> tuple[list[dict[str, Any]], list[dict[str, np.ndarray]]]:
+    """Each dose planted and read: its row of readings, and its per-document sums for the bootstrap."""
+    n, T = f.truth.shape
     rows: list[dict[str, Any]] = []
     per_dose: list[dict[str, np.ndarray]] = []
-    ll0 = probe.log_likelihood(traffic.activations, truth_t)  # each frame's rows before any dose
-    ll0_mem = probe.log_likelihood(mem_frames, mem_ids)
-    ll0_non = ll0 if same_frames else probe.log_likelihood(non_frames, truth_t)
-    task = progress.start(f"calibration doses ({acfg.attack})", len(doses))
+    ll0 = f.probe.log_likelihood(traffic.activations, f.truth_t)  # each frame's rows before any dose
+    ll0_mem = f.probe.log_likelihood(f.mem_frames, f.mem_ids)
+    ll0_non = ll0 if f.same_frames else f.probe.log_likelihood(f.non_frames, f.truth_t)
+    task = progress.start(what, len(doses))
     for d in doses:
-        frame = inject_leak(traffic.activations, reference, d.coverage, d.amplitude, order)
+        frame = inject_leak(traffic.activations, f.reference, d.coverage, d.amplitude, f.order)
         dosed = traffic.replace(activations=frame)
         tokens = att.reconstruct(dosed).tokens
         assert tokens is not None  # a token attack: the property attack was refused above
-        pred = tokens.numpy()
-        right = pred == truth
-        ll = dosed_log_likelihood(probe, ll0, frame, truth_t, d.coverage, d.amplitude, order).numpy()
-        mem_dosed = inject_leak(mem_frames, mem_ref, d.coverage, d.amplitude, order_mem)
-        ll_mem = dosed_log_likelihood(probe, ll0_mem, mem_dosed, mem_ids, d.coverage, d.amplitude, order_mem).numpy()
+        right = tokens.numpy() == f.truth
+        ll = dosed_log_likelihood(f.probe, ll0, frame, f.truth_t, d.coverage, d.amplitude, f.order).numpy()
+        mem_dosed = inject_leak(f.mem_frames, f.mem_ref, d.coverage, d.amplitude, f.order_mem)
+        ll_mem = dosed_log_likelihood(
+            f.probe, ll0_mem, mem_dosed, f.mem_ids, d.coverage, d.amplitude, f.order_mem
+        ).numpy()
         # undefended, the captured frame is the trained layers' activations of the same documents, dosed in
         # the same order: the non-member frame is the frame already read
-        ll_non = (
-            ll
-            if same_frames
-            else dosed_log_likelihood(
-                probe,
-                ll0_non,
-                inject_leak(non_frames, non_ref, d.coverage, d.amplitude, order),
-                truth_t,
-                d.coverage,
-                d.amplitude,
-                order,
-            ).numpy()
-        )
+        ll_non = ll if f.same_frames else _non_member_ll(f, ll0_non, d)
         per_dose.append(
             {
                 "correct": right.sum(1).astype(float),
-                "rare_correct": (right & rare).sum(1).astype(float),
+                "rare_correct": (right & f.rare).sum(1).astype(float),
                 "ce": -ll.mean(1),
                 "mem": ll_mem.mean(1),
                 "non": ll_non.mean(1),
             }
         )
-        labels = np.r_[np.ones(n_mem), np.zeros(n)]
+        labels = np.r_[np.ones(f.n_mem), np.zeros(n)]
         auc = roc_auc(np.r_[per_dose[-1]["mem"], per_dose[-1]["non"]], labels)
         rows.append(
             {
@@ -363,20 +424,35 @@ def calibrate(
                 "dose": d.dose,
                 "dosed_rows": int(round(d.coverage * n * T)) if d.amplitude else 0,
                 "token_top1": float(right.mean()),
-                "rare_token_top1": float((right & rare).sum() / max(1, rare.sum())),
+                "rare_token_top1": float((right & f.rare).sum() / max(1, f.rare.sum())),
                 "token_cross_entropy": float(-ll.mean()),
                 "membership_auc": float(auc),
-                "gate_G": wilson_upper(int(right.sum()), int(right.size), alpha) - base.rate,
+                "gate_G": wilson_upper(int(right.sum()), int(right.size), alpha) - base_rate,
             }
         )
         progress.advance(task)
-
     progress.finish(task)
-    # effects against zero dose, documents resampled (one weight matrix for every dose and metric)
+    return rows, per_dose
+
+
+def _non_member_ll(f: _Frames, ll0_non: torch.Tensor, d: Dose) -> np.ndarray:
+    """The probe's log-likelihood of the dosed non-member frame (evaluation documents through the trained
+    client layers), where it is not the captured frame."""
+    dosed = inject_leak(f.non_frames, f.non_ref, d.coverage, d.amplitude, f.order)
+    return dosed_log_likelihood(f.probe, ll0_non, dosed, f.truth_t, d.coverage, d.amplitude, f.order).numpy()
+
+
+def _dose_effects(
+    f: _Frames, rows: list[dict[str, Any]], per_dose: list[dict[str, np.ndarray]], n_boot: int, seed: int,
+    alpha: float, gate: float,
+) -> None:  # fmt: skip
+    """Each dose's effects against zero dose (documents resampled, one weight matrix for every dose and
+    metric), and whether its gate statistic breaks ``gate``; written into ``rows``."""
+    n, T = f.truth.shape
     w = frame_weights(n, n_boot, seed)
-    wm = frame_weights(n_mem, n_boot, seed + 1)
+    wm = frame_weights(f.n_mem, n_boot, seed + 1)
     counted = np.full(n, float(T))
-    rare_counted = rare.sum(1).astype(float)
+    rare_counted = f.rare.sum(1).astype(float)
     z = per_dose[0]
     for row, pd in zip(rows, per_dose):
         effects = {
@@ -404,6 +480,9 @@ def calibrate(
             row["effects"][m] = None if iv is None else {**_iv(iv), "detected": bool(iv.low > 0)}
         row["gate_breaks"] = bool(row["gate_G"] > gate)
 
+
+def _onsets(rows: list[dict[str, Any]]) -> dict[str, dict[str, float] | None]:
+    """Per metric, the smallest dose whose effect it detects (None: none)."""
     onsets: dict[str, dict[str, float] | None] = {}
     for m in METRICS:
         hit = [r for r in rows[1:] if r["effects"][m] is not None and r["effects"][m]["detected"]]
@@ -413,35 +492,7 @@ def calibrate(
             if not hit
             else {"coverage": hit[0]["coverage"], "amplitude": hit[0]["amplitude"], "dose": hit[0]["dose"]}
         )
-    gate_hits = sorted((r for r in rows if r["gate_breaks"]), key=lambda r: r["dose"])
-    record = {
-        "run": {"dir": str(run_dir), "config_hash": manifest["config_hash"], "cut": manifest["split"]["cut"]},
-        "attack": acfg.model_dump(mode="json"),
-        "attack_params": att.params(),
-        "documents": n,
-        "tokens": n * T,
-        "rare_tokens": int(rare.sum()),
-        "members": n_mem,
-        "constant_baseline": {"token_id": base.token_id, "rate": base.rate},
-        "probe_temperature": probe.tau_,
-        "n_boot": n_boot,
-        "alpha": alpha,
-        "gate": gate,
-        "gate_protocol": {"protocol": th.protocol, "protocol_hash": th.protocol_hash}
-        if (alpha, gate) == (th.alpha, th.gate)
-        else None,
-        "seed": seed,
-        "doses": rows,
-        "onsets": onsets,
-        "gate_onset": None
-        if not gate_hits
-        else {"coverage": gate_hits[0]["coverage"], "amplitude": gate_hits[0]["amplitude"]},
-        "zero_dose_detects": [m for m in METRICS if rows[0]["effects"][m] and rows[0]["effects"][m]["detected"]],
-    }
-    result = CalibrationResult(out_path, record)
-    if out_path is not None:
-        write_calibration(out_path, record, force=force)
-    return result
+    return onsets
 
 
 # ------------------------------------------------------------------ output

@@ -22,12 +22,13 @@ from splitleak.attacks.config import AttackConfig, perturb_gradients
 from splitleak.attacks.core import VMI, Majority, make_attack
 from splitleak.attacks.knowledge import Knowledge, Traffic, load_knowledge, load_traffic
 from splitleak.attacks.registry import attack_info, attacks_for_mode
+from splitleak.audit.extras import TruthJudge
 from splitleak.errors import ConfigError, SplitleakError
 from splitleak.files import json_default
 from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
 from splitleak.progress import Progress, Silent
 from splitleak.runs.manifest import pair_session, read_manifest, run_mode
-from splitleak.runs.truth import phase_documents, read_documents
+from splitleak.runs.truth import phase_documents
 from splitleak.runs.verify import require_verified
 
 #: bootstrap replicates of a single attack's control interval (the audit recomputes its arms' with ARM_BOOT)
@@ -42,42 +43,6 @@ def attack_label(result: dict[str, Any]) -> str:
     extra = f" k={p['k']}" if "k" in p else (f" budget={p['budget']}" if "budget" in p else "")
     copy = (result.get("config") or {}).get("client_copy", "public")
     return f"{result['attack']}{extra}" + ("" if copy == "public" else f", {copy} copy")
-
-
-def probe_scores(run_dir: Path, traffic: Traffic, probe_tokens: torch.Tensor, rows: list[int]) -> dict[str, Any]:
-    """What an attack read of mixup's probe rows, scored against the client's own record of where each
-    decoy came from (``client/mixup_decoys.json``; it never crossed): per row, the token of the
-    earlier training document at the decoy's position. Also how many distinct training tokens the
-    probe rows of this traffic exposed."""
-    from splitleak.runs.journal import read_recorded, recorded_digest
-
-    rel = "client/mixup_decoys.json"
-    if recorded_digest(run_dir, rel) is None:
-        return {"scored": False, "why": f"the run has no {rel}"}
-    draws = json.loads(read_recorded(run_dir, rel))
-    phase = traffic.phase
-    train = {d.doc_id: d for d in read_documents(run_dir).train}
-    by_key = {(d["step"], d["doc_id"]): d["sources"] for d in draws if d["phase"] == phase}
-    steps = traffic.steps if traffic.steps is not None else (-1,) * len(traffic)
-    correct = total = 0
-    exposed: set[tuple[int, int]] = set()
-    for r in rows:
-        sources = by_key.get((steps[r], traffic.doc_ids[r]))
-        if sources is None:
-            return {"scored": False, "why": f"no decoy record for document {traffic.doc_ids[r]} at step {steps[r]}"}
-        for t, (_, src_doc, pos) in enumerate(sources):
-            correct += int(probe_tokens[r, t]) == train[src_doc].token_ids[pos]
-            total += 1
-            exposed.add((src_doc, pos))
-    n_train_tokens = sum(len(d.token_ids) for d in train.values())
-    return {
-        "scored": True,
-        "rows": total,
-        "token_recovery": correct / max(1, total),
-        "distinct_training_tokens": len(exposed),
-        "training_token_share": len(exposed) / max(1, n_train_tokens),
-        "how": "VMI (ridge map, nearest token) on each probe row; truth from the client's decoy record",
-    }
 
 
 def _decoder(tokenizer):
@@ -135,19 +100,7 @@ def run_attack(
         for d in (run_dir, documents):
             if d is not None:
                 require_verified(d, "the attack")
-    manifest = read_manifest(run_dir)
-    doc_dir = run_dir
-    if manifest.get("role") == "server":
-        if documents is None:
-            raise ConfigError(
-                f"{run_dir} is a server's capture: it holds what crossed, not the documents (they never reach the "
-                "server); pass --documents with the client's run directory of the same session"
-            )
-        pair_session(run_dir, documents, config.phase)
-        doc_dir = Path(documents)
-        manifest = {**read_manifest(doc_dir), "session": str(run_dir)}
-    elif documents is not None:
-        raise ConfigError(f"--documents is for a server's capture; {run_dir} is a client's run and holds its own")
+    doc_dir, manifest = _documents_of(run_dir, documents, config)
     mode, info = run_mode(manifest), attack_info(config.attack)
     if mode not in info.modes:
         raise ConfigError(
@@ -165,31 +118,15 @@ def run_attack(
             knowledge.history_loader = lambda: load_traffic(run_dir, phase="train")
     if device is not None:
         knowledge.client.to(device)
-    if traffic is None:
-        traffic = load_traffic(run_dir, with_gradients=not config.inference, phase=config.phase)
-    if config.inference and attack.uses_gradients:
-        raise ConfigError(f"attack {config.attack!r} needs gradients, which inference traffic does not carry")
-    if traffic.gradients is not None and (config.gradient_noise is not None or config.gradient_bits is not None):
-        perturb = lambda g: (
-            None
-            if g is None
-            else perturb_gradients(  # noqa: E731
-                g, config.gradient_noise, config.gradient_bits, config.attack_seed
-            )
-        )
-        traffic = traffic.replace(
-            gradients=perturb(traffic.gradients), output_gradients=perturb(traffic.output_gradients)
-        )
+    traffic = _attack_traffic(run_dir, config, attack, traffic)
     docs_by_id = {d.doc_id: d for d in phase_documents(doc_dir, config.phase)}
     docs = [docs_by_id[i] for i in traffic.doc_ids]
-
     if control_docs and control_docs < 2:
         raise ConfigError(f"control_docs must be 0 (no control) or at least 2, got {control_docs}")
     t0 = time.perf_counter()
     attack.fit(knowledge)
     rec = attack.reconstruct(traffic, progress)
     seconds = time.perf_counter() - t0
-
     result: dict[str, Any] = {
         "attack": config.attack,
         "config": config.model_dump(mode="json"),
@@ -210,75 +147,111 @@ def run_attack(
         "n_tokens": int(traffic.activations.shape[0] * traffic.activations.shape[1]),
         "seconds": seconds,
     }
-    per_doc_rows: list[dict[str, Any]] = []
     if rec.tokens is not None:
-        sc = score_reconstruction(rec.tokens.numpy(), docs, _decoder(knowledge.client.tokenizer))
-        result.update(sc.as_dict())
-        if "chosen_in_candidates" in rec.extra:
-            truth = torch.tensor([list(d.token_ids) for d in docs])
-            result["true_token_in_candidates"] = float(
-                (rec.extra["candidates"] == truth.unsqueeze(-1)).any(-1).float().mean()
-            )
-        if "labels" in rec.extra:
-            result.update(label_scores(rec.extra["labels"], docs, knowledge.client.tokenizer))
-        if "stage_tokens" in rec.extra:  # a chain's reading after each stage (BiSR: sip, b, f; refit: its rounds)
-            truth = torch.tensor([list(d.token_ids) for d in docs])
-            result["stage_token_recovery"] = {  # -1: a token the stage did not read (scored on the others)
-                k: float((v == truth)[v >= 0].float().mean()) for k, v in rec.extra["stage_tokens"].items()
-            }
-        if "summary" in rec.extra:  # what the attack measured on the traffic alone (refit: per round)
-            result["attack_summary"] = rec.extra["summary"]
-        if "matched" in rec.extra:
-            result["certified_tokens"] = float(rec.extra["matched"].float().mean())
-            result["mean_checks_per_token"] = float(rec.extra["checks"].float().mean())
-        if "lambda" in rec.extra:
-            result["lambda"] = rec.extra["lambda"]
-            result["lambda_estimated"] = rec.extra["lambda_estimated"]
-        if "probe_tokens" in rec.extra:
-            result["probe_rows"] = probe_scores(doc_dir, traffic, rec.extra["probe_tokens"], rec.extra["probed_rows"])
-        # a document read at several steps (training-phase traffic) could be paired with itself: no control there
-        if control_docs and len(traffic) >= 2 and len(set(traffic.doc_ids)) == len(traffic):
-            result["control"] = mispaired_control(attack, traffic, rec.tokens, docs, control_docs, config, progress)
-        steps = traffic.steps if traffic.steps is not None else (None,) * len(traffic)
-        for row, pred, step in zip(sc.per_doc(), rec.tokens.tolist(), steps):
-            row = dict(row)
-            row["predicted"] = pred
-            if config.phase == "train":
-                row["step"] = step
-            per_doc_rows.append(row)
-        if config.phase == "train":
-            assert traffic.steps is not None  # training-phase traffic records each frame's step
-            result["weights"] = (
-                f"each frame was produced by the client weights after as many training steps as its step number "
-                f"(0 … {max(traffic.steps)}); the attacker's copy is the {config.client_copy} one "
-                f"({'pretrained' if config.client_copy == 'public' else 'after the last step'})"
-            )
+        judge = TruthJudge(docs, knowledge.client.tokenizer, doc_dir, traffic)
+        per_doc_rows = _score_tokens(result, rec, attack, judge, config, control_docs, progress)
     else:
-        scores = rec.extra["scores"]
-        props = property_scores(scores, rec.extra["property_tokens"], docs)
-        vmi = VMI(seed=config.attack_seed).fit(knowledge).reconstruct(traffic).tokens
-        maj = Majority().fit(knowledge).reconstruct(traffic).tokens
-        assert vmi is not None and maj is not None  # token attacks
-        truth = torch.tensor([list(d.token_ids) for d in docs])
-        a_vmi = float((vmi == truth).float().mean())
-        a_ctl = float((maj == truth).float().mean())
-        aucs = [p["auc"] for p in props if p["auc"] is not None]
-        result.update(
-            {
-                "properties": props,
-                "vmi_token_recovery": a_vmi,
-                "majority_token_recovery": a_ctl,
-                "leakage_index": leakage_index(a_vmi, a_ctl, aucs),
-                "token_recovery": None,
-                "doc_recovery": None,
-                "span_recovery": None,
-            }
-        )
-        per_doc_rows = [{"doc_id": int(i), "score": float(s)} for i, s in zip(traffic.doc_ids, scores)]
+        per_doc_rows = _score_properties(result, rec, knowledge, traffic, docs, config)
     if out_path is not None:
         write_result(out_path, result, per_doc_rows, force=force)
     result["per_doc"] = per_doc_rows
     return result
+
+
+def _documents_of(run_dir: Path, documents: str | Path | None, config: AttackConfig) -> tuple[Path, dict[str, Any]]:
+    """The run that holds the documents (``run_dir``, or ``documents`` for a server's capture, once paired
+    with it) and the manifest the result records."""
+    manifest = read_manifest(run_dir)
+    if manifest.get("role") == "server":
+        if documents is None:
+            raise ConfigError(
+                f"{run_dir} is a server's capture: it holds what crossed, not the documents (they never reach the "
+                "server); pass --documents with the client's run directory of the same session"
+            )
+        pair_session(run_dir, documents, config.phase)
+        return Path(documents), {**read_manifest(Path(documents)), "session": str(run_dir)}
+    if documents is not None:
+        raise ConfigError(f"--documents is for a server's capture; {run_dir} is a client's run and holds its own")
+    return run_dir, manifest
+
+
+def _attack_traffic(run_dir: Path, config: AttackConfig, attack, traffic: Traffic | None) -> Traffic:
+    """The traffic the attack reads (``traffic``, or loaded from ``run_dir``), its gradients perturbed where
+    the configuration asks (``perturb_gradients``)."""
+    if traffic is None:
+        traffic = load_traffic(run_dir, with_gradients=not config.inference, phase=config.phase)
+    if config.inference and attack.uses_gradients:
+        raise ConfigError(f"attack {config.attack!r} needs gradients, which inference traffic does not carry")
+    if traffic.gradients is not None and (config.gradient_noise is not None or config.gradient_bits is not None):
+        perturb = lambda g: (
+            None
+            if g is None
+            else perturb_gradients(  # noqa: E731
+                g, config.gradient_noise, config.gradient_bits, config.attack_seed
+            )
+        )
+        traffic = traffic.replace(
+            gradients=perturb(traffic.gradients), output_gradients=perturb(traffic.output_gradients)
+        )
+    return traffic
+
+
+def _score_tokens(
+    result: dict[str, Any], rec, attack, judge: TruthJudge, config: AttackConfig, control_docs: int, progress
+) -> list[dict[str, Any]]:
+    """Score a reconstruction of tokens into ``result`` (its extras by ``rec.result_fields``, its mis-paired
+    control where asked); return its per-document rows."""
+    traffic, docs = judge.traffic, judge.docs
+    sc = score_reconstruction(rec.tokens.numpy(), docs, _decoder(judge.tokenizer))
+    result.update(sc.as_dict())
+    result.update(rec.result_fields(judge))
+    # a document read at several steps (training-phase traffic) could be paired with itself: no control there
+    if control_docs and len(traffic) >= 2 and len(set(traffic.doc_ids)) == len(traffic):
+        result["control"] = mispaired_control(attack, traffic, rec.tokens, docs, control_docs, config, progress)
+    steps = traffic.steps if traffic.steps is not None else (None,) * len(traffic)
+    per_doc_rows = []
+    for row, pred, step in zip(sc.per_doc(), rec.tokens.tolist(), steps):
+        row = dict(row)
+        row["predicted"] = pred
+        if config.phase == "train":
+            row["step"] = step
+        per_doc_rows.append(row)
+    if config.phase == "train":
+        assert traffic.steps is not None  # training-phase traffic records each frame's step
+        result["weights"] = (
+            f"each frame was produced by the client weights after as many training steps as its step number "
+            f"(0 … {max(traffic.steps)}); the attacker's copy is the {config.client_copy} one "
+            f"({'pretrained' if config.client_copy == 'public' else 'after the last step'})"
+        )
+    return per_doc_rows
+
+
+def _score_properties(
+    result: dict[str, Any], rec, knowledge: Knowledge, traffic: Traffic, docs, config: AttackConfig
+) -> list[dict[str, Any]]:
+    """Score a property attack (one score per document) into ``result``: the AUC per property token, beside
+    VMI and the majority control for the leakage index; return its per-document rows."""
+    scores = rec.extra["scores"]
+    props = property_scores(scores, rec.extra["property_tokens"], docs)
+    vmi = VMI(seed=config.attack_seed).fit(knowledge).reconstruct(traffic).tokens
+    maj = Majority().fit(knowledge).reconstruct(traffic).tokens
+    assert vmi is not None and maj is not None  # token attacks
+    truth = torch.tensor([list(d.token_ids) for d in docs])
+    a_vmi = float((vmi == truth).float().mean())
+    a_ctl = float((maj == truth).float().mean())
+    aucs = [p["auc"] for p in props if p["auc"] is not None]
+    result.update(
+        {
+            "properties": props,
+            "vmi_token_recovery": a_vmi,
+            "majority_token_recovery": a_ctl,
+            "leakage_index": leakage_index(a_vmi, a_ctl, aucs),
+            "token_recovery": None,
+            "doc_recovery": None,
+            "span_recovery": None,
+        }
+    )
+    return [{"doc_id": int(i), "score": float(s)} for i, s in zip(traffic.doc_ids, scores)]
 
 
 def mispaired_control(
@@ -308,31 +281,6 @@ def mispaired_control(
         "verdict": effect_verdict(n),
         "seconds": time.perf_counter() - t0,
     }
-
-
-def label_scores(labels: torch.Tensor, docs, tokenizer) -> dict[str, Any]:
-    """How much of the labels (tokens 1 … T-1) a label attack recovered: the share of label tokens, the
-    share of the answer's labels (instruction documents), and ROUGE-1/2/L F and METEOR of the label text
-    (``splitleak.metrics.text_overlap``; METEOR only where nltk's WordNet is installed)."""
-    from splitleak.metrics.text_overlap import meteor, rouge_f
-
-    truth = torch.tensor([list(d.token_ids) for d in docs])[:, 1:]
-    hit = labels.cpu() == truth
-    out: dict[str, Any] = {"label_recovery": float(hit.float().mean())}
-    if all(d.answer_start is not None for d in docs):
-        answer = (
-            torch.arange(1, truth.shape[1] + 1).unsqueeze(0) >= torch.tensor([d.answer_start for d in docs])[:, None]
-        )
-        out["answer_label_recovery"] = float(hit[answer].float().mean()) if bool(answer.any()) else None
-    pred_text = [tokenizer.decode(row) for row in labels.tolist()]
-    true_text = [tokenizer.decode(row) for row in truth.tolist()]
-    rouge = rouge_f(pred_text, true_text)
-    out.update({f"{k}_f": rouge[k]["mean"] for k in ("rouge1", "rouge2", "rougeL")})
-    m = meteor(pred_text, true_text)
-    out["meteor"] = m["mean"] if m["available"] else None
-    if not m["available"]:
-        out["meteor_note"] = m["reason"]
-    return out
 
 
 def _latent_result(

@@ -250,7 +250,9 @@ def audit_cmd(
     ),
 ) -> None:
     """The main job: train and capture on embedded defaults, attack the traffic, write a report."""
-    from splitleak.audit.run import choose_default_model, run_audit
+    from splitleak.audit.plan import choose_default_model
+    from splitleak.audit.run import run_audit
+    from splitleak.report.audit_prose import audit_words
 
     with user_errors():
         if model is None:
@@ -266,6 +268,7 @@ def audit_cmd(
             res = run_audit(
                 out,
                 model=model,
+                words=audit_words,
                 model_path=str(model_path) if model_path else None,
                 depth=depth,
                 defences=parse_defences(defence, defence_arg),

@@ -65,7 +65,7 @@ def attack_suite() -> dict[str, dict[str, Any]]:
     trained copy), with the audit's parameters (``AUDIT_ATTACKS``) except ``sipit-trained``: a budget of
     32 checks per position, as the audit now uses too, cheap enough for every trial.
     The majority control is left out (it is no reader)."""
-    from splitleak.audit.run import AUDIT_ATTACKS
+    from splitleak.audit.plan import AUDIT_ATTACKS
 
     out: dict[str, dict[str, Any]] = {}
     for name, params, copy in AUDIT_ATTACKS:

@@ -1,6 +1,7 @@
 """The audit as a person reads it: the verdict, the leakage per attack, the verdict words per arm,
 the instrument's calibration, the channel table and the utility, rendered from the audit's
-``report.json`` (``splitleak.audit.run``) as ``report.md`` and a self-contained ``report.html``.
+``report.json`` (``splitleak.audit.run``; its sentences written by ``splitleak.report.audit_prose``) as
+``report.md`` and a self-contained ``report.html``.
 
 Rendering is separate from measuring: ``write_audit_report(OUT)`` re-renders an audit folder from
 its JSON at any time, without rerunning anything.
@@ -178,7 +179,7 @@ def _onset(o: dict[str, float] | None) -> str:
 
 
 def audit_document(report: dict[str, Any], calibration_figure: Path | None = None) -> Document:
-    m, cfg, v = report["metrics"], report["config"], report["verdicts"]
+    cfg = report["config"]
     defence = "+".join(d["name"] for d in cfg["defences"])
     doc = Document("splitleak audit")
     doc.add(
@@ -190,6 +191,21 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
             f"evaluation documents of {cfg['doc_len']} tokens). Configuration hash `{report['config_hash'][:16]}`."
         ),
         Contents(),
+        *reader_blocks(report),
+        *arm_blocks(report),
+        *calibration_blocks(report["verdicts"]),
+    )
+    if calibration_figure is not None:
+        doc.add(Figure(calibration_figure, "Dose-response of the calibration attack per metric."))
+    doc.add(*utility_blocks(report, defence))
+    doc.add(Para(f"Run directory verified: {report['verify']}."))
+    return doc
+
+
+def reader_blocks(report: dict[str, Any]) -> list[Block]:
+    """Who reads what: the threat models, the leakage per attack, the channels, the text coming back and
+    the recovery per span class."""
+    return [
         Heading(2, "Who reads what"),
         Para(
             "Threat models: "
@@ -219,6 +235,13 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
         Heading(2, "Recovery by span class"),
         Table(SPAN_HEADER, span_table_rows([r for r in report["attacks"] if r.get("span_recovery") is not None])),
         Para("Spans recovered whole, with hits/spans; n/a where the evaluation documents hold no span of the class."),
+    ]
+
+
+def arm_blocks(report: dict[str, Any]) -> list[Block]:
+    """The verdict words per arm, the constant baseline, the negative controls and the gate."""
+    v = report["verdicts"]
+    return [
         Heading(2, "Verdict words (Politis & Pappas 2026, §3)"),
         Table(ARM_HEADER, arm_table_rows(report["attacks"])),
         Para(
@@ -237,6 +260,12 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
             + (f", {v['gate']['thresholds']['protocol']} protocol" if v["gate"].get("thresholds") else "")
             + ")."
         ),
+    ]
+
+
+def calibration_blocks(v: dict[str, Any]) -> list[Block]:
+    """The instrument's calibration: per metric, its zero-dose reading and where it first detects."""
+    return [
         Heading(2, "Instrument calibration (Politis & Pappas 2026, §4)"),
         Para(
             f"`{v['calibration']['attack']}` on the first {v['calibration']['documents']} captured documents with "
@@ -254,16 +283,17 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
             ],
             kv=True,
         ),
-    )
-    if calibration_figure is not None:
-        doc.add(Figure(calibration_figure, "Dose-response of the calibration attack per metric."))
-    doc.add(
-        Heading(2, "Utility"),
-    )
+    ]
 
-    def num(x: float | None, fmt: str) -> str:
-        return "not measured" if x is None else format(x, fmt)
 
+def _num(x: float | None, fmt: str) -> str:
+    return "not measured" if x is None else format(x, fmt)
+
+
+def utility_blocks(report: dict[str, Any], defence: str) -> list[Block]:
+    """The utility table (held-out loss, the all-local baseline, the undefended twin), the leakage against
+    the cost of the defence, and where the traffic came from when deployed."""
+    m = report["metrics"]
     # reports written before the audit derived the baseline (utility_baseline) read it from the run's metrics
     base = report.get("utility_baseline") or {
         "all_local_ce": m["all_local_ce"],
@@ -271,27 +301,27 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
         "source": "the all-local baseline run",
     }
     utility = [
-        ["held-out cross-entropy (nats)", num(m["heldout_ce"], ".4f")],
-        ["held-out perplexity (geometric mean)", num(m["perplexity"], ".2f")],
-        ["all-local cross-entropy", num(base["all_local_ce"], ".4f")],
-        ["ΔU = L_split − L_all-local", num(base["delta_u"], "+.4f")],
+        ["held-out cross-entropy (nats)", _num(m["heldout_ce"], ".4f")],
+        ["held-out perplexity (geometric mean)", _num(m["perplexity"], ".2f")],
+        ["all-local cross-entropy", _num(base["all_local_ce"], ".4f")],
+        ["ΔU = L_split − L_all-local", _num(base["delta_u"], "+.4f")],
         ["all-local loss from", base["source"]],
-        ["pretrained cross-entropy", num(m["pretrained_ce"], ".4f")],
+        ["pretrained cross-entropy", _num(m["pretrained_ce"], ".4f")],
     ]
     cost = report.get("cost")
     if cost:
         rel = cost["rel_ppl_change"]
         utility += [
-            ["undefended twin: held-out cross-entropy", num(cost["twin_heldout_ce"], ".4f")],
-            ["undefended twin: perplexity", num(cost["twin_perplexity"], ".2f")],
+            ["undefended twin: held-out cross-entropy", _num(cost["twin_heldout_ce"], ".4f")],
+            ["undefended twin: perplexity", _num(cost["twin_perplexity"], ".2f")],
             ["relative perplexity change against the twin", "not measured" if rel is None else f"{100 * rel:+.2f} %"],
         ]
-    doc.add(Table(["measure", "value"], utility))
+    blocks: list[Block] = [Heading(2, "Utility"), Table(["measure", "value"], utility)]
     readers = [r for r in report["attacks"] if r.get("doc_recovery") is not None and r["attack"] != "majority"]
     if cost and readers:
         worst = max(readers, key=lambda r: (r["doc_recovery"], r["token_recovery"]))
         rel = cost["rel_ppl_change"]
-        doc.add(
+        blocks.append(
             Para(
                 f"Leakage against cost: under `{defence}` the worst-case reader ({attack_label(worst)}) recovers "
                 f"{fmt_pct(worst['token_recovery'])} % of tokens and {fmt_pct(worst['doc_recovery'])} % of whole "
@@ -302,17 +332,16 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
             )
         )
     if m.get("heldout_measured"):
-        doc.add(Para(f"Held-out loss: {m['heldout_measured']}."))
+        blocks.append(Para(f"Held-out loss: {m['heldout_measured']}."))
     deployed = report.get("deployment")
     if deployed:
-        doc.add(
+        blocks.append(
             Para(
                 f"Deployed as two processes over mutual TLS against {deployed['server']}; the attacks read the "
                 f"traffic as the {deployed['recorded_by']} recorded it ({deployed['traffic']})."
             )
         )
-    doc.add(Para(f"Run directory verified: {report['verify']}."))
-    return doc
+    return blocks
 
 
 def read_audit_report(out: str | Path) -> dict[str, Any]:
