@@ -237,7 +237,7 @@ def test_a_grid_of_noisy_controls_flags_only_the_reader_of_the_text(seed):
     import numpy as np
 
     from splitleak.audit.verdicts import control_p_value
-    from splitleak.report.grid_sections import job_controls
+    from splitleak.report.grid_controls import job_controls
 
     rng = np.random.default_rng(seed)
 

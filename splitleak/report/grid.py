@@ -42,12 +42,17 @@ from splitleak.audit.analysis import analyse
 from splitleak.audit.gate import resolve_thresholds
 from splitleak.audit.protocol import Protocol, check_results, file_sha256, load_protocol
 from splitleak.errors import ConfigError, DataError, IntegrityError
-from splitleak.report import grid_sections as sec
 from splitleak.report.document import Document, render_html, render_markdown
+from splitleak.report.grid_common import Ctx, GridReport
+from splitleak.report.grid_controls import controls_section
+from splitleak.report.grid_cost import cost_section
+from splitleak.report.grid_header import header_section
 from splitleak.report.grid_latent import is_latent, latent_section
-from splitleak.report.grid_sections import GridReport
+from splitleak.report.grid_offload import offload_section
+from splitleak.report.grid_recovery import heatmap_section, perturbation_section, recovery_section
 from splitleak.report.grid_shielded import is_shielded, shielded_section
 from splitleak.report.grid_stats import Config, recovery_cells, split_text
+from splitleak.report.grid_tests import main_section
 
 #: bootstrap replicates of the descriptive intervals (sections 3-6); the protocol's tests use its own count
 DESCRIPTIVE_BOOT = 2000
@@ -314,15 +319,15 @@ def build_report(
     cells = recovery_cells(attack_rows, n_boot=descriptive_boot, seed=0)
     rep = GridReport(out, out / "report.md", out / "report.html", analysis=analysis, analysis_error=error)
     doc = Document(header["title"])
-    ctx = sec.Ctx(protocol, used, protocol_hash, protocol_path, n_boot, descriptive_boot, out, rep)
-    sec.header(doc, ctx, header, date, attack_rows)
-    sec.controls_section(doc, ctx, every_attack_row)
-    sec.main_section(doc, ctx, rows, analysis, error)
-    sec.recovery_section(doc, ctx, cells, attack_rows)
-    sec.perturbation_section(doc, ctx, cells)
-    sec.cost_section(doc, ctx, attack_rows, train_rows)
-    sec.heatmap_section(doc, ctx, cells)
-    sec.offload_section(doc, ctx, run_rows, analysis, error)
+    ctx = Ctx(protocol, used, protocol_hash, protocol_path, n_boot, descriptive_boot, out, rep)
+    header_section(doc, ctx, header, date, attack_rows)
+    controls_section(doc, ctx, every_attack_row)
+    main_section(doc, ctx, rows, analysis, error)
+    recovery_section(doc, ctx, cells, attack_rows)
+    perturbation_section(doc, ctx, cells)
+    cost_section(doc, ctx, attack_rows, train_rows)
+    heatmap_section(doc, ctx, cells)
+    offload_section(doc, ctx, run_rows, analysis, error)
     latent_section(doc, latent_rows, latent_train, resolve_thresholds(protocol, protocol_hash))
     shielded_section(doc, shielded_rows, shielded_train, out, used.thresholds)
     rep.markdown.write_text(render_markdown(doc), encoding="utf-8")

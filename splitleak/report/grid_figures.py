@@ -50,7 +50,6 @@ def perturbation_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Pat
         sharey=True,
         constrained_layout=True,
     )
-    width = 0.75 / max(1, len(ks))
     for i, split in enumerate(splits):
         for j, copy in enumerate(copies):
             ax = axes[i][j]
@@ -62,58 +61,68 @@ def perturbation_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Pat
                 and c.config.defence == "none"
                 and not c.config.inference
             ]
-            for n, k in enumerate(ks):
-                colour = f"C{n}"
-                joint_pts = [
-                    (
-                        x,
-                        next(
-                            (
-                                c
-                                for c in here
-                                if c.config.attack == "joint"
-                                and c.config.k == k
-                                and (c.config.gradient_noise, c.config.gradient_bits) == p
-                            ),
-                            None,
-                        ),
-                    )
-                    for x, p in enumerate(pert)
-                ]
-                ctl_pts = [
-                    (x, next((c for c in here if c.config.attack == a and c.config.k == k), None))
-                    for x, a in enumerate(ctl, start=len(pert))
-                ]
-                offset = (n - (len(ks) - 1) / 2) * width
-                for pts, hollow in ((joint_pts, False), (ctl_pts, True)):
-                    found = [(x, c) for x, c in pts if c is not None]
-                    if not found:
-                        continue
-                    y = np.array([100 * c.token.estimate for _, c in found])
-                    err = np.array(
-                        [[y[i] - 100 * c.token.low, 100 * c.token.high - y[i]] for i, (_, c) in enumerate(found)]
-                    ).T
-                    ax.errorbar(
-                        np.array([x for x, _ in found]) + offset,
-                        y,
-                        yerr=err,
-                        fmt="o",
-                        color=colour,
-                        capsize=3,
-                        ms=5,
-                        mfc="white" if hollow else colour,
-                        label=None if hollow else f"joint k={k}",
-                    )
-                act = next((c for c in here if c.config.attack == "activation" and c.config.k == k), None)
-                if act is not None:
-                    ax.axhline(100 * act.token.estimate, color=colour, ls="--", lw=1, label=f"activation-only k={k}")
+            _perturbation_panel(ax, here, ks, pert, ctl)
             ax.set_xticks(range(len(xlabels)), xlabels, rotation=25, ha="right")
             ax.set_xlim(-0.6, len(xlabels) - 0.4)
             ax.set_title(f"{split}, {copy} copy")
             ax.grid(axis="y", alpha=0.3)
             if j == 0:
                 ax.set_ylabel("token recovery (%)")
-    # one legend column per k (filled column by column): the joint attacker above its activation-only line
+    _perturbation_legend(fig, axes, ks)
+    return save_png_svg(fig, out_stem, dpi=130)
+
+
+def _perturbation_panel(ax, here: Sequence[Cell], ks: list, pert: list, ctl: list[str]) -> None:
+    """One split and copy: per k, the joint attacker at each gradient condition (filled) and the controls
+    (hollow) with their intervals, side by side, and the activation-only attacker as a dashed line."""
+    width = 0.75 / max(1, len(ks))
+    for n, k in enumerate(ks):
+        colour = f"C{n}"
+        joint_pts = [
+            (
+                x,
+                next(
+                    (
+                        c
+                        for c in here
+                        if c.config.attack == "joint"
+                        and c.config.k == k
+                        and (c.config.gradient_noise, c.config.gradient_bits) == p
+                    ),
+                    None,
+                ),
+            )
+            for x, p in enumerate(pert)
+        ]
+        ctl_pts = [
+            (x, next((c for c in here if c.config.attack == a and c.config.k == k), None))
+            for x, a in enumerate(ctl, start=len(pert))
+        ]
+        offset = (n - (len(ks) - 1) / 2) * width
+        for pts, hollow in ((joint_pts, False), (ctl_pts, True)):
+            found = [(x, c) for x, c in pts if c is not None]
+            if not found:
+                continue
+            y = np.array([100 * c.token.estimate for _, c in found])
+            err = np.array([[y[i] - 100 * c.token.low, 100 * c.token.high - y[i]] for i, (_, c) in enumerate(found)]).T
+            ax.errorbar(
+                np.array([x for x, _ in found]) + offset,
+                y,
+                yerr=err,
+                fmt="o",
+                color=colour,
+                capsize=3,
+                ms=5,
+                mfc="white" if hollow else colour,
+                label=None if hollow else f"joint k={k}",
+            )
+        act = next((c for c in here if c.config.attack == "activation" and c.config.k == k), None)
+        if act is not None:
+            ax.axhline(100 * act.token.estimate, color=colour, ls="--", lw=1, label=f"activation-only k={k}")
+
+
+def _perturbation_legend(fig, axes, ks: list) -> None:
+    """One legend column per k (filled column by column): the joint attacker above its activation-only line."""
     items: dict[str, Any] = {}  # legend label -> artist
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
@@ -128,7 +137,6 @@ def perturbation_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Pat
             fontsize=9,
             frameon=False,
         )
-    return save_png_svg(fig, out_stem, dpi=130)
 
 
 def cost_figure(points: Sequence[CostPoint], out_stem: str | Path) -> list[Path]:

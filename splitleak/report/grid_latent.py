@@ -392,6 +392,9 @@ def _f(x: float | None, places: int = 3) -> str:
     return "n/a" if x is None or not np.isfinite(x) else f"{x:.{places}f}"
 
 
+_YES_NO = {True: "yes", False: "no", None: "n/a"}
+
+
 def latent_section(
     doc: Document,
     attack_rows: Sequence[dict[str, Any]],
@@ -405,167 +408,172 @@ def latent_section(
         return
     th = s.thresholds or shipped_thresholds()
     doc.add(Heading(2, "The decoy system (002): partition, probes and utility"))
-    steps = sorted({str(u.steps) for u in s.utility})
-    frames = sorted({str(r.get("n_docs")) for r in attack_rows if is_latent(r) and r.get("n_docs") is not None})
-    doc.add(
-        Para(
-            f"Ours: {', '.join(sorted({u.model for u in s.utility}))}, {', '.join(steps)} training steps, "
-            f"{', '.join(frames)} evaluation frames per run. The paper: {PAPER['setting']}. Differences in size "
-            "come from these: fewer evaluation frames widen every interval (at a few dozen frames the Bonferroni "
-            "interval of a probe arm is about ±2 pp wide, wider than the paper's whole defended effect), fewer "
-            "steps leave the private encoder and decoder far from trained (the held-out loss below), and a "
-            "smaller model with another split changes what the boundary carries. Numbers that do not depend on "
-            "training, such as the exact partition by zero support, should agree exactly."
-        )
-    )
+    doc.add(_setting_para(s, attack_rows))
     if s.partition:
-        doc.add(Heading(3, "Which rows are real: the partition of each frame"))
-        rows = []
-        for cell in s.partition:
-            rows.append(
-                [
-                    cell.model,
-                    cell.attack,
-                    cell.arm,
-                    cell.params,
-                    str(len(cell.seeds)),
-                    f"{cell.frames_exact:,} / {cell.frames:,}",
-                    _f(cell.agreement),
-                    _f(cell.auc),
-                ]
-            )
-        doc.add(
-            Table(
-                ["model", "attack", "latent arm", "parameters", "seeds", "frames exact", "row agreement", "AUC"],
-                rows,
-                caption="Support partition: a row is called real iff its returned output gradient is non-zero; the "
-                "norm and classifier rules read the same frames after the fix, which the paper did not test. "
-                f"The paper: open, {PAPER['partition_open']}; with the fix, {PAPER['partition_fix']}. "
-                "decoy-history (a row matching an earlier frame's rows is a decoy) and gauge-key-search (run seeds "
-                "tried against the derived keys) are built for the decoy mix and the gauges; the paper did not "
-                "test them.",
-            )
-        )
+        doc.add(Heading(3, "Which rows are real: the partition of each frame"), _partition_table(s.partition))
     if s.probes:
-        doc.add(Heading(3, "What the rows say: the probe battery"))
-        doc.add(
-            Para(
-                f"Read under protocol {th.protocol} (sha256 {th.protocol_hash[:12]}"
-                + (f"; {th.note}" if th.note else "")
-                + f"): gate +{100 * th.gate:.2f} pp, α = {th.alpha:g}, J = {th.arms} arms per view declared "
-                "(002's three probe variants, mlp, features and graph, at three restarts; each view its own check), "
-                + (
-                    "no utility gate declared."
-                    if th.utility_ce_increase_max is None
-                    else f"utility gate ≤ {th.utility_ce_increase_max:g} nats of held-out cross-entropy over the "
-                    "pretrained model."
-                )
-                + " A view whose battery measured another number of family arms is read over the arms it has, with J "
-                "= those; it decides the gate only where that cannot mislead (fewer arms that already break it, more "
-                "arms that hold it) and is undecided otherwise."
-            )
-        )
-        rows = []
-        for run in s.probes:
-            v = run.verdict
-            pv = run.protocol or {}
-            views = pv.get("by_view", {})
-            decided = [vv for vv in views.values() if vv.get("decision") != "undecided" and "best_arm" in vv]
-            top = max(decided, key=lambda vv: vv["gate_statistic"]) if decided else None
-            twin = "n/a" if run.twin is None else f"{_pp(run.twin_of_best)} ({run.twin.get('verdict', 'n/a')})"
-            util = pv.get("utility") or {}
-            rows.append(
-                [
-                    run.model,
-                    run.arm,
-                    str(run.seed),
-                    _pp(run.constant, signed=False),
-                    "n/a" if top is None else str(top["best_arm"]),
-                    "n/a"
-                    if top is None
-                    else f"{_pp(top['paired_effect'])} [{_pp(top['paired_low'])}, {_pp(top['paired_high'])}] (J = {top['J']})",
-                    "n/a" if top is None else _pp(top["gate_statistic"]),
-                    str(pv.get("verdict", "n/a")),
-                    {True: "yes", False: "no", None: "n/a"}[util.get("passes")],
-                    {True: "yes", False: "no", None: "undecided"}[pv.get("passes")],
-                    f"{v.get('best_arm', 'n/a')} {_pp(v.get('paired_effect'))} (J = {v.get('J', v.get('eligible'))})",
-                    twin,
-                ]
-            )
-        doc.add(
-            Table(
-                ["model", "latent arm", "seed", "control (%)", "family arm of the view with the largest G", "its paired effect at α/J (pp)", "G (pp)", "verdict under the protocol", "within the utility gate", "passes", "best arm of the whole battery (pp, J)", "shuffled twin (pp)"],
-                rows,
-                caption="Per seed, under the protocol: each view's family arms (degenerate arms, modal share > 0.99, "
-                "excluded from J), the best by paired advantage over the most-frequent-token control read at α/J, "
-                "and the gate statistic G; shown for the view with the largest G. A run passes when it holds the gate "
-                "in every view and its held-out loss is within the utility gate. The battery-wide reading (every "
-                "eligible arm of every view and model, J = their number) and the shuffled-label twin of its best "
-                "arm (labels permuted globally over probe training and evaluation, the battery retrained) are "
-                f"descriptive. The paper: naked, {PAPER['probes_naked']}; defended, {PAPER['probes_defended']}.",
-            )
-        )  # fmt: skip
+        doc.add(Heading(3, "What the rows say: the probe battery"), _gate_para(th), _probe_table(s.probes))
         verdicts = arm_passes(s)
         if verdicts:
-            yn = {True: "yes", False: "no", None: "undecided"}
-            doc.add(
-                Table(
-                    ["model", "latent arm", "battery", "seeds", "hold the gate", "break it", "within the utility gate", "passes"],
-                    [[a["model"], a["arm"], a["params"], str(a["seeds"]), str(a["seeds_holding_gate"]), str(a["seeds_breaking_gate"]),
-                      str(a["seeds_within_utility"]), yn[a["passes"]]] for a in verdicts],
-                    caption="Per latent arm, under the protocol: an arm passes only when every seed holds the privacy "
-                    "gate in every view and is within the utility gate (002: \"passed both gates\"); an arm over the "
-                    "utility gate is never passing, however little its rows give away.",
-                )
-            )  # fmt: skip
+            doc.add(_arm_table(verdicts))
     if s.pooled:
-        rows = []
-        for pool in s.pooled:
-            loo = (
-                "n/a (fewer than 3 seeds)"
-                if pool.leave_one_out is None
-                else f"{_pp(pool.leave_one_out[0])} … {_pp(pool.leave_one_out[1])}"
-            )
-            rows.append(
-                [pool.model, pool.arm, pool.probe_arm, str(len(pool.seeds)), f"{_pp(pool.estimate)} [{_pp(pool.low)}, {_pp(pool.high)}]",
-                 _pp(pool.tau, signed=False), f"{100 * pool.i2:.1f}", loo]
-            )  # fmt: skip
-        doc.add(
-            Table(
-                ["model", "latent arm", "probe arm", "seeds", "pooled effect (pp)", "τ (pp)", "I² (%)", "leave-one-out means (pp)"],
-                rows,
-                caption="Seed-level DerSimonian–Laird pooling of each probe arm (per-seed SE from its 95 % "
-                "frame-bootstrap interval); the arm with the highest pooled mean, its interval at α/J over the "
-                f"arms pooled. The paper: {PAPER['probes_defended']}.",
-            )
-        )  # fmt: skip
+        doc.add(_pooled_table(s.pooled))
     for note in s.notes:
         doc.add(Para(note, "note"))
     if s.utility:
-        doc.add(Heading(3, "What the defence costs: held-out loss"))
-        rows = []
-        for u in s.utility:
-            cost = "n/a"
-            if u.cost is not None:
-                uc = u.cost
-                cost = f"{uc['mean']:+.4f} [{uc['min']:+.4f}, {uc['max']:+.4f}] vs {uc['against']} ({len(uc['seeds'])} seeds)"
-            rows.append(
-                [u.model, u.arm, str(len(u.seeds)), str(u.steps), _f(u.heldout_ce), _f(u.pretrained_ce),
-                 f"{u.heldout_ce - u.pretrained_ce:+.3f}", _f(u.epsilon, 2), cost,
-                 {True: "yes", False: "no", None: "n/a"}[(u.utility_gate or {}).get("passes")]]
-            )  # fmt: skip
-        doc.add(
-            Table(
-                ["model", "latent arm", "seeds", "steps", "held-out CE", "pretrained CE", "Δ (nats)", "ε per row, one release", "output-gradient cost (nats): mean [min, max]", "within the utility gate"],
-                rows,
-                caption="Held-out cross-entropy of the deployed pipeline (noise, decoys, gauges) on the capture pass, "
-                "against the frozen pretrained model; the output-gradient cost pairs each seed with the arm that "
-                f"differs only in the output gradient. The paper: the fix costs {PAPER['fix_cost']}. "
-                + (
-                    f"The protocol's utility gate ({th.protocol}): ≤ {th.utility_ce_increase_max:g} nats over the "
-                    "pretrained model; the last column applies it to the mean over seeds."
-                    if th.utility_ce_increase_max is not None
-                    else f"Protocol {th.protocol} declares no utility gate."
-                ),
-            )
+        doc.add(Heading(3, "What the defence costs: held-out loss"), _utility_table(s.utility, th))
+
+
+def _setting_para(s: LatentSummary, attack_rows: Sequence[dict[str, Any]]) -> Para:
+    """Our setting beside the paper's, and which differences in size it explains."""
+    steps = sorted({str(u.steps) for u in s.utility})
+    frames = sorted({str(r.get("n_docs")) for r in attack_rows if is_latent(r) and r.get("n_docs") is not None})
+    return Para(
+        f"Ours: {', '.join(sorted({u.model for u in s.utility}))}, {', '.join(steps)} training steps, "
+        f"{', '.join(frames)} evaluation frames per run. The paper: {PAPER['setting']}. Differences in size "
+        "come from these: fewer evaluation frames widen every interval (at a few dozen frames the Bonferroni "
+        "interval of a probe arm is about ±2 pp wide, wider than the paper's whole defended effect), fewer "
+        "steps leave the private encoder and decoder far from trained (the held-out loss below), and a "
+        "smaller model with another split changes what the boundary carries. Numbers that do not depend on "
+        "training, such as the exact partition by zero support, should agree exactly."
+    )
+
+
+def _partition_table(cells: Sequence[PartitionCell]) -> Table:
+    rows = [
+        [c.model, c.attack, c.arm, c.params, str(len(c.seeds)), f"{c.frames_exact:,} / {c.frames:,}", _f(c.agreement),
+         _f(c.auc)]
+        for c in cells
+    ]  # fmt: skip
+    return Table(
+        ["model", "attack", "latent arm", "parameters", "seeds", "frames exact", "row agreement", "AUC"],
+        rows,
+        caption="Support partition: a row is called real iff its returned output gradient is non-zero; the "
+        "norm and classifier rules read the same frames after the fix, which the paper did not test. "
+        f"The paper: open, {PAPER['partition_open']}; with the fix, {PAPER['partition_fix']}. "
+        "decoy-history (a row matching an earlier frame's rows is a decoy) and gauge-key-search (run seeds "
+        "tried against the derived keys) are built for the decoy mix and the gauges; the paper did not "
+        "test them.",
+    )
+
+
+def _gate_para(th: GateThresholds) -> Para:
+    """How the battery is read under the protocol: its gate, α, J and utility gate."""
+    return Para(
+        f"Read under protocol {th.protocol} (sha256 {th.protocol_hash[:12]}"
+        + (f"; {th.note}" if th.note else "")
+        + f"): gate +{100 * th.gate:.2f} pp, α = {th.alpha:g}, J = {th.arms} arms per view declared "
+        "(002's three probe variants, mlp, features and graph, at three restarts; each view its own check), "
+        + (
+            "no utility gate declared."
+            if th.utility_ce_increase_max is None
+            else f"utility gate ≤ {th.utility_ce_increase_max:g} nats of held-out cross-entropy over the "
+            "pretrained model."
+        )
+        + " A view whose battery measured another number of family arms is read over the arms it has, with J "
+        "= those; it decides the gate only where that cannot mislead (fewer arms that already break it, more "
+        "arms that hold it) and is undecided otherwise."
+    )
+
+
+def _probe_row(run: ProbeRun) -> list[str]:
+    """One seed's battery under the protocol: the view with the largest gate statistic, the verdicts, and the
+    battery-wide best arm with its shuffled-label twin."""
+    v = run.verdict
+    pv = run.protocol or {}
+    views = pv.get("by_view", {})
+    decided = [vv for vv in views.values() if vv.get("decision") != "undecided" and "best_arm" in vv]
+    top = max(decided, key=lambda vv: vv["gate_statistic"]) if decided else None
+    twin = "n/a" if run.twin is None else f"{_pp(run.twin_of_best)} ({run.twin.get('verdict', 'n/a')})"
+    util = pv.get("utility") or {}
+    return [
+        run.model,
+        run.arm,
+        str(run.seed),
+        _pp(run.constant, signed=False),
+        "n/a" if top is None else str(top["best_arm"]),
+        "n/a"
+        if top is None
+        else f"{_pp(top['paired_effect'])} [{_pp(top['paired_low'])}, {_pp(top['paired_high'])}] (J = {top['J']})",
+        "n/a" if top is None else _pp(top["gate_statistic"]),
+        str(pv.get("verdict", "n/a")),
+        _YES_NO[util.get("passes")],
+        {True: "yes", False: "no", None: "undecided"}[pv.get("passes")],
+        f"{v.get('best_arm', 'n/a')} {_pp(v.get('paired_effect'))} (J = {v.get('J', v.get('eligible'))})",
+        twin,
+    ]
+
+
+def _probe_table(runs: Sequence[ProbeRun]) -> Table:
+    return Table(
+        ["model", "latent arm", "seed", "control (%)", "family arm of the view with the largest G", "its paired effect at α/J (pp)", "G (pp)", "verdict under the protocol", "within the utility gate", "passes", "best arm of the whole battery (pp, J)", "shuffled twin (pp)"],
+        [_probe_row(run) for run in runs],
+        caption="Per seed, under the protocol: each view's family arms (degenerate arms, modal share > 0.99, "
+        "excluded from J), the best by paired advantage over the most-frequent-token control read at α/J, "
+        "and the gate statistic G; shown for the view with the largest G. A run passes when it holds the gate "
+        "in every view and its held-out loss is within the utility gate. The battery-wide reading (every "
+        "eligible arm of every view and model, J = their number) and the shuffled-label twin of its best "
+        "arm (labels permuted globally over probe training and evaluation, the battery retrained) are "
+        f"descriptive. The paper: naked, {PAPER['probes_naked']}; defended, {PAPER['probes_defended']}.",
+    )  # fmt: skip
+
+
+def _arm_table(verdicts: Sequence[dict[str, Any]]) -> Table:
+    yn = {True: "yes", False: "no", None: "undecided"}
+    return Table(
+        ["model", "latent arm", "battery", "seeds", "hold the gate", "break it", "within the utility gate", "passes"],
+        [[a["model"], a["arm"], a["params"], str(a["seeds"]), str(a["seeds_holding_gate"]), str(a["seeds_breaking_gate"]),
+          str(a["seeds_within_utility"]), yn[a["passes"]]] for a in verdicts],
+        caption="Per latent arm, under the protocol: an arm passes only when every seed holds the privacy "
+        "gate in every view and is within the utility gate (002: \"passed both gates\"); an arm over the "
+        "utility gate is never passing, however little its rows give away.",
+    )  # fmt: skip
+
+
+def _pooled_table(pooled: Sequence[Pooled]) -> Table:
+    rows = []
+    for pool in pooled:
+        loo = (
+            "n/a (fewer than 3 seeds)"
+            if pool.leave_one_out is None
+            else f"{_pp(pool.leave_one_out[0])} … {_pp(pool.leave_one_out[1])}"
+        )
+        rows.append(
+            [pool.model, pool.arm, pool.probe_arm, str(len(pool.seeds)), f"{_pp(pool.estimate)} [{_pp(pool.low)}, {_pp(pool.high)}]",
+             _pp(pool.tau, signed=False), f"{100 * pool.i2:.1f}", loo]
         )  # fmt: skip
+    return Table(
+        ["model", "latent arm", "probe arm", "seeds", "pooled effect (pp)", "τ (pp)", "I² (%)", "leave-one-out means (pp)"],
+        rows,
+        caption="Seed-level DerSimonian–Laird pooling of each probe arm (per-seed SE from its 95 % "
+        "frame-bootstrap interval); the arm with the highest pooled mean, its interval at α/J over the "
+        f"arms pooled. The paper: {PAPER['probes_defended']}.",
+    )  # fmt: skip
+
+
+def _utility_table(utility: Sequence[UtilityCell], th: GateThresholds) -> Table:
+    rows = []
+    for u in utility:
+        cost = "n/a"
+        if u.cost is not None:
+            uc = u.cost
+            cost = (
+                f"{uc['mean']:+.4f} [{uc['min']:+.4f}, {uc['max']:+.4f}] vs {uc['against']} ({len(uc['seeds'])} seeds)"
+            )
+        rows.append(
+            [u.model, u.arm, str(len(u.seeds)), str(u.steps), _f(u.heldout_ce), _f(u.pretrained_ce),
+             f"{u.heldout_ce - u.pretrained_ce:+.3f}", _f(u.epsilon, 2), cost, _YES_NO[(u.utility_gate or {}).get("passes")]]
+        )  # fmt: skip
+    return Table(
+        ["model", "latent arm", "seeds", "steps", "held-out CE", "pretrained CE", "Δ (nats)", "ε per row, one release", "output-gradient cost (nats): mean [min, max]", "within the utility gate"],
+        rows,
+        caption="Held-out cross-entropy of the deployed pipeline (noise, decoys, gauges) on the capture pass, "
+        "against the frozen pretrained model; the output-gradient cost pairs each seed with the arm that "
+        f"differs only in the output gradient. The paper: the fix costs {PAPER['fix_cost']}. "
+        + (
+            f"The protocol's utility gate ({th.protocol}): ≤ {th.utility_ce_increase_max:g} nats over the "
+            "pretrained model; the last column applies it to the mean over seeds."
+            if th.utility_ce_increase_max is not None
+            else f"Protocol {th.protocol} declares no utility gate."
+        ),
+    )  # fmt: skip

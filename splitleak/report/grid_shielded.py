@@ -179,121 +179,129 @@ def shape_claims(cells: Sequence[ArmCell], thresholds: dict[str, float] | None =
         (c for c in mirage if _is(c.arg("mirage", "m", 1750.0), 1750.0) and _is(c.arg("mirage", "r", 1 / 7), 1 / 7)),
         None,
     )
-    out = []
+    return [
+        _claim_a(none, th),
+        _claim_b(full, none, default_mirage, th),
+        _claim_c(mirage, th),
+        _claim_d(mirage),
+        _claim_e(cells, default_mirage, th),
+    ]
 
-    readers = " or ".join(LABEL_READERS)
 
-    # (a)
+_READERS = " or ".join(LABEL_READERS)
+
+
+def _claim_a(none: ArmCell | None, th: dict[str, float]) -> Claim:
+    """(a) undefended, GMA-SL recovers most label tokens."""
     a = none.strongest() if none else None
-    out.append(
-        Claim(
-            "a",
-            f"undefended, GMA-SL recovers most label tokens (more than {_pct(th['most_labels'])})",
-            None if a is None else a > th["most_labels"],
-            f"no undefended arm read by {readers}"
-            if a is None
-            else f"{none.arm}: {_pct(a)} of label tokens ({none.strongest_reader()})",  # type: ignore[union-attr]
-        )
+    return Claim(
+        "a",
+        f"undefended, GMA-SL recovers most label tokens (more than {_pct(th['most_labels'])})",
+        None if a is None else a > th["most_labels"],
+        f"no undefended arm read by {_READERS}"
+        if a is None
+        else f"{none.arm}: {_pct(a)} of label tokens ({none.strongest_reader()})",  # type: ignore[union-attr]
     )
 
-    # (b)
+
+def _claim_b(
+    full: Sequence[ArmCell], none: ArmCell | None, default_mirage: ArmCell | None, th: dict[str, float]
+) -> Claim:
+    """(b) Gradient Mirage reads far below every baseline at comparable utility."""
     base = [c for c in full if c.chain_names in BASELINES and c.strongest() is not None]
     if default_mirage is None or default_mirage.strongest() is None or none is None or not base:
-        out.append(
-            Claim(
-                "b",
-                "Gradient Mirage reads far below every baseline at comparable utility",
-                None,
-                f"needs the undefended arm, mirage at its defaults and a baseline, each read by {readers}",
-            )
+        return Claim(
+            "b",
+            "Gradient Mirage reads far below every baseline at comparable utility",
+            None,
+            f"needs the undefended arm, mirage at its defaults and a baseline, each read by {_READERS}",
         )
-    else:
-        near = [
-            c
+    near = [
+        c
+        for c in base
+        if c.heldout_ce is not None
+        and none.heldout_ce is not None
+        and abs(c.heldout_ce - none.heldout_ce) <= th["utility_margin"]
+    ]
+    mirage_ok = (
+        default_mirage.heldout_ce is not None
+        and none.heldout_ce is not None
+        and abs(default_mirage.heldout_ce - none.heldout_ce) <= th["utility_margin"]
+    )
+    mr, mrl = default_mirage.strongest() or 0.0, default_mirage.strongest("rougeL_f") or 0.0
+    below = all(
+        mr <= (c.strongest() or 0.0) - th["far_below"] and mrl <= (c.strongest("rougeL_f") or 0.0) - th["far_below"]
+        for c in near
+    )
+    ev = (
+        f"mirage: {_pct(mr)} labels ({default_mirage.strongest_reader()}), ROUGE-L {_pct(mrl)}, held-out CE "
+        f"{_ce(default_mirage.heldout_ce)} (undefended {_ce(none.heldout_ce)}); "
+        + "; ".join(
+            f"{c.arm}: {_pct(c.strongest())}, ROUGE-L {_pct(c.strongest('rougeL_f'))}, CE {_ce(c.heldout_ce)}"
+            + ("" if c in near else " (utility not comparable)")
             for c in base
-            if c.heldout_ce is not None
-            and none.heldout_ce is not None
-            and abs(c.heldout_ce - none.heldout_ce) <= th["utility_margin"]
-        ]
-        mirage_ok = (
-            default_mirage.heldout_ce is not None
-            and none.heldout_ce is not None
-            and abs(default_mirage.heldout_ce - none.heldout_ce) <= th["utility_margin"]
         )
-        mr, mrl = default_mirage.strongest() or 0.0, default_mirage.strongest("rougeL_f") or 0.0
-        below = all(
-            mr <= (c.strongest() or 0.0) - th["far_below"] and mrl <= (c.strongest("rougeL_f") or 0.0) - th["far_below"]
-            for c in near
-        )
-        ev = (
-            f"mirage: {_pct(mr)} labels ({default_mirage.strongest_reader()}), ROUGE-L {_pct(mrl)}, held-out CE "
-            f"{_ce(default_mirage.heldout_ce)} (undefended {_ce(none.heldout_ce)}); "
-            + "; ".join(
-                f"{c.arm}: {_pct(c.strongest())}, ROUGE-L {_pct(c.strongest('rougeL_f'))}, CE {_ce(c.heldout_ce)}"
-                + ("" if c in near else " (utility not comparable)")
-                for c in base
-            )
-        )
-        out.append(
-            Claim(
-                "b",
-                f"Gradient Mirage cuts label recovery and ROUGE-L at least {_pct(th['far_below'])} below every "
-                f"baseline whose held-out CE is within {th['utility_margin']} nats of the undefended run, its own "
-                "CE within that margin too",
-                bool(mirage_ok and near and below),
-                ev + ("" if near else "; no baseline at comparable utility"),
-            )
-        )
+    )
+    return Claim(
+        "b",
+        f"Gradient Mirage cuts label recovery and ROUGE-L at least {_pct(th['far_below'])} below every "
+        f"baseline whose held-out CE is within {th['utility_margin']} nats of the undefended run, its own "
+        "CE within that margin too",
+        bool(mirage_ok and near and below),
+        ev + ("" if near else "; no baseline at comparable utility"),
+    )
 
-    # (c) and (d): sweeps of mirage's m (r at its default) and r (m at its default)
-    by_m = sorted(
+
+def _sweep(
+    mirage: Sequence[ArmCell], arg: str, default: float, other: str, other_default: float
+) -> list[tuple[float | None, ArmCell]]:
+    """The mirage arms read by a label reader with ``other`` at its default, by their ``arg``, ascending."""
+    return sorted(
         (
-            (c.arg("mirage", "m", 1750.0), c)
+            (c.arg("mirage", arg, default), c)
             for c in mirage
-            if _is(c.arg("mirage", "r", 1 / 7), 1 / 7) and c.strongest() is not None
+            if _is(c.arg("mirage", other, other_default), other_default) and c.strongest() is not None
         ),
         key=lambda x: x[0],  # type: ignore[arg-type,return-value]
     )
+
+
+def _claim_c(mirage: Sequence[ArmCell], th: dict[str, float]) -> Claim:
+    """(c) reconstruction falls then plateaus as mirage's m grows (r at its default)."""
+    by_m = _sweep(mirage, "m", 1750.0, "r", 1 / 7)
     if len(by_m) < 3:
-        out.append(Claim("c", "reconstruction falls then plateaus as m grows", None, "needs mirage at three or more m"))
-    else:
-        rec = [c.strongest() or 0.0 for _, c in by_m]
-        ces = [c.heldout_ce for _, c in by_m if c.heldout_ce is not None]
-        flat = (max(ces) - min(ces)) <= th["utility_margin"] if ces else False
-        holds = rec[0] - rec[-1] >= th["m_drop"] and abs(rec[-1] - rec[-2]) <= th["plateau"] and flat
-        out.append(
-            Claim(
-                "c",
-                f"reconstruction falls by at least {_pct(th['m_drop'])} from the smallest m to the largest, the two "
-                f"largest within {_pct(th['plateau'])}, held-out CE within {th['utility_margin']} nats across m",
-                holds,
-                "; ".join(f"m={m:g}: {_pct(c.strongest())}, CE {_ce(c.heldout_ce)}" for m, c in by_m),
-            )
-        )
-    by_r = sorted(
-        (
-            (c.arg("mirage", "r", 1 / 7), c)
-            for c in mirage
-            if _is(c.arg("mirage", "m", 1750.0), 1750.0) and c.strongest() is not None
-        ),
-        key=lambda x: x[0],  # type: ignore[arg-type,return-value]
+        return Claim("c", "reconstruction falls then plateaus as m grows", None, "needs mirage at three or more m")
+    rec = [c.strongest() or 0.0 for _, c in by_m]
+    ces = [c.heldout_ce for _, c in by_m if c.heldout_ce is not None]
+    flat = (max(ces) - min(ces)) <= th["utility_margin"] if ces else False
+    holds = rec[0] - rec[-1] >= th["m_drop"] and abs(rec[-1] - rec[-2]) <= th["plateau"] and flat
+    return Claim(
+        "c",
+        f"reconstruction falls by at least {_pct(th['m_drop'])} from the smallest m to the largest, the two "
+        f"largest within {_pct(th['plateau'])}, held-out CE within {th['utility_margin']} nats across m",
+        holds,
+        "; ".join(f"m={m:g}: {_pct(c.strongest())}, CE {_ce(c.heldout_ce)}" for m, c in by_m),
     )
-    if len(by_r) < 2 or by_r[0][0] != 0:
-        out.append(Claim("d", "token-wise variation r helps up to a point", None, "needs mirage at r = 0 and at r > 0"))
-    else:
-        r0 = by_r[0][1].strongest() or 0.0
-        best = min(c.strongest() or 0.0 for _, c in by_r[1:])
-        out.append(
-            Claim(
-                "d",
-                "some r > 0 reads less than r = 0 (the best r is reported; larger r past it reading more is the "
-                "'up to a point')",
-                best < r0,
-                "; ".join(f"r={r:.3g}: {_pct(c.strongest())}" for r, c in by_r),
-            )
-        )
 
-    # (e)
+
+def _claim_d(mirage: Sequence[ArmCell]) -> Claim:
+    """(d) token-wise variation r helps up to a point (m at its default)."""
+    by_r = _sweep(mirage, "r", 1 / 7, "m", 1750.0)
+    if len(by_r) < 2 or by_r[0][0] != 0:
+        return Claim("d", "token-wise variation r helps up to a point", None, "needs mirage at r = 0 and at r > 0")
+    r0 = by_r[0][1].strongest() or 0.0
+    best = min(c.strongest() or 0.0 for _, c in by_r[1:])
+    return Claim(
+        "d",
+        "some r > 0 reads less than r = 0 (the best r is reported; larger r past it reading more is the "
+        "'up to a point')",
+        best < r0,
+        "; ".join(f"r={r:.3g}: {_pct(c.strongest())}" for r, c in by_r),
+    )
+
+
+def _claim_e(cells: Sequence[ArmCell], default_mirage: ArmCell | None, th: dict[str, float]) -> Claim:
+    """(e) training the Trunk does at least as well as freezing it."""
     frozen = next(
         (
             c
@@ -304,24 +312,18 @@ def shape_claims(cells: Sequence[ArmCell], thresholds: dict[str, float] | None =
         None,
     )
     if default_mirage is None or frozen is None or default_mirage.heldout_ce is None or frozen.heldout_ce is None:
-        out.append(
-            Claim(
-                "e",
-                "training the Trunk does at least as well as freezing it",
-                None,
-                "needs mirage with train all and trunk-frozen",
-            )
+        return Claim(
+            "e",
+            "training the Trunk does at least as well as freezing it",
+            None,
+            "needs mirage with train all and trunk-frozen",
         )
-    else:
-        out.append(
-            Claim(
-                "e",
-                f"training the Trunk: held-out CE no worse than freezing it by more than {th['trunk_margin']} nats",
-                default_mirage.heldout_ce <= frozen.heldout_ce + th["trunk_margin"],
-                f"train all {_ce(default_mirage.heldout_ce)}, trunk-frozen {_ce(frozen.heldout_ce)}",
-            )
-        )
-    return out
+    return Claim(
+        "e",
+        f"training the Trunk: held-out CE no worse than freezing it by more than {th['trunk_margin']} nats",
+        default_mirage.heldout_ce <= frozen.heldout_ce + th["trunk_margin"],
+        f"train all {_ce(default_mirage.heldout_ce)}, trunk-frozen {_ce(frozen.heldout_ce)}",
+    )
 
 
 def privacy_utility_figure(cells: Sequence[ArmCell], out_stem: str | Path, attack: str | None = None) -> list[Path]:

@@ -1,0 +1,113 @@
+"""The grid report's negative controls: every token attack job's mis-paired twin
+(``splitleak.audit.verdicts``), tested as one Bonferroni family over the grid's jobs, per attack and
+copy, with each detected job named as an instrument fault above the protocol's tests."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from splitleak.report.document import Document, Heading, Para, Table
+from splitleak.report.grid_common import Ctx, count, pp
+
+#: the family-wise level of a grid's negative controls (Bonferroni over its jobs)
+CONTROL_ALPHA = 0.05
+
+
+def job_controls(attack_rows: Sequence[dict[str, Any]], alpha: float = CONTROL_ALPHA) -> list[dict[str, Any]]:
+    """One record per attack job whose result holds a mis-paired negative control
+    (``splitleak.audit.verdicts``): its fields, N, the one-sided p-value of its differences
+    (``control_p_value``) and ``fault``: detected in the family of the grid's controls, p below ``alpha``
+    over the number of jobs with a control (Bonferroni; a grid of thousands of jobs would otherwise flag
+    some attack whose reading varies with its batch by chance)."""
+    import json
+
+    from splitleak.audit.verdicts import control_p_value
+
+    seen: dict[str, dict[str, Any]] = {}
+    for r in attack_rows:
+        if r["key"] in seen or not r.get("result_json"):
+            continue
+        control = json.loads(r["result_json"]).get("control")
+        if control is not None:
+            seen[r["key"]] = {"row": r, **control, "p": control_p_value(control["per_doc_delta"])}
+    out = list(seen.values())
+    for c in out:
+        c["fault"] = c["p"] < alpha / len(out)
+    return out
+
+
+def control_faults(attack_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The jobs whose mis-paired control was detected in the grid's family: an attack that read the documents
+    it was labelled as from traffic of other documents, so its readings are not readings of the traffic."""
+    return [c for c in job_controls(attack_rows) if c["fault"]]
+
+
+def _job_text(r: dict[str, Any]) -> str:
+    parts = [str(r.get("attack"))]
+    parts += [
+        f"{k}={r[k]}" for k in ("k", "budget", "client_copy", "defence", "depth", "victim_seed") if r.get(k) is not None
+    ]
+    return " ".join(parts) + f" (job {str(r['key'])[:12]})"
+
+
+def controls_section(doc: Document, ctx: Ctx, attack_rows: Sequence[dict[str, Any]]) -> None:
+    """The mis-paired negative control of every token attack job: per attack and copy, how many jobs ran
+    one and how many read above floor; every detected job by name. A detected control is an instrument
+    fault: the protocol's tests below are not to be read until it is explained."""
+    doc.add(Heading(2, "Negative controls"))
+    controls = job_controls(attack_rows)
+    if not controls:
+        doc.add(Para("Omitted: no attack job of this store ran a mis-paired negative control.", "note"))
+        return
+    doc.add(
+        _controls_table(controls),
+        Para(
+            "N: each job's mis-paired twin, the same fitted attack given the traffic of other documents of its "
+            f"run ({len(controls[0]['doc_ids'])} documents, whole frames) and scored against the labels of the "
+            "documents it is labelled as, minus the job's own reading of that traffic scored against the same "
+            "labels. An attack that reads only the traffic reads 0; one that reaches the evaluation text by the "
+            "documents' identity reads above it. Detected: a one-sided t-test of the job's per-document "
+            f"differences, p below {CONTROL_ALPHA:g} / {len(controls):,} (Bonferroni over the jobs with a control).",
+            "caption",
+        ),
+    )
+    faults = [c for c in controls if c["fault"]]
+    if faults:
+        ctx.rep.control_faults = faults
+        doc.add(
+            Para(
+                f"**INSTRUMENT FAULT**: the negative control of {count(len(faults), 'job')} reads above its floor, "
+                "so those attacks read the evaluation text by the documents' identity rather than through the "
+                "traffic; no test of this report is to be read until that is explained: "
+                + "; ".join(
+                    f"{_job_text(c['row'])}: N = {pp(c['effect']['estimate'])} pp, p = {c['p']:.2g}"
+                    for c in faults[:20]
+                )
+                + ("" if len(faults) <= 20 else f"; and {len(faults) - 20} more")
+                + ".",
+                "note",
+            )
+        )
+
+
+def _controls_table(controls: Sequence[dict[str, Any]]) -> Table:
+    """Per attack and copy: the jobs with a control, how many were detected, the mean N and the largest upper end."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in controls:
+        groups.setdefault((str(c["row"].get("attack")), str(c["row"].get("client_copy"))), []).append(c)
+    table = []
+    for (attack, copy), cs in sorted(groups.items()):
+        est = [c["effect"]["estimate"] for c in cs]
+        table.append(
+            [
+                attack,
+                copy,
+                str(len(cs)),
+                str(sum(c["fault"] for c in cs)),
+                pp(float(np.mean(est))),
+                pp(max(c["effect"]["high"] for c in cs)),
+            ]
+        )
+    return Table(["attack", "copy", "jobs", "detected", "mean N (pp)", "largest upper end (pp)"], table)
