@@ -1,4 +1,4 @@
-"""GMA-SL that knows the label-shielded defence chain (``gma-sl-aware``, splitleak.attacks.gma.AwareGMASL).
+"""GMA-SL that knows the label-shielded defence chain (``gma-sl-aware``, splitleak.attacks.gma_aware.AwareGMASL).
 
 The function-level tests play the client with the Top of the random tiny-gpt2 (as tests/test_gma.py does):
 4 documents of 16 tokens, random trunk outputs and labels (60 labels, chance 1/615), the exposed gradient
@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from splitleak.attacks.gma import (
+from splitleak.attacks.gma import match_labels
+from splitleak.attacks.gma_aware import (
     AwareGMASL,
     exposed_model,
-    match_labels,
     match_labels_aware,
     resolve_objective,
 )

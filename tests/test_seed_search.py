@@ -96,7 +96,7 @@ def test_a_recorded_configuration_keeps_its_draws():
     """``as_dict`` leaves ``draws="derived"`` out (the hashes of runs made before the choice existed), so a record
     read back must mean derived, not the new default; a grid's train job carries the spec's draws to its run."""
     from splitleak.experiments.jobs import expand
-    from splitleak.experiments.spec import load_spec
+    from splitleak.experiments.spec_loading import load_spec
     from splitleak.training import config_from_record
 
     derived, fresh = make_train_config(draws="derived"), make_train_config()

@@ -9,18 +9,16 @@ from typer.testing import CliRunner
 from splitleak.cli import app
 from splitleak.errors import ConfigError
 from splitleak.experiments.tune import (
-    Outcome,
     Space,
     TrialConfig,
     TuneSettings,
     build_space,
-    pareto_front,
     parse_enqueue,
-    run_study,
     searchable_defences,
     trial_params,
-    tune,
 )
+from splitleak.experiments.tune_study import pareto_front, run_study, tune
+from splitleak.experiments.tune_trials import Outcome
 from splitleak.report.tune import render_tune
 
 runner = CliRunner()

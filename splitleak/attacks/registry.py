@@ -235,7 +235,7 @@ REGISTRY: dict[str, AttackInfo] = {
         ),
         AttackInfo(
             "gma-sl-aware",
-            f"{_A}.gma:AwareGMASL",
+            f"{_A}.gma_aware:AwareGMASL",
             "label-shielded: GMA-SL under the exposed loss the defence chain declares (its public scale divided "
             "out or fitted per target, zeroed coordinates masked, seq-dp's clip applied)",
             reads=("trunk-output", "output-gradient"),

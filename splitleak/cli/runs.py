@@ -470,6 +470,7 @@ def attack_cmd(
     from splitleak.attacks import make_attack_config
     from splitleak.audit.evaluate import run_attack
     from splitleak.defences import parse_defence_args
+    from splitleak.report.attack_tables import attack_rows
     from splitleak.runtime import apply_threads, resolve_device
 
     with user_errors():
@@ -521,71 +522,6 @@ def attack_cmd(
         t = Table(title=f"{attack} on {run_dir}")
         t.add_column("measure")
         t.add_column("value", justify="right")
-        from splitleak.metrics import fmt_pct
-
-        if res.get("label_recovery") is not None:  # a label attack (gma-sl): the labels are tokens 1 … T-1
-            t.add_row("label tokens recovered (%)", fmt_pct(res["label_recovery"]))
-            if res.get("answer_label_recovery") is not None:
-                t.add_row("answer label tokens recovered (%)", fmt_pct(res["answer_label_recovery"]))
-            for key, title in (("rouge1_f", "ROUGE-1 F"), ("rouge2_f", "ROUGE-2 F"), ("rougeL_f", "ROUGE-L F")):
-                t.add_row(f"{title} of the label text", f"{res[key]:.4f}")
-            t.add_row(
-                "METEOR", "n/a (nltk has no WordNet here)" if res.get("meteor") is None else f"{res['meteor']:.4f}"
-            )
-        if res.get("token_recovery") is not None:
-            t.add_row("token recovery (%)", fmt_pct(res["token_recovery"]))
-            if res.get("control") is not None:
-                c = res["control"]
-                e = c["effect"]
-                t.add_row(
-                    f"mis-paired control N (pp, {len(c['doc_ids'])} documents)",
-                    f"{100 * e['estimate']:+.2f} [{100 * e['low']:+.2f}, {100 * e['high']:+.2f}] ({c['verdict']})",
-                )
-            t.add_row("whole-document recovery (%)", fmt_pct(res["doc_recovery"]))
-            for cls, v in res["span_recovery"].items():
-                t.add_row(f"{cls} spans (%) [{res['span_counts'][cls]}]", "n/a" if v is None else fmt_pct(v))
-            if res.get("lambda") is not None:
-                t.add_row(
-                    "mixing weight λ" + (" (estimated)" if res.get("lambda_estimated") else ""), f"{res['lambda']:.4f}"
-                )
-            probe = res.get("probe_rows") or {}
-            if probe.get("scored"):
-                t.add_row("probe rows: training tokens read (%)", fmt_pct(probe["token_recovery"]))
-                t.add_row("probe rows: share of training tokens exposed (%)", fmt_pct(probe["training_token_share"]))
-            if res.get("leading_space_errors") is not None:
-                t.add_row(
-                    "wrong tokens / of them leading-space only",
-                    f"{res['wrong_tokens']} / {res['leading_space_errors']}",
-                )
-        elif "probes" in res:
-            pr = res["probes"]
-            const, v = pr["constant"], pr["verdict"]
-            t.add_row("most-frequent-token control (%)", fmt_pct(const["accuracy"]))
-            for view, vv in pr["by_view"].items():
-                if "best_arm" in vv:
-                    t.add_row(f"{view}: best paired effect (pp)", f"{100 * vv['paired_effect']:+.2f} ({vv['verdict']})")
-            if "best_arm" in v:
-                t.add_row("best eligible arm", v["best_arm"])
-                t.add_row(
-                    "its paired effect (pp), " + v["family_correction"],
-                    f"{100 * v['paired_effect']:+.2f} [{100 * v['paired_low']:+.2f}, {100 * v['paired_high']:+.2f}]",
-                )
-                t.add_row("gate statistic G (pp)", f"{100 * v['gate_statistic']:+.2f}")
-            t.add_row("verdict (every eligible arm, J = " + str(v.get("J", 0)) + ")", v["verdict"])
-            if pr.get("protocol_verdict") is not None:
-                pv = pr["protocol_verdict"]
-                t.add_row(f"under {pv['thresholds']['protocol']} (J = {pv['J']} per view)", pv["verdict"])
-            if pr.get("control_of_best_arm") is not None:
-                t.add_row("its shuffled-label twin (pp)", f"{100 * pr['control_of_best_arm']:+.2f}")
-        elif "partition" in res:
-            part = res["partition"]
-            t.add_row("frames partitioned exactly", f"{part['frames_exact']} / {part['frames']}")
-            t.add_row("row agreement", f"{part['row_agreement']:.4f}")
-            t.add_row("real rows (share)", f"{part['real_row_share']:.4f}")
-            t.add_row("AUC of the row scores", "n/a" if part["auc"] is None else f"{part['auc']:.4f}")
-        else:
-            for p in res["properties"]:
-                t.add_row(f"AUC, token {p['token_id']}", "n/a" if p["auc"] is None else f"{p['auc']:.4f}")
-            t.add_row("leakage index I", f"{res['leakage_index']:.4f}")
-        t.add_row("seconds", f"{res['seconds']:.1f}")
+        for measure, value in attack_rows(res):
+            t.add_row(measure, value)
         console.print(t)

@@ -66,7 +66,8 @@ def tune_cmd(
 ) -> None:
     """Search cut depth × defence × strength for the configurations that hold the gate against the attack
     suite within a utility budget, and draw the privacy–utility frontier. A rerun resumes."""
-    from splitleak.experiments.tune import TuneSettings, parse_enqueue, tune
+    from splitleak.experiments.tune import TuneSettings, parse_enqueue
+    from splitleak.experiments.tune_study import tune
     from splitleak.report.tune import render_tune
 
     def say(s: str) -> None:

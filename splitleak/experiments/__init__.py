@@ -17,10 +17,10 @@ from typing import Any
 
 _EXPORTS = {
     "ExperimentSpec": "splitleak.experiments.spec",
-    "LoadedSpec": "splitleak.experiments.spec",
-    "load_spec": "splitleak.experiments.spec",
-    "resolve_spec_path": "splitleak.experiments.spec",
-    "shipped_specs": "splitleak.experiments.spec",
+    "LoadedSpec": "splitleak.experiments.spec_loading",
+    "load_spec": "splitleak.experiments.spec_loading",
+    "resolve_spec_path": "splitleak.experiments.spec_loading",
+    "shipped_specs": "splitleak.experiments.spec_loading",
     "defence_label": "splitleak.experiments.spec",
     "Grid": "splitleak.experiments.jobs",
     "Job": "splitleak.experiments.jobs",

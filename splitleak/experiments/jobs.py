@@ -34,7 +34,8 @@ from typing import Any
 
 from splitleak.attacks.registry import attack_info
 from splitleak.errors import ConfigError
-from splitleak.experiments.spec import AttackEntry, ExperimentSpec, LoadedSpec, defence_label, defence_names
+from splitleak.experiments.spec import AttackEntry, ExperimentSpec, defence_label, defence_names
+from splitleak.experiments.spec_loading import LoadedSpec
 from splitleak.files import config_hash
 
 SCHEMA = 1
@@ -237,20 +238,39 @@ def _attack_configs(entry: AttackEntry, spec: ExperimentSpec, index: int) -> lis
     return out
 
 
+#: an attack entry's configurations: (AttackConfig dict, perturbation label, counted also in inference)
+AttackConfigs = list[tuple[dict[str, Any], str, bool]]
+
+
 def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
     """Every job of the spec, keys included; raises ConfigError (naming the entry) for unknown
     attacks, defences or arguments, and for a job listed twice."""
-    from splitleak.training import make_train_config
-
     spec = loaded.spec
     chains = [(defence_label(chain), chain) for chain in spec.defences]
+    _check_labels(loaded, chains)
+    attack_cfgs = [
+        (entry, [] if entry.attack == ADAPTIVE_ENTRY else _attack_configs(entry, spec, i))
+        for i, entry in enumerate(spec.attacks)
+    ]
+    _check_split_modes(loaded, chains)
+    expansion = _Expansion(loaded, protocol_hash, attack_cfgs)
+    for model in spec.models:
+        expansion.add_model(model, chains)
+    expansion.check_every_entry_used()
+    return Grid(loaded, protocol_hash, expansion.jobs)
+
+
+def _check_labels(loaded: LoadedSpec, chains: list[tuple[str, Any]]) -> None:
+    """The defence chains' labels and the arms' labels tell every train job apart, and every defence an
+    attack entry names is one of them or a known defence."""
+    from splitleak.defences import DEFENCES
+
+    spec = loaded.spec
     labels = [lab for lab, _ in chains]
     names = {defence_names(chain) for chain in spec.defences}
     dup = sorted({lab for lab in labels if labels.count(lab) > 1})
     if dup:
         raise ConfigError(f"{loaded.path}: the defence chain {dup[0]!r} is listed twice")
-    from splitleak.defences import DEFENCES
-
     arms = [a.label for a in spec.latent] + [a.label for a in spec.shielded]
     split_labels = set(labels) if _splits(spec) else set()  # the chains label train jobs only where a split runs
     clash = sorted(set(arms) & (split_labels | {LATENT_DEFENCE, SHIELDED_DEFENCE}))
@@ -271,51 +291,18 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
                     f"defence of the spec ({', '.join(labels + arms)}) nor a known defence "
                     f"({', '.join(sorted(DEFENCES))})"
                 )
-    attack_cfgs = [
-        (entry, [] if entry.attack == ADAPTIVE_ENTRY else _attack_configs(entry, spec, i))
-        for i, entry in enumerate(spec.attacks)
-    ]
-    adaptive_cfgs: dict[tuple[int, str], list[tuple[dict[str, Any], str, bool]]] = {}
 
-    def adaptive_configs(i: int, entry: AttackEntry, name: str) -> list[tuple[dict[str, Any], str, bool]]:
-        """The configurations of adaptive attack ``name`` that entry ``i`` stands for."""
-        if (i, name) not in adaptive_cfgs:
-            import inspect
 
-            from splitleak.attacks.core import ATTACKS
+def _check_split_modes(loaded: LoadedSpec, chains: list[tuple[str, Any]]) -> None:
+    """Every defence of a chain supports the split modes the spec runs it in."""
+    from splitleak.defences import DEFENCES
 
-            takes = inspect.signature(ATTACKS[name].__init__).parameters
-            one = entry.model_copy(
-                update={
-                    "attack": name,
-                    "k": entry.k if "k" in takes else None,
-                    "budget": entry.budget if "budget" in takes else None,
-                }
-            )
-            adaptive_cfgs[(i, name)] = _attack_configs(one, spec, i)
-        return adaptive_cfgs[(i, name)]
-
-    jobs: list[Job] = []
-    seen: dict[str, str] = {}
-    from_adaptive: set[str] = set()
-
-    def add(job: Job, adaptive: bool = False) -> None:
-        if job.key in seen:
-            if adaptive or job.key in from_adaptive:
-                return  # an adaptive entry and another entry name the same job: it runs once
-            raise ConfigError(
-                f"{loaded.path}: the job {job.summary!r} is listed twice (e.g. two attack entries overlap)"
-            )
-        seen[job.key] = job.summary
-        if adaptive:
-            from_adaptive.add(job.key)
-        jobs.append(job)
-
+    spec = loaded.spec
     for split_mode, present, where in (
         ("plain", bool(spec.depths), "a plain split (depths)"),
         ("u-shape", spec.placements is not None, "partial offloading (placements)"),
     ):
-        for lab, chain in chains:  # unknown names are refused below, with the defence named
+        for lab, chain in chains:  # unknown names are refused later, with the defence named
             bad = [d.name for d in chain if d.name in DEFENCES and split_mode not in DEFENCES[d.name].split_modes]
             if present and bad:
                 supported = DEFENCES[bad[0]].split_modes
@@ -325,10 +312,86 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
                     f"for {where}; put it in {hint}"
                 )
 
-    used = [False] * len(attack_cfgs)
 
-    def emit(common: dict[str, Any], label: str, names: str, mode: str) -> None:
+class _Expansion:
+    """The jobs of one spec, added train job by train job, each followed by the attack (and reuse) jobs of
+    every entry that reads its mode; a job listed twice is refused unless an adaptive entry yields it."""
+
+    def __init__(self, loaded: LoadedSpec, protocol_hash: str, attack_cfgs: list[tuple[AttackEntry, AttackConfigs]]):
+        self.loaded, self.spec, self.protocol_hash = loaded, loaded.spec, protocol_hash
+        self.attack_cfgs = attack_cfgs
+        self.used = [False] * len(attack_cfgs)
+        self.jobs: list[Job] = []
+        self.seen: dict[str, str] = {}
+        self.from_adaptive: set[str] = set()
+        self.adaptive_cfgs: dict[tuple[int, str], AttackConfigs] = {}
+
+    def add(self, job: Job, adaptive: bool = False) -> None:
+        if job.key in self.seen:
+            if adaptive or job.key in self.from_adaptive:
+                return  # an adaptive entry and another entry name the same job: it runs once
+            raise ConfigError(
+                f"{self.loaded.path}: the job {job.summary!r} is listed twice (e.g. two attack entries overlap)"
+            )
+        self.seen[job.key] = job.summary
+        if adaptive:
+            self.from_adaptive.add(job.key)
+        self.jobs.append(job)
+
+    def add_model(self, model: str, chains: list[tuple[str, Any]]) -> None:
+        """The train jobs of one model: its splits x chains, its latent arms, its shielded arms, x victim seeds."""
+        spec = self.spec
+        for split in _splits(spec):
+            for label, chain in chains:
+                for seed in spec.victim_seeds:
+                    common = dict(
+                        **self.shared(model, seed),
+                        **split,
+                        defences=[d.model_dump() for d in chain],
+                        lr=spec.lr,
+                        all_local_baseline=spec.all_local_baseline,
+                    )
+                    mode = "plain" if split["depth"] is not None else "u-shape"
+                    self.add_train(common, label, defence_names(chain), mode)
+        for arm in spec.latent:
+            try:
+                latent = arm.latent_config(model)
+            except ConfigError as exc:
+                raise ConfigError(f"{self.loaded.path}: {exc}") from None
+            for seed in spec.victim_seeds:
+                # the latent mode has no all-local twin: its reference is the frozen pretrained model
+                common = dict(**self.shared(model, seed), latent=latent, lr=arm.lr, all_local_baseline=False)
+                self.add_train(common, arm.label, LATENT_DEFENCE, "latent")
+        for sarm in spec.shielded:
+            for seed in spec.victim_seeds:
+                common = dict(
+                    **self.shared(model, seed),
+                    shielded=sarm.shielded_config(),
+                    defences=[d.model_dump() for d in sarm.chain],
+                    lr=sarm.lr if sarm.lr is not None else spec.lr,
+                    all_local_baseline=spec.all_local_baseline,
+                )
+                self.add_train(common, sarm.label, SHIELDED_DEFENCE, "label-shielded")
+
+    def shared(self, model: str, seed: int) -> dict[str, Any]:
+        """The train configuration's fields that every split and arm shares."""
+        spec = self.spec
+        return dict(
+            model=model,
+            precision=spec.precision_of(model),
+            data=spec.data.source,
+            seed=seed,
+            steps=spec.steps,
+            capture_batch=spec.capture_batch,
+            draws=spec.draws,
+            **spec.documents.train_config_fields(),
+        )
+
+    def add_train(self, common: dict[str, Any], label: str, names: str, mode: str) -> None:
         """The train job of ``common`` and the attack (and reuse) jobs of every entry that reads its mode."""
+        from splitleak.training import make_train_config
+
+        loaded, spec = self.loaded, self.spec
         try:
             key_cfg = make_train_config(**common, data_path=spec.data.path, model_path=spec.model_path)
             run_cfg = make_train_config(
@@ -343,28 +406,46 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
         tkey = config_hash(config)
         tf = _train_fields(tcfg, label, names)
         tsum = _train_summary(tf)
-        add(Job(tkey, "train", config, tf, tsum, run_config=run_cfg.as_dict()))
-        from splitleak.training.config import adaptive_attacks_of
-
-        for i, (entry, entry_cfgs) in enumerate(attack_cfgs):
+        self.add(Job(tkey, "train", config, tf, tsum, run_config=run_cfg.as_dict()))
+        top_only = (common.get("shielded") or {}).get("train") == "top-only"
+        for i, (entry, entry_cfgs) in enumerate(self.attack_cfgs):
             if entry.defences is not None and label not in entry.defences and names not in entry.defences:
                 continue
             if entry.attack == ADAPTIVE_ENTRY:
-                used[i] = True
-                top_only = (common.get("shielded") or {}).get("train") == "top-only"
+                from splitleak.training.config import adaptive_attacks_of
+
+                self.used[i] = True
                 built = [a for a in adaptive_attacks_of(run_cfg) if not (top_only and attack_info(a).needs_top)]
-                per_attack = [(a, adaptive_configs(i, entry, a)) for a in built]
+                per_attack = [self.adaptive_configs(i, entry, a) for a in built]
             else:
                 if mode not in attack_info(entry.attack).modes:
                     continue  # the latent mode's frames, a split's positions, a label-shielded run's four crossings
-                if (common.get("shielded") or {}).get("train") == "top-only" and attack_info(entry.attack).needs_top:
+                if top_only and attack_info(entry.attack).needs_top:
                     continue  # a top-only client sends no gradient: the attacks that match one have nothing to read
-                used[i] = True
-                per_attack = [(entry.attack, entry_cfgs)]
-            for cfgs in (c for _, c in per_attack):
-                emit_attacks(cfgs, tkey, tf, tsum, adaptive=entry.attack == ADAPTIVE_ENTRY)
+                self.used[i] = True
+                per_attack = [entry_cfgs]
+            for cfgs in per_attack:
+                self.add_attacks(cfgs, tkey, tf, tsum, adaptive=entry.attack == ADAPTIVE_ENTRY)
 
-    def emit_attacks(cfgs, tkey: str, tf: dict[str, Any], tsum: str, adaptive: bool) -> None:
+    def adaptive_configs(self, i: int, entry: AttackEntry, name: str) -> AttackConfigs:
+        """The configurations of adaptive attack ``name`` that entry ``i`` stands for."""
+        if (i, name) not in self.adaptive_cfgs:
+            import inspect
+
+            from splitleak.attacks.core import ATTACKS
+
+            takes = inspect.signature(ATTACKS[name].__init__).parameters
+            one = entry.model_copy(
+                update={
+                    "attack": name,
+                    "k": entry.k if "k" in takes else None,
+                    "budget": entry.budget if "budget" in takes else None,
+                }
+            )
+            self.adaptive_cfgs[(i, name)] = _attack_configs(one, self.spec, i)
+        return self.adaptive_cfgs[(i, name)]
+
+    def add_attacks(self, cfgs: AttackConfigs, tkey: str, tf: dict[str, Any], tsum: str, adaptive: bool) -> None:
         """The attack (and reuse) jobs of one train job for one attack's configurations."""
         for acfg, pert, also_inference in cfgs:
             aconf = {
@@ -372,79 +453,26 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
                 "kind": "attack",
                 "train_key": tkey,
                 "attack": acfg,
-                "protocol_hash": protocol_hash,
+                "protocol_hash": self.protocol_hash,
             }
             akey = config_hash(aconf)
             af = {**tf, **_attack_fields(acfg, pert)}
-            add(Job(akey, "attack", aconf, af, f"{tsum} | {_attack_summary(af)}", train_key=tkey), adaptive)
+            self.add(Job(akey, "attack", aconf, af, f"{tsum} | {_attack_summary(af)}", train_key=tkey), adaptive)
             if also_inference:
                 icfg = {**acfg, "inference": True}
                 iconf = {**aconf, "attack": icfg}
-                ikey = config_hash(iconf)
                 fi = {**tf, **_attack_fields(icfg, pert)}
-                add(
-                    Job(
-                        ikey,
-                        "reuse",
-                        iconf,
-                        fi,
-                        f"{tsum} | {_attack_summary(fi)} (reuses {akey[:12]})",
-                        train_key=tkey,
-                        reuse_of=akey,
-                    ),
-                    adaptive,
-                )
+                summary = f"{tsum} | {_attack_summary(fi)} (reuses {akey[:12]})"
+                self.add(Job(config_hash(iconf), "reuse", iconf, fi, summary, train_key=tkey, reuse_of=akey), adaptive)
 
-    def shared(model: str, seed: int) -> dict[str, Any]:
-        return dict(
-            model=model,
-            precision=spec.precision_of(model),
-            data=spec.data.source,
-            seed=seed,
-            steps=spec.steps,
-            capture_batch=spec.capture_batch,
-            draws=spec.draws,
-            **spec.documents.train_config_fields(),
-        )
-
-    for model in spec.models:
-        for split in _splits(spec):
-            for label, chain in chains:
-                for seed in spec.victim_seeds:
-                    common = dict(
-                        **shared(model, seed),
-                        **split,
-                        defences=[d.model_dump() for d in chain],
-                        lr=spec.lr,
-                        all_local_baseline=spec.all_local_baseline,
-                    )
-                    emit(common, label, defence_names(chain), "plain" if split["depth"] is not None else "u-shape")
-        for arm in spec.latent:
-            try:
-                latent = arm.latent_config(model)
-            except ConfigError as exc:
-                raise ConfigError(f"{loaded.path}: {exc}") from None
-            for seed in spec.victim_seeds:
-                # the latent mode has no all-local twin: its reference is the frozen pretrained model
-                common = dict(**shared(model, seed), latent=latent, lr=arm.lr, all_local_baseline=False)
-                emit(common, arm.label, LATENT_DEFENCE, "latent")
-        for sarm in spec.shielded:
-            for seed in spec.victim_seeds:
-                common = dict(
-                    **shared(model, seed),
-                    shielded=sarm.shielded_config(),
-                    defences=[d.model_dump() for d in sarm.chain],
-                    lr=sarm.lr if sarm.lr is not None else spec.lr,
-                    all_local_baseline=spec.all_local_baseline,
+    def check_every_entry_used(self) -> None:
+        """An attack entry that reads no train job of the grid is refused, naming the modes it reads."""
+        for i, (entry, _) in enumerate(self.attack_cfgs):
+            if not self.used[i]:
+                modes = " or ".join(attack_info(entry.attack).modes)
+                raise ConfigError(
+                    f"{self.loaded.path}: attacks[{i}] ({entry.attack}) reads {modes} runs and no train job of this "
+                    f"grid is one{' among its defences ' + str(entry.defences) if entry.defences else ''}; add them "
+                    "(latent: [...] for the decoy system, shielded: [...] for label-shielded fine-tuning, depths or "
+                    "placements for a split) or drop the entry"
                 )
-                emit(common, sarm.label, SHIELDED_DEFENCE, "label-shielded")
-    for i, (entry, _) in enumerate(attack_cfgs):
-        if not used[i]:
-            modes = " or ".join(attack_info(entry.attack).modes)
-            raise ConfigError(
-                f"{loaded.path}: attacks[{i}] ({entry.attack}) reads {modes} runs and no train job of this grid "
-                f"is one{' among its defences ' + str(entry.defences) if entry.defences else ''}; add them "
-                "(latent: [...] for the decoy system, shielded: [...] for label-shielded fine-tuning, depths or "
-                "placements for a split) or drop the entry"
-            )
-    return Grid(loaded, protocol_hash, jobs)

@@ -26,7 +26,7 @@ from splitleak.experiments.display import SilentReporter
 from splitleak.experiments.executors import LocalExecutor, RayExecutor, WorkerDied, import_ray, plan_workers
 from splitleak.experiments.jobs import Grid, Job, expand
 from splitleak.experiments.rekey import apply_rekeys, find_rekeys
-from splitleak.experiments.spec import LoadedSpec, load_spec
+from splitleak.experiments.spec_loading import LoadedSpec, load_spec
 from splitleak.experiments.store import ResultsStore, reuse_rows
 
 EXECUTORS = ("local", "ray")
@@ -177,18 +177,7 @@ def run_grid(
         raise ConfigError(f"unknown executor {executor!r}; use local or ray")
     loaded = _load(spec, profile, overrides)
     grid = expand(loaded, _protocol_hash(loaded))  # every configuration checked before anything is written
-    if executor == "local":
-        workers, threads = plan_workers(workers, threads)
-    else:  # Ray: one CPU per task unless told; at most `workers` tasks at once (default: what the cluster holds)
-        plan_workers(workers or 1, threads or 1)
-        threads = threads or 1
-    if executor == "ray":
-        import_ray()
-        dev = device
-        if dev not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"unknown device {device!r}; use auto, cpu or cuda")
-    else:
-        dev = _resolve_local_device(device)
+    workers, threads, dev = _plan_execution(executor, workers, threads, device)
     freeze_protocol(loaded.protocol_path)  # what users expect: a grid runs under a frozen protocol
     protocol_hash = load_protocol(loaded.protocol_path)[1]
     if protocol_hash != grid.protocol_hash:  # cannot differ (freezing records the file's hash); be explicit
@@ -197,42 +186,12 @@ def run_grid(
     rs = ResultsStore(store_of(loaded, store))
     with rs.lock():
         rs.clear_stale()
-        rs.write_json(
-            "grid.json",
-            {
-                "spec": str(loaded.path),
-                "name": loaded.name,
-                "profile": loaded.profile,
-                "overrides": list(loaded.overrides),
-                "protocol": str(loaded.protocol_path),
-                "protocol_hash": protocol_hash,
-                "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "counts": grid.counts(),
-                "jobs": [
-                    {
-                        "key": j.key,
-                        "kind": j.kind,
-                        "summary": j.summary,
-                        "train_key": j.train_key,
-                        "reuse_of": j.reuse_of,
-                    }
-                    for j in grid.jobs
-                ],
-            },
-        )
-        rekeys = find_rekeys(grid, rs)
-        if rekeys:
-            moved = apply_rekeys(rs, rekeys)
-            reporter.note(
-                f"{moved} result(s) stored under the keys of an earlier canonical form of their configuration "
-                "(defence arguments as typed) now stand under their jobs' keys; nothing was recomputed"
-            )
-        done = rs.done_keys()
-        _recheck_train_runs(grid, rs, done, reporter)
+        rs.write_json("grid.json", _grid_record(loaded, grid, protocol_hash))
+        done = _done_keys(grid, rs, reporter)
         result = GridRun(grid, rs.root, executor, done_before=sum(1 for j in grid.jobs if j.key in done))
         driver = {"driver_pid": os.getpid(), "driver_host": socket.gethostname()}
         if executor == "local":
-            assert workers is not None  # plan_workers chose it above
+            assert workers is not None  # _plan_execution chose it
             ex: Any = LocalExecutor(workers, threads, dev, driver)
         else:
             ex = RayExecutor(workers, threads, dev, driver, address=address, gpus_per_job=gpus_per_job)
@@ -252,6 +211,55 @@ def run_grid(
             reporter.end()
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _plan_execution(
+    executor: str, workers: int | None, threads: int | None, device: str
+) -> tuple[int | None, int, str]:
+    """(workers, threads, device) for the executor, checked before anything is written: locally the
+    planned pool and the resolved device; on Ray one CPU per task unless told, at most ``workers`` tasks
+    at once (default: what the cluster holds), and the device as given (each node resolves it)."""
+    if executor == "local":
+        workers, threads = plan_workers(workers, threads)
+        return workers, threads, _resolve_local_device(device)
+    plan_workers(workers or 1, threads or 1)
+    import_ray()
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}; use auto, cpu or cuda")
+    return workers, threads or 1, device
+
+
+def _grid_record(loaded: LoadedSpec, grid: Grid, protocol_hash: str) -> dict[str, Any]:
+    """What ``grid.json`` records: the spec, profile, overrides and protocol the grid ran under, and its jobs."""
+    return {
+        "spec": str(loaded.path),
+        "name": loaded.name,
+        "profile": loaded.profile,
+        "overrides": list(loaded.overrides),
+        "protocol": str(loaded.protocol_path),
+        "protocol_hash": protocol_hash,
+        "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "counts": grid.counts(),
+        "jobs": [
+            {"key": j.key, "kind": j.kind, "summary": j.summary, "train_key": j.train_key, "reuse_of": j.reuse_of}
+            for j in grid.jobs
+        ],
+    }
+
+
+def _done_keys(grid: Grid, rs: ResultsStore, reporter) -> set[str]:
+    """The keys the store holds, after moving results stored under an earlier canonical form's keys and
+    dropping the train jobs whose run directory no longer verifies."""
+    rekeys = find_rekeys(grid, rs)
+    if rekeys:
+        moved = apply_rekeys(rs, rekeys)
+        reporter.note(
+            f"{moved} result(s) stored under the keys of an earlier canonical form of their configuration "
+            "(defence arguments as typed) now stand under their jobs' keys; nothing was recomputed"
+        )
+    done = rs.done_keys()
+    _recheck_train_runs(grid, rs, done, reporter)
+    return done
 
 
 def _recheck_train_runs(grid: Grid, rs: ResultsStore, done: set[str], reporter) -> None:
