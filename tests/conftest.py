@@ -3,6 +3,12 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the hub is not reachable here; fail fast instead of retrying
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+#: under pytest-xdist (`make test`, `make check`: two workers on two cores) each worker, and each process a
+#: test starts without --threads, computes on one torch thread, so the workers do not oversubscribe the cores
+XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+if XDIST_WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -15,7 +21,7 @@ GPT2_TOKENIZER = SHARED / "data" / "gpt2-tokenizer"
 
 @pytest.fixture(autouse=True)
 def _threads():
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if XDIST_WORKER else 2)
 
 
 @pytest.fixture(scope="session")
