@@ -31,12 +31,17 @@ install: $(VENV)/.installed $(VENV)/.models
 audit: install
 	$(VENV)/bin/splitleak audit
 
+# pytest-xdist runs the suite on WORKERS processes (one torch thread each, tests/conftest.py); tests that
+# share something outside their tmp_path (a Ray instance) carry one xdist_group and run on one worker.
+WORKERS ?= 2
+PYTEST := $(PY) -m pytest -n $(WORKERS) --dist loadgroup
+
 test: install
-	$(PY) -m pytest
+	$(PYTEST)
 
 # The fast tier while you work (under 2 minutes on 2 cores): no real model, no end-to-end runs.
 check: $(VENV)/.installed
-	$(PY) -m pytest -m "not slow and not e2e" -q
+	$(PYTEST) -m "not slow and not e2e" -q
 
 # pyflakes, bugbear, import order and formatting, then mypy over the package (all configured in
 # pyproject.toml); CI runs it before the tests. `make format` rewrites the files in place.

@@ -1,8 +1,16 @@
+import json
 import os
+import shutil
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the hub is not reachable here; fail fast instead of retrying
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+#: under pytest-xdist (`make test`, `make check`: two workers on two cores) each worker, and each process a
+#: test starts without --threads, computes on one torch thread, so the workers do not oversubscribe the cores
+XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+if XDIST_WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -15,7 +23,7 @@ GPT2_TOKENIZER = SHARED / "data" / "gpt2-tokenizer"
 
 @pytest.fixture(autouse=True)
 def _threads():
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if XDIST_WORKER else 2)
 
 
 @pytest.fixture(scope="session")
@@ -65,14 +73,34 @@ def _listing(folder: Path) -> dict[str, tuple[int, int]]:
     return {p.relative_to(folder).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
 
 
+def _made_once(tmp_path_factory, name: str, make) -> tuple[Path, dict[str, tuple[int, int]]]:
+    """``make(folder)`` once per session, even under pytest-xdist: the workers share one folder (the parent
+    of their own base temps) and the first to ask makes it under a file lock while the others wait. Returns
+    the folder and its listing as made, which the caller checks again at the end of its session."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if XDIST_WORKER else root
+    folder, record = root / name, root / f"{name}.listing.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not record.is_file():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed to make it left
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            make(folder)
+            record.write_text(json.dumps(_listing(folder)))
+    listing = {k: (size, mtime) for k, (size, mtime) in json.loads(record.read_text()).items()}
+    return folder, listing
+
+
 @pytest.fixture(scope="session")
 def shared_run(tmp_path_factory):
     """Tiny runs trained once per session, shared by every test that asks for the same configuration.
 
     ``shared_run(config)`` with a TrainConfig, or ``shared_run(**kwargs)`` with make_train_config's
-    arguments, returns the run folder (trained on the CPU). Read only: a test that writes into its run,
-    or trains under a spy or a monkeypatch, trains its own. At the end of the session every shared run
-    must still be what training left, or the session reports which files a test changed."""
+    arguments, returns the run folder (trained on the CPU; once for all pytest-xdist workers). Read only:
+    a test that writes into its run, or trains under a spy or a monkeypatch, trains its own. At the end of
+    the session every shared run must still be what training left, or the session reports which files a
+    test changed."""
     from splitleak.training import make_train_config, run_training
 
     runs: dict[str, tuple[Path, dict]] = {}
@@ -83,14 +111,15 @@ def shared_run(tmp_path_factory):
         config = config if config is not None else make_train_config(**kwargs)
         key = config.hash()
         if key not in runs:
-            path = tmp_path_factory.mktemp(f"shared-{key[:12]}") / "run"
-            run_training(config, path, device="cpu")
-            runs[key] = (path, _listing(path))
+            folder, trained = _made_once(
+                tmp_path_factory, f"shared-{key[:16]}", lambda f: run_training(config, f / "run", device="cpu")
+            )
+            runs[key] = (folder / "run", trained)
         return runs[key][0]
 
     yield get
     for path, trained in runs.values():
-        now = _listing(path)
+        now = _listing(path.parent)
         changed = sorted(k for k in trained.keys() | now.keys() if trained.get(k) != now.get(k))
         assert not changed, f"a test wrote into the shared run {path} (read only; train your own): {changed}"
 
@@ -105,25 +134,28 @@ TINY_AUDIT = [
 
 @pytest.fixture(scope="session")
 def tiny_audit(tmp_path_factory):
-    """Tiny audits made once per session: ``tiny_audit(defence)`` returns the folder of ``splitleak audit
-    --defence DEFENCE`` with ``TINY_AUDIT``'s options. Read only (a test that writes works on a copy); at the
-    end of the session each must still be what the audit left."""
+    """Tiny audits made once per session (once for all pytest-xdist workers): ``tiny_audit(defence)``
+    returns the folder of ``splitleak audit --defence DEFENCE`` with ``TINY_AUDIT``'s options. Read only (a
+    test that writes works on a copy); at the end of the session each must still be what the audit left."""
     from typer.testing import CliRunner
 
     from splitleak.cli import app
 
     made: dict[str, tuple[Path, dict]] = {}
 
+    def audit(folder: Path, defence: str) -> None:
+        out = folder / "audit"
+        r = CliRunner().invoke(app, ["audit", "--defence", defence, "--out", str(out), "--quiet", *TINY_AUDIT])
+        assert r.exit_code == 0, r.output
+
     def get(defence: str = "none") -> Path:
         if defence not in made:
-            out = tmp_path_factory.mktemp(f"audit-{defence}") / "audit"
-            r = CliRunner().invoke(app, ["audit", "--defence", defence, "--out", str(out), "--quiet", *TINY_AUDIT])
-            assert r.exit_code == 0, r.output
-            made[defence] = (out, _listing(out))
+            folder, written = _made_once(tmp_path_factory, f"audit-{defence}", lambda f: audit(f, defence))
+            made[defence] = (folder / "audit", written)
         return made[defence][0]
 
     yield get
     for path, written in made.values():
-        now = _listing(path)
+        now = _listing(path.parent)
         changed = sorted(k for k in written.keys() | now.keys() if written.get(k) != now.get(k))
         assert not changed, f"a test wrote into the shared audit {path} (read only; copy it): {changed}"

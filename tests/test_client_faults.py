@@ -34,7 +34,7 @@ from splitleak.training.checkpoint import checkpoint_folder
 from splitleak.wire.tls import init_tls
 from splitleak.wire.transport import TransportError
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.timeout(600)  # each test carries its tier: a kill and resume of whole runs is e2e
 REPO = Path(splitleak.__file__).resolve().parents[1]  # the checkout under test, for the child processes
 TINY = dict(model="tiny-gpt2", depth=2, n_calib=4, n_train=6, n_eval=6, seed=2, all_local_baseline=False)
 runner = CliRunner()
@@ -111,6 +111,7 @@ BEFORE = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("stage", list(BEFORE))
 def test_a_fault_in_any_stage_closes_the_run_failed_with_the_stage_the_step_and_the_cause(tmp_path, monkeypatch, stage):
     cfg = make_train_config(**{**TINY, "steps": 4})
@@ -132,6 +133,7 @@ def test_a_fault_in_any_stage_closes_the_run_failed_with_the_stage_the_step_and_
         RunStore.check_out(tmp_path / "run")
 
 
+@pytest.mark.integration
 def test_ctrl_c_during_train_says_stopped_and_where_in_one_line(tmp_path, monkeypatch):
     from splitleak.training.roles import ClientRole
 
@@ -158,6 +160,7 @@ def test_ctrl_c_during_train_says_stopped_and_where_in_one_line(tmp_path, monkey
     assert _closing(run)["error"] == "KeyboardInterrupt"
 
 
+@pytest.mark.integration
 def test_resume_trusts_the_journal_to_its_last_whole_entry_and_the_checkpoint_it_records(tmp_path):
     """What a killed client leaves, written by hand: a journal whose last line was cut off mid-write, a file
     of that entry never recorded, a checkpoint recorded by its digest and a newer one the kill left unrecorded."""
@@ -276,6 +279,7 @@ def _train(out: Path, port: int, tls, *extra: str):
     return runner.invoke(app, ["train", "--out", str(out), *connect, *extra])
 
 
+@pytest.mark.e2e
 def test_a_client_killed_mid_training_resumes_to_the_result_of_an_uninterrupted_run(tls, tmp_path):
     cap, ck = tmp_path / "cap", tmp_path / "ck"
     with ServeProcess(tls, "--capture", cap, "--checkpoints", ck) as srv:
@@ -340,6 +344,7 @@ def test_a_client_killed_mid_training_resumes_to_the_result_of_an_uninterrupted_
         assert (new / "wire" / name).read_bytes() == (ref / "wire" / name).read_bytes(), name
 
 
+@pytest.mark.integration
 def test_a_server_that_fails_at_close_leaves_a_failed_run_that_resumes(tls, tmp_path, monkeypatch):
     """The server fails as it closes the session: the client's run, which trained every step and captured,
     closes as failed ("closing the session", all steps done) with everything it recorded, and resumes."""
@@ -384,6 +389,7 @@ def test_a_server_that_fails_at_close_leaves_a_failed_run_that_resumes(tls, tmp_
     assert not thread.is_alive()
 
 
+@pytest.mark.integration
 def test_a_server_checkpoint_ahead_of_or_behind_the_client_s_is_refused_naming_both(tls, tmp_path):
     from splitleak.defences import DefenceChain
     from splitleak.deploy import ServerNode

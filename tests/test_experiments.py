@@ -728,6 +728,7 @@ def test_failed_jobs_are_recorded_and_do_not_stop_the_others(tmp_path):
     reason="ray is not installed (pip install 'splitleak[ray]'); the Ray executor is not tested",
 )
 @pytest.mark.e2e
+@pytest.mark.xdist_group("ray")  # one worker: a local ray.init may join the cluster of the other test
 def test_ray_executor_gives_the_local_results(tiny_grid, tmp_path):
     from splitleak.experiments import run_grid
 
@@ -744,6 +745,7 @@ def test_ray_executor_gives_the_local_results(tiny_grid, tmp_path):
     reason="ray is not installed (pip install 'splitleak[ray]'); the Ray executor is not tested",
 )
 @pytest.mark.e2e
+@pytest.mark.xdist_group("ray")  # one worker: a local ray.init may join the cluster of the other test
 def test_ray_executor_joins_a_running_cluster_and_spreads_jobs_over_its_nodes(tiny_grid, tmp_path):
     """`--address`: a cluster of a head without CPUs and two worker nodes (ray.cluster_utils runs
     them as separate raylets on this machine); every job must run on a worker node, both are used,

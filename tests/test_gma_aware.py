@@ -258,23 +258,21 @@ def test_another_documents_gradient_gives_chance(tiny_top, seed):
 SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=6, doc_len=32, lr=1e-3, data="instructions")
 
 
-def _run(tmp_path, name: str, chain: list[dict], seed: int):
-    from splitleak.training import make_train_config, run_training
-
-    cfg = make_train_config(
+def _run(shared_run, chain: list[dict], seed: int):
+    """Read only: the scale-blind runs are shared by the two tests below."""
+    return shared_run(
         **SMALL, shielded={"bottom": 1, "top": 1}, defences=chain, seed=seed, data_seed=seed, capture_batch=3
     )
-    return run_training(cfg, tmp_path / name, device="cpu").run_dir
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("chain", ["scale-blind", "mirage"])
-def test_on_a_defended_run_the_aware_attack_reads_more_labels_than_gma_sl(tmp_path, seed, chain):
+def test_on_a_defended_run_the_aware_attack_reads_more_labels_than_gma_sl(shared_run, seed, chain):
     from splitleak.attacks.config import make_attack_config
     from splitleak.audit.evaluate import run_attack
 
-    run = _run(tmp_path, chain, [{"name": chain}], seed)
+    run = _run(shared_run, [{"name": chain}], seed)
     plain = run_attack(run, make_attack_config(attack="gma-sl", params={"steps": 150}))
     aware = run_attack(run, make_attack_config(attack="gma-sl-aware", params={"steps": 150}))
     # the chain came from the manifest's public record, and the objective from it
@@ -297,7 +295,7 @@ def test_on_a_defended_run_the_aware_attack_reads_more_labels_than_gma_sl(tmp_pa
 
 @pytest.mark.integration
 @pytest.mark.parametrize("seed", [0, 1])
-def test_positive_control_on_a_run_the_scale_draws_regenerated_from_the_run_seed(tmp_path, seed):
+def test_positive_control_on_a_run_the_scale_draws_regenerated_from_the_run_seed(shared_run, seed):
     """Given scale blinding's secret (its draws, regenerated under the capture's wire context from the run
     seed), the aware attack reads the captured gradient as well as GMA-SL reads the client's own record of the
     undefended one (``shielded/output_gradients.safetensors``, raw) for the same documents."""
@@ -306,7 +304,7 @@ def test_positive_control_on_a_run_the_scale_draws_regenerated_from_the_run_seed
     from splitleak.attacks.knowledge import load_knowledge, load_traffic
     from splitleak.runs.truth import read_documents
 
-    run = _run(tmp_path, "sb", [{"name": "scale-blind"}], seed)
+    run = _run(shared_run, [{"name": "scale-blind"}], seed)
     top = load_knowledge(run, with_top=True).top
     traffic = load_traffic(run)
     own = load_file(run / "shielded" / "output_gradients.safetensors")

@@ -31,8 +31,9 @@ from splitleak.wire.tls import client_context, init_tls
 from splitleak.wire.transport import PROTOCOL_VERSION, TransportError, frame_header, new_nonce, pack, unpack
 
 # every test here starts processes and sockets; one that stalls (seen once, not reproduced) fails after
-# 5 minutes with every thread's stack rather than hanging the suite
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+# 5 minutes with every thread's stack rather than hanging the suite. Each test carries its tier: most are
+# integration (one server, one run); a whole audit over TLS and kill-and-resume runs are e2e.
+pytestmark = pytest.mark.timeout(300)
 # draws keyed by the run seed, so that runs in one process and over TLS can be compared bit for bit
 SMALL = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=6, steps=4, all_local_baseline=False, draws="derived")
 
@@ -72,6 +73,7 @@ class Served:
         return self.node.sessions
 
 
+@pytest.mark.integration
 def test_tls_init_writes_private_keys_and_never_overwrites(tmp_path):
     paths = init_tls(tmp_path / "t", names=("localhost", "10.0.0.7"), days=2, key_type="ed25519")
     for role in ("ca", "server", "client"):
@@ -99,6 +101,7 @@ def _local_and_remote(tls, tmp_path, cfg):
     return local, remote, tmp_path / "server" / "session-0000"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "split,defences",
     [
@@ -168,6 +171,7 @@ def test_over_tls_the_same_bits_as_in_one_process(tls, tmp_path, split, defences
             assert rows[name]["status"] == "no attack"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("seed,draws", [(3, "derived"), (12, "derived"), (3, "os")])
 def test_the_server_cannot_regenerate_the_clients_forward_noise(tls, tmp_path, seed, draws):
     """The hello carries seeds derived one-way from the run seed: with everything the server holds it
@@ -223,6 +227,7 @@ def _hello(cfg, **over):
     return {**hello_for(server_config, lm.fingerprint(), split.spec.as_dict(), chain.describe()), **over}
 
 
+@pytest.mark.integration
 def test_a_mismatched_handshake_is_refused_naming_both_values(tls, tmp_path):
     cfg = make_train_config(**SMALL, seed=1, depth=2)
     with Served(tls, capture=tmp_path / "cap") as srv:
@@ -242,6 +247,7 @@ def test_a_mismatched_handshake_is_refused_naming_both_values(tls, tmp_path):
     assert not (tmp_path / "cap").exists() or not any((tmp_path / "cap").iterdir())
 
 
+@pytest.mark.integration
 def test_plaintext_and_a_foreign_ca_are_refused(tls, tmp_path):
     from websockets.sync.client import connect
 
@@ -332,6 +338,7 @@ BAD = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_frames_are_refused_and_never_captured(tls, tmp_path, case):
     cfg = make_train_config(**SMALL, seed=2, depth=2)
@@ -386,6 +393,7 @@ def test_bad_frames_are_refused_and_never_captured(tls, tmp_path, case):
     assert [e["kind"] for e in ledger] == ["forward", "backward"]  # the refused frame is not in the capture
 
 
+@pytest.mark.integration
 def test_a_vanished_client_leaves_a_verifiable_capture_and_the_server_serves_on(tls, tmp_path):
     cfg = make_train_config(**SMALL, seed=2, depth=2)
     with Served(tls, capture=tmp_path / "cap") as srv:
@@ -403,6 +411,7 @@ def test_a_vanished_client_leaves_a_verifiable_capture_and_the_server_serves_on(
     assert recs[1].status == "complete" and verify_run(run.run_dir).ok
 
 
+@pytest.mark.integration
 def test_sessions_do_not_share_state(tls, tmp_path, monkeypatch):
     """Several clients at once against one server: each session's capture holds its own run only,
     and once a session ends the server holds nothing of it (its model, role and capture are freed)."""
@@ -457,6 +466,7 @@ def test_sessions_do_not_share_state(tls, tmp_path, monkeypatch):
         time.sleep(0.05)
 
 
+@pytest.mark.integration
 def test_serve_cli_and_a_killed_server_stops_the_client_with_one_line(tls, tmp_path):
     from typer.testing import CliRunner
 
@@ -510,6 +520,7 @@ def test_serve_cli_and_a_killed_server_stops_the_client_with_one_line(tls, tmp_p
         proc.wait(timeout=10)
 
 
+@pytest.mark.e2e
 def test_audit_a_deployment_from_the_servers_capture(tls, tmp_path):
     """`audit --connect --server-capture`: both runs (the defended one and its twin) train over TLS,
     and the attacks read the frames the server recorded, after checking they are the client's."""
@@ -583,6 +594,7 @@ def _serve_process(tls, *args):
     return proc, int(line.rsplit(":", 1)[1])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("split", [{"depth": 2}, {"offload_start": 1, "offload_length": 2}])
 def test_train_resumes_after_a_killed_server_with_the_same_final_weights(tls, tmp_path, monkeypatch, split):
     import splitleak.training.loop as loop
@@ -662,6 +674,7 @@ def test_train_resumes_after_a_killed_server_with_the_same_final_weights(tls, tm
         run_training(cfg, tmp_path / "again", device="cpu", connect="127.0.0.1:1", tls_dir=tls, resume=new.run_dir)
 
 
+@pytest.mark.integration
 def test_checkpoints_need_both_sides_and_a_stateless_client(tls, tmp_path):
     cfg = make_train_config(**SMALL, seed=1, depth=2)
     with Served(tls) as srv:  # no --checkpoints: the session runs, and the client's manifest says it cannot resume
@@ -689,6 +702,7 @@ def test_checkpoints_need_both_sides_and_a_stateless_client(tls, tmp_path):
         run_training(cfg, tmp_path / "c", device="cpu", checkpoint_every=2)
 
 
+@pytest.mark.integration
 def test_the_client_checks_the_server_too(tls, tmp_path, monkeypatch):
     """The welcome echoes what the server loaded; a server that runs another model is refused, both named."""
     from splitleak.deploy import server as network
@@ -707,6 +721,7 @@ def test_the_client_checks_the_server_too(tls, tmp_path, monkeypatch):
             RemoteServer("127.0.0.1", srv.port, tls, hello)
 
 
+@pytest.mark.integration
 def test_an_opening_handshake_the_server_drops_is_asked_again_then_refused(tls):
     """A server that completes TLS but closes before its HTTP answer: the client asks three times in all,
     then names the failure (nothing crossed, so a retry is safe)."""
@@ -741,6 +756,7 @@ def test_an_opening_handshake_the_server_drops_is_asked_again_then_refused(tls):
     assert len(accepted) == OPEN_ATTEMPTS
 
 
+@pytest.mark.integration
 def test_the_latent_mode_over_tls_the_same_bits_as_in_one_process(tls, tmp_path):
     """The decoy system deployed: the server holds only the surrogate (no weights to load), and every
     frame of the four wires is the same, byte for byte, as in one process, on both sides of the link."""

@@ -99,7 +99,7 @@ def test_a_store_written_before_the_canonical_form_is_reused_not_rerun(tmp_path)
         assert r["train_key"] in grid.by_key and (r["reuse_of"] is None or r["reuse_of"] in grid.by_key)
 
 
-@pytest.mark.integration
+@pytest.mark.e2e  # a rekey killed midway, then the grid run again to its end
 def test_a_rekeyed_run_serves_the_attacks_added_later_and_a_kill_midway_is_finished(tmp_path, monkeypatch):
     root = _copy(tmp_path)
     spec, store = root / "legacy.yaml", root / "store"
