@@ -121,3 +121,56 @@ def test_the_checks_see_an_import_of_the_truth_and_one_back_up(tmp_path):
         (root / rel).write_text(text)
     assert flagged(truth_imports("attacks", root)) == ["a.py:1", "b.py:2", "c.py:2", "e.py:1"]
     assert flagged(back_up_imports("wire", root)) == ["x.py:1", "y.py:2", "z.py:2"]
+
+
+# ------------------------------------------------------------------ sizes a reader can hold in their head
+
+MODULE_LINES = 600
+FUNCTION_LINES = 100
+WIRE_LINES = 2000
+
+
+def body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of a function's body, from its first statement after the docstring to its end: a CLI command's
+    typer option list (its signature) and its docstring do not count."""
+    body = fn.body
+    if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    end = fn.end_lineno if fn.end_lineno is not None else body[-1].lineno
+    return end - body[0].lineno + 1
+
+
+def oversized(package_root: Path = PACKAGE) -> list[str]:
+    """Modules over ``MODULE_LINES`` lines and functions whose body is over ``FUNCTION_LINES`` lines."""
+    found = []
+    for path in sorted(package_root.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        rel = path.relative_to(package_root.parent).as_posix()
+        if len(text.splitlines()) > MODULE_LINES:
+            found.append(f"{rel}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and body_lines(node) > FUNCTION_LINES:
+                found.append(f"{rel}:{node.lineno} {node.name}: a body of {body_lines(node)} lines")
+    return found
+
+
+@pytest.mark.unit
+def test_no_module_or_function_is_too_long_to_read():
+    assert oversized() == []
+    wire = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in (PACKAGE / "wire").glob("*.py"))
+    assert wire < WIRE_LINES, f"splitleak/wire/ holds {wire} lines: it should keep only what crosses"
+
+
+@pytest.mark.unit
+def test_the_size_check_sees_a_long_module_and_a_long_function(tmp_path):
+    pkg = tmp_path / "splitleak"
+    pkg.mkdir()
+    long_fn = "def f():\n    '''doc'''\n" + "".join(f"    x{i} = {i}\n" for i in range(FUNCTION_LINES + 1))
+    (pkg / "long_function.py").write_text(long_fn)
+    (pkg / "long_module.py").write_text("".join(f"y{i} = {i}\n" for i in range(MODULE_LINES + 1)))
+    ok = "def g():\n    '''doc'''\n" + "".join(f"    x{i} = {i}\n" for i in range(FUNCTION_LINES))
+    (pkg / "fine.py").write_text(ok)
+    assert oversized(pkg) == [
+        f"splitleak/long_function.py:1 f: a body of {FUNCTION_LINES + 1} lines",
+        f"splitleak/long_module.py: {MODULE_LINES + 1} lines",
+    ]
