@@ -39,7 +39,7 @@ PYTEST := $(PY) -m pytest -n $(WORKERS) --dist loadgroup
 test: install
 	$(PYTEST)
 
-# The fast tier while you work (under 2 minutes on 2 cores): no real model, no end-to-end runs.
+# The fast tier while you work (about three minutes on 2 cores; the goal is two): no real model, no end-to-end runs.
 check: $(VENV)/.installed
 	$(PYTEST) -m "not slow and not e2e" -q
 
