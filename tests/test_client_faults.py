@@ -465,6 +465,20 @@ def test_a_latent_run_closes_failed_whatever_stage_raises(tmp_path, monkeypatch,
 
 
 @pytest.mark.integration
+def test_a_latent_run_whose_manifest_cannot_be_built_writes_nothing(tmp_path, monkeypatch):
+    """The manifest is built before the run directory is made: a fault there (here in the surrogate's
+    parameter count) leaves no unfinished run behind; before, the folder stayed with a journal and no end."""
+
+    def boom(*args, **kwargs):
+        raise Boom("planted in the manifest")
+
+    monkeypatch.setattr("splitleak.training.latent_run.surrogate_parameters", boom)
+    with pytest.raises(Boom):
+        run_training(make_train_config(**LATENT), tmp_path / "run", device="cpu", threads=1)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.integration
 def test_a_latent_server_that_fails_at_close_leaves_the_client_run_closed_failed(tls, tmp_path, monkeypatch):
     from splitleak.deploy import server as network
 

@@ -174,14 +174,24 @@ def _connect(run: LatentRun, connect: str, tls_dir: str | Path, force: bool) -> 
 
 
 def _open(run: LatentRun, force: bool) -> None:
-    """The run directory, its manifest (written first thing in the run), the log and how the record ends."""
+    """The manifest (built before anything is written, so that a fault in it leaves no unfinished run), the run
+    directory, the log and how the record ends."""
     try:
+        run.manifest = _manifest(run)
         run.store = RunStore.create(run.out, force=force)
     except BaseException:
         if run.remote is not None:
             run.remote.abort()  # the server closes its session as failed
         raise
-    run.manifest = {
+    run.log = LatentLog()
+    run.end = RunEnd(
+        run.store, run.log, run.remote, ledgers=lambda: [] if run.channel is None else [run.channel.ledger]
+    )
+
+
+def _manifest(run: LatentRun) -> dict[str, Any]:
+    """The run's manifest: the head every run has, the latent split, its defences and declared channels."""
+    manifest = {
         **manifest_head(run.config, run.lm),
         "mode": "latent",
         "split": {**run.spec.as_dict(), "cut": run.split.spec.cut},
@@ -194,15 +204,12 @@ def _open(run: LatentRun, force: bool) -> None:
     }
     if run.remote is not None:
         assert run.server_config is not None
-        run.manifest["transport"] = {
+        manifest["transport"] = {
             "server": run.remote.where,
             "kind": "websockets over mutual TLS 1.3",
             "server_config_hash": run.server_config.hash(),
         }
-    run.log = LatentLog()
-    run.end = RunEnd(
-        run.store, run.log, run.remote, ledgers=lambda: [] if run.channel is None else [run.channel.ledger]
-    )
+    return manifest
 
 
 def _pretrained_loss(run: LatentRun) -> None:
