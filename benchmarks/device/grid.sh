@@ -3,6 +3,9 @@
 # carried .gguf_a: installs the carried wheels, joins the GGUF halves, checks the file's hash, and
 # runs benchmarks/grid.py on CUDA with FLOP counting. The row for benchmarks/RESULTS.md and the
 # log come back in $OUT. Extra arguments go to grid.py (default: the quick profile of paper_main).
+# SMOKE=1: no GGUF needed; the same grid on tiny-gpt2 with 4 evaluation documents, to see in a minute
+# that the packages, CUDA and every job kind work there before the long call. FLOPS=0: no FLOP
+# counting (the count is a property of the work, measured on the CPU; counting adds per-op overhead).
 #
 # Locally, to try the script on the CPU: PY=.venv/bin/python WHEELS= OUT=/tmp/out \
 #   bash benchmarks/device/grid.sh --device cpu --profile main-test --override documents.n_eval=4
@@ -17,6 +20,15 @@ if [ -n "$WHEELS" ]; then
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+FLOPS=${FLOPS:-1}
+flops=(); [ "$FLOPS" = 1 ] && flops=(--flops)
+if [ "${SMOKE:-0}" = 1 ]; then
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+  "$PY" benchmarks/grid.py --spec paper_main "${flops[@]}" --override 'model=[tiny-gpt2]' \
+    --override "data.path=$PWD/.devdata/wikitext-2-raw" --override documents.n_eval=4 \
+    "$@" 2>&1 | grep --line-buffered -v -E "it/s\]|s/it\]" | tee "$OUT/smoke.log"
+  exit "${PIPESTATUS[0]}"
+fi
 if [ ! -f .gguf_a/part00 ] || [ ! -f .gguf_b/part01 ]; then
   echo "the GGUF halves are not both here: carry .gguf_a in one call and, while the machine is still" \
        "warm, .gguf_b in the next (see benchmarks/device/prepare.sh)" >&2
@@ -31,7 +43,7 @@ args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(--device cuda --workers 1 --threads 4)
 has_profile=0; for a in "${args[@]}"; do [ "$a" = --profile ] && has_profile=1; done
 [ $has_profile = 1 ] || args+=(--profile quick)
-"$PY" benchmarks/grid.py --spec paper_main --flops \
+"$PY" benchmarks/grid.py --spec paper_main "${flops[@]}" \
   --override model_path=/tmp/smollm2 --override "data.path=$PWD/.devdata/wikitext-2-raw" \
-  "${args[@]}" 2>&1 | grep -v -E "it/s\]|s/it\]" | tee "$OUT/grid.log"
+  "${args[@]}" 2>&1 | grep --line-buffered -v -E "it/s\]|s/it\]" | tee "$OUT/grid.log"
 grep '^| ' "$OUT/grid.log" > "$OUT/row.md" || true

@@ -7,9 +7,15 @@
 #
 #   bash benchmarks/device/prepare.sh
 #   then, on a warm device machine, two calls back to back (the machine keeps ignored folders
-#   between calls while it is warm, 30 s):
-#     run(command="ls .gguf_a", carry=[".gguf_a"])
-#     run(command="bash benchmarks/device/grid.sh", carry=[".gguf_b", ".whl", ".devdata"], timeout_s=540)
+#   between calls while it is warm, 30 s). The first carries half the weights and runs the smoke
+#   grid on tiny-gpt2 (about a minute: packages, CUDA and every job kind); only if it passed, the
+#   second carries the other half and runs the benchmark:
+#     run(command="SMOKE=1 FLOPS=0 bash benchmarks/device/grid.sh --device cuda --workers 4 --threads 2
+#                  --profile quick --override 'depths=[3]'
+#                  --override 'defences=[[{name: none}], [{name: mixup, args: {lambda: 0.75}}]]'",
+#         carry=[".gguf_a", ".whl", ".devdata"], timeout_s=240)
+#     run(command="FLOPS=0 bash benchmarks/device/grid.sh --device cuda --workers 4 --threads 2",
+#         carry=[".gguf_b"], timeout_s=570)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 for d in /.whl/ /.devdata/ /.gguf_a/ /.gguf_b/; do
