@@ -139,6 +139,48 @@ class CheckpointDir:
         return done, tensors, record, sha256_bytes(data)
 
 
+def save_recorded(folder: CheckpointDir, store: Any, done: int, tensors: dict, record: dict[str, Any]) -> None:
+    """The client's checkpoint after ``done`` steps: written whole, recorded in its run's journal (``store``)
+    with the file's SHA-256, and only then the previous one deleted, so that a kill at any point leaves a
+    checkpoint the journal vouches for (what ``resume_point`` trusts)."""
+    path, sha = folder.save(done, tensors, record, prune=False)
+    store.add("checkpoint", None, {"done": done, "file": path.name, "sha256": sha})
+    folder.prune()
+
+
+def check_checkpointing(every: int | None, resume: Any, connect: str | None) -> None:
+    """Refuse checkpoints or a resume outside a deployment, and an interval under one step."""
+    if (resume is not None or every is not None) and connect is None:
+        raise ConfigError("checkpoints and --resume are for a deployment: pass --connect and --tls-dir")
+    if every is not None and every < 1:
+        raise ConfigError(f"--checkpoint-every must be >= 1, got {every}")
+
+
+def welcomed(remote: Any, point: ResumePoint | None, every: int | None) -> tuple[int | None, str | None]:
+    """What the server's welcome leaves of the client's checkpoints: (interval, why not resumable). A
+    server that did not resume at the client's step is refused (the session aborted); one that keeps no
+    checkpoints turns the client's off, and the manifest says why."""
+    from splitleak.wire.transport import TransportError
+
+    if point is not None and remote.welcome.get("resumed_after_steps") != point.done:
+        remote.abort()
+        raise TransportError(f"the server did not resume after step {point.done}")
+    if every is not None and remote.welcome.get("checkpoint_every") is None:
+        return None, "the server keeps no checkpoints (start it with --checkpoints DIR)"
+    return every, None
+
+
+def resumed_from(resume: str | Path, point: ResumePoint) -> dict[str, Any]:
+    """The manifest's record of the run a resumed run continues."""
+    return {
+        "run": str(resume),
+        "after_steps": point.done,
+        "checkpoint_sha256": point.sha256,
+        "note": "the train-phase capture holds the frames from the resumed step on; the frames before it are "
+        "in the capture of the run named here",
+    }
+
+
 def _data_section(blob: bytes) -> bytes:
     """The tensor bytes of a safetensors file (after its 8-byte length and JSON header)."""
     return blob[8 + int.from_bytes(blob[:8], "little") :]
