@@ -218,8 +218,6 @@ class Session:
         from splitleak.wire.declare import declare_latent_channels
 
         cfg = config.latent
-        if hello.get("checkpoint_every") is not None or hello.get("resume") is not None:
-            raise TransportError("the latent mode does not checkpoint or resume yet; start it without checkpoints")
         want = {"split_after": cfg.split_after, "resume_at": cfg.resume_at, "width": cfg.width}
         split = hello.get("split")
         if not isinstance(split, dict) or {k: split.get(k) for k in want} != want:
@@ -233,6 +231,7 @@ class Session:
             raise TransportError(_mismatch("defence record", latent_defence_record(cfg), hello.get("defences")))
         self.role = LatentServer(cfg, config.lr, config.server_seed, hidden=hidden)
         self.config, self.split = config, None
+        self._checkpoints(hello)  # the surrogate and its AdamW, as a split server's layers
         self.fingerprint = None  # no weights here to check it against
         self.split_record, self.defence_record = split, latent_defence_record(cfg)
         self.completes, self.loss_on_server = "backward-top", False
@@ -345,8 +344,9 @@ class Session:
 
     def _checkpoint(self, frame: Frame) -> None:
         """After the frame that completes a training step (the forward in a plain split, the trunk's
-        backward in a U-shape), every ``checkpoint_every`` steps: write the server's checkpoint, before
-        the reply, so the client's newest checkpoint is never ahead of the server's."""
+        backward in a U-shape, the surrogate's in the latent mode), every ``checkpoint_every`` steps: write
+        the server's checkpoint, before the reply, so the client's newest checkpoint is never ahead of the
+        server's."""
         from splitleak.training.checkpoint import CheckpointDir, state_tensors
 
         assert self.role is not None and self.node.checkpoints is not None and self.token is not None
