@@ -6,7 +6,8 @@
 - ``splitleak train --mode latent --connect`` SIGKILLed at step k and resumed with ``--resume`` ends, under
   ``gauge_entropy="derived"``, with the codec, the surrogate, the losses, the frame record, the capture pass
   and the metrics of an uninterrupted run; under ``"os"`` it resumes, completes, verifies and keys its noise
-  and decoy draws with the checkpointed secret."""
+  and decoy draws with the checkpointed secret;
+- what cannot be resumed is refused in one line naming the fix."""
 
 from __future__ import annotations
 
@@ -20,16 +21,20 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from served import REPO, ServeProcess, child_env, sessions_ended
+from served import REPO, Served, ServeProcess, child_env, sessions_ended
 from typer.testing import CliRunner
 
 from splitleak.attacks.gauge_keysearch import GaugeKeySearch
 from splitleak.attacks.partition import LatentTraffic, load_latent_traffic
 from splitleak.cli import app
+from splitleak.errors import ConfigError
 from splitleak.runs.journal import journal_entries
+from splitleak.runs.store import RunStore
 from splitleak.runs.verify import verify_run
+from splitleak.training import make_train_config, run_training
 from splitleak.training.checkpoint import CheckpointDir, checkpoint_folder
 from splitleak.wire.tls import init_tls
+from splitleak.wire.transport import TransportError
 
 pytestmark = pytest.mark.timeout(600)
 runner = CliRunner()
@@ -265,3 +270,86 @@ def test_a_latent_client_killed_under_os_entropy_resumes_keyed_by_its_checkpoint
         if path.is_file():
             blob = path.read_bytes()
             assert secret not in blob and secret.hex().encode() not in blob, path
+
+
+# ------------------------------------------------------------------ refusals, one line each
+
+
+def _planted_run(tmp_path: Path, cfg, record: dict, name: str = "run") -> Path:
+    """A killed run of ``cfg`` as its journal and checkpoint folder leave it: one checkpoint, recorded."""
+    run = tmp_path / name
+    store = RunStore.create(run)
+    store.add_json("manifest", "manifest.json", {"config": cfg.as_dict(), "config_hash": cfg.hash(),
+                                                 "checkpoints": {"every": 2}})  # fmt: skip
+    folder = CheckpointDir(checkpoint_folder(run), keep=1)
+    path, sha = folder.save(2, {"param.0": torch.zeros(2)}, {"config_hash": cfg.hash(), "token": "abc123", **record})
+    store.add("checkpoint", None, {"done": 2, "file": path.name, "sha256": sha})
+    return run
+
+
+LATENT = dict(model="tiny-gpt2", n_calib=2, n_train=4, n_eval=4, steps=4, lr=3e-4, capture_batch=2, seed=3)
+
+
+@pytest.mark.integration
+def test_what_cannot_be_resumed_in_the_latent_mode_is_refused_in_one_line(tls, tmp_path):
+    latent = make_train_config(**LATENT, latent=SPLIT)  # gauge_entropy="os"
+    split = make_train_config(**{**LATENT, "lr": 5e-5}, depth=2)
+    addr = {"connect": "127.0.0.1:1", "tls_dir": tls, "device": "cpu"}
+    cases = [  # (configuration, run to resume, the line)
+        (latent, _planted_run(tmp_path, split, {"mode": "split"}, "split-run"),
+         "is a split-mode run and this configuration is of the latent mode; resume it with its own configuration"),
+        (split, _planted_run(tmp_path, latent, {"mode": "latent"}, "latent-run"),
+         "is a latent-mode run and this configuration is of the split mode; resume it with its own configuration"),
+        (latent, _planted_run(tmp_path, latent, {"mode": "latent"}, "no-secret"),
+         "keeps no secret of the client's noise and decoy draws; it cannot be resumed under gauge_entropy=os"),
+        (latent, _planted_run(tmp_path, latent, {"mode": "split"}, "not-latent"),
+         "after 2 steps is not of the latent mode; resume the run that wrote it"),
+    ]  # fmt: skip
+    for cfg, run, line in cases:
+        with pytest.raises(ConfigError) as e:
+            run_training(cfg, tmp_path / "new", resume=run, **addr)
+        assert line in str(e.value) and len(str(e.value).splitlines()) == 1, str(e.value)
+        assert not (tmp_path / "new").exists()
+    with pytest.raises(ConfigError, match="checkpoints and --resume are for a deployment: pass --connect"):
+        run_training(latent, tmp_path / "new", device="cpu", checkpoint_every=2)
+
+    # a server without --checkpoints: a latent run trains, and its manifest says it cannot be resumed
+    with Served(tls) as srv:
+        cfg = make_train_config(**LATENT, latent={**SPLIT, "gauge_entropy": "derived"})
+        run = run_training(cfg, tmp_path / "a", device="cpu", threads=1, connect=f"127.0.0.1:{srv.port}",
+                           tls_dir=tls, checkpoint_every=2)  # fmt: skip
+        ck = json.loads((run.run_dir / "manifest.json").read_text())["checkpoints"]
+        assert ck == {
+            "every": None,
+            "not_resumable": "the server keeps no checkpoints (start it with --checkpoints DIR)",
+        }
+        assert not checkpoint_folder(run.run_dir).exists() and "checkpoint" not in {
+            e["kind"] for e in journal_entries(run.run_dir)
+        }
+        with pytest.raises(TransportError, match="the client asks to resume, but this server keeps no checkpoints"):
+            run_training(cfg, tmp_path / "b", device="cpu", threads=1, connect=f"127.0.0.1:{srv.port}", tls_dir=tls,
+                         resume=_planted_run(tmp_path, cfg, {"mode": "latent"}, "c"))  # fmt: skip
+
+
+@pytest.mark.integration
+def test_a_latent_hello_that_names_a_split_training_s_checkpoint_is_refused_naming_both_modes(tls, tmp_path):
+    from splitleak.training.config import ServerConfig
+    from splitleak.training.latent import latent_defence_record
+    from splitleak.wire.client import RemoteServer, hello_for
+
+    latent = make_train_config(**LATENT, latent=SPLIT)
+    split = make_train_config(**{**LATENT, "lr": 5e-5}, depth=2)
+    theirs = ServerConfig.of(split, random_init=True).hash()
+    CheckpointDir(tmp_path / "ck" / "abc123").save(2, {"param.0": torch.zeros(2)}, {"config_hash": theirs,
+                                                                                   "mode": "split"})  # fmt: skip
+    hello = hello_for(
+        ServerConfig.of(latent, random_init=True).as_dict(), "f" * 64, {**SPLIT, "hidden": 32},
+        latent_defence_record(latent.latent), checkpoint_every=2, resume={"token": "abc123", "done": 2},
+    )  # fmt: skip
+    with Served(tls, checkpoints=tmp_path / "ck") as srv:
+        with pytest.raises(TransportError) as e:
+            RemoteServer("127.0.0.1", srv.port, tls, hello)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1, msg
+    assert f"checkpoint of that training after 2 steps is of another configuration (split mode, {theirs[:12]}" in msg
+    assert "the hello's: latent mode" in msg and "train again without --resume" in msg

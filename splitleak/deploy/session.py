@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from splitleak.training.checkpoint import mode_of
 from splitleak.training.roles import PENDING_WINDOW
 from splitleak.wire.channel import MAIN_LINK, WireLedger
 from splitleak.wire.client import CLIENT_KINDS, cap_messages
@@ -334,7 +335,10 @@ class Session:
             got, tensors, record, _ = ck.load(done)
             if record.get("config_hash") != self.config.hash():
                 raise TransportError(
-                    _mismatch("configuration of the checkpoint", record.get("config_hash"), self.config.hash())
+                    f"this server's checkpoint of that training after {done} steps is of another configuration "
+                    f"({record.get('mode', 'split')} mode, {str(record.get('config_hash'))[:12]}; the hello's: "
+                    f"{mode_of(self.config.latent)} mode, {self.config.hash()[:12]}); resume the run that trained it, or train "
+                    "again without --resume"
                 )
             restore_state(self.role.params, self.role.opt, tensors, record)
             self.token, self.resumed, self.last_step = token, got, got - 1
@@ -354,7 +358,7 @@ class Session:
         if self.checkpoint_every is None or done % self.checkpoint_every:
             return
         tensors, record = state_tensors(self.role.params, self.role.opt)
-        record["config_hash"] = self.config.hash()
+        record.update(config_hash=self.config.hash(), mode=mode_of(self.config.latent))
         CheckpointDir(Path(self.node.checkpoints) / self.token).save(done, tensors, record)
 
     def _open_store(self) -> None:

@@ -181,6 +181,11 @@ def resumed_from(resume: str | Path, point: ResumePoint) -> dict[str, Any]:
     }
 
 
+def mode_of(latent: Any) -> str:
+    """The mode a configuration trains, named by its ``latent`` field: latent, or split (every other)."""
+    return "split" if latent is None else "latent"
+
+
 def _data_section(blob: bytes) -> bytes:
     """The tensor bytes of a safetensors file (after its 8-byte length and JSON header)."""
     return blob[8 + int.from_bytes(blob[:8], "little") :]
@@ -228,7 +233,16 @@ def resume_point(run: str | Path, config: TrainConfig) -> ResumePoint:
         raise ConfigError(f"{run} is complete; there is nothing to resume")
     m = read_run_json(run, "manifest.json")
     if m.get("config_hash") != config.hash():
-        raise ConfigError(f"{run} was trained with another configuration ({m.get('config_hash', '?')[:12]})")
+        theirs, mine = mode_of((m.get("config") or {}).get("latent")), mode_of(config.latent)
+        what = (
+            f"is a {theirs}-mode run and this configuration is of the {mine} mode"
+            if theirs != mine
+            else f"was trained with another configuration ({str(m.get('config_hash', '?'))[:12]})"
+        )
+        raise ConfigError(
+            f"{run} {what}; resume it with its own configuration: `splitleak train --resume {run} --out NEW` "
+            "reads it from the run"
+        )
     ck = m.get("checkpoints") or {}
     if ck.get("not_resumable"):
         raise ConfigError(f"{run} wrote no checkpoints: {ck['not_resumable']}")
