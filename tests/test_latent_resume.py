@@ -7,6 +7,8 @@
   ``gauge_entropy="derived"``, with the codec, the surrogate, the losses, the frame record, the capture pass
   and the metrics of an uninterrupted run; under ``"os"`` it resumes, completes, verifies and keys its noise
   and decoy draws with the checkpointed secret;
+- a client killed between writing a checkpoint and recording it in its journal resumes from the one
+  before, which the server still holds (it keeps two, and cannot have passed the client's newest);
 - what cannot be resumed is refused in one line naming the fix."""
 
 from __future__ import annotations
@@ -233,6 +235,30 @@ def test_a_latent_client_killed_mid_training_resumes_to_the_result_of_an_uninter
         sessions_ended(cap, 2)
         assert not (ck / token).exists()  # the resumed session completed: its training's checkpoints are gone
     assert json.loads((new / "manifest.json").read_text())["resumed_from"]["checkpoint_sha256"] == entry["sha256"]
+    _same_as_reference(new, cap / "session-0001", reference, after=2)
+
+
+@pytest.mark.e2e
+@pytest.mark.xdist_group("latent-resume")
+def test_a_client_killed_between_writing_a_checkpoint_and_recording_it_resumes_from_the_one_before(
+    tls, tmp_path, reference
+):
+    """The server writes its checkpoint after k steps before its reply to step k; the client writes its own
+    after that reply, then records it. Killed between the two, the client's journal vouches for the one
+    before (k - 2), and the server still holds it: it keeps two, and cannot have written k + 2 before the
+    client sent step k + 1."""
+    cap, ck, old, new = tmp_path / "cap", tmp_path / "ck", tmp_path / "old", tmp_path / "new"
+    with ServeProcess(tls, "--capture", cap, "--checkpoints", ck) as srv:
+        _killed(old, srv.port, tls, "checkpoint", 4, *DERIVED)
+        sessions_ended(cap, 1)
+        # the planted state: the newest client checkpoint written whole and never recorded, the one before kept
+        assert CheckpointDir(checkpoint_folder(old)).steps() == [2, 4]
+        assert [e["done"] for e in _recorded(old)] == [2]
+        token = json.loads((cap / "session-0000" / "manifest.json").read_text())["checkpoints"]["token"]
+        assert CheckpointDir(ck / token).steps() == [2, 4]  # not pruned: the client's recorded one is there
+        r = _train(new, srv.port, tls, "--resume", str(old), "--threads", "1", "--quiet")
+        assert r.exit_code == 0, r.output
+        sessions_ended(cap, 2)
     _same_as_reference(new, cap / "session-0001", reference, after=2)
 
 

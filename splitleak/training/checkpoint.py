@@ -13,7 +13,10 @@ damaged checkpoint is refused rather than resumed from; the client's run also re
 file digest in its journal (``splitleak.training.run``), which is what ``--resume`` trusts
 (``resume_point``). The client writes its checkpoint after the step's reply arrived, the server before it
 replies, so the server always holds the client's newest checkpoint step or a later one (hence ``keep`` = 2
-on the server).
+on the server). A client killed after writing its checkpoint after k steps and before recording it resumes
+from the one before, k - e, which the server still holds: it cannot write k + e before the client sends step
+k + 1, which comes after the recording. Split runs (``splitleak.training.run``) and the latent mode
+(``splitleak.training.latent_checkpoint``) share this format and order.
 """
 
 from __future__ import annotations
