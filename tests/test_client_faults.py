@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -22,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from served import REPO, ServeProcess, child_env, sessions_ended
 from typer.testing import CliRunner
 
-import splitleak
 from splitleak.cli import app
 from splitleak.runs.journal import journal_entries
 from splitleak.runs.store import RunStore
@@ -35,7 +34,6 @@ from splitleak.wire.tls import init_tls
 from splitleak.wire.transport import TransportError
 
 pytestmark = pytest.mark.timeout(600)  # each test carries its tier: a kill and resume of whole runs is e2e
-REPO = Path(splitleak.__file__).resolve().parents[1]  # the checkout under test, for the child processes
 TINY = dict(model="tiny-gpt2", depth=2, n_calib=4, n_train=6, n_eval=6, seed=2, all_local_baseline=False)
 runner = CliRunner()
 
@@ -206,46 +204,6 @@ def tls(tmp_path_factory):
     return init_tls(tmp_path_factory.mktemp("tls") / "tls").folder
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(REPO))
-    env.pop("FORCE_COLOR", None)
-    return env
-
-
-class ServeProcess:
-    """``splitleak serve`` on an ephemeral loopback port in a process of its own, killed at exit."""
-
-    def __init__(self, tls, *args):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "splitleak.cli", "serve", "--listen", "127.0.0.1:0", "--tls-dir", str(tls),
-             "--threads", "1", *map(str, args)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO,
-        )  # fmt: skip
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
-        if not line.startswith("listening on 127.0.0.1:"):
-            self.proc.kill()
-            raise AssertionError(line + self.proc.stderr.read())  # type: ignore[union-attr]
-        self.port = int(line.rsplit(":", 1)[1])
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.proc.kill()
-        self.proc.wait(timeout=30)
-
-
-def _sessions_ended(cap: Path, n: int, timeout: float = 60.0) -> None:
-    """Wait (bounded) until the server's first ``n`` sessions have closed their captures."""
-    deadline = time.monotonic() + timeout
-    while True:
-        done = [verify_run(cap / f"session-{i:04d}").status for i in range(n)]
-        if all(done):
-            return
-        assert time.monotonic() < deadline, f"the server's sessions did not close: {done}"
-        time.sleep(0.1)
-
-
 # the client process killed after step K: a tap on its wire SIGKILLs it as the forward of step K crosses
 KILLED_CLIENT = """
 import os, signal, sys
@@ -289,10 +247,10 @@ def test_a_client_killed_mid_training_resumes_to_the_result_of_an_uninterrupted_
         killed = subprocess.run(
             [sys.executable, "-c", KILLED_CLIENT, "train", "--out", str(tmp_path / "old"),
              "--connect", f"127.0.0.1:{srv.port}", "--tls-dir", str(tls), "--checkpoint-every", "2", *TRAIN],
-            env={**_env(), "KILL_AT_STEP": "3"}, cwd=REPO, capture_output=True, text=True, timeout=300,
+            env={**child_env(), "KILL_AT_STEP": "3"}, cwd=REPO, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert killed.returncode == -9, killed.stderr[-2000:]
-        _sessions_ended(cap, 2)
+        sessions_ended(cap, 2)
         old = tmp_path / "old"
         v = verify_run(old)
         assert not v.ok and "without a closing entry" in v.message  # killed: never closed
@@ -307,7 +265,7 @@ def test_a_client_killed_mid_training_resumes_to_the_result_of_an_uninterrupted_
         assert entry["done"] == 2
         resumed_from = json.loads((tmp_path / "new" / "manifest.json").read_text())["resumed_from"]
         assert resumed_from["checkpoint_sha256"] == entry["sha256"]
-        _sessions_ended(cap, 3)
+        sessions_ended(cap, 3)
         assert not (ck / token).exists()  # the resumed session completed: its training's checkpoints are gone
         assert not checkpoint_folder(tmp_path / "new").exists()
 

@@ -323,9 +323,9 @@ def test_the_cli_trains_and_attacks_a_latent_run_and_refuses_what_does_not_apply
                             "--tls-dir", str(tmp_path), "--out", str(tmp_path / "y"), *small])  # fmt: skip
     assert r.exit_code == 2 and "lacks ca.pem" in flat(r.output)
     assert not (tmp_path / "y").exists()
-    r = runner.invoke(app, ["train", "--mode", "latent", "--latent-split", "main", "--connect", "127.0.0.1:1",
-                            "--tls-dir", str(tmp_path), "--checkpoint-every", "2", "--out", str(tmp_path / "y"),
-                            *small])  # fmt: skip
-    assert r.exit_code == 2 and "does not checkpoint or resume yet" in flat(r.output)
+    r = runner.invoke(app, ["train", "--mode", "latent", "--latent-split", "main", "--checkpoint-every", "2",
+                            "--out", str(tmp_path / "y"), *small])  # fmt: skip
+    assert r.exit_code == 2 and "checkpoints and --resume are for a deployment: pass --connect" in flat(r.output)
+    assert not (tmp_path / "y").exists()
     r = runner.invoke(app, ["channels", str(run)])
     assert r.exit_code == 0 and "vmi" not in r.output and "support-partition" in r.output

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from served import Served
 
 from splitleak.audit.channels import channel_table
-from splitleak.deploy import ServerNode
 from splitleak.errors import ConfigError
 from splitleak.runs.captures import load_capture
 from splitleak.runs.verify import verify_run
@@ -46,31 +46,6 @@ def tls(tmp_path_factory):
     # once, before threads load models; two real processes do not share them
     load_model("tiny-gpt2", seed=0)
     return init_tls(tmp_path_factory.mktemp("tls") / "tls").folder
-
-
-class Served:
-    """A ServerNode on an ephemeral loopback port in a thread; shut down and joined at exit."""
-
-    def __init__(self, tls_dir, capture=None, **kw):
-        self.node = ServerNode(tls_dir, capture=capture, **kw)
-        self.port = self.node.start()
-        self.thread = threading.Thread(target=self.node.serve_forever, daemon=True)
-        self.thread.start()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.node.shutdown()
-        self.thread.join(timeout=10)
-        assert not self.thread.is_alive()
-
-    def wait_sessions(self, n: int, timeout: float = 30.0):
-        t0 = time.monotonic()
-        while sum(r.status != "open" for r in self.node.sessions) < n:
-            assert time.monotonic() - t0 < timeout, f"sessions did not end: {self.node.sessions}"
-            time.sleep(0.02)
-        return self.node.sessions
 
 
 @pytest.mark.integration

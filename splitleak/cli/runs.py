@@ -121,7 +121,7 @@ def train_cmd(
         None,
         "--checkpoint-every",
         help="with --connect: both sides checkpoint every N steps so that --resume can continue after a kill "
-        "(default 16; the server needs --checkpoints; the latent mode does not checkpoint yet)",
+        "(default 16, in the split and latent modes alike; the server needs --checkpoints)",
     ),
     resume: Optional[Path] = typer.Option(
         None,
@@ -185,8 +185,8 @@ def train_cmd(
             raise ConfigError("give --depth L (plain split) or --offload-start b --offload-length s")
         else:
             cfg = _options_config(**options)
-        if checkpoint_every is None and connect is not None and cfg.latent is None:
-            checkpoint_every = 16  # the latent mode does not checkpoint yet
+        if checkpoint_every is None and connect is not None:
+            checkpoint_every = 16
         try:
             with progress(quiet) as prog:
                 res = run_training(

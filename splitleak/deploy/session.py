@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from splitleak.training.checkpoint import mode_of
 from splitleak.training.roles import PENDING_WINDOW
 from splitleak.wire.channel import MAIN_LINK, WireLedger
 from splitleak.wire.client import CLIENT_KINDS, cap_messages
@@ -218,8 +219,6 @@ class Session:
         from splitleak.wire.declare import declare_latent_channels
 
         cfg = config.latent
-        if hello.get("checkpoint_every") is not None or hello.get("resume") is not None:
-            raise TransportError("the latent mode does not checkpoint or resume yet; start it without checkpoints")
         want = {"split_after": cfg.split_after, "resume_at": cfg.resume_at, "width": cfg.width}
         split = hello.get("split")
         if not isinstance(split, dict) or {k: split.get(k) for k in want} != want:
@@ -233,6 +232,7 @@ class Session:
             raise TransportError(_mismatch("defence record", latent_defence_record(cfg), hello.get("defences")))
         self.role = LatentServer(cfg, config.lr, config.server_seed, hidden=hidden)
         self.config, self.split = config, None
+        self._checkpoints(hello)  # the surrogate and its AdamW, as a split server's layers
         self.fingerprint = None  # no weights here to check it against
         self.split_record, self.defence_record = split, latent_defence_record(cfg)
         self.completes, self.loss_on_server = "backward-top", False
@@ -335,7 +335,10 @@ class Session:
             got, tensors, record, _ = ck.load(done)
             if record.get("config_hash") != self.config.hash():
                 raise TransportError(
-                    _mismatch("configuration of the checkpoint", record.get("config_hash"), self.config.hash())
+                    f"this server's checkpoint of that training after {done} steps is of another configuration "
+                    f"({record.get('mode', 'split')} mode, {str(record.get('config_hash'))[:12]}; the hello's: "
+                    f"{mode_of(self.config.latent)} mode, {self.config.hash()[:12]}); resume the run that trained it, or train "
+                    "again without --resume"
                 )
             restore_state(self.role.params, self.role.opt, tensors, record)
             self.token, self.resumed, self.last_step = token, got, got - 1
@@ -345,8 +348,9 @@ class Session:
 
     def _checkpoint(self, frame: Frame) -> None:
         """After the frame that completes a training step (the forward in a plain split, the trunk's
-        backward in a U-shape), every ``checkpoint_every`` steps: write the server's checkpoint, before
-        the reply, so the client's newest checkpoint is never ahead of the server's."""
+        backward in a U-shape, the surrogate's in the latent mode), every ``checkpoint_every`` steps: write
+        the server's checkpoint, before the reply, so the client's newest checkpoint is never ahead of the
+        server's."""
         from splitleak.training.checkpoint import CheckpointDir, state_tensors
 
         assert self.role is not None and self.node.checkpoints is not None and self.token is not None
@@ -354,7 +358,7 @@ class Session:
         if self.checkpoint_every is None or done % self.checkpoint_every:
             return
         tensors, record = state_tensors(self.role.params, self.role.opt)
-        record["config_hash"] = self.config.hash()
+        record.update(config_hash=self.config.hash(), mode=mode_of(self.config.latent))
         CheckpointDir(Path(self.node.checkpoints) / self.token).save(done, tensors, record)
 
     def _open_store(self) -> None:

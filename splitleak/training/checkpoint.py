@@ -13,7 +13,10 @@ damaged checkpoint is refused rather than resumed from; the client's run also re
 file digest in its journal (``splitleak.training.run``), which is what ``--resume`` trusts
 (``resume_point``). The client writes its checkpoint after the step's reply arrived, the server before it
 replies, so the server always holds the client's newest checkpoint step or a later one (hence ``keep`` = 2
-on the server).
+on the server). A client killed after writing its checkpoint after k steps and before recording it resumes
+from the one before, k - e, which the server still holds: it cannot write k + e before the client sends step
+k + 1, which comes after the recording. Split runs (``splitleak.training.run``) and the latent mode
+(``splitleak.training.latent_checkpoint``) share this format and order.
 """
 
 from __future__ import annotations
@@ -139,6 +142,53 @@ class CheckpointDir:
         return done, tensors, record, sha256_bytes(data)
 
 
+def save_recorded(folder: CheckpointDir, store: Any, done: int, tensors: dict, record: dict[str, Any]) -> None:
+    """The client's checkpoint after ``done`` steps: written whole, recorded in its run's journal (``store``)
+    with the file's SHA-256, and only then the previous one deleted, so that a kill at any point leaves a
+    checkpoint the journal vouches for (what ``resume_point`` trusts)."""
+    path, sha = folder.save(done, tensors, record, prune=False)
+    store.add("checkpoint", None, {"done": done, "file": path.name, "sha256": sha})
+    folder.prune()
+
+
+def check_checkpointing(every: int | None, resume: Any, connect: str | None) -> None:
+    """Refuse checkpoints or a resume outside a deployment, and an interval under one step."""
+    if (resume is not None or every is not None) and connect is None:
+        raise ConfigError("checkpoints and --resume are for a deployment: pass --connect and --tls-dir")
+    if every is not None and every < 1:
+        raise ConfigError(f"--checkpoint-every must be >= 1, got {every}")
+
+
+def welcomed(remote: Any, point: ResumePoint | None, every: int | None) -> tuple[int | None, str | None]:
+    """What the server's welcome leaves of the client's checkpoints: (interval, why not resumable). A
+    server that did not resume at the client's step is refused (the session aborted); one that keeps no
+    checkpoints turns the client's off, and the manifest says why."""
+    from splitleak.wire.transport import TransportError
+
+    if point is not None and remote.welcome.get("resumed_after_steps") != point.done:
+        remote.abort()
+        raise TransportError(f"the server did not resume after step {point.done}")
+    if every is not None and remote.welcome.get("checkpoint_every") is None:
+        return None, "the server keeps no checkpoints (start it with --checkpoints DIR)"
+    return every, None
+
+
+def resumed_from(resume: str | Path, point: ResumePoint) -> dict[str, Any]:
+    """The manifest's record of the run a resumed run continues."""
+    return {
+        "run": str(resume),
+        "after_steps": point.done,
+        "checkpoint_sha256": point.sha256,
+        "note": "the train-phase capture holds the frames from the resumed step on; the frames before it are "
+        "in the capture of the run named here",
+    }
+
+
+def mode_of(latent: Any) -> str:
+    """The mode a configuration trains, named by its ``latent`` field: latent, or split (every other)."""
+    return "split" if latent is None else "latent"
+
+
 def _data_section(blob: bytes) -> bytes:
     """The tensor bytes of a safetensors file (after its 8-byte length and JSON header)."""
     return blob[8 + int.from_bytes(blob[:8], "little") :]
@@ -186,7 +236,16 @@ def resume_point(run: str | Path, config: TrainConfig) -> ResumePoint:
         raise ConfigError(f"{run} is complete; there is nothing to resume")
     m = read_run_json(run, "manifest.json")
     if m.get("config_hash") != config.hash():
-        raise ConfigError(f"{run} was trained with another configuration ({m.get('config_hash', '?')[:12]})")
+        theirs, mine = mode_of((m.get("config") or {}).get("latent")), mode_of(config.latent)
+        what = (
+            f"is a {theirs}-mode run and this configuration is of the {mine} mode"
+            if theirs != mine
+            else f"was trained with another configuration ({str(m.get('config_hash', '?'))[:12]})"
+        )
+        raise ConfigError(
+            f"{run} {what}; resume it with its own configuration: `splitleak train --resume {run} --out NEW` "
+            "reads it from the run"
+        )
     ck = m.get("checkpoints") or {}
     if ck.get("not_resumable"):
         raise ConfigError(f"{run} wrote no checkpoints: {ck['not_resumable']}")

@@ -39,7 +39,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -358,14 +358,21 @@ def train_latent(
     steps: int,
     progress: Progress | None = None,
     log: LatentLog | None = None,
+    start: int = 0,
+    on_step: Callable[[int, LatentClient], None] | None = None,
 ) -> LatentLog:
+    """The training steps, one document each, in the run's seeded order. Resuming
+    (``splitleak.training.latent_checkpoint``): ``start`` steps are done, the client and ``log`` restored to
+    them; the remaining steps of the same order follow. ``on_step(done, client)`` runs after each step."""
     progress = progress or Silent()
     log = log if log is not None else LatentLog()
-    task = progress.start("latent training", steps)
+    task = progress.start("latent training", steps - start)
     t0 = time.perf_counter()
     ok = False
     try:
         for step, i in enumerate(training_order(len(docs), steps, seed)):
+            if step < start:
+                continue
             ids = ids_tensor([docs[i]], client.split.device)
             (loss,) = client.exchange(ids, (docs[i].doc_id,), step, "train")
             log.losses.append(loss)
@@ -373,6 +380,8 @@ def train_latent(
             log.doc_ids.append(docs[i].doc_id)
             log.tokens += ids.numel()
             progress.advance(task)
+            if on_step is not None:
+                on_step(step + 1, client)
         ok = True
     finally:
         log.seconds = time.perf_counter() - t0

@@ -5,6 +5,7 @@ creation on, ``RunEnd`` closes the run as failed whatever a stage raises, as ``r
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,13 @@ from splitleak.runs.store import RunStore
 from splitleak.runs.truth import TRUTH_FILE
 from splitleak.runtime import apply_threads, resolve_device
 from splitleak.seeds import model_init_seed, server_seed
+from splitleak.training.checkpoint import (
+    ResumePoint,
+    check_checkpointing,
+    checkpoint_folder,
+    resumed_from,
+    welcomed,
+)
 from splitleak.training.config import LatentConfig, ServerConfig, TrainConfig
 from splitleak.training.latent import (
     CODEC_FILE,
@@ -37,6 +45,12 @@ from splitleak.training.latent import (
     privacy_accounting,
     surrogate_parameters,
     train_latent,
+)
+from splitleak.training.latent_checkpoint import (
+    latent_checkpointer,
+    latent_resume_point,
+    restore_latent,
+    resumed_log,
 )
 from splitleak.training.loop import evaluate_ce, utility
 from splitleak.training.record import RunEnd, RunResult, documents_record, manifest_head, run_documents
@@ -64,6 +78,10 @@ class LatentRun:
     server: LatentServer | None = None  # in one process
     remote: Any = None  # the session with ``splitleak serve`` (``connect``)
     server_config: ServerConfig | None = None
+    resume: str | Path | None = None  # the run ``--resume`` continues, and its checkpoint
+    point: ResumePoint | None = None
+    checkpoint_every: int | None = None
+    not_resumable: str | None = None
     manifest: dict[str, Any] = field(default_factory=dict)
     store: RunStore = field(init=False)
     log: LatentLog = field(init=False)
@@ -86,7 +104,8 @@ def run_latent(
     lm: LoadedModel | None = None,
     connect: str | None = None,
     tls_dir: str | Path | None = None,
-    **unsupported: Any,
+    checkpoint_every: int | None = None,
+    resume: str | Path | None = None,
 ) -> RunResult:
     """Train the decoy system's latent mode and write its run directory: manifest, documents, the
     capture of all four wires in both phases (``wire/``), the client's private record of real rows
@@ -97,12 +116,18 @@ def run_latent(
     (``HOST:PORT``, with ``tls_dir``) the client is the trusted node only, against ``splitleak serve``:
     the surrogate trains there (its state in the server's capture), the hello carries the server's part
     of the configuration (``ServerConfig``, with ``latent``) and the model's width, and the same four
-    crossings go over mutual TLS; every bit that crosses is the same as in one process."""
-    if any(v is not None for v in unsupported.values()):
-        raise ConfigError("the latent mode does not checkpoint or resume yet: omit --checkpoint-every and --resume")
+    crossings go over mutual TLS; every bit that crosses is the same as in one process.
+
+    ``checkpoint_every`` and ``resume`` (with ``connect``) as in ``run_training``: both sides checkpoint every
+    so many steps (the client its codec, AdamW, decoy pool, frame record and, under OS entropy, its secret:
+    ``splitleak.training.latent_checkpoint``), and a failed or killed run continues after its newest
+    checkpoint against a server that holds the matching one."""
+    check_checkpointing(checkpoint_every, resume, connect)
     if connect is not None and tls_dir is None:
         raise ConfigError("--connect needs --tls-dir (the folder `splitleak tls init` wrote)")
+    point = None if resume is None else latent_resume_point(resume, config)  # checked before anything loads
     run = _prepare(config, out, device, threads, progress, lm, transport=connect is not None)
+    run.resume, run.point, run.checkpoint_every = resume, point, checkpoint_every
     if connect is None:
         run.server = LatentServer(run.cfg, config.lr, server_seed(config.seed), hidden=run.hidden)
     else:
@@ -120,6 +145,8 @@ def run_latent(
         metrics = _measure(run)
         run.store.add_json("metrics", "metrics.json", metrics)
         run.store.close(True, {"config_hash": config.hash()})
+    if run.checkpoint_every is not None:
+        shutil.rmtree(checkpoint_folder(out), ignore_errors=True)  # the run is whole: nothing to resume
     return RunResult(Path(out), metrics, config)
 
 
@@ -158,10 +185,11 @@ def _prepare(
 
 def _connect(run: LatentRun, connect: str, tls_dir: str | Path, force: bool) -> None:
     """The handshake with ``splitleak serve``, before the run directory exists: a refused session writes
-    nothing. The hello carries the server's part of the configuration and the model's width."""
+    nothing. The hello carries the server's part of the configuration, the model's width, and the checkpoint
+    interval and the checkpoint to resume from; a server that keeps no checkpoints turns the client's off."""
     from splitleak.wire.client import RemoteServer, hello_for, parse_address
 
-    RunStore.check_out(run.out, force)  # the same refusals as below, before any connection
+    RunStore.check_out(run.out, force, keep=run.resume)  # the same refusals as below, before any connection
     host, port = parse_address(connect)
     run.server_config = ServerConfig.of(run.config, random_init="init_seed" in run.lm.info)
     hello = hello_for(
@@ -169,8 +197,11 @@ def _connect(run: LatentRun, connect: str, tls_dir: str | Path, force: bool) -> 
         run.lm.fingerprint(),
         {**run.spec.as_dict(), "hidden": run.hidden},
         latent_defence_record(run.cfg),
+        checkpoint_every=run.checkpoint_every,
+        resume=None if run.point is None else {"token": run.point.token, "done": run.point.done},
     )
     run.remote = RemoteServer(host, port, tls_dir, hello)
+    run.checkpoint_every, run.not_resumable = welcomed(run.remote, run.point, run.checkpoint_every)
 
 
 def _open(run: LatentRun, force: bool) -> None:
@@ -178,12 +209,12 @@ def _open(run: LatentRun, force: bool) -> None:
     directory, the log and how the record ends."""
     try:
         run.manifest = _manifest(run)
-        run.store = RunStore.create(run.out, force=force)
+        run.store = RunStore.create(run.out, force=force, keep=run.resume)
     except BaseException:
         if run.remote is not None:
             run.remote.abort()  # the server closes its session as failed
         raise
-    run.log = LatentLog()
+    run.log = LatentLog() if run.point is None else resumed_log(run.point.record)
     run.end = RunEnd(
         run.store, run.log, run.remote, ledgers=lambda: [] if run.channel is None else [run.channel.ledger]
     )
@@ -209,6 +240,10 @@ def _manifest(run: LatentRun) -> dict[str, Any]:
             "kind": "websockets over mutual TLS 1.3",
             "server_config_hash": run.server_config.hash(),
         }
+        manifest["checkpoints"] = {"every": run.checkpoint_every, "not_resumable": run.not_resumable}
+        if run.point is not None:
+            assert run.resume is not None
+            manifest["resumed_from"] = resumed_from(run.resume, run.point)
     return manifest
 
 
@@ -229,8 +264,18 @@ def _train(run: LatentRun) -> None:
         assert run.server is not None
         run.channel = InProcessChannel(run.server.handle, [train_tap])
     run.client = LatentClient(run.split, run.cfg, config.seed, run.channel, config.lr)
-    train_latent(run.client, run.docs.train, seed=config.seed, steps=config.n_steps, progress=run.progress, log=run.log)
-    steps = max(1, len(run.log.losses))
+    start = 0 if run.point is None else run.point.done
+    if run.point is not None:
+        restore_latent(run.client, run.point.tensors, run.point.record)
+    on_step = None
+    if run.checkpoint_every is not None:
+        token = run.remote.welcome["token"]
+        on_step = latent_checkpointer(run.out, run.store, config, token, run.checkpoint_every, run.log)
+    train_latent(
+        run.client, run.docs.train, seed=config.seed, steps=config.n_steps, progress=run.progress, log=run.log,
+        start=start, on_step=on_step,
+    )  # fmt: skip
+    steps = max(1, len(run.log.losses) - start)  # the steps this run sent
     run.bytes_per_step = {k: v / steps for k, v in run.channel.bytes_per_direction().items()}
     end.record_training()
 

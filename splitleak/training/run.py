@@ -27,14 +27,23 @@ from splitleak.runs.journal import read_run_json
 from splitleak.runs.store import RunStore
 from splitleak.runtime import apply_threads, resolve_device
 from splitleak.seeds import model_init_seed, server_seed
-from splitleak.training.checkpoint import CheckpointDir, ResumePoint, checkpoint_folder, resume_point, state_tensors
+from splitleak.training.checkpoint import (
+    CheckpointDir,
+    ResumePoint,
+    check_checkpointing,
+    checkpoint_folder,
+    resume_point,
+    resumed_from,
+    save_recorded,
+    state_tensors,
+    welcomed,
+)
 from splitleak.training.config import ServerConfig, TrainConfig
 from splitleak.training.loop import TrainLog, capture_traffic, evaluate_ce, train_all_local, train_split, utility
 from splitleak.training.record import RunEnd, RunResult, documents_record, manifest_head, run_documents
 from splitleak.training.replicas import build_server
 from splitleak.wire.declare import Declaration, declare_channels
 from splitleak.wire.tap import WireRecorder
-from splitleak.wire.transport import TransportError
 
 _log = logging.getLogger("splitleak.train")
 
@@ -169,8 +178,7 @@ def _prepare(
     dev = resolve_device(device)
     if pristine is None and lm is None:
         pristine = partial(_load, config)
-    if (resume is not None or checkpoint_every is not None) and connect is None:
-        raise ConfigError("checkpoints and --resume are for a deployment: pass --connect and --tls-dir")
+    check_checkpointing(checkpoint_every, resume, connect)
     point = None if resume is None else resume_point(resume, config)
     secret = draws_secret(config, point)
     chain_client = DefenceChain.from_specs([d.model_dump() for d in config.defences], config.seed, secret)
@@ -210,8 +218,6 @@ def _prepare(
 
 def _checkpointing(every: int | None, chain_client: DefenceChain) -> tuple[int | None, str | None]:
     """How often the client checkpoints (None: never), and why it does not where a defence forbids it."""
-    if every is not None and every < 1:
-        raise ConfigError(f"--checkpoint-every must be >= 1, got {every}")
     if every is not None and chain_client.client_transform is not None:
         return None, f"defence {chain_client.client_transform.name!r} keeps client state across steps"
     return every, None
@@ -236,13 +242,9 @@ def _connect(run: SplitRun, connect: str, tls_dir: str | Path | None, force: boo
         checkpoint_every=run.checkpoint_every,
         resume=None if point is None else {"token": point.token, "done": point.done},
     )
-    remote = run.remote = RemoteServer(host, port, tls_dir, hello)
-    if point is not None and remote.welcome.get("resumed_after_steps") != point.done:
-        remote.abort()
-        raise TransportError(f"the server did not resume after step {point.done}")
-    if run.checkpoint_every is not None and remote.welcome.get("checkpoint_every") is None:
-        run.not_resumable = "the server keeps no checkpoints (start it with --checkpoints DIR)"
-        run.checkpoint_every = None
+    run.remote = RemoteServer(host, port, tls_dir, hello)
+    every, not_resumable = welcomed(run.remote, point, run.checkpoint_every)
+    run.checkpoint_every, run.not_resumable = every, not_resumable or run.not_resumable
 
 
 def _open(run: SplitRun, force: bool) -> None:
@@ -280,13 +282,8 @@ def _write_manifest(run: SplitRun) -> None:
         }
         manifest["checkpoints"] = {"every": run.checkpoint_every, "not_resumable": run.not_resumable}
         if point is not None:
-            manifest["resumed_from"] = {
-                "run": str(run.resume),
-                "after_steps": point.done,
-                "checkpoint_sha256": point.sha256,
-                "note": "the train-phase capture holds the frames from the resumed step on; the frames before "
-                "it are in the capture of the run named here",
-            }
+            assert run.resume is not None
+            manifest["resumed_from"] = resumed_from(run.resume, point)
     run.store.add_json("manifest", "manifest.json", manifest)
     run.store.add_json("documents", "documents.json", run.docs.to_json())
     if run.secret is not None:
@@ -352,11 +349,7 @@ def _checkpointer(run: SplitRun) -> Callable[[int, Any], None] | None:
         record.update(config_hash=config.hash(), token=token, losses=log.losses, doc_ids=log.doc_ids)
         if secret is not None:
             record["draws_secret"] = secret.hex()
-        # recorded in the journal once whole, and only then is the previous one deleted: a kill at any
-        # point leaves a checkpoint that the journal vouches for (what --resume trusts)
-        path, sha = folder.save(done, tensors, record, prune=False)
-        store.add("checkpoint", None, {"done": done, "file": path.name, "sha256": sha})
-        folder.prune()
+        save_recorded(folder, store, done, tensors, record)
 
     return on_step
 
