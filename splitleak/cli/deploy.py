@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from splitleak.cli.common import ThreadsOpt, app, console, err, user_errors
-from splitleak.wire.transport import (
+from splitleak.deploy.limits import (
     HELLO_SECONDS,
     MAX_CONCURRENT,
     MAX_FRAME_MIB,
@@ -97,7 +97,7 @@ def serve_cmd(
     --max-concurrent x (model + one forward of --max-frame-tokens rows x tokens, whose logits over the
     vocabulary are what costs; measured in benchmarks/RESULTS.md); raise them for longer documents or
     larger batches, lower --max-concurrent for a large model."""
-    from splitleak.deploy import ServerNode
+    from splitleak.deploy.server import ServerNode
     from splitleak.runtime import apply_threads
     from splitleak.wire.client import parse_address
 

@@ -39,18 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from splitleak.deploy.limits import HELLO_SECONDS, MAX_CONCURRENT, MAX_FRAME_MIB, MAX_FRAME_TOKENS, MAX_ROWS, MAX_TOKENS
 from splitleak.deploy.session import Session, SessionRecord
 from splitleak.errors import ConfigError
 from splitleak.wire.client import cap_messages
 from splitleak.wire.transport import (
     ENVELOPE_BYTES,
     HANDSHAKE_MESSAGE_BYTES,
-    HELLO_SECONDS,
-    MAX_CONCURRENT,
-    MAX_FRAME_MIB,
-    MAX_FRAME_TOKENS,
-    MAX_ROWS,
-    MAX_TOKENS,
     new_nonce,
     pack,
 )
