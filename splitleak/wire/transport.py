@@ -25,8 +25,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from splitleak.errors import SplitleakError
-from splitleak.wire.frames import KINDS, PHASES, Frame
+import torch
+
+from splitleak.errors import NonFiniteError, SplitleakError
+from splitleak.wire.frames import KINDS, PHASES, Frame, decode
 
 #: 2: every message after the handshake carries the session id of the welcome (``session``)
 PROTOCOL_VERSION = 2
@@ -236,11 +238,6 @@ def receive_frame(header: dict[str, Any], payload: bytes, limits: Limits, allowe
     """What a receiver does with a frame message, in order: the limits (``check_frame_message``, before
     any tensor is decoded), the decode, the envelope's agreement with the frame it carries, and finite
     values. Every refusal is a TransportError, IntegrityError or NonFiniteError in one line."""
-    import torch
-
-    from splitleak.errors import NonFiniteError
-    from splitleak.wire.frames import decode
-
     check_frame_message(header, payload, limits, allowed_kinds)
     frame = decode(payload)
     if (frame.kind, frame.step, frame.phase, list(frame.doc_ids)) != (
