@@ -12,7 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from splitleak.errors import ConfigError
+import numpy as np
+
+from splitleak.errors import ConfigError, IntegrityError
 
 
 def sha256_bytes(b: bytes) -> str:
@@ -57,6 +59,7 @@ def read_yaml(path: str | Path, what: str, mapping_hint: str | None = None) -> A
     """The YAML document in ``path`` (safe loader: no Python objects). ``what`` names the file's role
     in errors (``experiment spec``); with ``mapping_hint`` the document must be a mapping, and the
     hint shows what its keys look like."""
+    # lazy: yaml stays out of `splitleak --help`, which loads files.py
     import yaml
 
     path = Path(path)
@@ -82,8 +85,6 @@ def read_yaml(path: str | Path, what: str, mapping_hint: str | None = None) -> A
 def json_default(o: Any) -> Any:
     """``json.dumps(..., default=json_default)``: numpy scalars and arrays, tensors and paths as plain
     JSON; anything else is refused (a TypeError naming the type), never written as its repr."""
-    import numpy as np
-
     if isinstance(o, np.integer):
         return int(o)
     if isinstance(o, np.floating):
@@ -101,8 +102,6 @@ def read_json(path: str | Path, what: str, fix: str, *, mapping: bool = True) ->
     """The JSON document in ``path``, or an IntegrityError in one line that names the file, what is wrong
     (missing, a directory, not UTF-8, not JSON with line and column, or with ``mapping`` not an object)
     and ``fix``. ``what`` names the file's role (``attack result``)."""
-    from splitleak.errors import IntegrityError
-
     path = Path(path)
     if path.is_dir():
         raise IntegrityError(f"{path} is a directory where a JSON file ({what}) belongs; {fix}")
@@ -126,9 +125,8 @@ def read_json(path: str | Path, what: str, fix: str, *, mapping: bool = True) ->
 def validated(model: Any, data: Any, path: str | Path, fix: str) -> Any:
     """``model.model_validate(data)`` (a pydantic model of the fields a reader relies on), or an
     IntegrityError in one line naming the file, the first wrong field and ``fix``."""
+    # lazy: pydantic stays out of `splitleak --help`, which loads files.py
     from pydantic import ValidationError
-
-    from splitleak.errors import IntegrityError
 
     try:
         return model.model_validate(data)
@@ -155,10 +153,9 @@ def read_parquet(path: str | Path, what: str, fix: str, *, columns: list[str] | 
     another type, content that does not hash to the digest its writer recorded) and ``fix``. Page
     checksums are verified where the writer recorded them, and the content digest of ``parquet_bytes``
     (which also covers the footer: a changed row count or column chunk offset) where it is there."""
+    # lazy: pyarrow stays out of `splitleak --help`, which loads files.py
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from splitleak.errors import IntegrityError
 
     path = Path(path)
     if path.is_dir():
@@ -181,6 +178,7 @@ def read_parquet(path: str | Path, what: str, fix: str, *, columns: list[str] | 
 def parquet_bytes(table: Any) -> bytes:
     """``table`` as Parquet bytes with page checksums and a content digest in its metadata, so that
     ``read_parquet`` notices a damaged page or footer."""
+    # lazy: pyarrow stays out of `splitleak --help`, which loads files.py
     import pyarrow as pa
     import pyarrow.parquet as pq
 

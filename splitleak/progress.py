@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Iterator, Protocol
+
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress as RP
 
 
 class Progress(Protocol):
@@ -50,8 +54,6 @@ class RichProgress:
     so far and an estimate of the time left, at the rate so far), and a line when it ends."""
 
     def __init__(self, progress, interval: float = LOG_INTERVAL_S, clock=None):
-        import time
-
         self.p = progress
         self.interval = interval
         self.clock = clock or time.monotonic
@@ -111,17 +113,6 @@ class RichProgress:
 
 @contextmanager
 def rich_progress() -> Iterator[Progress]:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from rich.progress import (
-        Progress as RP,
-    )
-
     with RP(
         TextColumn("{task.description}"),
         BarColumn(),

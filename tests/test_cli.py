@@ -1,5 +1,7 @@
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -16,6 +18,44 @@ def test_help_on_every_command():
     for cmd in ([], ["models"], ["defences"], ["attacks"], ["train"], ["verify"], ["audit"]):
         r = runner.invoke(app, cmd + ["--help"])
         assert r.exit_code == 0 and "Usage" in r.output
+
+
+#: packages that cost seconds to import (torch, transformers, scipy's submodules) or are optional (ray): the CLI
+#: imports them inside the commands that need them (``# lazy:``), never to start or to print help
+HEAVY = ("torch", "transformers", "ray", "optuna", "matplotlib", "pyarrow", "scipy")
+
+
+def loaded_by(*commands: list[str]) -> list[str]:
+    """The ``HEAVY`` packages a fresh interpreter holds after running ``splitleak COMMAND`` for each command
+    in turn (through ``splitleak.cli.main``, as the console script does)."""
+    code = (
+        "import sys\n"
+        "from splitleak.cli import main\n"
+        f"for cmd in {[list(c) for c in commands]!r}:\n"
+        "    sys.argv = ['splitleak', *cmd]\n"
+        "    try:\n"
+        "        main()\n"
+        "    except SystemExit as exc:\n"
+        "        assert not exc.code, (cmd, exc.code)\n"
+        f"print('LOADED', *(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return out.strip().splitlines()[-1].split()[1:]
+
+
+@pytest.mark.unit
+def test_help_loads_no_heavy_package():
+    """``splitleak --help`` and the help of commands that load their stack only when they run start in well
+    under a second: before, ``serve``'s limits came from ``wire.transport`` and every start loaded torch."""
+    helps = ([], ["serve"], ["tls", "init"], ["experiment", "run"], ["verify"], ["protocol", "analyse"], ["models"])
+    assert loaded_by(*([*cmd, "--help"] for cmd in helps)) == []
+
+
+@pytest.mark.integration
+def test_models_loads_torch_but_no_model_stack():
+    """``splitleak models`` reads the presets (their module imports torch: its precisions are torch dtypes) and
+    the local caches, and loads none of transformers, scipy, pyarrow, optuna, matplotlib or ray."""
+    assert loaded_by(["models"]) == ["torch"]
 
 
 @pytest.mark.unit

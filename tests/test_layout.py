@@ -1,9 +1,11 @@
 """The layout keeps its promises, read from the source with ``ast`` (nothing is imported): the attacks never
-import the truth the scorer reads (``splitleak.runs.truth``), and the wire imports no stage above it."""
+import the truth the scorer reads (``splitleak.runs.truth``), the wire imports no stage above it, modules and
+functions stay short enough to read, and an import inside a function says why it is not at the top."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -173,4 +175,89 @@ def test_the_size_check_sees_a_long_module_and_a_long_function(tmp_path):
     assert oversized(pkg) == [
         f"splitleak/long_function.py:1 f: a body of {FUNCTION_LINES + 1} lines",
         f"splitleak/long_module.py: {MODULE_LINES + 1} lines",
+    ]
+
+
+# ------------------------------------------------------------------ imports inside functions say why
+
+#: the one form of the reason an import inside a function carries: ``# lazy: <why, in a few words>``
+LAZY = re.compile(r"#\s*lazy:\s*(\S+\s+\S.*)")
+
+
+def unexplained_lazy_imports(package_root: Path = PACKAGE) -> list[str]:
+    """``path:line`` of each import inside a function (a method, a nested function) that gives no reason: a
+    ``# lazy: <reason>`` comment on one of its lines or alone on the line above it, where a comment above
+    covers the run of imports that follows it without a blank line. An import stays in a function only
+    where it keeps a heavy or optional dependency out of a module that loads without it."""
+    found = []
+    for path in sorted(package_root.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        lines, tree = text.splitlines(), ast.parse(text, str(path))
+        inner = sorted(
+            (node.lineno, node.end_lineno or node.lineno, node.col_offset)
+            for fn in ast.walk(tree)
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(fn)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+        )
+        if not inner:
+            continue
+        # lines inside a string that spans lines: a '#' there is no comment (an import's own lines hold no string)
+        in_string = {
+            line
+            for s in ast.walk(tree)
+            if isinstance(s, (ast.Constant, ast.JoinedStr)) and s.end_lineno
+            for line in range(s.lineno + 1, s.end_lineno + 1)
+        }
+        run = (-1, -1)  # (last line, column) of the run of explained imports just above
+        for first, last, col in dict.fromkeys(inner):  # a nested function's imports are walked twice
+            own = any(LAZY.search(lines[i - 1]) for i in range(first, last + 1))
+            above = lines[first - 2].lstrip() if first > 1 else ""
+            heads = above.startswith("#") and first - 1 not in in_string and LAZY.match(above)
+            if own or heads or run == (first - 1, col):
+                run = (last, col)
+            else:
+                found.append(f"{path.relative_to(package_root.parent).as_posix()}:{first}")
+                run = (-1, -1)
+    return found
+
+
+@pytest.mark.unit
+def test_every_import_inside_a_function_says_why():
+    found = unexplained_lazy_imports()
+    assert not found, "an import inside a function without '# lazy: <reason>' (hoist it, or say why): " + ", ".join(
+        found
+    )
+
+
+@pytest.mark.unit
+def test_the_lazy_import_check_sees_an_import_without_a_reason(tmp_path):
+    pkg = tmp_path / "splitleak"
+    pkg.mkdir()
+    sources = {
+        "top.py": "import json\n\n\ndef f():\n    return json\n",  # module level: no reason needed
+        "bare.py": "def f():\n    import json\n",
+        "method.py": "class C:\n    def m(self):\n        from splitleak import errors\n",
+        "nested.py": "def f():\n    def g():\n        # lazy: torch stays out of this module\n        import torch\n"
+        "    import json\n",
+        "trailing.py": "def f():\n    import torch  # lazy: torch stays out of `splitleak --help`\n",
+        "above.py": "def f():\n    x = 1\n    # lazy: ray is optional\n    import ray\n    import ray.util\n\n"
+        "    import ray.util.queue\n",
+        "empty.py": "def f():\n    import ray  # lazy:\n    import optuna  # lazy: optuna\n",
+        "wrapped.py": "def f():\n    from splitleak.errors import (  # lazy: on the first of its lines\n"
+        "        ConfigError,\n    )\n",
+        "text.py": 'def f():\n    s = """\n# lazy: inside a string, not a comment"""\n    import json\n    return s\n',
+        "other.py": "def f():\n    # lazy matplotlib, not the form\n    import matplotlib\n",
+    }
+    for name, text in sources.items():
+        (pkg / name).write_text(text)
+    assert unexplained_lazy_imports(pkg) == [
+        "splitleak/above.py:7",  # a blank line ends the run the comment heads
+        "splitleak/bare.py:2",
+        "splitleak/empty.py:2",  # no reason
+        "splitleak/empty.py:3",  # one word is no reason
+        "splitleak/method.py:3",
+        "splitleak/nested.py:5",  # the nested function's reason is not its parent's (another column)
+        "splitleak/other.py:3",  # not the form
+        "splitleak/text.py:4",  # a string is no comment
     ]

@@ -38,17 +38,17 @@ def tls(tmp_path_factory):
 
 @pytest.fixture
 def loads(monkeypatch):
-    """Counts the models the server loads (a refused hello must load none)."""
-    import splitleak.models as models
+    """Counts the models the server loads (a refused hello must load none): its sessions' ``load_model``."""
+    import splitleak.deploy.session as session
 
     calls = []
-    orig = models.load_model
+    orig = session.load_model
 
     def counted(*a, **kw):
         calls.append(a[0] if a else kw.get("name"))
         return orig(*a, **kw)
 
-    monkeypatch.setattr(models, "load_model", counted)
+    monkeypatch.setattr(session, "load_model", counted)
     return calls
 
 

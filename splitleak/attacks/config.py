@@ -22,7 +22,16 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from splitleak.attacks.core import ATTACKS, DEFAULT_READOUT, make_attack
 from splitleak.attacks.registry import Copy
@@ -136,8 +145,6 @@ def make_attack_config(**kw) -> AttackConfig:
     ``__init__`` checks itself (across parameters); the read-out is filled with the default for
     gradient-reading attacks. This is the one constructor of AttackConfig: a grid expands its spec
     through it, so a bad value is refused before any job runs."""
-    from pydantic import ValidationError
-
     if kw.get("attack") not in ATTACKS:
         raise ConfigError(f"unknown attack {kw.get('attack')!r}; known attacks: {', '.join(ATTACKS)}")
     if kw.get("gradient_noise") is not None and kw.get("gradient_bits") is not None:
@@ -209,8 +216,6 @@ def check_params(attack: str, params: Mapping[str, Any]) -> None:
     """Refuse (ConfigError) a parameter that ``attack``'s class does not take, or a value outside the type
     and range its signature declares (``params_model``); the message names the attack, each refused
     parameter, its value and what is allowed. None stands for the class's default, as in ``make_attack``."""
-    from pydantic import ValidationError
-
     if attack not in ATTACKS:
         raise ConfigError(f"unknown attack {attack!r}; known attacks: {', '.join(ATTACKS)}")
     model = params_model(ATTACKS[attack])

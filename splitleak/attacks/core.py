@@ -6,6 +6,7 @@ their names are re-exported here.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 
 from splitleak.attacks.base import Attack, Reconstruction, _RidgeAttack  # noqa: F401
@@ -53,7 +54,6 @@ def make_attack(name: str, **params) -> Attack:
     cls = ATTACKS.get(name)
     if cls is None:
         raise ConfigError(f"unknown attack {name!r}; known attacks: {', '.join(ATTACKS)}")
-    import inspect
 
     allowed = set(inspect.signature(cls.__init__).parameters) - {"self"}
     given = {k: v for k, v in params.items() if v is not None}

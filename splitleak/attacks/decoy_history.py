@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import numpy as np
+from scipy.spatial import cKDTree
 
 from splitleak.attacks.partition import LatentPartition, LatentTraffic, public_latent, top_rows
 from splitleak.errors import ConfigError
@@ -38,8 +39,6 @@ class NearestIndex:
         self.levels: list[tuple[np.ndarray, Any]] = []
 
     def add(self, points: np.ndarray) -> None:
-        from scipy.spatial import cKDTree
-
         data = np.asarray(points, dtype=np.float64)
         if not len(data):
             return

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from splitleak.attacks.partition import LatentFrame, LatentPartition, LatentTraffic, public_latent
+from splitleak.defences.decoys import torch_generator
+from splitleak.defences.gauges import Gauge, frame_gauge
 from splitleak.errors import ConfigError
 
 #: a row within C·(1 + TOL) of the clip counts as inside it (float32 rounding of the wire)
@@ -49,8 +51,6 @@ class GaugeKeySearch(LatentPartition):
         return self
 
     def _gauge(self, seed: int, phase: str, f: LatentFrame):
-        from splitleak.defences.gauges import Gauge, frame_gauge
-
         n, dim = f.x.shape
         if not self.cfg_.gauges:
             return Gauge(np.eye(dim), np.arange(n), None)
@@ -58,8 +58,6 @@ class GaugeKeySearch(LatentPartition):
 
     def consistent(self, seed: int, phase: str, f: LatentFrame, real_rows: int) -> bool:
         """Whether removing the forward noise ``seed`` keys leaves the frame's released rows inside C."""
-        from splitleak.defences.decoys import torch_generator
-
         cfg = self.cfg_
         x = f.x.double()
         if cfg.decoy_release == "verbatim":  # noised in the client's coordinates, before the gauge

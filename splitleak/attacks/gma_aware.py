@@ -21,6 +21,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from splitleak.attacks.base import Reconstruction
 from splitleak.attacks.gma import GMASL, check_inputs, gradient_distance, initial_logits, vocab_of
+from splitleak.defences import build_defence
+from splitleak.defences.masking import GradientDropout, GradientPruning
+from splitleak.defences.mirage import Mirage, ScaleBlinding, SelectiveSupervision, SequenceDP
+from splitleak.defences.vmf import VMFDirection
 from splitleak.errors import ConfigError
 from splitleak.progress import Progress, Silent
 
@@ -68,10 +72,6 @@ def exposed_model(chain: Sequence[Any]) -> ExposedModel:
     """The ``ExposedModel`` of a defence chain (``Knowledge.chain()``), its transforms taken in order. A
     defence that changes the exposed loss or the output gradient in a way this attack does not model is
     refused, naming it; defences acting elsewhere (the forward wire) are passed over."""
-    from splitleak.defences.masking import GradientDropout, GradientPruning
-    from splitleak.defences.mirage import Mirage, ScaleBlinding, SelectiveSupervision, SequenceDP
-    from splitleak.defences.vmf import VMFDirection
-
     m = ExposedModel()
     for d in chain:
         if isinstance(d, Mirage):
@@ -412,8 +412,6 @@ class AwareGMASL(GMASL):
 
 
 def _build_chain(chain: Any) -> list[Any]:
-    from splitleak.defences import build_defence
-
     if not isinstance(chain, (list, tuple)) or not all(isinstance(d, dict) and "name" in d for d in chain):
         raise ConfigError(
             'gma-sl-aware: chain must be a list of {"name": ..., "args": {...}} (the defences to model); got '

@@ -22,13 +22,16 @@ from torch import nn
 
 from splitleak.attacks.registry import COPIES
 from splitleak.data import Document
+from splitleak.defences import build_defence
 from splitleak.errors import ConfigError, IntegrityError
 from splitleak.models import load_model
 from splitleak.models.presets import _NORM_NAMES, find_blocks
+from splitleak.models.split import SplitModel
 from splitleak.runs.captures import Capture, load_capture
 from splitleak.runs.journal import read_tensors_and_metadata
 from splitleak.runs.manifest import read_calibration, read_manifest, run_mode
 from splitleak.seeds import model_init_seed
+from splitleak.training.config import ShieldedConfig
 
 
 class ClientCopy:
@@ -81,6 +84,7 @@ class ClientCopy:
         return torch.cat(out)
 
     def new_cache(self):
+        # lazy: transformers only where a model runs: reports and the results store load this module without one
         from transformers import DynamicCache
 
         return DynamicCache(config=self.owner.config)
@@ -126,9 +130,6 @@ class PublicTop:
     not the client's fine-tuned Top. Called on trunk outputs [b, T, H], it returns logits [b, T, V]."""
 
     def __init__(self, lm, split: dict[str, Any]):
-        from splitleak.models.split import SplitModel
-        from splitleak.training.config import ShieldedConfig
-
         if not split.get("label_shielded"):
             raise ConfigError("the proxy Top is the label-shielded mode's: this run keeps no Top on the client")
         top = int(split["n_blocks"]) - int(split["server_end"])
@@ -180,8 +181,6 @@ class Knowledge:
     def chain(self) -> list[Any]:
         """The run's defences rebuilt from their public record (``splitleak.defences.build_defence``), in chain
         order, without ``none``; no seed or secret goes into them."""
-        from splitleak.defences import build_defence
-
         return [build_defence(d["name"], d.get("args")) for d in self.defences if d["name"] != "none"]
 
     def history(self) -> "Traffic | None":

@@ -34,8 +34,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 from pydantic import NonNegativeFloat
+from scipy.optimize import minimize
 
 from splitleak.errors import ConfigError, IntegrityError
+from splitleak.metrics.auc import roc_auc
+from splitleak.runs.manifest import read_manifest
+from splitleak.runs.wire import read_wire
+from splitleak.training.config import LatentConfig
 
 RULES = ("support", "norm", "classifier")
 KINDS = {"forward": "x", "forward-return": "ret", "backward-top": "g_out", "backward": "g_in"}
@@ -66,9 +71,6 @@ class LatentTraffic:
 
 def load_latent_traffic(run_dir: str | Path, phase: str) -> LatentTraffic:
     """The frames of one phase of a latent run's capture, joined per frame id across the four wires."""
-    from splitleak.runs.manifest import read_manifest
-    from splitleak.runs.wire import read_wire
-
     manifest = read_manifest(run_dir)
     if manifest.get("mode") != "latent" and (manifest.get("config") or {}).get("latent") is None:
         raise ConfigError(f"{run_dir} is not a latent-mode run; partition attacks read the decoy system's frames")
@@ -125,8 +127,6 @@ LEGACY_LATENT = {"decoy_release": "verbatim", "gauge_entropy": "derived"}
 def public_latent(public: dict[str, Any] | None):
     """The run's public latent configuration (the manifest's ``config.latent``, which the server holds
     from the handshake) as a ``LatentConfig``; settings a run predates take what that run did."""
-    from splitleak.training.config import LatentConfig
-
     if public is None:
         raise ConfigError(
             "this attack reads the latent mode's public arguments: pass the run manifest's config.latent as public"
@@ -222,8 +222,6 @@ class PartitionAttack(LatentPartition):
 
 def _logistic(x: np.ndarray, y: np.ndarray, seed: int, l2: float = 1e-3) -> np.ndarray:
     """L2-regularised logistic regression by L-BFGS (scipy); weights then bias."""
-    from scipy.optimize import minimize
-
     xb = np.concatenate([x, np.ones((len(x), 1))], axis=1)
 
     def loss(w: np.ndarray) -> tuple[float, np.ndarray]:
@@ -243,8 +241,6 @@ def score_partition(
     traffic: LatentTraffic, truth: dict[int, np.ndarray], result: list[tuple[np.ndarray, np.ndarray]]
 ) -> dict[str, Any]:
     """Frames matched exactly, row agreement, the share of real rows, and the AUC of the scores."""
-    from splitleak.metrics.auc import roc_auc
-
     exact, agree, rows, real = 0, 0, 0, 0
     all_s, all_y = [], []
     for f, (s, pred) in zip(traffic.frames, result):

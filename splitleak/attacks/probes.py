@@ -40,6 +40,7 @@ epoch is scored.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -48,6 +49,7 @@ import torch
 from torch import nn
 
 from splitleak.attacks.partition import LatentFrame, LatentTraffic
+from splitleak.defences.decoys import derived_seed
 from splitleak.errors import ConfigError
 
 VIEWS = ("forward", "real-rows", "gradient", "joint", "cross-gram")
@@ -275,8 +277,6 @@ class ProbeBattery:
         tokens: dict[int, np.ndarray],
         real: dict[int, np.ndarray],
     ) -> list[ArmPredictions]:
-        import time
-
         if not len(train) or not len(evaluation):
             raise ConfigError("the probes need training-phase and capture-phase frames; this run has none of one")
         if self.shuffle:
@@ -314,8 +314,6 @@ class ProbeBattery:
         return DeepProbe(n_in, self.deep_width, classes, self.deep_layers, self.deep_heads)
 
     def _train(self, view, model, restart, z, adj, pad, y, classes) -> nn.Module:
-        from splitleak.defences.decoys import derived_seed
-
         n_coords = z.shape[-1] - _n_features(view)
         if model == "features":
             z = z[..., n_coords:]

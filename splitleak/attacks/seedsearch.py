@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 from splitleak.attacks.base import Attack, Budget, Reconstruction
+from splitleak.attacks.core import make_attack
 from splitleak.attacks.knowledge import Knowledge, Traffic
+from splitleak.defences import WireContext
 from splitleak.errors import ConfigError
 from splitleak.progress import Progress
 
@@ -66,8 +68,6 @@ class SeedSearch(Attack):
         return {"seeds": self.seeds, "budget": self.budget, "confirm": self.confirm, "z": self.z, "seed": self.seed}
 
     def fit(self, knowledge: Knowledge) -> "SeedSearch":
-        from splitleak.attacks.core import make_attack
-
         super().fit(knowledge)
         self.reader_ = make_attack("sipit-aware", budget=self.budget, seed=self.seed)
         return self
@@ -80,8 +80,6 @@ class SeedSearch(Attack):
 
     def _noise(self, key: int, traffic: Traffic, row: int, position: int, std: float) -> torch.Tensor:
         """The noise key ``key`` gives row ``row`` of the traffic (as ``gaussian_rows`` draws it)."""
-        from splitleak.defences import WireContext
-
         step = -1 if traffic.steps is None else traffic.steps[row]
         doc = traffic.doc_ids[row]
         ctx = WireContext(key, traffic.phase, step, (doc,), position)

@@ -37,9 +37,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from splitleak.attacks.config import CONFIG_FIELDS, IDENTITY_FIELDS, attack_identity, canonical
 from splitleak.attacks.registry import readout_attacks
 from splitleak.audit.gate import analyse_gate, gate_hash_records, thresholds_of
-from splitleak.audit.predictions import RESULT_FIX, read_predictions  # noqa: F401  (read_predictions re-exported)
+from splitleak.audit.predictions import (
+    RESULT_FIX,
+    read_predictions,  # noqa: F401  (re-exported)
+    verified_metrics,
+)
 from splitleak.audit.protocol import Protocol, check_results
 from splitleak.errors import ConfigError, DataError, IntegrityError, SplitleakError
+from splitleak.files import config_hash, read_json, validated
 from splitleak.stats import bonferroni_alpha, heldout_rmse, paired_difference_ci, partial_r2_test
 
 #: the attack's fields of a record: its identity (``attacks.config.IDENTITY``, derived from AttackConfig:
@@ -168,8 +173,6 @@ def read_result(path: str | Path) -> dict[str, Any] | None:
     matching their configurations. ``None`` for a JSON file that is no attack result (a run's metrics,
     a report); an IntegrityError in one line, naming the file and the fix, for one that is not JSON or
     claims to be a result and is damaged."""
-    from splitleak.files import config_hash, read_json, validated
-
     path = Path(path)
     data = read_json(path, "attack result", RESULT_FIX, mapping=False)
     if not isinstance(data, dict) or not {"attack", "config_hash"} <= data.keys():
@@ -224,8 +227,6 @@ def run_rows_from_results(found: Sequence[tuple[Path, dict[str, Any]]]) -> list[
     The run directory named in the result must still exist (its metrics.json holds ΔU) and verify,
     complete: a run whose metrics.json was edited is refused in one line, never read as measured nor
     dropped from the test without a word (a test on fewer runs would be another test)."""
-    from splitleak.audit.predictions import verified_metrics
-
     rows = []
     checked: dict[str, dict[str, Any]] = {}
     for path, res in found:

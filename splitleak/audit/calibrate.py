@@ -50,8 +50,10 @@ from splitleak.attacks.core import make_attack
 from splitleak.attacks.knowledge import Knowledge, Traffic
 from splitleak.attacks.ridge import RidgeMap
 from splitleak.audit.defaults import DEFAULT_COVERAGES
+from splitleak.audit.gate import shipped_thresholds
 from splitleak.audit.verdicts import constant_baseline
 from splitleak.errors import ConfigError, IntegrityError, SplitleakError
+from splitleak.files import read_json, validated
 from splitleak.metrics import roc_auc
 from splitleak.progress import Progress, Silent
 from splitleak.runs.manifest import read_manifest
@@ -246,8 +248,6 @@ def calibrate(
     ``trained`` (the trained copy, for the membership frames) may be passed by a caller that holds them.
     ``alpha`` and ``gate`` default to the shipped gate_002 protocol's (``splitleak.audit.gate``); the
     record names the protocol they came from."""
-    from splitleak.audit.gate import shipped_thresholds
-
     th = shipped_thresholds()
     alpha = th.alpha if alpha is None else alpha
     gate = th.gate if gate is None else gate
@@ -571,8 +571,6 @@ def read_calibration(path: str | Path) -> dict[str, Any]:
     """The record of ``splitleak calibrate`` (a folder holding ``calibration.json``, or the file),
     checked: valid JSON with the fields the report reads, of their types, every metric's effect and
     onset present; else an IntegrityError in one line naming the file and the fix."""
-    from splitleak.files import read_json, validated
-
     p = Path(path)
     p = p / "calibration.json" if p.is_dir() else p
     if not p.exists():

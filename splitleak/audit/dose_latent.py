@@ -38,9 +38,15 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from splitleak.attacks.partition import LatentTraffic
-from splitleak.audit.gate import GateThresholds
+from splitleak.attacks.partition import LatentTraffic, load_latent_traffic
+from splitleak.attacks.probes import ProbeBattery
+from splitleak.audit.gate import GateThresholds, shipped_thresholds
+from splitleak.defences.gauges import derive_master, haar_rotation
 from splitleak.errors import ConfigError
+from splitleak.progress import Silent
+from splitleak.runs.truth import load_row_tokens, load_truth
+from splitleak.stats.binomial import wilson_interval
+from splitleak.stats.paired import battery_verdict, score_arms
 
 MODES = ("coordinate", "invariant")
 CHANNELS = {"activations": "x", "output-gradient": "g_out"}
@@ -60,8 +66,6 @@ def codeword(token: int, dim: int, seed: int) -> np.ndarray:
 
 def frame_rotation(frame_id: int, dim: int, seed: int) -> np.ndarray:
     """The invariant mode's Haar rotation of one frame (the gauges' key derivation, its own channel)."""
-    from splitleak.defences.gauges import derive_master, haar_rotation
-
     return haar_rotation(derive_master(seed, "dose", 0, "invariant-codeword", frame_id), dim)
 
 
@@ -116,8 +120,6 @@ def inject(
 
 
 def _rare_metric(arm_preds: Sequence[np.ndarray], labels: list[np.ndarray], rare: set[int], constant: int):
-    from splitleak.stats.binomial import wilson_interval
-
     mask = [np.isin(y, list(rare)) & (y >= 0) for y in labels]
     known = int(sum(m.sum() for m in mask))
     if not known:
@@ -142,13 +144,6 @@ def dose_ladder(
     """Run the probe battery at every dose; returns the per-dose metrics and the onsets. The gate and α
     are ``thresholds``' (``splitleak.audit.gate.GateThresholds``; default: the shipped gate_002's),
     recorded in the output."""
-    from splitleak.attacks.partition import load_latent_traffic
-    from splitleak.attacks.probes import ProbeBattery
-    from splitleak.audit.gate import shipped_thresholds
-    from splitleak.progress import Silent
-    from splitleak.runs.truth import load_row_tokens, load_truth
-    from splitleak.stats.paired import battery_verdict, score_arms
-
     progress = progress or Silent()
     th = thresholds or shipped_thresholds()
     views = ("gradient",) if channel == "output-gradient" else ("real-rows",)

@@ -10,26 +10,38 @@ nothing of scores.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import glob
+import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from splitleak.attacks.config import AttackConfig, perturb_gradients
 from splitleak.attacks.core import VMI, Majority, make_attack
 from splitleak.attacks.knowledge import Knowledge, Traffic, load_knowledge, load_traffic
+from splitleak.attacks.partition import LatentPartition, load_latent_traffic, score_partition
+from splitleak.attacks.probes import ProbeBattery
 from splitleak.attacks.registry import attack_info, attacks_for_mode
 from splitleak.audit.extras import TruthJudge
+from splitleak.audit.gate import latent_verdict, shipped_thresholds
+from splitleak.audit.verdicts import MISPAIRED_CONTROL, control_delta, control_interval, mispairing
 from splitleak.errors import ConfigError, SplitleakError
-from splitleak.files import json_default
+from splitleak.files import json_default, parquet_bytes, write_atomic
 from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
 from splitleak.progress import Progress, Silent
+from splitleak.runs.journal import JOURNAL
 from splitleak.runs.manifest import pair_session, read_manifest, run_mode
-from splitleak.runs.truth import phase_documents
+from splitleak.runs.truth import load_row_tokens, load_truth, phase_documents
 from splitleak.runs.verify import require_verified
+from splitleak.stats import effect_verdict
+from splitleak.stats.paired import battery_verdict, score_arms
 
 #: bootstrap replicates of a single attack's control interval (the audit recomputes its arms' with ARM_BOOT)
 CONTROL_BOOT = 2000
@@ -260,9 +272,6 @@ def mispaired_control(
     """The arm's mis-paired twin (``splitleak.audit.verdicts``): the fitted ``attack`` reads the traffic of
     other documents labelled with these documents' ids, and is scored against their labels beside the arm's
     own reading of that traffic. The documents and the derangement are drawn from the attack seed."""
-    from splitleak.audit.verdicts import MISPAIRED_CONTROL, control_delta, control_interval, mispairing
-    from splitleak.stats import effect_verdict
-
     rows, given = mispairing(len(traffic), traffic.frames, control_docs, config.attack_seed)
     twin_traffic = traffic.subset(given).replace(doc_ids=tuple(traffic.doc_ids[r] for r in rows))
     t0 = time.perf_counter()
@@ -323,9 +332,6 @@ def run_partition_attack(
     record of real rows. The attack is given the training-phase frames where it reads what the server
     saw before, their truth only where it fits on labels (the classifier rule: then it is evaluated on
     the capture pass only), and the run's public latent arguments; never the client's private files."""
-    from splitleak.attacks.partition import LatentPartition, load_latent_traffic, score_partition
-    from splitleak.runs.truth import load_truth
-
     attack = make_attack(config.attack, **config.attack_params())
     if not isinstance(attack, LatentPartition):
         raise ConfigError(
@@ -388,12 +394,6 @@ def run_probe_attack(
     and family (``splitleak.audit.gate``), recorded in each verdict; ``protocol_verdict`` is the
     protocol's test (002's nine arms per view). ``splitleak protocol analyse`` and a grid's report read
     the stored per-frame differences again under the protocol they check against (``reread_probes``)."""
-    from splitleak.attacks.partition import load_latent_traffic
-    from splitleak.attacks.probes import ProbeBattery
-    from splitleak.audit.gate import latent_verdict, shipped_thresholds
-    from splitleak.runs.truth import load_row_tokens, load_truth
-    from splitleak.stats.paired import battery_verdict, score_arms
-
     attack = make_attack(config.attack, **config.attack_params())
     if not isinstance(attack, ProbeBattery):
         raise ConfigError(f"attack {config.attack!r} is registered as a probe battery but is not a ProbeBattery")
@@ -460,8 +460,6 @@ def check_result_out(out: Path, force: bool, *runs: str | Path | None) -> None:
     ``.parquet`` (the name of its own predictions, written beside it), lies inside a run (``runs``, or any
     folder with a journal: a file added to a run makes it fail ``verify``), cannot be created (a file where
     a folder belongs), is a folder, or exists already without ``force``."""
-    from splitleak.runs.journal import JOURNAL
-
     if out.suffix.lower() == ".parquet":
         raise SplitleakError(
             f"--out {out} ends in .parquet, the name the result's own predictions take beside it; give the result a "
@@ -497,14 +495,6 @@ def write_result(
     Both files are written under an exclusive lock on their folder (``flock``), so that two attacks with
     the same ``--out`` never mix their files; without ``force`` a RESULT.json that another attack wrote
     meanwhile is refused, and nothing is written."""
-    import fcntl
-    import hashlib
-    import os
-
-    import pyarrow as pa
-
-    from splitleak.files import parquet_bytes, write_atomic
-
     out_path.parent.mkdir(parents=True, exist_ok=True)
     pq_path = out_path.with_suffix(".parquet")
     flat = []
@@ -537,9 +527,6 @@ def write_result(
 def _remove_stale_temps(path: Path) -> None:
     """Delete the temporary files of ``path`` (``.NAME.PID.tmp``, or ``.NAME.tmp`` of earlier versions)
     whose writing process is gone: what a job killed mid-write left behind."""
-    import glob
-    import os
-
     stale = [path.with_name(f".{path.name}.tmp")]
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
         pid = tmp.name[len(path.name) + 2 : -len(".tmp")]
@@ -551,8 +538,6 @@ def _remove_stale_temps(path: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
-    import os
-
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

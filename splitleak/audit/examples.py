@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from splitleak.attacks.registry import attack_info
 from splitleak.audit.evaluate import attack_label
+from splitleak.runs.truth import phase_documents
 
 #: documents the report shows token by token (those whose scores lie closest to the attacks' means)
 EXAMPLE_DOCS = 3
@@ -14,8 +16,6 @@ EXAMPLE_DOCS = 3
 
 def _reader_results(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The attacks that read text (token outputs, not controls), in the audit's order."""
-    from splitleak.attacks.registry import attack_info
-
     return [r for r in results if r.get("token_recovery") is not None and not attack_info(r["attack"]).control]
 
 
@@ -37,8 +37,6 @@ def example_documents(
     reader's reconstruction with its wrong tokens. The documents shown are those whose token accuracy
     lies closest to each reader's mean (the mean over readers of |document accuracy − mean accuracy|),
     so that they are typical, not picked for show."""
-    from splitleak.runs.truth import phase_documents
-
     readers = _reader_results(results)
     tok = knowledge.client.tokenizer
     if not readers or tok is None:

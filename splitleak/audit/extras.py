@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from splitleak.attacks.knowledge import Traffic
+from splitleak.metrics.text_overlap import meteor, rouge_f
+from splitleak.runs.journal import read_recorded, recorded_digest
 from splitleak.runs.truth import read_documents
 
 
@@ -43,8 +45,6 @@ def probe_scores(run_dir: Path, traffic: Traffic, probe_tokens: torch.Tensor, ro
     decoy came from (``client/mixup_decoys.json``; it never crossed): per row, the token of the
     earlier training document at the decoy's position. Also how many distinct training tokens the
     probe rows of this traffic exposed."""
-    from splitleak.runs.journal import read_recorded, recorded_digest
-
     rel = "client/mixup_decoys.json"
     if recorded_digest(run_dir, rel) is None:
         return {"scored": False, "why": f"the run has no {rel}"}
@@ -78,8 +78,6 @@ def label_scores(labels: torch.Tensor, docs, tokenizer) -> dict[str, Any]:
     """How much of the labels (tokens 1 … T-1) a label attack recovered: the share of label tokens, the
     share of the answer's labels (instruction documents), and ROUGE-1/2/L F and METEOR of the label text
     (``splitleak.metrics.text_overlap``; METEOR only where nltk's WordNet is installed)."""
-    from splitleak.metrics.text_overlap import meteor, rouge_f
-
     truth = torch.tensor([list(d.token_ids) for d in docs])[:, 1:]
     hit = labels.cpu() == truth
     out: dict[str, Any] = {"label_recovery": float(hit.float().mean())}

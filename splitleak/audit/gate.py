@@ -50,8 +50,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from splitleak.attacks.registry import REGISTRY
+from splitleak.audit.predictions import read_predictions, verified_metrics
 from splitleak.audit.protocol import SHIPPED, Protocol, load_protocol
+from splitleak.audit.verdicts import arm_effects, arm_gate
 from splitleak.errors import ConfigError, DataError
+from splitleak.runs.truth import eval_token_ids
 from splitleak.stats import Interval, frame_weights
 from splitleak.stats.paired import ArmStats, battery_verdict
 
@@ -405,8 +409,6 @@ def reread_probes(
 def latent_utility(run_dir: str | Path, th: GateThresholds) -> dict[str, Any]:
     """A latent run's utility gate: its held-out CE over the frozen pretrained model (``metrics.json``'s
     ``ce_increase_over_pretrained``, 002's Δ loss), read only from a run that verifies (else marked unverified)."""
-    from splitleak.audit.predictions import verified_metrics
-
     reference = "the frozen pretrained model (002's Δ loss)"
     m, why = verified_metrics(run_dir)
     if m is None:
@@ -421,8 +423,6 @@ def split_utility(run_dir: str | Path, run_config: dict[str, Any], th: GateThres
     """A split run's utility gate: ΔU, its held-out CE over the all-local run (``metrics.json``); an
     undefended plain split is its own reference (it reproduces the all-local run exactly), so ΔU = 0. ΔU is
     read only from a run that verifies; else the utility is marked unverified and the run cannot pass."""
-    from splitleak.audit.predictions import verified_metrics
-
     defences = [d.get("name") for d in run_config.get("defences", [{"name": "none"}])]
     plain = run_config.get("offload_start") is None and run_config.get("shielded") is None
     if plain and all(d == "none" for d in defences):
@@ -437,8 +437,6 @@ def split_utility(run_dir: str | Path, run_config: dict[str, Any], th: GateThres
 def gate_inputs(found: Sequence[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
     """What a gate protocol reads of attack results (``splitleak.audit.analysis.find_results``): each
     probe-battery result, and the token attacks of each split run grouped by run (the audit's arms)."""
-    from splitleak.attacks.registry import REGISTRY
-
     out: list[dict[str, Any]] = []
     split: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
     for path, res in found:
@@ -462,8 +460,6 @@ def _split_label(res: dict[str, Any]) -> str:
 
 
 def _read_latent(item: dict[str, Any], th: GateThresholds) -> dict[str, Any]:
-    from splitleak.audit.predictions import read_predictions
-
     path, res = item["path"], item["result"]
     probes = res["probes"]
     frames = read_predictions(path, res, ["arm", "frame_id", "paired_delta"])
@@ -503,10 +499,6 @@ def _read_latent(item: dict[str, Any], th: GateThresholds) -> dict[str, Any]:
 
 
 def _read_split(item: dict[str, Any], th: GateThresholds) -> dict[str, Any]:
-    from splitleak.audit.predictions import read_predictions
-    from splitleak.audit.verdicts import arm_effects, arm_gate
-    from splitleak.runs.truth import eval_token_ids
-
     group = item["results"]
     predictions: dict[str, np.ndarray] = {}
     doc_ids: list[int] | None = None

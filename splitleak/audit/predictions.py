@@ -8,14 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from splitleak.errors import IntegrityError, SplitleakError
+from splitleak.files import read_parquet, sha256_file
+from splitleak.runs.journal import read_run_json
+from splitleak.runs.verify import verify_run
 
 RESULT_FIX = "rerun `splitleak attack` (or the audit) that wrote it, or move it out of the folder"
 
 
 def read_predictions(path: Path, res: dict[str, Any], columns: list[str]) -> list[dict[str, Any]]:
     """The per-document predictions beside a result, checked against the digest the result records."""
-    from splitleak.files import read_parquet, sha256_file
-
     name = res.get("predictions") or path.with_suffix(".parquet").name
     if name in ("", ".", "..") or Path(name).name != name:
         raise IntegrityError(f"{path} names predictions {name!r}, not a file beside it; {RESULT_FIX}")
@@ -32,9 +33,6 @@ def verified_metrics(run_dir: str | Path) -> tuple[dict[str, Any] | None, str | 
     """A run's ``metrics.json`` only when the run verifies, complete (``verify_run``, as ``compare`` checks it):
     ``(metrics, None)``, or ``(None, why not)``. An edited held-out CE (0.123, NaN) is not what the run
     measured, and no reader of utility may take it as measured."""
-    from splitleak.runs.journal import read_run_json
-    from splitleak.runs.verify import verify_run
-
     v = verify_run(run_dir)
     if not v.ok:
         return None, v.message

@@ -10,7 +10,9 @@ refuses results whose hash differs, naming them.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Literal
@@ -18,6 +20,7 @@ from typing import Any, Iterable, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from splitleak.errors import ConfigError, IntegrityError
+from splitleak.files import read_json, read_yaml
 
 #: the protocols shipped with splitleak; each ships frozen (its FILE.frozen.json is package data), so a
 #: grid under a shipped protocol never writes into the installed package
@@ -73,7 +76,6 @@ class Family(BaseModel):
             return list(self.comparisons)
         if not self.controls:
             return []
-        import itertools
 
         keys = list(self.over)
         out = []
@@ -120,8 +122,6 @@ def frozen_record_path(path: Path) -> Path:
 
 
 def parse_protocol(path: str | Path) -> Protocol:
-    from splitleak.files import read_yaml
-
     path = Path(path)
     data = read_yaml(path, "protocol")
     try:
@@ -142,10 +142,6 @@ def parse_protocol(path: str | Path) -> Protocol:
 def read_frozen_record(path: Path) -> str:
     """The SHA-256 that ``freeze_protocol`` recorded for the protocol ``path`` (FILE.frozen.json), checked:
     a JSON object whose ``sha256`` is 64 hex digits and whose ``file`` is the protocol's name."""
-    import re
-
-    from splitleak.files import read_json
-
     rec = frozen_record_path(path)
     fix = (
         "the freeze record is damaged: restore it from version control; a protocol cannot be re-frozen after "

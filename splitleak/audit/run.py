@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
+from splitleak.audit.analysis import read_result
 from splitleak.audit.calibrate import CalibrationResult, calibrate, read_calibration
 from splitleak.audit.channels import channel_table, run_declaration
 from splitleak.audit.defaults import AUDIT_N_EVAL, AUDIT_N_TRAIN
@@ -34,6 +35,7 @@ from splitleak.audit.evaluate import attack_label, run_attack
 from splitleak.audit.examples import example_documents
 from splitleak.audit.gate import GateThresholds, audit_utility, gate_record, shipped_thresholds
 from splitleak.audit.plan import AUDIT_MODES, CERTIFY_CHECKS, DEFAULT_DEPTH, audit_attacks, check_certify, split_fields
+from splitleak.audit.predictions import read_predictions
 from splitleak.audit.stages import START_AGAIN, AuditStages
 from splitleak.audit.verdicts import CONTROL_DOCS, arm_effects, arm_gate, recovery_intervals
 from splitleak.data import N_CALIB
@@ -44,6 +46,7 @@ from splitleak.progress import Progress
 from splitleak.runs.captures import load_capture
 from splitleak.runs.journal import read_run_json
 from splitleak.runs.manifest import find_session
+from splitleak.runs.store import is_run_dir, refuse_clobber
 from splitleak.runs.truth import eval_token_ids
 from splitleak.runs.verify import VerifyResult, verify_run
 from splitleak.seeds import model_init_seed
@@ -115,8 +118,6 @@ def check_audit_out(out: Path, force: bool, resume: bool = False) -> bool:
     empty without ``force`` or ``resume``; with either, a link (whatever it leads to) or a folder that is
     not an audit folder splitleak wrote (its run, or only what an audit writes). True when ``out`` is to
     be deleted (``force``); ``resume`` keeps it, for ``AuditStages.prior`` to check what it holds."""
-    from splitleak.runs.store import is_run_dir, refuse_clobber
-
     if force and resume:
         raise ConfigError("--resume continues the audit in --out and --force deletes it to start again; pass one")
     refuse_clobber(out)
@@ -521,9 +522,6 @@ def _finished_attack(path: Path, acfg, run_config_hash: str) -> dict[str, Any]:
     """An attack result the audit wrote (``path``: RESULT.json, its predictions beside it), read back and
     checked: its hashes (``read_result``), the predictions' digest, and that it is this attack on this run.
     The dictionary ``run_attack`` returned, with ``per_doc`` holding the predictions."""
-    from splitleak.audit.analysis import read_result
-    from splitleak.audit.predictions import read_predictions
-
     res = read_result(path)
     if res is None or res.get("config_hash") != acfg.hash() or res["run"].get("config_hash") != run_config_hash:
         raise SplitleakError(

@@ -18,8 +18,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from splitleak.audit.evaluate import attack_label
 from splitleak.errors import IntegrityError, SplitleakError
-from splitleak.files import json_default
+from splitleak.files import config_hash, json_default, read_json, sha256_file, write_atomic
+from splitleak.runs.journal import path_problem, read_run_json
+from splitleak.runs.store import is_run_dir
+from splitleak.runs.verify import verify_run
 
 STAGES = "stages.json"
 #: the fix a refused resume names
@@ -27,8 +31,6 @@ START_AGAIN = "pass --force instead of --resume to start the audit again, or cho
 
 
 def settings_hash(settings: dict[str, Any]) -> str:
-    from splitleak.files import config_hash
-
     return config_hash(json.loads(json.dumps(settings, default=json_default)))
 
 
@@ -38,8 +40,6 @@ def _bad(out: Path, why: str) -> IntegrityError:
 
 def read_stages(out: str | Path) -> dict[str, Any]:
     """The audit's stage record, checked for shape (IntegrityError in one line naming the file and the fix)."""
-    from splitleak.files import read_json
-
     out = Path(out)
     data = read_json(out / STAGES, "audit stage record", START_AGAIN)
     if not isinstance(data.get("settings"), dict) or not isinstance(data.get("settings_hash"), str):
@@ -65,8 +65,6 @@ def read_stages(out: str | Path) -> dict[str, Any]:
 
 
 def _inside(out: Path, rel: str) -> Path:
-    from splitleak.runs.journal import path_problem
-
     problem = path_problem(out, rel)
     if problem:
         raise _bad(out, f"names {problem}")
@@ -86,9 +84,6 @@ class AuditStages:
     def prior(cls, out: Path) -> AuditStages:
         """The record a killed or failed audit left in ``out``, each finished stage's files checked against
         their recorded digests (IntegrityError in one line, naming the file and the fix, on any that differ)."""
-        from splitleak.files import sha256_file
-        from splitleak.runs.verify import verify_run
-
         out = Path(out)
         if not (out / STAGES).exists():
             raise SplitleakError(
@@ -149,8 +144,6 @@ class AuditStages:
         return name in self.data["stages"]
 
     def finish(self, name: str, files: list[str]) -> None:
-        from splitleak.files import sha256_file
-
         self.data["stages"][name] = {"files": {rel: sha256_file(self.out / rel) for rel in files}}
         self._write()
 
@@ -169,8 +162,6 @@ class AuditStages:
         self._write()
 
     def _write(self) -> None:
-        from splitleak.files import write_atomic
-
         text = json.dumps(self.data, indent=2, sort_keys=True, default=json_default) + "\n"
         write_atomic(self.out / STAGES, text.encode("utf-8"))
 
@@ -179,9 +170,6 @@ class AuditStages:
     def clear_run(self, rel: str, config_hash: str) -> None:
         """Remove the run folder ``rel`` that an unfinished stage left (killed or failed mid-training), after
         checking it is a run of this audit's configuration; refuse a foreign folder in one line."""
-        from splitleak.runs.journal import read_run_json
-        from splitleak.runs.store import is_run_dir
-
         path = self.out / rel
         if not path.exists() and not path.is_symlink():
             return
@@ -217,8 +205,6 @@ class AuditStages:
 def audit_state(out: str | Path) -> dict[str, Any] | None:
     """Whether the audit folder ``out`` finished: None when it did, else why not and the attacks it is missing
     (``{"why": ..., "missing": [labels] or None when unknown}``), for ``compare`` to mark it."""
-    from splitleak.audit.evaluate import attack_label
-
     out = Path(out)
     if not (out / STAGES).exists():  # an audit of an older splitleak: only the report says it finished
         if (out / "report.json").is_file():

@@ -37,6 +37,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike
+from scipy.stats import ttest_1samp
 
 from splitleak.audit.defaults import CONTROL_DOCS  # noqa: F401  (re-exported: the control's default)
 from splitleak.errors import DataError
@@ -144,8 +145,6 @@ def control_p_value(delta: ArrayLike) -> float:
     given": a one-sample t-test of the per-document differences against 0 (``greater``); differences that
     are all equal give 0 when positive and 1 otherwise (no spread to test against). For families too large
     for bootstrap percentiles (a grid's jobs, Bonferroni over thousands)."""
-    from scipy.stats import ttest_1samp
-
     d = np.asarray(delta, dtype=np.float64)
     if d.size == 0:
         raise DataError("no control differences to test")

@@ -4,16 +4,14 @@ One module per group of commands; importing this package registers them all on `
 
 from __future__ import annotations
 
+from splitleak.attacks.registry import load_plugins
 from splitleak.cli import audit, catalogue, deploy, experiment, protocol, runs, tune  # noqa: F401  (each registers its commands)
-from splitleak.cli.common import app, parse_defences
+from splitleak.cli.common import app, parse_defences, user_errors
 
 __all__ = ["app", "main", "parse_defences"]
 
 
 def main() -> None:  # console-script entry point
-    from splitleak.attacks.registry import load_plugins
-    from splitleak.cli.common import user_errors
-
     with user_errors():
         load_plugins()  # attacks registered by SPLITLEAK_PLUGINS
     app()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -23,7 +24,7 @@ from splitleak.cli.common import (
 )
 from splitleak.cli.runs import print_summary
 from splitleak.data import N_CALIB, N_EVAL, N_TRAIN
-from splitleak.errors import ConfigError
+from splitleak.errors import ConfigError, SplitleakError
 
 
 @app.command("calibrate")
@@ -57,6 +58,7 @@ def calibrate_cmd(
     """Inject a known token leak into the capture at rising dose and record where each metric (token
     top-1, rare-token top-1, cross-entropy, membership AUC) first detects it (Politis & Pappas 2026, §4).
     On a latent-mode run, `--attack latent-probe` runs the paper's 19-dose ladder on the probe battery."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.report.calibration import calibration_table, onset_text, write_calibration_report
     from splitleak.runtime import apply_threads
 
@@ -65,6 +67,7 @@ def calibrate_cmd(
         if attack == "latent-probe":
             _latent_ladder(run_dir, out, channel, seed, n_boot, force, quiet)
             return
+        # lazy: torch stays out of `splitleak --help`
         from splitleak.audit.calibrate import METRICS, calibrate
 
         target = out if out is not None else run_dir.parent / f"calibration-{attack}"
@@ -99,10 +102,8 @@ def calibrate_cmd(
 
 
 def _latent_ladder(run_dir: Path, out: Optional[Path], channel: str, seed: int, n_boot: int, force: bool, quiet: bool):
-    import json
-
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.audit.dose_latent import dose_ladder
-    from splitleak.errors import SplitleakError
 
     target = (out if out is not None else run_dir.parent / "calibration-latent-probe") / "calibration.json"
     if target.exists() and not force:
@@ -142,6 +143,7 @@ def compare_cmd(
 ) -> None:
     """One table of the runs (defence, depth, utility, and recovery per attack, one line per attack),
     and the leakage-against-cost figure."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.report.compare import compare_runs, leakage_cost_figure, table_rows
 
     with user_errors():
@@ -250,6 +252,7 @@ def audit_cmd(
     ),
 ) -> None:
     """The main job: train and capture on embedded defaults, attack the traffic, write a report."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.audit.plan import choose_default_model
     from splitleak.audit.run import run_audit
     from splitleak.report.audit_prose import audit_words
@@ -295,6 +298,7 @@ def audit_cmd(
                 mode=mode,
             )
         print_summary(res.run, res.utility_baseline)
+        # lazy: torch stays out of `splitleak --help`
         from splitleak.report.audit import ATTACK_HEADER, attack_table_rows, write_audit_report
 
         written = write_audit_report(res.out)

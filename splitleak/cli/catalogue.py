@@ -10,12 +10,14 @@ from typing import Any
 import typer
 from rich.table import Table
 
+from splitleak.attacks.registry import REGISTRY
 from splitleak.cli.common import app, console
 
 
 @app.command("models")
 def models_cmd() -> None:
     """List the model presets and whether each loads offline here."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.models import PRESETS, preset_available
 
     t = Table(title="model presets")
@@ -31,6 +33,7 @@ def models_cmd() -> None:
 def defence_rows() -> list[dict[str, Any]]:
     """One row per registered defence: its arguments with their defaults and the range ``tune`` searches
     (ours), where its default configuration acts, its split modes and the attacks built for it."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.defences import DEFENCES, build_defence
 
     rows = []
@@ -82,8 +85,8 @@ def defences_cmd(
 def attack_rows() -> list[dict[str, Any]]:
     """One row per registered attack: what it reads, its output, whether it is a control or built for
     defences, the split modes it reads, and its parameters with their defaults (from its class's signature)."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.attacks.config import params_model
-    from splitleak.attacks.registry import REGISTRY
 
     rows = []
     for name, info in REGISTRY.items():
@@ -133,6 +136,7 @@ def name_defences_in_help(ctx: typer.Context) -> None:
     and the CLI's start do not need."""
     if ctx.invoked_subcommand not in ("train", "tune", "audit"):
         return
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.defences import DEFENCES
 
     # typer builds its commands on a click of its own: read them by their attributes, not their classes

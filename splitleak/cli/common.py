@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from splitleak.errors import ConfigError, SplitleakError
+from splitleak.progress import Silent, rich_progress
 
 app = typer.Typer(
     help="splitleak: split learning of language models, what crosses the split, and what it gives away.",
@@ -42,8 +44,6 @@ def user_errors():
 def place_error(exc: OSError) -> str | None:
     """One line for an OSError that the place causes, not the program: a full disk or file-size limit,
     a read-only file system, no permission. ``None`` for any other OSError (a bug shows its traceback)."""
-    import errno
-
     full = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
     closed = (errno.EROFS, errno.EACCES, errno.EPERM)
     what = exc.filename or "a file"
@@ -96,6 +96,7 @@ DrawsOpt = typer.Option(
 def parse_defences(names: list[str], args: list[str]) -> list[dict[str, Any]]:
     """``--defence quant4-noisy --defence-arg clip=1.0`` or ``--defence quant4-noisy:clip=1.0,noise=0.1``;
     with several defences, ``--defence-arg NAME.KEY=VALUE``. Applied in the order given."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.defences import parse_defence_args
 
     specs: list[dict[str, Any]] = []
@@ -118,8 +119,6 @@ def parse_defences(names: list[str], args: list[str]) -> list[dict[str, Any]]:
 
 
 def progress(quiet: bool):
-    from splitleak.progress import Silent, rich_progress
-
     if quiet:
 
         @contextmanager

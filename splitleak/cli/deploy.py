@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from splitleak.cli.common import ThreadsOpt, app, console, err, user_errors
-from splitleak.wire.transport import (
+from splitleak.deploy.limits import (
     HELLO_SECONDS,
     MAX_CONCURRENT,
     MAX_FRAME_MIB,
@@ -33,6 +33,7 @@ def tls_init_cmd(
 ) -> None:
     """Write a private CA (ca.pem, ca.key) and a server and a client certificate signed by it. Give the
     server ca.pem + server.*, the client ca.pem + client.*; keep the folder out of any repository."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.wire.tls import init_tls
 
     with user_errors():
@@ -97,7 +98,8 @@ def serve_cmd(
     --max-concurrent x (model + one forward of --max-frame-tokens rows x tokens, whose logits over the
     vocabulary are what costs; measured in benchmarks/RESULTS.md); raise them for longer documents or
     larger batches, lower --max-concurrent for a large model."""
-    from splitleak.deploy import ServerNode
+    # lazy: torch stays out of `splitleak --help`
+    from splitleak.deploy.server import ServerNode
     from splitleak.runtime import apply_threads
     from splitleak.wire.client import parse_address
 

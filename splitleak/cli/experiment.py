@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from splitleak.cli.common import app, console, err, first_line, user_errors
+from splitleak.experiments.display import PlainReporter, RichReporter, SilentReporter
 
 experiment_app = typer.Typer(
     help="Experiment grids: expand a spec into jobs, run them locally or on Ray, resume, show status.",
@@ -49,8 +50,8 @@ def run_cmd(
     quiet: bool = typer.Option(False, "--quiet", help="no progress output"),
 ) -> None:
     """Run every job of SPEC that the store does not hold yet (resumes after a kill); exit 1 when a job failed."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.experiments import run_grid
-    from splitleak.experiments.display import PlainReporter, RichReporter, SilentReporter
 
     with user_errors():
         if quiet:
@@ -107,6 +108,7 @@ def status_cmd(
     store: Optional[Path] = StoreOpt,
 ) -> None:
     """Count done / running / failed / pending jobs of SPEC in its store and list the failed ones."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.experiments import grid_status
 
     with user_errors():
@@ -147,6 +149,7 @@ def plan_cmd(
     jobs: bool = typer.Option(False, "--jobs", help="list every job with its key"),
 ) -> None:
     """Expand SPEC into its jobs and print how many of each kind; writes nothing."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.experiments import plan_grid
 
     with user_errors():
@@ -178,6 +181,7 @@ def report_cmd(
     ),
 ) -> None:
     """Write the report of SPEC's grid from its store: main test, family, recovery tables, figures."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.report.grid import grid_report
 
     with user_errors():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +17,7 @@ app.add_typer(protocol_app, name="protocol")
 @protocol_app.command("freeze")
 def protocol_freeze_cmd(file: Path = typer.Argument(..., help="protocol YAML file")) -> None:
     """Validate FILE and record its SHA-256 in FILE.frozen.json; results written under it carry the hash."""
+    # lazy: pydantic stays out of `splitleak --help`
     from splitleak.audit.protocol import freeze_protocol
 
     with user_errors():
@@ -35,8 +37,7 @@ def protocol_analyse_cmd(
     the partial-offloading tests, and the gate test (probe-battery results and split runs read at the
     protocol's gate, α, arm family and utility gate). Results not written under the protocol's hash are
     refused; a declared test the results do not evaluate is named, with why."""
-    import json as _json
-
+    # lazy: torch and pydantic stay out of `splitleak --help`
     from splitleak.audit.analysis import analyse, find_results, rows_from_results, run_rows_from_results
     from splitleak.audit.gate import gate_inputs
     from splitleak.audit.protocol import load_protocol
@@ -54,7 +55,7 @@ def protocol_analyse_cmd(
         console.print(md, markup=False, highlight=False)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.with_suffix(".json").write_text(_json.dumps(a.as_dict(), indent=2) + "\n")
+            out.with_suffix(".json").write_text(json.dumps(a.as_dict(), indent=2) + "\n")
             out.with_suffix(".md").write_text(md)
             console.print(f"analysis: {out.with_suffix('.json')}")
         if a.main is not None and not a.main.passes:
@@ -66,6 +67,7 @@ def protocol_analyse_cmd(
 @protocol_app.command("show")
 def protocol_show_cmd(file: Path = typer.Argument(..., help="protocol YAML file")) -> None:
     """Check that FILE is frozen and unchanged, and print its hypotheses and hash."""
+    # lazy: pydantic stays out of `splitleak --help`
     from splitleak.audit.protocol import load_protocol
 
     with user_errors():

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from splitleak.attacks.registry import help_text as attack_help
 from splitleak.audit.defaults import CONTROL_DOCS
@@ -24,10 +25,13 @@ from splitleak.cli.common import (
     user_errors,
 )
 from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
-from splitleak.errors import ConfigError
+from splitleak.errors import ConfigError, IntegrityError
+from splitleak.files import read_yaml
+from splitleak.runs.journal import journal_entries
 
 
 def _train_config(**kw):
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.training import make_train_config
 
     return make_train_config(**kw)
@@ -132,6 +136,7 @@ def train_cmd(
 ) -> None:
     """Split-train a model over the wire, measure utility and capture the traffic into OUT. With
     --connect the server half runs in another process (`splitleak serve`), over mutual TLS."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.training import run_training
 
     with user_errors():
@@ -175,6 +180,7 @@ def train_cmd(
                     "were both given; the configuration comes from one place"
                 )
         if resume is not None:
+            # lazy: torch stays out of `splitleak --help`
             from splitleak.runs.manifest import read_manifest
             from splitleak.training import config_from_record
 
@@ -209,8 +215,6 @@ def train_cmd(
 
 def _stopped(out: Path, deployed: bool) -> str:
     """One line for a `train` stopped by Ctrl-C: how its run was closed, and how to go on."""
-    from splitleak.runs.journal import journal_entries
-
     try:
         last = journal_entries(out)[-1]
     except Exception:  # noqa: BLE001 (no run written yet, or none readable): nothing to name
@@ -263,6 +267,7 @@ def _options_config(**o):
 
 def _latent_options(model: str, named: str | None, args: list[str]) -> dict:
     """The latent config from ``--latent-split`` (a preset name or S/R) and ``--latent-arg KEY=VALUE``."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.defences import parse_defence_args
     from splitleak.models.latent import preset_split
 
@@ -311,8 +316,6 @@ _TRAIN_DEFAULTS = dict(
 
 def load_train_yaml(path: Path):
     """A TrainConfig from a YAML mapping of its fields; unknown keys are refused by name."""
-    from splitleak.files import read_yaml
-
     data = read_yaml(path, "configuration", "model: ..., depth: ..., defences: [...], ...")
     return _train_config(**data)
 
@@ -352,7 +355,7 @@ def print_summary(res, baseline: dict | None = None) -> None:
 def verify_cmd(run_dir: Path = typer.Argument(..., help="a run directory")) -> None:
     """Re-hash every file of a run against its hash-chained journal and, for a complete run, re-encode
     every recorded frame against the channels' ledgers of what crossed. Exit 0 when intact."""
-    from splitleak.errors import IntegrityError
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.runs.verify import verify_run
     from splitleak.runs.wire import verify_wire
 
@@ -377,13 +380,13 @@ def channels_cmd(
 ) -> None:
     """Every channel the run's split mode and defences declare (Politis & Pappas 2026, §3): direction, shape, whether the
     tap captured it, which registered attacks read it, and its status."""
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.audit.channels import HEADER, channel_table, channels_json, run_declaration, table_rows
 
     with user_errors():
         if as_json:
             print(channels_json(run_dir))
             return
-        from rich.text import Text
 
         rows = channel_table(run_dir)
         t = Table(title=f"channels of {run_dir}")
@@ -467,6 +470,7 @@ def attack_cmd(
     quiet: bool = typer.Option(False, "--quiet"),
 ) -> None:
     """Run one attack against a run's captured traffic and score it per token, document and span."""
+    # lazy: torch and scipy stay out of `splitleak --help`
     from splitleak.attacks import make_attack_config
     from splitleak.audit.evaluate import run_attack
     from splitleak.defences import parse_defence_args
@@ -499,6 +503,7 @@ def attack_cmd(
         )
         protocol_hash = None
         if protocol is not None:
+            # lazy: pydantic stays out of `splitleak --help`
             from splitleak.audit.protocol import load_protocol
 
             _, protocol_hash = load_protocol(protocol)

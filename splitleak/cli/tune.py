@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from splitleak.cli.common import DeviceOpt, ThreadsOpt, app, console, user_errors
-from splitleak.experiments.tune import DEFAULT_ATTACKS
+from splitleak.experiments.tune import DEFAULT_ATTACKS, TuneSettings, parse_enqueue
+from splitleak.report.tune import render_tune
 
 
 @app.command("tune")
@@ -66,9 +67,8 @@ def tune_cmd(
 ) -> None:
     """Search cut depth × defence × strength for the configurations that hold the gate against the attack
     suite within a utility budget, and draw the privacy–utility frontier. A rerun resumes."""
-    from splitleak.experiments.tune import TuneSettings, parse_enqueue
+    # lazy: torch stays out of `splitleak --help`
     from splitleak.experiments.tune_study import tune
-    from splitleak.report.tune import render_tune
 
     def say(s: str) -> None:
         if not quiet:

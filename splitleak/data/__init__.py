@@ -21,7 +21,11 @@ from splitleak.data.documents import (
     draw_sets,
     encode,
 )
+from splitleak.data.instructions import instruction_passages
 from splitleak.data.spans import annotate
+from splitleak.data.synthetic import synthetic_passages
+from splitleak.data.text import read_text_files
+from splitleak.data.wikitext import read_wikitext
 from splitleak.errors import DataError
 
 __all__ = ["SOURCES", "LABELS", "Span", "Document", "DocumentSets", "annotate", "load_documents"]
@@ -65,24 +69,13 @@ def load_documents(
                 f"source {source!r} generates its documents and reads no data_path; drop "
                 "data_path (--data-path) or use source 'text' for your own files"
             )
-        if source == "synthetic-pii":
-            from splitleak.data.synthetic import synthetic_passages as generate
-        else:
-            from splitleak.data.instructions import instruction_passages as generate
-
+        generate = synthetic_passages if source == "synthetic-pii" else instruction_passages
         passages = generate(tokenizer, seed=seed, count=sum(counts.values()), doc_len=doc_len)
         encodings = encode(tokenizer, [p.text for p in passages])
         pool = cut_windows(encodings, doc_len, first_only=True)
         where = f"{source} texts"
     else:
-        if source == "wikitext2":
-            from splitleak.data.wikitext import read_wikitext
-
-            passages, where = read_wikitext(data_path)
-        else:
-            from splitleak.data.text import read_text_files
-
-            passages, where = read_text_files(data_path)
+        passages, where = (read_wikitext if source == "wikitext2" else read_text_files)(data_path)
         encodings = encode(tokenizer, [p.text for p in passages])
         pool = cut_windows(encodings, doc_len)
 

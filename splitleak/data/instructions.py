@@ -36,7 +36,8 @@ def _prefix(seed: int, index: int) -> str:
 
 def instruction_passages(tokenizer: Any, *, seed: int, count: int, doc_len: int) -> list[Passage]:
     """``count`` question/answer texts for ``seed``, each of at least ``doc_len`` tokens under ``tokenizer``."""
-    import faker  # imported here: only generated sources need it
+    # lazy: faker stays out of `splitleak --help`, which loads splitleak.data
+    import faker
 
     fake = faker.Faker("en_US")
     out = []

@@ -257,7 +257,8 @@ def generate_text(fake: Any, seed: int, index: int, long_enough: Callable[[str],
 
 def synthetic_passages(tokenizer: Any, *, seed: int, count: int, doc_len: int) -> list[Passage]:
     """``count`` texts for ``seed``, each of at least ``doc_len`` tokens under ``tokenizer``."""
-    import faker  # imported here: only this source needs it
+    # lazy: faker stays out of `splitleak --help`, which loads splitleak.data
+    import faker
 
     fake = faker.Faker("en_US")
 

@@ -126,6 +126,7 @@ def gaussian_mechanism_epsilon(noise_multiplier: float, delta: float, releases: 
     """(epsilon, delta) of ``releases`` compositions of the Gaussian mechanism with noise multiplier
     ``noise_multiplier`` (sampling rate 1), from Opacus's RDP accountant."""
     try:
+        # lazy: opacus takes seconds to import and only dp-forward's privacy report needs it
         from opacus.accountants import RDPAccountant
     except ImportError as exc:  # pragma: no cover - opacus is a dependency
         raise ConfigError("dp-forward's privacy report needs the package opacus (`pip install opacus`)") from exc

@@ -32,32 +32,27 @@ logged with the peer's address and the reason. Whatever raises, a session's capt
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import ssl
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+from websockets.sync.server import Server, serve
+
+from splitleak.deploy.limits import HELLO_SECONDS, MAX_CONCURRENT, MAX_FRAME_MIB, MAX_FRAME_TOKENS, MAX_ROWS, MAX_TOKENS
 from splitleak.deploy.session import Session, SessionRecord
 from splitleak.errors import ConfigError
 from splitleak.wire.client import cap_messages
+from splitleak.wire.tls import server_context
 from splitleak.wire.transport import (
     ENVELOPE_BYTES,
     HANDSHAKE_MESSAGE_BYTES,
-    HELLO_SECONDS,
-    MAX_CONCURRENT,
-    MAX_FRAME_MIB,
-    MAX_FRAME_TOKENS,
-    MAX_ROWS,
-    MAX_TOKENS,
     new_nonce,
     pack,
 )
-
-if TYPE_CHECKING:
-    from websockets.sync.server import Server
-
 
 log = logging.getLogger("splitleak.serve")
 OPEN_TIMEOUT_S = 30.0  # the server's limit on a connection's TLS and WebSocket opening handshakes
@@ -123,8 +118,6 @@ class ServerNode:
     on_session: Callable[[SessionRecord], None] | None = None
 
     def __post_init__(self) -> None:
-        import ipaddress
-
         try:
             loopback = self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
         except ValueError:
@@ -207,10 +200,6 @@ class ServerNode:
 
     def start(self) -> int:
         """Bind and return the port (an ephemeral one when ``port`` is 0); serve with ``serve_forever``."""
-        from websockets.sync.server import serve
-
-        from splitleak.wire.tls import server_context
-
         ctx = server_context(self.tls_dir)
         ctx.sslsocket_class = _LoggedSSLSocket  # a failed TLS handshake is logged (websockets drops it silently)
         self._server = serve(

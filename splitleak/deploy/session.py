@@ -10,16 +10,25 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
+from websockets.exceptions import ConnectionClosed
 
-from splitleak.training.checkpoint import mode_of
-from splitleak.training.roles import PENDING_WINDOW
+from splitleak.defences import DefenceChain
+from splitleak.models import SplitModel, load_model
+from splitleak.runs.store import RunStore
+from splitleak.runtime import package_versions
+from splitleak.training.checkpoint import CheckpointDir, mode_of, restore_state, state_tensors
+from splitleak.training.config import ServerConfig
+from splitleak.training.latent import LatentServer, latent_defence_record
+from splitleak.training.loop import set_trainable
+from splitleak.training.roles import PENDING_WINDOW, ServerRole
 from splitleak.wire.channel import MAIN_LINK, WireLedger
 from splitleak.wire.client import CLIENT_KINDS, cap_messages
-from splitleak.wire.declare import MESSAGES_FILE
+from splitleak.wire.declare import MESSAGES_FILE, declare_channels, declare_latent_channels
 from splitleak.wire.frames import PHASES, Frame, decode, encode
+from splitleak.wire.tap import WireRecorder
 from splitleak.wire.transport import (
     HANDSHAKE_MESSAGE_BYTES,
     PROBE_FACTOR,
@@ -35,13 +44,6 @@ from splitleak.wire.transport import (
     receive_frame,
     unpack,
 )
-
-if TYPE_CHECKING:
-    from splitleak.models import SplitModel
-    from splitleak.runs.store import RunStore
-    from splitleak.training.latent import LatentServer
-    from splitleak.training.roles import ServerRole
-    from splitleak.wire.tap import WireRecorder
 
 log = logging.getLogger("splitleak.serve")
 #: transformers' lazy imports are not thread-safe, and two sessions need not hold two copies at once
@@ -134,13 +136,6 @@ class Session:
 
     # ------------------------------------------------------------ handshake
     def _setup(self, hello: dict[str, Any]) -> None:
-        from splitleak.defences import DefenceChain
-        from splitleak.models import SplitModel, load_model
-        from splitleak.training.config import ServerConfig
-        from splitleak.training.loop import set_trainable
-        from splitleak.training.roles import ServerRole
-        from splitleak.wire.declare import declare_channels
-
         if hello.get("type") != "hello":
             raise TransportError(f"the first message must be a hello, not {hello.get('type')!r}")
         if hello.get("protocol") != PROTOCOL_VERSION:
@@ -215,9 +210,6 @@ class Session:
         the gauge-equivariant surrogate, so it loads no model weights and cannot check the client's
         fingerprint (it records it). It checks the split and the defence record against the latent
         configuration, and that no parameter of its surrogate has the model's width H (named in the hello)."""
-        from splitleak.training.latent import LatentServer, latent_defence_record
-        from splitleak.wire.declare import declare_latent_channels
-
         cfg = config.latent
         want = {"split_after": cfg.split_after, "resume_at": cfg.resume_at, "width": cfg.width}
         split = hello.get("split")
@@ -303,8 +295,6 @@ class Session:
 
     def _checkpoints(self, hello: dict[str, Any]) -> None:
         """Resume from a checkpoint the hello names, and set up this session's own checkpoints."""
-        from splitleak.training.checkpoint import CheckpointDir, restore_state
-
         assert self.role is not None
         every, resume = hello.get("checkpoint_every"), hello.get("resume")
         if every is not None and (not isinstance(every, int) or every < 1):
@@ -351,8 +341,6 @@ class Session:
         backward in a U-shape, the surrogate's in the latent mode), every ``checkpoint_every`` steps: write
         the server's checkpoint, before the reply, so the client's newest checkpoint is never ahead of the
         server's."""
-        from splitleak.training.checkpoint import CheckpointDir, state_tensors
-
         assert self.role is not None and self.node.checkpoints is not None and self.token is not None
         done = frame.step + 1
         if self.checkpoint_every is None or done % self.checkpoint_every:
@@ -362,9 +350,6 @@ class Session:
         CheckpointDir(Path(self.node.checkpoints) / self.token).save(done, tensors, record)
 
     def _open_store(self) -> None:
-        from splitleak.runs.store import RunStore
-        from splitleak.runtime import package_versions
-
         assert self.node.capture is not None
         root = Path(self.node.capture) / f"session-{self.rec.index:04d}"
         self.store = RunStore.create(root)
@@ -396,8 +381,6 @@ class Session:
 
     # ------------------------------------------------------------ frames
     def _switch_phase(self, phase: str) -> None:
-        from splitleak.wire.tap import WireRecorder
-
         if phase == self.phase:
             return
         if self.phase is not None and PHASES.index(phase) < PHASES.index(self.phase):
@@ -489,8 +472,6 @@ class Session:
         return {"reason": reason, "phase": self.phase, "last_step": self.last_step, "frames": self.rec.frames}
 
     def _close_store(self, ok: bool, reason: str) -> None:
-        from splitleak.training.latent import LatentServer
-
         assert self.store is not None
         try:
             self._close_recorder()
@@ -508,8 +489,6 @@ class Session:
         self.store.close(ok, self._failure_info(reason) if not ok else {"frames": self.rec.frames})
 
     def run(self) -> None:
-        from websockets.exceptions import ConnectionClosed
-
         try:
             cap_messages(self.conn, HANDSHAKE_MESSAGE_BYTES)  # a hello is a header: nothing larger yet
             hello, _ = self._recv(timeout=self.node.hello_seconds)

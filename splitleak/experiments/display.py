@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
 if TYPE_CHECKING:
     from rich.progress import TaskID
 
@@ -57,16 +61,6 @@ class RichReporter(SilentReporter):
     """rich: a bar for the grid and one bar per running job, showing the job's current stage."""
 
     def __init__(self, console: Any = None) -> None:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
         self.console = console or Console()
         self.progress = Progress(
             TextColumn("{task.description}"),
@@ -93,7 +87,6 @@ class RichReporter(SilentReporter):
         kind, key = event[0], event[1]
         if key in self.finished:
             return
-        from rich.markup import escape
 
         label = escape(f"  {key[:8]} {summary}")
         if key not in self.jobs:
@@ -114,8 +107,6 @@ class RichReporter(SilentReporter):
         if self.grid is not None:
             self.progress.advance(self.grid)
         if status != "done" and status != "reused":
-            from rich.markup import escape
-
             self.progress.console.print(
                 f"[red]{status}[/] {key[:12]} {escape(summary)}: {escape(str(error))}", highlight=False
             )

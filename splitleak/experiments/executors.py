@@ -121,6 +121,7 @@ class LocalExecutor:
 
 def import_ray():
     try:
+        # lazy: ray is optional (`pip install 'splitleak[ray]'`)
         import ray
     except ImportError:
         raise ConfigError(f"--executor ray needs Ray, which is not installed; {RAY_HINT}") from None
@@ -182,6 +183,7 @@ class RayExecutor:
         by_cpu = max(1, int(cpus // threads))
         by_gpu = int(gpus // gpus_per_job) if gpus_per_job > 0 else by_cpu
         self.capacity = workers or max(1, min(by_cpu, by_gpu))
+        # lazy: ray is optional (`pip install 'splitleak[ray]'`)
         from ray.util.queue import Queue
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -27,16 +27,22 @@ that another entry lists too is kept once.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitleak.attacks.config import IDENTITY, attack_identity, make_attack_config, store_columns
+from splitleak.attacks.core import ATTACKS, DEFAULT_READOUT
 from splitleak.attacks.registry import attack_info
+from splitleak.defences import DEFENCES
 from splitleak.errors import ConfigError
 from splitleak.experiments.spec import AttackEntry, ExperimentSpec, defence_label, defence_names
 from splitleak.experiments.spec_loading import LoadedSpec
 from splitleak.files import config_hash
+from splitleak.training import make_train_config
+from splitleak.training.config import adaptive_attacks_of
 
 SCHEMA = 1
 KINDS = ("train", "attack", "reuse")
@@ -134,8 +140,6 @@ def _train_summary(f: dict[str, Any]) -> str:
 def _attack_fields(acfg: dict[str, Any], perturbation: str) -> dict[str, Any]:
     """The store's columns of an attack configuration: its identity (``attacks.config.STORED_FIELDS``)
     and the label of its gradient perturbation."""
-    from splitleak.attacks.config import attack_identity, store_columns
-
     return {**store_columns(attack_identity(acfg)), "perturbation": perturbation}
 
 
@@ -143,9 +147,6 @@ def _attack_summary(f: dict[str, Any]) -> str:
     """``joint k8 readout pseudo-map public a0 noise=0.1``: every identity field that differs from its
     default, in the identity's order (the copy and the seed always, but for the latent attacks, which read
     no copy of the client's layers; the perturbation by its label)."""
-    from splitleak.attacks.config import IDENTITY, attack_identity
-    from splitleak.attacks.core import DEFAULT_READOUT
-
     ident = attack_identity(f)
     short = {"k": "k{}", "budget": "budget {}", "readout": "readout {}", "attack_seed": "a{}"}
     parts = [ident["attack"]]
@@ -184,9 +185,6 @@ def _splits(spec: ExperimentSpec) -> list[dict[str, int | None]]:
 
 def _attack_configs(entry: AttackEntry, spec: ExperimentSpec, index: int) -> list[tuple[dict[str, Any], str, bool]]:
     """(AttackConfig dict, perturbation label, counted also in inference) for every combination."""
-    from splitleak.attacks.config import make_attack_config
-    from splitleak.attacks.core import ATTACKS
-
     where = f"attacks[{index}] ({entry.attack})"
     if entry.attack not in ATTACKS:
         raise ConfigError(f"{where}: unknown attack {entry.attack!r}; known attacks: {', '.join(ATTACKS)}")
@@ -263,8 +261,6 @@ def expand(loaded: LoadedSpec, protocol_hash: str) -> Grid:
 def _check_labels(loaded: LoadedSpec, chains: list[tuple[str, Any]]) -> None:
     """The defence chains' labels and the arms' labels tell every train job apart, and every defence an
     attack entry names is one of them or a known defence."""
-    from splitleak.defences import DEFENCES
-
     spec = loaded.spec
     labels = [lab for lab, _ in chains]
     names = {defence_names(chain) for chain in spec.defences}
@@ -295,8 +291,6 @@ def _check_labels(loaded: LoadedSpec, chains: list[tuple[str, Any]]) -> None:
 
 def _check_split_modes(loaded: LoadedSpec, chains: list[tuple[str, Any]]) -> None:
     """Every defence of a chain supports the split modes the spec runs it in."""
-    from splitleak.defences import DEFENCES
-
     spec = loaded.spec
     for split_mode, present, where in (
         ("plain", bool(spec.depths), "a plain split (depths)"),
@@ -389,8 +383,6 @@ class _Expansion:
 
     def add_train(self, common: dict[str, Any], label: str, names: str, mode: str) -> None:
         """The train job of ``common`` and the attack (and reuse) jobs of every entry that reads its mode."""
-        from splitleak.training import make_train_config
-
         loaded, spec = self.loaded, self.spec
         try:
             key_cfg = make_train_config(**common, data_path=spec.data.path, model_path=spec.model_path)
@@ -412,8 +404,6 @@ class _Expansion:
             if entry.defences is not None and label not in entry.defences and names not in entry.defences:
                 continue
             if entry.attack == ADAPTIVE_ENTRY:
-                from splitleak.training.config import adaptive_attacks_of
-
                 self.used[i] = True
                 built = [a for a in adaptive_attacks_of(run_cfg) if not (top_only and attack_info(a).needs_top)]
                 per_attack = [self.adaptive_configs(i, entry, a) for a in built]
@@ -430,10 +420,6 @@ class _Expansion:
     def adaptive_configs(self, i: int, entry: AttackEntry, name: str) -> AttackConfigs:
         """The configurations of adaptive attack ``name`` that entry ``i`` stands for."""
         if (i, name) not in self.adaptive_cfgs:
-            import inspect
-
-            from splitleak.attacks.core import ATTACKS
-
             takes = inspect.signature(ATTACKS[name].__init__).parameters
             one = entry.model_copy(
                 update={

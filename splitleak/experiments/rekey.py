@@ -19,10 +19,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from splitleak.errors import SplitleakError
 from splitleak.experiments.jobs import SCHEMA, Grid
 from splitleak.experiments.spec import DefenceItem, defence_label
 from splitleak.experiments.store import SCHEMAS, ResultsStore, table_bytes
 from splitleak.files import config_hash, read_parquet, write_atomic
+from splitleak.training.config import config_from_record
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,6 @@ class Rekey:
 
 
 def _canonical_train(train: dict[str, Any]) -> dict[str, Any]:
-    from splitleak.training.config import config_from_record
-
     return config_from_record(train).as_dict()
 
 
@@ -58,8 +58,6 @@ def _job_config(rs: ResultsStore, kind: str, key: str) -> dict[str, Any] | None:
 def find_rekeys(grid: Grid, rs: ResultsStore) -> list[Rekey]:
     """The stored results that are planned jobs of ``grid`` under a key computed before the configuration's
     canonical form changed, train jobs first."""
-    from splitleak.errors import SplitleakError
-
     planned = grid.by_key
     out: list[Rekey] = []
     trains: dict[str, str] = {}

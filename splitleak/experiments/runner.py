@@ -21,6 +21,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from splitleak.attacks.registry import load_plugins
+from splitleak.audit.protocol import file_sha256, freeze_protocol, frozen_record_path, load_protocol, parse_protocol
 from splitleak.errors import ConfigError
 from splitleak.experiments.display import SilentReporter
 from splitleak.experiments.executors import LocalExecutor, RayExecutor, WorkerDied, import_ray, plan_workers
@@ -28,6 +30,8 @@ from splitleak.experiments.jobs import Grid, Job, expand
 from splitleak.experiments.rekey import apply_rekeys, find_rekeys
 from splitleak.experiments.spec_loading import LoadedSpec, load_spec
 from splitleak.experiments.store import ResultsStore, reuse_rows
+from splitleak.runs.verify import verify_run
+from splitleak.runtime import resolve_device
 
 EXECUTORS = ("local", "ray")
 STATES = ("done", "running", "failed", "pending")
@@ -98,8 +102,6 @@ def _load(spec: str | Path | LoadedSpec, profile: str | None, overrides) -> Load
 
 def _protocol_hash(loaded: LoadedSpec) -> str:
     """The protocol's hash as it would be frozen; an edit after freezing is refused here."""
-    from splitleak.audit.protocol import file_sha256, frozen_record_path, load_protocol, parse_protocol
-
     parse_protocol(loaded.protocol_path)  # a clear error for an invalid protocol
     if frozen_record_path(loaded.protocol_path).exists():
         return load_protocol(loaded.protocol_path)[1]
@@ -141,8 +143,6 @@ def grid_status(
 
 
 def _resolve_local_device(device: str) -> str:
-    from splitleak.runtime import resolve_device
-
     return str(resolve_device(device))
 
 
@@ -167,9 +167,6 @@ def run_grid(
     cluster to join; default a local instance). ``store``: default ``<spec stem>-results/`` beside
     the spec. Returns a ``GridRun``; its ``failures`` list the jobs that failed or were skipped.
     """
-    from splitleak.attacks.registry import load_plugins
-    from splitleak.audit.protocol import freeze_protocol, load_protocol
-
     t0 = time.perf_counter()
     load_plugins()  # plug-in attacks (SPLITLEAK_PLUGINS) before the spec's attacks are looked up
     reporter = reporter or SilentReporter()
@@ -265,8 +262,6 @@ def _done_keys(grid: Grid, rs: ResultsStore, reporter) -> set[str]:
 def _recheck_train_runs(grid: Grid, rs: ResultsStore, done: set[str], reporter) -> None:
     """A done train job whose attack jobs are still to run must have an intact run directory;
     otherwise it is redone."""
-    from splitleak.runs.verify import verify_run
-
     for job in grid.of_kind("train"):
         if job.key not in done:
             continue

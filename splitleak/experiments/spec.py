@@ -12,11 +12,14 @@ from __future__ import annotations
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ValidationError as _VE
 
 from splitleak.attacks.registry import Copy
 from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
+from splitleak.defences import parse_defence_args
 from splitleak.errors import ConfigError, SplitleakError
-from splitleak.training.config import DefenceConfig
+from splitleak.models.latent import preset_split
+from splitleak.training.config import DefenceConfig, LatentConfig, ShieldedConfig
 
 PRECISIONS = ("float32", "float64")
 
@@ -49,8 +52,6 @@ def canonical_label(label: str) -> str:
     is ``mixup``, ``quant4-noisy(clip=1)`` is ``quant4-noisy``), so that an attack entry's ``defences`` filter
     matches the chain however its arguments were typed. A label that is not a chain of known defences with
     valid arguments (an arm's label, a typo the expansion names) is returned as it is."""
-    from splitleak.defences import parse_defence_args
-
     chain = []
     for part in label.split("+"):
         name, _, rest = part.partition("(")
@@ -189,8 +190,6 @@ class LatentArm(BaseModel):
 
     @model_validator(mode="after")
     def _known_settings(self):
-        from splitleak.training.config import LatentConfig
-
         allowed = set(LatentConfig.model_fields) - {"split_after", "resume_at"}
         unknown = sorted(set(self.model_extra or {}) - allowed)
         if unknown:
@@ -208,11 +207,6 @@ class LatentArm(BaseModel):
     def latent_config(self, model: str) -> dict[str, Any]:
         """The ``LatentConfig`` of this arm on ``model`` (as a dict), the split resolved; ConfigError when
         the model has no such preset or a value is out of range."""
-        from pydantic import ValidationError as _VE
-
-        from splitleak.models.latent import preset_split
-        from splitleak.training.config import LatentConfig
-
         if "/" in self.split:
             try:
                 s, r = (int(x) for x in self.split.split("/"))
@@ -251,8 +245,6 @@ class ShieldedArm(BaseModel):
         return [{"name": d} if isinstance(d, str) else d for d in as_list(v)]
 
     def shielded_config(self) -> dict[str, Any]:
-        from splitleak.training.config import ShieldedConfig
-
         return ShieldedConfig(
             bottom=self.bottom, top=self.top, train=self.train, answer_only=self.answer_only
         ).as_dict()

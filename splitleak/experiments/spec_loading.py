@@ -19,10 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
+import yaml
 from pydantic import BaseModel, ValidationError
 
+from splitleak.audit.protocol import SHIPPED
 from splitleak.errors import ConfigError
 from splitleak.experiments.spec import ExperimentSpec, as_list
+from splitleak.files import read_yaml
 
 SPEC_SUFFIXES = (".yaml", ".yml")
 DEFAULT_PROFILE = "full"
@@ -93,8 +96,6 @@ def resolve_spec_path(name: str | Path) -> Path:
 
 def resolve_protocol_path(protocol: str, spec_path: Path) -> Path:
     """``shipped:NAME`` (a protocol in ``splitleak/audit/protocols``) or a path relative to the spec."""
-    from splitleak.audit.protocol import SHIPPED
-
     if protocol.startswith("shipped:"):
         name = protocol.split(":", 1)[1]
         p = SHIPPED / (name if name.endswith(SPEC_SUFFIXES) else f"{name}.yaml")
@@ -138,8 +139,6 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> list[tuple[list[str], Any]]:
     """``KEY=VALUE`` items into (dotted key parts, YAML-parsed value)."""
-    import yaml
-
     out = []
     for item in items:
         key, eq, raw = item.partition("=")
@@ -259,8 +258,6 @@ def _explain(exc: ValidationError, path: Path, layers: list[tuple[str, dict[str,
 
 
 def read_spec_file(path: Path) -> dict[str, Any]:
-    from splitleak.files import read_yaml
-
     return read_yaml(path, "experiment spec", "models: ..., depths: ..., attacks: ..., protocol: ...")
 
 

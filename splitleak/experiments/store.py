@@ -20,6 +20,7 @@ JSON only. ``read_results`` reads a kind of rows back as one ``pyarrow.Table``.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -427,8 +428,6 @@ class ResultsStore:
         names the holder for the refusal. A lock file that names a live driver on this host or a driver
         on another host is refused even where no flock holds it (another file system, an older
         version)."""
-        import fcntl
-
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / "run.lock"
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": _now()}

@@ -64,6 +64,7 @@ def attack_suite() -> dict[str, dict[str, Any]]:
     trained copy), with the audit's parameters (``AUDIT_ATTACKS``) except ``sipit-trained``: a budget of
     32 checks per position, as the audit now uses too, cheap enough for every trial.
     The majority control is left out (it is no reader)."""
+    # lazy: torch stays out of `splitleak --help`, which loads experiments.tune for its defaults
     from splitleak.audit.plan import AUDIT_ATTACKS
 
     out: dict[str, dict[str, Any]] = {}
@@ -127,6 +128,7 @@ class Space:
 
 def searchable_defences() -> list[str]:
     """The defences a tune offers by default: those that declare ``search`` and run on a plain split."""
+    # lazy: torch stays out of `splitleak --help`, which loads experiments.tune for its defaults
     from splitleak.defences import DEFENCES
 
     return [n for n, cls in DEFENCES.items() if cls.search is not None and "plain" in cls.split_modes]
@@ -135,6 +137,7 @@ def searchable_defences() -> list[str]:
 def build_space(depths: Sequence[int], defences: Sequence[str] | None, n_blocks: int | None, model: str) -> Space:
     """The space of a tune; ConfigError for an unknown defence, one that does not run on a plain split, or
     no depth that fits the model (``n_blocks``)."""
+    # lazy: torch stays out of `splitleak --help`, which loads experiments.tune for its defaults
     from splitleak.defences import DEFENCES
 
     if not depths:
@@ -189,6 +192,7 @@ class TrialConfig:
 
     @property
     def label(self) -> str:
+        # lazy: torch stays out of `splitleak --help`, which loads experiments.tune for its defaults
         from splitleak.experiments.spec import defence_label
         from splitleak.training.config import DefenceConfig
 
@@ -293,6 +297,7 @@ class TuneSettings:
     stop_above: float = STOP_ABOVE
 
     def check(self) -> None:
+        # lazy: torch stays out of `splitleak --help`, which loads experiments.tune for its defaults
         from splitleak.audit.gate import shipped_thresholds
 
         gate = shipped_thresholds().gate

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import optuna
+from optuna.trial import TrialState
+
+from splitleak.audit.gate import shipped_thresholds
 from splitleak.errors import ConfigError
 from splitleak.experiments.tune import (
     Space,
@@ -23,6 +28,8 @@ from splitleak.experiments.tune import (
     trial_params,
 )
 from splitleak.experiments.tune_trials import GridEvaluator, Outcome, TrialError, write_base_spec
+from splitleak.files import json_default
+from splitleak.models import load_model
 
 STUDY_NAME = "splitleak-tune"
 
@@ -32,8 +39,6 @@ def sampler_seed(seed: int, n: int) -> int:
 
 
 def open_study(out: Path):
-    import optuna
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     out.mkdir(parents=True, exist_ok=True)
     return optuna.create_study(
@@ -72,9 +77,6 @@ def run_study(
 ) -> tuple[Any, int]:
     """Ask, evaluate and tell until the study holds ``n_trials`` finished trials. A trial left running by a
     killed tune is marked failed and asked again with the same parameters. Returns (study, trials run)."""
-    import optuna
-    from optuna.trial import TrialState
-
     study = open_study(out)
     if not study.trials:
         for params in enqueue:
@@ -167,8 +169,6 @@ def tune(
     ev: Callable[[TrialConfig], Outcome]
     jobs: Callable[[], int]
     if evaluate is None:
-        import tempfile
-
         with tempfile.TemporaryDirectory() as tmp:  # every chain, attack and argument checked before a write
             write_base_spec(Path(tmp), settings, space)
             GridEvaluator(Path(tmp), settings, space).check()
@@ -199,15 +199,11 @@ def tune(
 
 def model_blocks(settings: TuneSettings) -> int:
     """The number of blocks of the tune's model (loads it once)."""
-    from splitleak.models import load_model
-
     lm = load_model(settings.model, seed=0, model_path=settings.model_path)
     return int(lm.info["n_blocks"])
 
 
 def collect_trials(study) -> list[dict[str, Any]]:
-    from optuna.trial import TrialState
-
     out = []
     for t in study.get_trials(deepcopy=False):
         if t.state not in (TrialState.COMPLETE, TrialState.FAIL):
@@ -231,9 +227,6 @@ def write_outputs(
 ) -> dict[str, Any]:
     """``tune.json`` from the trials, and what ``render`` draws from them (the CLI passes
     ``splitleak.report.tune.render_tune``: ``frontier.png`` / ``.svg`` and ``tune.md``)."""
-    from splitleak.audit.gate import shipped_thresholds
-    from splitleak.files import json_default
-
     th = shipped_thresholds()
     scored = [t for t in trials if t["error"] is None]
     # a stopped trial's recovery is a lower bound, exact only when it already reads every token

@@ -11,8 +11,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import yaml
+
+from splitleak.attacks.registry import attack_info
+from splitleak.audit.gate import shipped_thresholds
+from splitleak.audit.verdicts import arm_effects, arm_gate
 from splitleak.errors import SplitleakError
+from splitleak.experiments.runner import plan_grid, run_grid
+from splitleak.experiments.spec_loading import load_spec
+from splitleak.experiments.store import ResultsStore
 from splitleak.experiments.tune import ADAPTIVE, Space, TrialConfig, TuneSettings, resolve_attacks
+from splitleak.runs.truth import eval_token_ids
 
 
 @dataclass
@@ -51,8 +61,6 @@ def _json_arg(v: Any) -> str:
 
 def write_base_spec(out: Path, settings: TuneSettings, space: Space) -> Path:
     """``OUT/spec.yaml``: the grid every trial overrides (depths, defences, attacks)."""
-    import yaml
-
     spec = {
         "name": "tune",
         "description": "written by splitleak tune; each trial overrides depths, defences and attacks",
@@ -85,8 +93,6 @@ def write_base_spec(out: Path, settings: TuneSettings, space: Space) -> Path:
 
 def trial_spec(spec_path: Path, cfg: TrialConfig, attacks: list[tuple[str, dict[str, Any]]]):
     """The trial's grid: its depth, the undefended chain and its own, and the attacks against its chain only."""
-    from splitleak.experiments.spec_loading import load_spec
-
     chains: list[Any] = ["none"]
     if not cfg.undefended:
         chains.append([dict(d) for d in cfg.chain])
@@ -118,9 +124,6 @@ class GridEvaluator:
 
     def check(self) -> None:
         """Expand one grid with every chain at its defaults, so a bad argument or attack fails before any run."""
-        from splitleak.experiments.runner import plan_grid
-        from splitleak.experiments.spec_loading import load_spec
-
         chains: list[Any] = [[{"name": n} for n in c] for c in self.space.chains]
         overrides = [
             f"depths={_json_arg(list(self.space.depths))}",
@@ -130,8 +133,6 @@ class GridEvaluator:
         plan_grid(load_spec(self.spec_path, None, overrides))
 
     def _run(self, cfg: TrialConfig, attacks: list[tuple[str, dict[str, Any]]]):
-        from splitleak.experiments.runner import run_grid
-
         loaded = trial_spec(self.spec_path, cfg, attacks)
         res = run_grid(
             loaded, store=self.store, workers=1, threads=self.threads, device=self.device, reporter=self.reporter
@@ -144,14 +145,6 @@ class GridEvaluator:
 
     def _score(self, grid, outcome: Outcome, names: list[str]) -> Any:
         """Arm effects and the gate over the arms ``names`` of the trial's chain; fills ``outcome``."""
-        import numpy as np
-
-        from splitleak.attacks.registry import attack_info
-        from splitleak.audit.gate import shipped_thresholds
-        from splitleak.audit.verdicts import arm_effects, arm_gate
-        from splitleak.experiments.store import ResultsStore
-        from splitleak.runs.truth import eval_token_ids
-
         rs = ResultsStore(self.store)
         by_name = dict(self.attacks)
         attack_of = {n: by_name[n]["attack"] for n in names}
@@ -218,8 +211,6 @@ class GridEvaluator:
         return arms
 
     def _utility(self, grid, outcome: Outcome) -> None:
-        from splitleak.experiments.store import ResultsStore
-
         rs = ResultsStore(self.store)
         rows = {j.fields["defence"]: rs.read_job("train", j.key).to_pylist()[0] for j in grid.of_kind("train")}
         outcome.train_keys = sorted(j.key for j in grid.of_kind("train"))

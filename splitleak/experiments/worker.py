@@ -27,14 +27,37 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import gc
 import json
 import os
+import shutil
+import signal
 import socket
+import tempfile
 import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
+
+import torch
+from torch.utils import flop_counter as fc
+
+from splitleak.attacks.config import make_attack_config
+from splitleak.attacks.knowledge import load_knowledge
+from splitleak.attacks.registry import attack_info, load_plugins
+from splitleak.audit.defaults import CONTROL_DOCS
+from splitleak.errors import IntegrityError
+from splitleak.experiments.shipping import outputs_parcel, scratch_root, unpack_run
+from splitleak.experiments.store import ResultsStore, attack_rows, format_error, train_row
+from splitleak.files import write_atomic
+from splitleak.models import LoadedModel, load_model
+from splitleak.models.presets import PRESETS
+from splitleak.runs.manifest import read_manifest
+from splitleak.runs.verify import verify_run
+from splitleak.seeds import model_init_seed
+from splitleak.training import config_from_record, run_training
 
 _QUEUE: Any = None  # progress queue, set by init_worker (local pool) or per Ray task
 _MODELS: "OrderedDict[tuple, Any]" = OrderedDict()
@@ -48,9 +71,6 @@ def _die_with_parent() -> None:
     """Linux: get SIGKILL when the driver dies, so a killed `run` leaves no worker behind that could
     write into a run directory the next `run` is redoing."""
     try:
-        import ctypes
-        import signal
-
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
         if os.getppid() == 1:  # the parent already died before prctl
@@ -65,8 +85,6 @@ def init_worker(queue: Any, threads: int | None) -> None:
     _die_with_parent()
     _QUEUE = queue
     if threads:
-        import torch
-
         torch.set_num_threads(threads)
 
 
@@ -115,10 +133,6 @@ def cached_model(name: str, precision: str, run_seed: int, model_path: str | Non
     per process and key). ``take``: hand over the cached weights themselves and forget them (or load
     them, uncached), for a job that would otherwise hold the cache and a copy of it at once: a train
     job, whose optimiser state makes it a worker's largest."""
-    from splitleak.models import LoadedModel, load_model
-    from splitleak.models.presets import PRESETS
-    from splitleak.seeds import model_init_seed
-
     preset = PRESETS.get(name)
     seeded = preset is not None and preset.kind == "tiny"  # only the random tiny model depends on the seed
     key = (name, precision, run_seed if seeded else None, model_path)
@@ -142,12 +156,6 @@ def cached_model(name: str, precision: str, run_seed: int, model_path: str | Non
 
 
 def _train(job: dict[str, Any], store, device: str, threads: int | None, progress) -> None:
-    from splitleak.errors import IntegrityError
-    from splitleak.experiments.store import train_row
-    from splitleak.runs.manifest import read_manifest
-    from splitleak.runs.verify import verify_run
-    from splitleak.training import config_from_record, run_training
-
     cfg = config_from_record(job["run_config"])  # as_dict leaves draws="derived" out
     run_dir = store.run_dir(job["key"])
     args = (cfg.model, cfg.precision, cfg.seed, cfg.model_path)
@@ -171,14 +179,8 @@ def _train(job: dict[str, Any], store, device: str, threads: int | None, progres
 
 
 def _attack(job: dict[str, Any], store, device: str, progress) -> None:
-    from splitleak.attacks.config import make_attack_config
-    from splitleak.attacks.knowledge import load_knowledge
-    from splitleak.attacks.registry import attack_info
-    from splitleak.audit.defaults import CONTROL_DOCS
+    # lazy: audit.evaluate loads scipy.stats (a second), which the driver importing this module does without
     from splitleak.audit.evaluate import run_attack
-    from splitleak.errors import IntegrityError
-    from splitleak.experiments.store import attack_rows
-    from splitleak.runs.manifest import read_manifest
 
     run_dir = store.run_dir(job["train_key"])
     if not store.is_done({"kind": "train", "key": job["train_key"]}):
@@ -227,9 +229,6 @@ def _as_is(formula: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _flop_counter():
-    import torch
-    from torch.utils import flop_counter as fc
-
     aten = torch.ops.aten
     # the CPU kernels of scaled-dot-product attention are missing from torch's formula table (the
     # CUDA ones are there); count them with its own attention formulas so CPU and GPU counts agree
@@ -245,8 +244,6 @@ def _flop_counter():
 
 
 def _write_flops(folder: Path, job: dict[str, Any], counter, seconds: float, device: str) -> None:
-    from splitleak.files import write_atomic
-
     by_op = {str(op): int(n) for op, n in counter.get_flop_counts().get("Global", {}).items()}
     record = {
         "key": job["key"],
@@ -270,8 +267,6 @@ def execute_job(
     """Run one train or attack job and write its result into the store. Never raises: the
     returned dict has ``status`` ``done`` or ``failed`` (with ``error``, ``error_type``, ``traceback``)
     and ``node``, where it ran (the host name, or what the caller passed)."""
-    from splitleak.experiments.store import ResultsStore
-
     node = node or socket.gethostname()
 
     store = ResultsStore(store_root)
@@ -281,12 +276,9 @@ def execute_job(
     t0 = time.perf_counter()
     try:
         store.claim(key, driver)
-        from splitleak.attacks.registry import load_plugins
 
         load_plugins()  # a spawned process or a Ray task starts without the driver's plug-in attacks
         if threads:
-            import torch
-
             torch.set_num_threads(threads)
         if job["kind"] not in ("train", "attack"):
             raise ValueError(f"a worker runs train and attack jobs, not {job['kind']!r}")
@@ -310,8 +302,6 @@ def execute_job(
 
 def failed_status(key: str, exc: BaseException, seconds: float, device: str, node: str) -> dict[str, Any]:
     """The status dict of a job that failed with ``exc``."""
-    from splitleak.experiments.store import format_error
-
     etype, msg, trace = format_error(exc)
     return {
         "key": key,
@@ -330,9 +320,6 @@ def release_memory() -> None:
     then ask glibc to return the freed heap to the system (``malloc_trim``), which it otherwise keeps for
     the process's lifetime, so that a worker's resident memory after a job is the model cache, not the
     largest job's peak."""
-    import ctypes
-    import gc
-
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -353,13 +340,9 @@ def ray_execute_job(
     attack job's run directory, parcelled by the driver, unpacked and verified here first. ``cuda``
     when Ray gave this task a GPU, else ``cpu`` (unless ``device`` is set)."""
     global _QUEUE
-    import shutil
-    import tempfile
 
+    # lazy: ray is optional (`pip install 'splitleak[ray]'`)
     import ray
-
-    from splitleak.experiments.shipping import outputs_parcel, scratch_root, unpack_run
-    from splitleak.experiments.store import ResultsStore
 
     _QUEUE = queue
     if device == "auto":

@@ -54,6 +54,7 @@ def rouge_f(predictions: list[str], references: list[str]) -> dict[str, Any]:
     Returns ``{"rouge1": {"per_doc": [...], "mean": m}, "rouge2": ..., "rougeL": ..., "n": n}``;
     the means are NaN for no documents. ROUGE-L is the sentence-level LCS variant (not rougeLsum).
     """
+    # lazy: rouge-score and nltk take seconds to import; only label scores need them
     from rouge_score import rouge_scorer  # type: ignore[import-untyped]
 
     _check_pairs(predictions, references, "ROUGE")
@@ -71,6 +72,7 @@ def rouge_f(predictions: list[str], references: list[str]) -> dict[str, Any]:
 def wordnet_available() -> tuple[bool, str]:
     """(True, "") when nltk's WordNet data loads; else (False, why and how to install it)."""
     try:
+        # lazy: rouge-score and nltk take seconds to import; only label scores need them
         from nltk.corpus import wordnet  # type: ignore[import-untyped]
 
         wordnet.ensure_loaded()
@@ -96,6 +98,7 @@ def meteor(predictions: list[str], references: list[str]) -> dict[str, Any]:
     ok, why = wordnet_available()
     if not ok:
         return {"available": False, "reason": why, "n": len(predictions)}
+    # lazy: rouge-score and nltk take seconds to import; only label scores need them
     from nltk.translate.meteor_score import meteor_score  # type: ignore[import-untyped]
 
     per = [float(meteor_score([ref.split()], pred.split())) for pred, ref in zip(predictions, references)]

@@ -17,12 +17,18 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.util
+import json
 import os
+import shutil
+import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_model as load_weights
+from safetensors.torch import save_model as save_weights
 
 from splitleak.errors import ConfigError, ModelError
 
@@ -106,6 +112,7 @@ def tiny_tokenizer():
     """Byte-level BPE trained on the shipped corpus. Same corpus, same trainer -> same vocabulary."""
     if TINY_VOCAB in _TINY_TOKENIZER_CACHE:
         return _TINY_TOKENIZER_CACHE[TINY_VOCAB]
+    # lazy: transformers only when a model loads: `splitleak models` lists the presets without it
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -127,6 +134,7 @@ def tiny_tokenizer():
 
 
 def _load_tiny(seed: int, dtype: torch.dtype) -> LoadedModel:
+    # lazy: transformers only when a model loads: `splitleak models` lists the presets without it
     from transformers import GPT2Config, GPT2LMHeadModel
 
     tok = tiny_tokenizer()
@@ -183,6 +191,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
             raise ModelError(
                 f"loading {path.name} needs the Python package {mod!r}; install it with `pip install gguf accelerate`"
             )
+    # lazy: transformers only when a model loads: `splitleak models` lists the presets without it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -218,6 +227,7 @@ def gguf_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:
     root = cache_root()
     if root is None:
         return None
+    # lazy: transformers only when a model loads: `splitleak models` lists the presets without it
     import transformers
 
     h = hashlib.sha256()
@@ -247,20 +257,15 @@ def _config_dict(model: Any) -> dict[str, Any]:
 
 
 def _digest(obj: Any) -> str:
-    import json
-
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _read_gguf_cache(cache: Path) -> tuple[Any, Any] | None:
-    import json
-    import warnings
-
     record_path = cache / _CACHE_RECORD
     if not record_path.is_file():
         return None
     try:
-        from safetensors.torch import load_model as load_weights
+        # lazy: transformers only when a model loads: `splitleak models` lists the presets without it
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         record = json.loads(record_path.read_text())
@@ -286,12 +291,6 @@ def _read_gguf_cache(cache: Path) -> tuple[Any, Any] | None:
 
 
 def _write_gguf_cache(cache: Path, model: Any, tok: Any, source: Path) -> None:
-    import json
-    import shutil
-    import tempfile
-
-    from safetensors.torch import save_model as save_weights
-
     tmp: Path | None = None
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -320,6 +319,7 @@ def _write_gguf_cache(cache: Path, model: Any, tok: Any, source: Path) -> None:
 
 
 def _load_pretrained(ref: str, dtype: torch.dtype, preset: Preset | None) -> tuple[Any, Any, str]:
+    # lazy: transformers only when a model loads: `splitleak models` lists the presets without it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     local = Path(ref).expanduser()
@@ -455,6 +455,7 @@ def preset_available(name: str) -> tuple[bool, str]:
         return True, str(path)
     assert preset.hf_id is not None  # the remaining kind, hub, names its Hugging Face id
     try:
+        # lazy: huggingface_hub only to look in its cache; a failed import reads as not cached
         from huggingface_hub import try_to_load_from_cache
 
         hit = try_to_load_from_cache(preset.hf_id, "config.json")

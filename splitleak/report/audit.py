@@ -17,6 +17,7 @@ from splitleak.audit.channels import table_rows as channel_rows
 from splitleak.audit.evaluate import attack_label
 from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
+from splitleak.files import read_json
 from splitleak.metrics import fmt_pct
 from splitleak.report.calibration import write_calibration_report
 from splitleak.report.document import (
@@ -346,8 +347,6 @@ def utility_blocks(report: dict[str, Any], defence: str) -> list[Block]:
 
 def read_audit_report(out: str | Path) -> dict[str, Any]:
     """The audit's ``report.json``, checked to be a JSON object (IntegrityError in one line otherwise)."""
-    from splitleak.files import read_json
-
     p = Path(out) / "report.json"
     if not p.exists():
         raise SplitleakError(f"{p} does not exist; run `splitleak audit --out {Path(out)}` first")

@@ -18,6 +18,7 @@ from splitleak.audit.channels import IN_CLEAR, not_attacked
 from splitleak.audit.evaluate import attack_label
 from splitleak.audit.examples import worst_reader
 from splitleak.audit.run import AuditSetting
+from splitleak.defences import build_defence
 from splitleak.metrics import fmt_pct
 
 #: what each copy means for a reader of the report
@@ -88,8 +89,6 @@ def summary_line(record: dict[str, Any], setting: AuditSetting) -> str:
 def adaptive_sentence(results: list[dict[str, Any]], cfg) -> str:
     """Who reads the traffic knowing the defence (Kerckhoffs): the strongest attack built for the run's
     defences under each threat model, beside the strongest that ignores them; empty without a defence."""
-    from splitleak.defences import build_defence
-
     chain = [d for d in cfg.defences if d.name != "none"]
     if not chain:
         return ""

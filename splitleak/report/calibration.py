@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from splitleak.audit.calibrate import METRIC_TITLES, METRICS, read_calibration
+from splitleak.audit.gate import shipped_thresholds
 from splitleak.report.document import Document, Figure, Heading, Para, Table, render_html, render_markdown
+from splitleak.report.figures import pyplot, save_png_svg
 
 
 def record_gate(record: dict[str, Any]) -> float:
@@ -16,7 +18,6 @@ def record_gate(record: dict[str, Any]) -> float:
     an older record, written before, used the shipped gate_002's, which is read from the package)."""
     if record.get("gate") is not None:
         return float(record["gate"])
-    from splitleak.audit.gate import shipped_thresholds
 
     return shipped_thresholds().gate
 
@@ -90,8 +91,6 @@ def calibration_document(record: dict[str, Any], figure: Path | None = None) -> 
 
 
 def calibration_figure(record: dict[str, Any], out_stem: str | Path) -> list[Path]:
-    from splitleak.report.figures import pyplot, save_png_svg
-
     plt = pyplot()
 
     fig, axes = plt.subplots(1, len(METRICS), figsize=(4.2 * len(METRICS), 3.8), constrained_layout=True)

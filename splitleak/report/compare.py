@@ -18,11 +18,16 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from splitleak.audit.evaluate import attack_label as _label
+from splitleak.audit.run import utility_baseline
 from splitleak.audit.stages import STAGES, audit_state
 from splitleak.data import LABELS
 from splitleak.errors import SplitleakError
+from splitleak.metrics import fmt_pct
+from splitleak.report.figures import recovery_cost_figure
 from splitleak.runs.journal import read_run_json
 from splitleak.runs.verify import verify_run
+from splitleak.training.config import TrainConfig, config_from_record
+from splitleak.training.config import adaptive_attacks_of as config_adaptive_attacks
 
 
 @dataclass
@@ -106,8 +111,6 @@ def _audit_delta_u(path: Path, manifest: dict[str, Any], metrics: dict[str, Any]
     what verifies, not read from its ``report.json`` (which nothing vouches for): the split run itself when
     undefended, else its undefended twin ``twin/``, which must verify, complete, to be used (else the
     second value says why and the audit's utility is not shown as measured)."""
-    from splitleak.audit.run import utility_baseline
-
     config = manifest["config"]
     defended = any(d.get("name") != "none" for d in config.get("defences", []))
     exact_split = not manifest.get("split", {}).get("u_shape") and config.get("shielded") is None
@@ -136,8 +139,6 @@ def compare_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
 
 def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
     """Long format: one row per (run, attack); the utility columns repeat for each attack of a run."""
-    from splitleak.metrics import fmt_pct
-
     header = [
         "run",
         "defence",
@@ -189,17 +190,14 @@ def table_rows(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
 
 def adaptive_attacks_of(config: dict[str, Any]) -> dict[str, tuple[str, ...]]:
     """The attacks built for a run's defences, from its recorded configuration."""
-    from splitleak.training.config import TrainConfig, config_from_record
-    from splitleak.training.config import adaptive_attacks_of as of
-
-    return of(config_from_record({k: v for k, v in config.items() if k in TrainConfig.model_fields}))
+    return config_adaptive_attacks(
+        config_from_record({k: v for k, v in config.items() if k in TrainConfig.model_fields})
+    )
 
 
 def leakage_cost_figure(runs: list[RunSummary], out_stem: str | Path) -> list[Path]:
     """Token and whole-document recovery of the strongest attack against the perplexity change, one
     labelled point per run; writes OUT.png and OUT.svg."""
-    from splitleak.report.figures import recovery_cost_figure
-
     pts = [r for r in runs if r.rel_ppl_change is not None and r.strongest("token_recovery") is not None]
     if not pts:
         raise SplitleakError(

@@ -7,9 +7,11 @@ from pathlib import Path
 
 def pyplot():
     """matplotlib.pyplot on the Agg backend (no display needed)."""
+    # lazy: matplotlib only for figures, and its Agg backend is chosen before pyplot loads
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: pyplot loads after the Agg backend is chosen, and only for figures
     import matplotlib.pyplot as plt
 
     return plt

@@ -42,6 +42,8 @@ from splitleak.audit.analysis import analyse
 from splitleak.audit.gate import resolve_thresholds
 from splitleak.audit.protocol import Protocol, check_results, file_sha256, load_protocol
 from splitleak.errors import ConfigError, DataError, IntegrityError
+from splitleak.experiments import grid_status, load_spec, read_results
+from splitleak.experiments.store import ResultsStore
 from splitleak.report.document import Document, render_html, render_markdown
 from splitleak.report.grid_common import Ctx, GridReport
 from splitleak.report.grid_controls import controls_section
@@ -181,8 +183,6 @@ def grid_report(
     another protocol hash are refused (IntegrityError), naming them. ``n_boot`` replaces the
     protocol's bootstrap replicate counts for a quick look (the report says so); ``descriptive_boot``
     is the replicate count of the descriptive intervals. Returns the paths written."""
-    from splitleak.experiments import grid_status, load_spec, read_results
-
     loaded = load_spec(spec, profile, tuple(overrides))
     protocol, phash = load_protocol(loaded.protocol_path)
     status = grid_status(loaded, store=store)
@@ -232,9 +232,6 @@ def store_report(
 ) -> GridReport:
     """Write the report of everything in a results store under a frozen protocol (no spec: the
     header counts jobs done and failed, not pending). Refuses results under another protocol hash."""
-    from splitleak.experiments import read_results
-    from splitleak.experiments.store import ResultsStore
-
     protocol, phash = load_protocol(protocol_path)
     rs = ResultsStore(store)
     attack_rows = read_results(rs.root, "attack", as_rows=True)

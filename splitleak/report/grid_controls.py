@@ -4,10 +4,12 @@ copy, with each detected job named as an instrument fault above the protocol's t
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 
 import numpy as np
 
+from splitleak.audit.verdicts import control_p_value
 from splitleak.report.document import Document, Heading, Para, Table
 from splitleak.report.grid_common import Ctx, count, pp
 
@@ -21,10 +23,6 @@ def job_controls(attack_rows: Sequence[dict[str, Any]], alpha: float = CONTROL_A
     (``control_p_value``) and ``fault``: detected in the family of the grid's controls, p below ``alpha``
     over the number of jobs with a control (Bonferroni; a grid of thousands of jobs would otherwise flag
     some attack whose reading varies with its batch by chance)."""
-    import json
-
-    from splitleak.audit.verdicts import control_p_value
-
     seen: dict[str, dict[str, Any]] = {}
     for r in attack_rows:
         if r["key"] in seen or not r.get("result_json"):

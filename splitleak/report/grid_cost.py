@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from splitleak.report.document import Document, Figure, Heading, Para, Table
 from splitleak.report.grid_common import Ctx, fixed, num, pct, pp
+from splitleak.report.grid_figures import cost_figure
 from splitleak.report.grid_stats import CostPoint, cost_points
 
 
@@ -94,8 +95,6 @@ def _cost_table(points: Sequence[CostPoint], note: str, train_rows: Sequence[dic
 def _cost_figure(ctx: Ctx, points: Sequence[CostPoint], pts: Sequence[CostPoint]) -> Figure:
     """Draws the figure of every point into the report's folder; ``pts``, the points with a cost and a
     token recovery, are what its caption counts."""
-    from splitleak.report.grid_figures import cost_figure
-
     paths = cost_figure(points, ctx.out / "leakage-cost")
     ctx.rep.figures += paths
     seeds = sorted({len(p.seeds) for p in pts})

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from splitleak.attacks.registry import controls
+from splitleak.report.figures import pyplot, recovery_cost_figure, save_png_svg
 from splitleak.report.grid_stats import Cell, Config, CostPoint, perturbation_rank, perturbation_text
 
 #: the joint attacker's controls, shown beside its gradient conditions, with their labels (registry)
@@ -28,8 +29,6 @@ def perturbation_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Pat
     """Token recovery of the joint attacker per gradient condition (true gradient, noise σ, b-bit
     rounding, and the two controls when present), one panel per split and copy, one series per k,
     95 % interval bars; dashed lines: the activation-only attacker at the same k."""
-    from splitleak.report.figures import pyplot, save_png_svg
-
     plt = pyplot()
     joint = perturbation_cells(cells)
     conds = sorted({c.condition for c in joint}, key=lambda c: c.sort_key())
@@ -142,8 +141,6 @@ def _perturbation_legend(fig, axes, ks: list) -> None:
 def cost_figure(points: Sequence[CostPoint], out_stem: str | Path) -> list[Path]:
     """Token and whole-document recovery against the relative perplexity change, one labelled point
     per (model, split, defence) (the same figure as ``splitleak compare`` draws)."""
-    from splitleak.report.figures import recovery_cost_figure
-
     pts = [p for p in points if p.rel_ppl_change is not None and p.token is not None]
     models = len({p.model for p in pts})
 
@@ -171,8 +168,6 @@ def cost_figure(points: Sequence[CostPoint], out_stem: str | Path) -> list[Path]
 
 def heatmap_figure(cells: Sequence[Cell], out_stem: str | Path) -> list[Path]:
     """Token recovery (%) per attack configuration (rows) and (split, copy) (columns), annotated."""
-    from splitleak.report.figures import pyplot, save_png_svg
-
     plt = pyplot()
     configs = sorted({c.config for c in cells}, key=lambda c: c.sort_key())
     conds = sorted({c.condition for c in cells}, key=lambda c: c.sort_key())

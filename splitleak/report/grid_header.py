@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
+from splitleak import __version__
 from splitleak.audit.protocol import Protocol
 from splitleak.report.document import Contents, Document, Heading, Para, Table
 from splitleak.report.grid_common import Ctx, count, first_line, num
@@ -53,8 +54,6 @@ def header_section(doc: Document, ctx: Ctx, h: dict[str, Any], date: str | None,
 
 def _provenance_rows(ctx: Ctx, h: dict[str, Any], date: str | None) -> list[list[str]]:
     """Spec and protocol with their hashes, the store, the version, the date and the bootstrap counts."""
-    from splitleak import __version__
-
     date = date or datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     meta = []
     if h.get("spec"):

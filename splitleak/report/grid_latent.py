@@ -19,8 +19,10 @@ from typing import Any, Sequence
 import numpy as np
 from scipy.stats import norm
 
+from splitleak.attacks.registry import REGISTRY
 from splitleak.audit.gate import GateThresholds, passes, reread_probes, shipped_thresholds, utility_gate
 from splitleak.report.document import Document, Heading, Para, Table
+from splitleak.stats import leave_one_out, random_effects
 
 LATENT_DEFENCE = "latent"  # the same word as splitleak.experiments.jobs.LATENT_DEFENCE (kept torch-free here)
 
@@ -142,8 +144,6 @@ class LatentSummary:
 
 def partition_attacks() -> list[str]:
     """The registered attacks that partition latent frames, in the registry's order."""
-    from splitleak.attacks.registry import REGISTRY
-
     return [n for n, a in REGISTRY.items() if a.output == "partition" and "latent" in a.modes]
 
 
@@ -232,8 +232,6 @@ def pool_probe_runs(runs: Sequence[ProbeRun], alpha: float = 0.05) -> tuple[list
     """Per (model, latent arm, battery): each probe arm's per-seed paired effect pooled over the seeds
     (``stats.random_effects``; SE = 95 % interval width / (2 · 1.96), as the paper's artefact derives
     it), and the arm with the highest pooled mean reported at alpha / J, J the arms pooled."""
-    from splitleak.stats import leave_one_out, random_effects
-
     z = float(norm.ppf(1 - alpha / 2))
     groups: dict[tuple[str, str, str], list[ProbeRun]] = {}
     for run in runs:

@@ -9,6 +9,7 @@ from typing import Sequence
 from splitleak.data import LABELS
 from splitleak.report.document import Document, Figure, Heading, Para, Table
 from splitleak.report.grid_common import Ctx, count, interval, num
+from splitleak.report.grid_figures import heatmap_figure, perturbation_cells, perturbation_figure
 from splitleak.report.grid_stats import Cell
 
 # ------------------------------------------------------------------ 3. recovery tables
@@ -131,8 +132,6 @@ def recovery_section(doc: Document, ctx: Ctx, cells: Sequence[Cell], attack_rows
 
 def perturbation_section(doc: Document, ctx: Ctx, cells: Sequence[Cell]) -> None:
     """4. The joint attacker under observer-side gradient perturbations (figure)."""
-    from splitleak.report.grid_figures import perturbation_cells, perturbation_figure
-
     doc.add(Heading(2, "Gradient perturbations"))
     joint = perturbation_cells(cells)
     if not any(c.config.gradient_noise is not None or c.config.gradient_bits is not None for c in joint):
@@ -188,8 +187,6 @@ def perturbation_section(doc: Document, ctx: Ctx, cells: Sequence[Cell]) -> None
 
 def heatmap_section(doc: Document, ctx: Ctx, cells: Sequence[Cell]) -> None:
     """6. Token recovery per attack configuration and condition (annotated heatmap)."""
-    from splitleak.report.grid_figures import heatmap_figure
-
     doc.add(Heading(2, "Attack × condition heatmap"))
     if not cells:
         doc.add(Para("Omitted: no attack results with per-token scores.", "note"))

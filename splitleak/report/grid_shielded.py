@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from splitleak.report.document import Document, Figure, Heading, Para, Table
+from splitleak.report.figures import recovery_cost_figure
 
 SHIELDED_DEFENCE = "label-shielded"  # the same word as splitleak.experiments.jobs.SHIELDED_DEFENCE (torch-free)
 #: 003's label attack, and the label readers whose best reading per arm the claims use (DESIGN: a defence
@@ -330,8 +331,6 @@ def privacy_utility_figure(cells: Sequence[ArmCell], out_stem: str | Path, attac
     """Reconstruction (ROUGE-L F of the label text, and label-token recovery) against held-out CE, one point per
     arm, the undefended one in blue (the grid report's cost figure, with the loss as the cost); by ``attack``, or
     by the strongest label reader of each arm (None). Writes OUT.png and OUT.svg."""
-    from splitleak.report.figures import recovery_cost_figure
-
     panels = {}
     for metric, title in (("rougeL_f", "ROUGE-L F of the labels"), ("label_recovery", "label tokens recovered")):
         panels[title] = [

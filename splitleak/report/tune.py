@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from splitleak.experiments.tune import ADAPTIVE, Space, TuneSettings, resolve_attacks
+from splitleak.report.figures import pyplot, save_png_svg
 
 
 def render_tune(
@@ -36,8 +37,6 @@ def frontier_figure(out_stem: Path, settings: TuneSettings, trials: list[dict[st
     (green circles), failing (red crosses) and stopped early (grey triangles: lower bounds); the Pareto
     frontier as a step line (a stopped trial joins it only when it already reads every token, the one
     lower bound that is exact); the undefended points labelled."""
-    from splitleak.report.figures import pyplot, save_png_svg
-
     plt = pyplot()
     scale = 100.0 if settings.utility == "rel-ppl" else 1.0
     fig, ax = plt.subplots(figsize=(6.4, 4.6), constrained_layout=True)

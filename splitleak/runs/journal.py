@@ -140,6 +140,7 @@ def read_tensors_and_metadata(root: str | Path, rel: str) -> tuple[dict[str, tor
     """A recorded safetensors file (its sha256 checked against the journal first): its tensors and the
     metadata ``RunStore.add_tensors`` wrote (``{}`` when it wrote none). IntegrityError in one line when
     the file is not a readable safetensors file or its metadata is not the JSON object it wrote."""
+    # lazy: safetensors.torch loads torch, which the JSON readers here (loaded by `splitleak --help`) do without
     from safetensors import SafetensorError
     from safetensors.torch import load
 

@@ -18,6 +18,7 @@ from splitleak.data import Document
 from splitleak.errors import ConfigError, IntegrityError
 from splitleak.files import config_hash, validated
 from splitleak.runs.journal import read_run_json
+from splitleak.runs.truth import read_documents
 
 
 def run_mode(manifest: dict[str, Any]) -> str:
@@ -113,6 +114,4 @@ def find_session(capture: str | Path, client_run: str | Path) -> Path:
 def read_calibration(run_dir: str | Path) -> tuple[Document, ...]:
     """The run's public calibration documents (their own section of ``documents.json``), checked as
     ``read_documents`` checks the whole file; the evaluation and training text stay with the scorer."""
-    from splitleak.runs.truth import read_documents
-
     return read_documents(run_dir).calibration

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from safetensors.torch import load_file
 
 from splitleak.data import Document, DocumentSets
 from splitleak.errors import ConfigError, DataError, IntegrityError
@@ -51,8 +52,6 @@ def eval_token_ids(run_dir: str | Path, doc_ids: Sequence[int], phase: str = "ca
 
 def load_truth(run_dir: str | Path) -> dict[int, np.ndarray]:
     """frame id -> bool mask of real rows in the gauged order (the client's record)."""
-    from safetensors.torch import load_file
-
     path = Path(run_dir) / TRUTH_FILE
     if not path.is_file():
         raise ConfigError(f"{run_dir} has no {TRUTH_FILE}: pass the client's run directory of a latent-mode run")
@@ -63,8 +62,6 @@ def load_truth(run_dir: str | Path) -> dict[int, np.ndarray]:
 
 def load_row_tokens(run_dir: str | Path) -> dict[int, np.ndarray]:
     """frame id -> the token each gauged row carries (a decoy: its origin's), from the client's record."""
-    from safetensors.torch import load_file
-
     t = load_file(str(Path(run_dir) / TRUTH_FILE))
     if "token" not in t:
         raise ConfigError(

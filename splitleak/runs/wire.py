@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
 from splitleak.errors import IntegrityError
@@ -116,7 +117,6 @@ def _shard_records(root: Path, rel: str, blob: bytes) -> list[WireRecord]:
     line naming the shard and what is wrong: a safetensors header that does not parse (a length or offsets
     past the end), no ``frames`` metadata, a frame header without a field or of the wrong type, a tensor
     a header names that is not there, or a frame whose tensors do not fit its header."""
-    from safetensors import SafetensorError
 
     def bad(what: str) -> IntegrityError:
         return IntegrityError(

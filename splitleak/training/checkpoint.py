@@ -31,7 +31,10 @@ import torch
 from safetensors.torch import load, save
 
 from splitleak.errors import ConfigError, IntegrityError
-from splitleak.files import canonical_json, sha256_bytes, write_atomic
+from splitleak.files import canonical_json, sha256_bytes, sha256_file, write_atomic
+from splitleak.runs.journal import JOURNAL, read_run_json
+from splitleak.runs.verify import verify_run
+from splitleak.wire.transport import TransportError
 
 if TYPE_CHECKING:
     from splitleak.training.config import TrainConfig
@@ -163,8 +166,6 @@ def welcomed(remote: Any, point: ResumePoint | None, every: int | None) -> tuple
     """What the server's welcome leaves of the client's checkpoints: (interval, why not resumable). A
     server that did not resume at the client's step is refused (the session aborted); one that keeps no
     checkpoints turns the client's off, and the manifest says why."""
-    from splitleak.wire.transport import TransportError
-
     if point is not None and remote.welcome.get("resumed_after_steps") != point.done:
         remote.abort()
         raise TransportError(f"the server did not resume after step {point.done}")
@@ -223,10 +224,6 @@ def resume_point(run: str | Path, config: TrainConfig) -> ResumePoint:
     digest; its own header's digest of its tensors is checked as it is loaded. A checkpoint written after
     the journal's last entry is not trusted (the one before it still is). The frames of the run are not
     read: the new run's manifest names the run that holds those before the resumed step."""
-    from splitleak.files import sha256_file
-    from splitleak.runs.journal import JOURNAL, read_run_json
-    from splitleak.runs.verify import verify_run
-
     run = Path(run)
     again = "train again with --force (or another --out)"
     v = verify_run(run, to_last_entry=True)

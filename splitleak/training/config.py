@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
-from splitleak.defences import canonical_args
+from splitleak.defences import DefenceChain, canonical_args
 from splitleak.errors import ConfigError
 from splitleak.files import config_hash
+from splitleak.seeds import model_init_seed, server_seed
 
 
 class DefenceConfig(BaseModel):
@@ -191,13 +192,9 @@ def adaptive_attacks_of(config: "_ModelAndSplit") -> dict[str, tuple[str, ...]]:
     """The attacks built for the defences of a configuration (attack name -> the defences it is built for),
     as the audit, grids and ``tune`` run them: the chain's (``DefenceChain.adaptive_attacks``) or, in the
     latent mode, the decoy system's own."""
-    from splitleak.defences import DefenceChain
-
     mode = split_mode_of(config)
     if mode == "latent":
-        import splitleak.training.config as here
-
-        return {name: ("latent",) for name in getattr(here, "LATENT_ADAPTIVE", ())}
+        return {name: ("latent",) for name in LATENT_ADAPTIVE}
     return DefenceChain.from_specs([d.model_dump() for d in config.defences], seed=0).adaptive_attacks(mode)
 
 
@@ -232,8 +229,6 @@ class ServerConfig(_ModelAndSplit):
 
     @classmethod
     def of(cls, config: TrainConfig, *, random_init: bool) -> "ServerConfig":
-        from splitleak.seeds import model_init_seed, server_seed
-
         fields = {k: getattr(config, k) for k in SERVER_FIELDS}
         return cls(
             **fields,
@@ -252,8 +247,6 @@ def config_from_record(record: dict[str, Any]) -> TrainConfig:
 
 def make_train_config(**kwargs) -> TrainConfig:
     """Build a TrainConfig, turning pydantic's errors into one ConfigError with the field named."""
-    from pydantic import ValidationError
-
     try:
         return TrainConfig(**kwargs)
     except ValidationError as exc:

@@ -46,10 +46,11 @@ import torch
 import torch.nn.functional as F
 
 from splitleak.data import Document
-from splitleak.defences.decoys import DecoyPool, derived_seed, release, torch_generator
+from splitleak.defences.decoys import DecoyPool, derived_seed, gaussian_row_epsilon, release, torch_generator
 from splitleak.defences.gauges import Gauge, frame_gauge
 from splitleak.errors import ConfigError
 from splitleak.models.latent import Decoder, Encoder, GaugeSurrogate, LatentSpec, check_no_wide_parameters, latent_spec
+from splitleak.models.presets import find_blocks
 from splitleak.models.split import SplitModel, next_token_loss
 from splitleak.progress import Progress, Silent, end
 from splitleak.training.config import LatentConfig
@@ -62,8 +63,6 @@ from splitleak.wire.frames import Frame
 def latent_split(lm, cfg: LatentConfig) -> tuple[SplitModel, LatentSpec]:
     """The frozen model cut for the latent mode: bottom = blocks [0, s], trunk = the delegated blocks
     (the teacher), top = [r, L) with the norm and head."""
-    from splitleak.models.presets import find_blocks
-
     n_blocks = len(find_blocks(lm.model)[1])
     spec = latent_spec(n_blocks, cfg.split_after, cfg.resume_at, cfg.width)
     s, r = spec.delegated
@@ -426,8 +425,6 @@ def privacy_accounting(cfg: LatentConfig, releases: int, delta: float = 1e-6) ->
     release and for ``releases`` releases of the same document row. A fresh decoy is one more release
     of its row; a verbatim one re-sends a released row (post-processing: no further cost). The return
     wire protects nothing of the client's input."""
-    from splitleak.defences.decoys import gaussian_row_epsilon
-
     one = gaussian_row_epsilon(cfg.clip, cfg.sigma, 1, delta) if cfg.sigma > 0 else None
     many = gaussian_row_epsilon(cfg.clip, cfg.sigma, releases, delta) if cfg.sigma > 0 else None
     out: dict[str, Any] = {

@@ -55,6 +55,7 @@ from splitleak.training.latent_checkpoint import (
 from splitleak.training.loop import evaluate_ce, utility
 from splitleak.training.record import RunEnd, RunResult, documents_record, manifest_head, run_documents
 from splitleak.wire.channel import InProcessChannel
+from splitleak.wire.client import RemoteServer, hello_for, parse_address
 from splitleak.wire.declare import Declaration, declare_latent_channels
 from splitleak.wire.tap import WireRecorder
 
@@ -187,8 +188,6 @@ def _connect(run: LatentRun, connect: str, tls_dir: str | Path, force: bool) -> 
     """The handshake with ``splitleak serve``, before the run directory exists: a refused session writes
     nothing. The hello carries the server's part of the configuration, the model's width, and the checkpoint
     interval and the checkpoint to resume from; a server that keeps no checkpoints turns the client's off."""
-    from splitleak.wire.client import RemoteServer, hello_for, parse_address
-
     RunStore.check_out(run.out, force, keep=run.resume)  # the same refusals as below, before any connection
     host, port = parse_address(connect)
     run.server_config = ServerConfig.of(run.config, random_init="init_seed" in run.lm.info)

@@ -15,6 +15,8 @@ from splitleak.defences import DefenceChain
 from splitleak.errors import ConfigError
 from splitleak.models.split import SplitModel, next_token_loss
 from splitleak.progress import Progress, Silent, end
+from splitleak.training.checkpoint import restore_state
+from splitleak.training.replicas import ReplicaMedianLink
 from splitleak.training.roles import FLOAT64_HINT, ClientRole, ServerRole, _grads_finite, make_optimizer
 from splitleak.wire.channel import InProcessChannel, Tap
 from splitleak.wire.frames import Frame, check_finite
@@ -105,8 +107,6 @@ def connect(split: SplitModel, chain_server: DefenceChain, lr: float, taps: list
     """The client's channel to the server side, with ``taps`` on the wire: one ``ServerRole`` on the
     ``main`` link, or, given ``server``, that server (a ``ServerRole``, a ``ReplicaMedianLink``
     whose copies each have their own link, or a ``RemoteServer`` over TLS). Returns (channel, server)."""
-    from splitleak.training.replicas import ReplicaMedianLink
-
     if isinstance(server, ReplicaMedianLink) or getattr(server, "remote", False):
         server.set_taps(taps)  # a new phase on the same link(s): these taps, a fresh ledger
         return server, server
@@ -146,8 +146,6 @@ def train_split(
     channel, server = connect(split, chain_server, lr, taps, server)
     client = ClientRole(split, chain_client, channel, lr)
     if client_state is not None:
-        from splitleak.training.checkpoint import restore_state
-
         restore_state(client.params, client.opt, *client_state)
     order = training_order(len(train_docs), steps, seed)
     task = progress.start("split training", steps - start)
@@ -268,8 +266,6 @@ def capture_traffic(
     recorder) on the channel. Returns throughput and the share of all-zero returned-gradient rows of
     the documents, and the channels' ledgers. ``client_side`` (label-shielded): receives, per batch, the
     raw output gradient of the full loss (``raw``) and the one sent (``sent``); they stay on the client."""
-    from splitleak.training.replicas import ReplicaMedianLink
-
     progress = progress or Silent()
     set_trainable(split)
     seen: dict[str, Frame] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -39,9 +40,19 @@ from splitleak.training.checkpoint import (
     welcomed,
 )
 from splitleak.training.config import ServerConfig, TrainConfig
-from splitleak.training.loop import TrainLog, capture_traffic, evaluate_ce, train_all_local, train_split, utility
+from splitleak.training.latent_run import run_latent
+from splitleak.training.loop import (
+    TrainLog,
+    capture_traffic,
+    evaluate_ce,
+    supervision,
+    train_all_local,
+    train_split,
+    utility,
+)
 from splitleak.training.record import RunEnd, RunResult, documents_record, manifest_head, run_documents
 from splitleak.training.replicas import build_server
+from splitleak.wire.client import RemoteServer, hello_for, parse_address
 from splitleak.wire.declare import Declaration, declare_channels
 from splitleak.wire.tap import WireRecorder
 
@@ -125,8 +136,6 @@ def run_training(
     if out is not None:  # refused before anything is loaded: a foreign folder, a link, the run --resume reads
         RunStore.check_out(out, force, keep=resume)
     if config.latent is not None:
-        from splitleak.training.latent_run import run_latent
-
         return run_latent(
             config, out, force=force, device=device, threads=threads, progress=progress, lm=lm, connect=connect,
             tls_dir=tls_dir, checkpoint_every=checkpoint_every, resume=resume,
@@ -203,8 +212,6 @@ def _prepare(
     )
     answer_only = config.shielded is not None and config.shielded.answer_only
     if answer_only:
-        from splitleak.training.loop import supervision
-
         supervision(docs.train + docs.evaluation, True)  # refuses documents without an answer, before writing
     if config.all_local_baseline and pristine is None:
         kept = lm.clone()
@@ -226,8 +233,6 @@ def _checkpointing(every: int | None, chain_client: DefenceChain) -> tuple[int |
 def _connect(run: SplitRun, connect: str, tls_dir: str | Path | None, force: bool) -> None:
     """The handshake with ``splitleak serve``, before the run directory exists: a refused session writes
     nothing. A server that keeps no checkpoints turns the client's off too."""
-    from splitleak.wire.client import RemoteServer, hello_for, parse_address
-
     if tls_dir is None:
         raise ConfigError("--connect needs --tls-dir (the folder `splitleak tls init` wrote)")
     RunStore.check_out(run.out, force, keep=run.resume)  # the same refusals as below, before any connection
@@ -488,8 +493,7 @@ def gradient_utility_summary(raw: torch.Tensor, sent: torch.Tensor) -> dict[str,
     """Gradient Mirage's utility metrics (003 App. C.1) of the output gradient sent against the raw one (of
     the full loss, before any defence), per document and their means. An ASNR is null (JSON has no
     infinity) where the document was sent unchanged."""
-    import math
-
+    # lazy: splitleak.metrics loads scipy.stats (a second); only label-shielded runs score the gradient
     from splitleak.metrics.gradient_utility import gradient_utility
 
     per_doc = gradient_utility(raw, sent)

@@ -12,14 +12,21 @@ Compression is off: message sizes must not depend on the content. The server is
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 import time
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from cryptography import x509
+from websockets.exceptions import ConnectionClosed, InvalidMessage
+from websockets.sync.client import connect
 
 from splitleak.errors import ConfigError
 from splitleak.wire.channel import MAIN_LINK, WireLedger
 from splitleak.wire.frames import Frame, decode, encode
+from splitleak.wire.tls import client_context
 from splitleak.wire.transport import (
     HANDSHAKE_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -32,9 +39,6 @@ from splitleak.wire.transport import (
     receive_frame,
     unpack,
 )
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("splitleak.client")
 CLIENT_KINDS = ("forward", "backward-top")
@@ -91,8 +95,6 @@ class RemoteServer(WireLedger):
     plain split the loss stays on the server."""
 
     def __init__(self, host: str, port: int, tls_dir: str | Path, hello: dict[str, Any], timeout: float = 60.0):
-        from websockets.exceptions import ConnectionClosed
-
         super().__init__(link=MAIN_LINK)
         self.remote = True
         self.where = f"{host}:{port}"
@@ -158,8 +160,6 @@ class RemoteServer(WireLedger):
         """Whether this client's ``client.pem`` is signed by its own ``ca.pem`` (None: unreadable). A
         client certificate that its own CA did not sign is refused by a server of that CA, whatever the
         server said before it closed."""
-        from cryptography import x509
-
         try:
             cert = x509.load_pem_x509_certificate((self.tls_dir / "client.pem").read_bytes())
             ca = x509.load_pem_x509_certificate((self.tls_dir / "ca.pem").read_bytes())
@@ -173,10 +173,6 @@ class RemoteServer(WireLedger):
 
     def _refused_certificate(self, exc: BaseException | None) -> str:
         """Which certificate the server refused, and why as far as this side can tell."""
-        from datetime import datetime, timezone
-
-        from cryptography import x509
-
         alert = (
             (getattr(exc, "reason", None) or type(exc).__name__)
             if exc is not None
@@ -212,11 +208,6 @@ class RemoteServer(WireLedger):
         """The WebSocket over TLS. A server that closes the connection before its HTTP answer (a busy
         machine past the server's opening timeout) is asked again, ``attempts`` times in all: nothing
         has crossed yet, so a retry changes nothing but the nonce-free TCP connection."""
-        from websockets.exceptions import InvalidMessage
-        from websockets.sync.client import connect
-
-        from splitleak.wire.tls import client_context
-
         for attempt in range(attempts):
             try:
                 return connect(
@@ -247,8 +238,6 @@ class RemoteServer(WireLedger):
         self.messages.append({"direction": "client->server", "bytes": len(payload), "header": header})
 
     def _recv(self, what: str) -> tuple[dict[str, Any], bytes]:
-        from websockets.exceptions import ConnectionClosed
-
         try:
             message = self.conn.recv(timeout=self.timeout)
         except ConnectionClosed as exc:
@@ -267,8 +256,6 @@ class RemoteServer(WireLedger):
         return header, payload
 
     def request(self, frame: Frame) -> Frame:
-        from websockets.exceptions import ConnectionClosed
-
         blob = encode(frame)
         self.record(decode(blob), blob)
         what = f"{frame.phase} step {frame.step}" if frame.step >= 0 else f"the {frame.phase} pass"
@@ -327,8 +314,6 @@ def _ssl_cause(exc: BaseException) -> BaseException | None:
 
 def wait_port(host: str, port: int, timeout: float = 30.0) -> None:
     """Block until something listens on host:port (for tests and scripts that start ``serve``)."""
-    import socket
-
     t0 = time.monotonic()
     while True:
         try:

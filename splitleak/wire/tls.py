@@ -17,6 +17,11 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
 from splitleak.errors import ConfigError
 
 FILES = ("ca.pem", "ca.key", "server.pem", "server.key", "client.pem", "client.key")
@@ -40,8 +45,6 @@ class TLSPaths:
 
 
 def _new_key(key_type: str):
-    from cryptography.hazmat.primitives.asymmetric import ec, ed25519
-
     if key_type == "ec":
         return ec.generate_private_key(ec.SECP256R1())
     if key_type == "ed25519":
@@ -50,15 +53,10 @@ def _new_key(key_type: str):
 
 
 def _hash_for(key):
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ed25519
-
     return None if isinstance(key, ed25519.Ed25519PrivateKey) else hashes.SHA256()
 
 
 def _san(names: tuple[str, ...]):
-    from cryptography import x509
-
     out: list[x509.GeneralName] = []
     for n in names:
         try:
@@ -78,10 +76,6 @@ def init_tls(
 ) -> TLSPaths:
     """Write a private CA and a server and client certificate into ``folder`` (created 0700). The
     server certificate is valid for ``names`` (DNS names or IP addresses). Refuses to overwrite."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
     if days < 1:
         raise ConfigError(f"--days must be >= 1, got {days}")
     if not names:

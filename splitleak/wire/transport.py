@@ -25,8 +25,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from splitleak.errors import SplitleakError
-from splitleak.wire.frames import KINDS, PHASES, Frame
+import torch
+
+from splitleak.errors import NonFiniteError, SplitleakError
+from splitleak.wire.frames import KINDS, PHASES, Frame, decode
 
 #: 2: every message after the handshake carries the session id of the welcome (``session``)
 PROTOCOL_VERSION = 2
@@ -37,19 +39,6 @@ ENVELOPE_BYTES = 8 + MAX_HEADER_BYTES
 #: the largest message before the welcome (a hello, a welcome or an error: a header and no payload)
 HANDSHAKE_MESSAGE_BYTES = ENVELOPE_BYTES
 
-# ``splitleak serve``'s defaults (its --max-* flags): the server-side maxima of what a hello may ask.
-# They cover the study's settings (32-token documents, capture batches of 16 with as many mixup probe
-# rows; the latent mode's 48 decoys) with room to spare. A session holds at most one frame of
-# MAX_FRAME_MIB and one forward's graph of at most MAX_FRAME_TOKENS rows x tokens, whose logits
-# (rows x tokens x the vocabulary, and their gradient) are what costs memory in a plain split; the
-# server's memory is bounded by MAX_CONCURRENT x (model + that), whatever a client asks (measured in
-# benchmarks/RESULTS.md, "Memory of `serve` under hostile clients").
-MAX_ROWS = 64  # rows of one frame, mixup's probe rows included (capture_batch x PROBE_FACTOR)
-MAX_TOKENS = 256  # tokens of one row (doc_len; in the latent mode doc_len + decoys)
-MAX_FRAME_TOKENS = 2048  # rows x tokens of one frame (the study's 32 x 32 is 1024)
-MAX_FRAME_MIB = 64  # bytes of one frame (the WebSocket cap is this plus the envelope)
-MAX_CONCURRENT = 4  # sessions at once, each with its own model copy
-HELLO_SECONDS = 10.0  # the first message (the hello) must arrive this soon after the connection opens
 PROBE_FACTOR = 2  # mixup may add probe rows: at most as many as the real ones
 
 #: safetensors dtype names a frame may carry, and their sizes in bytes
@@ -249,11 +238,6 @@ def receive_frame(header: dict[str, Any], payload: bytes, limits: Limits, allowe
     """What a receiver does with a frame message, in order: the limits (``check_frame_message``, before
     any tensor is decoded), the decode, the envelope's agreement with the frame it carries, and finite
     values. Every refusal is a TransportError, IntegrityError or NonFiniteError in one line."""
-    import torch
-
-    from splitleak.errors import NonFiniteError
-    from splitleak.wire.frames import decode
-
     check_frame_message(header, payload, limits, allowed_kinds)
     frame = decode(payload)
     if (frame.kind, frame.step, frame.phase, list(frame.doc_ids)) != (
