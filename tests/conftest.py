@@ -14,6 +14,7 @@ if XDIST_WORKER:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from scheduling import group_by_module_fixture, write_group_suffix  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPLITLEAK_SHARED", REPO.parent / "shared"))
@@ -52,7 +53,9 @@ TIERS = ("unit", "integration", "e2e")
 def pytest_collection_modifyitems(config, items):
     """Every test sits in exactly one tier (the markers in pyproject.toml), so `-m unit` and
     `make check` keep meaning what they say; `slow` is a flag on top of a tier. Checked before `-m`
-    deselects anything, so a test without a tier fails every run, not only the runs that select it."""
+    deselects anything, so a test without a tier fails every run, not only the runs that select it. Then the
+    tests that share a module-scoped fixture join one pytest-xdist group, and the groups reach the scheduler
+    (tests/scheduling.py)."""
     wrong = []
     for item in items:
         tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
@@ -64,6 +67,8 @@ def pytest_collection_modifyitems(config, items):
             "`pytestmark = pytest.mark.unit` (or integration, e2e) at the top of a file that is one tier, "
             "or `@pytest.mark.unit` on each test (see the markers in pyproject.toml):\n" + "\n".join(wrong)
         )
+    group_by_module_fixture(items)
+    write_group_suffix(config, items)
 
 
 # ------------------------------------------------------------------ shared tiny runs
