@@ -6,11 +6,13 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the hub is not reachable here; fail fast instead of retrying
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 #: under pytest-xdist (`make test`, `make check`: two workers on two cores) each worker, and each process a
-#: test starts without --threads, computes on one torch thread, so the workers do not oversubscribe the cores
+#: test starts without --threads, computes on one torch thread, so the workers do not oversubscribe the cores;
+#: the tokenizers' Rust library (WikiText-2's 4,000 passages per load) encodes on one thread too
 XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 if XDIST_WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
