@@ -6,14 +6,17 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the hub is not reachable here; fail fast instead of retrying
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 #: under pytest-xdist (`make test`, `make check`: two workers on two cores) each worker, and each process a
-#: test starts without --threads, computes on one torch thread, so the workers do not oversubscribe the cores
+#: test starts without --threads, computes on one torch thread, so the workers do not oversubscribe the cores;
+#: the tokenizers' Rust library (WikiText-2's 4,000 passages per load) encodes on one thread too
 XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 if XDIST_WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from scheduling import group_by_module_fixture, write_group_suffix  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPLITLEAK_SHARED", REPO.parent / "shared"))
@@ -52,7 +55,9 @@ TIERS = ("unit", "integration", "e2e")
 def pytest_collection_modifyitems(config, items):
     """Every test sits in exactly one tier (the markers in pyproject.toml), so `-m unit` and
     `make check` keep meaning what they say; `slow` is a flag on top of a tier. Checked before `-m`
-    deselects anything, so a test without a tier fails every run, not only the runs that select it."""
+    deselects anything, so a test without a tier fails every run, not only the runs that select it. Then the
+    tests that share a module-scoped fixture join one pytest-xdist group, and the groups reach the scheduler
+    (tests/scheduling.py)."""
     wrong = []
     for item in items:
         tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
@@ -64,6 +69,8 @@ def pytest_collection_modifyitems(config, items):
             "`pytestmark = pytest.mark.unit` (or integration, e2e) at the top of a file that is one tier, "
             "or `@pytest.mark.unit` on each test (see the markers in pyproject.toml):\n" + "\n".join(wrong)
         )
+    group_by_module_fixture(items)
+    write_group_suffix(config, items)
 
 
 # ------------------------------------------------------------------ shared tiny runs
@@ -128,7 +135,7 @@ def shared_run(tmp_path_factory):
 #: derived``: an audit trained again under them is the same audit, which the resume tests compare against)
 TINY_AUDIT = [
     "--model", "tiny-gpt2", "--n-calib", "8", "--n-train", "8", "--n-eval", "12", "--device", "cpu",
-    "--draws", "derived", "--threads", "2",  # the float sums of training depend on the number of threads
+    "--draws", "derived", "--threads", "1",  # the float sums of training depend on the number of threads
 ]  # fmt: skip
 
 

@@ -172,7 +172,9 @@ def test_the_tiny_grid_reads_the_claims_of_shape_on_eight_documents(tmp_path, se
 
     over = [f"victim_seeds=[{seed}]", f"documents.seed={seed}"]
     store = tmp_path / "store"
-    done = run_grid("mirage", profile="tiny", overrides=over, store=store, workers=1, threads=2)
+    # one torch thread: under `make test` the other xdist worker holds the second core, and two threads on a
+    # shared core spin (measured on a busy machine: one seed took 447 s of CPU with threads=2, both 101 s with 1)
+    done = run_grid("mirage", profile="tiny", overrides=over, store=store, workers=1, threads=1)
     assert not done.failures
     cells = {
         c.arm: c
@@ -185,7 +187,7 @@ def test_the_tiny_grid_reads_the_claims_of_shape_on_eight_documents(tmp_path, se
     # (a) undefended, the pretrained Top explains the output gradient: nearly every label comes back
     assert cells["none"].reads() > 0.9 and claims["a"].holds
     # (b) GMA-SL reads Gradient Mirage far below pruning and dropout at comparable utility; the reader that
-    # divides the public m out reads much more of it (measured 58-66 % against GMA-SL's 34-35 %: sas's dropped
+    # divides the public m out reads much more of it (measured 60-62 % against GMA-SL's 35-36 %: sas's dropped
     # targets are what stays hidden), still below pruning and dropout, so (b) is checked on it; seq-dp reads
     # nothing but costs more than the margin (0.25 nats), so it is not a comparable baseline
     assert claims["b"].holds is not None, claims["b"].evidence
