@@ -572,7 +572,7 @@ def test_knowledge_memo_computes_once_per_traffic_and_a_replaced_knowledge_start
     import dataclasses
     from types import SimpleNamespace
 
-    from splitleak.attacks.knowledge import Knowledge, Traffic
+    from splitleak.attacks.knowledge import MEMO_TRAFFICS, Knowledge, Traffic
 
     kn = Knowledge(SimpleNamespace(device=torch.device("cpu")), (), "public", "tiny-gpt2")
     calls = []
@@ -588,7 +588,16 @@ def test_knowledge_memo_computes_once_per_traffic_and_a_replaced_knowledge_start
     shuffled = a.replace(gradients=torch.ones(1, 2, 3))  # the same activations: the same candidates
     assert kn.memo("cand", lambda: compute("s"), shuffled) == "a"
     assert kn.memo("cand", lambda: compute("b"), b) == "b"  # another traffic is computed for itself
-    assert kn.memo("cand", lambda: compute("a3"), a) == "a3"  # and only the latest is kept
-    assert calls == ["r", "a", "b", "a3"]
+    assert kn.memo("cand", lambda: compute("a3"), a) == "a"  # the MEMO_TRAFFICS latest traffics are kept
+    more = [Traffic((0,), torch.zeros(1, 2, 3), None) for _ in range(MEMO_TRAFFICS - 1)]
+    for i, t in enumerate(more):  # b, the least recently used, is let go for the last of them
+        assert kn.memo("cand", lambda i=i: compute(f"m{i}"), t) == f"m{i}"
+    assert kn.memo("cand", lambda: compute("a4"), a) == "a"
+    assert kn.memo("cand", lambda: compute("b2"), b) == "b2"
+    assert calls == ["r", "a", "b", *(f"m{i}" for i in range(MEMO_TRAFFICS - 1)), "b2"]
+    # ``whole``: a value of the whole traffic (gradients too) is told apart by the traffic object
+    assert kn.memo("twin", lambda: compute("w"), a, whole=True) == "w"
+    assert kn.memo("twin", lambda: compute("w2"), shuffled, whole=True) == "w2"
+    assert kn.memo("twin", lambda: compute("w3"), a, whole=True) == "w" and calls[-2:] == ["w", "w2"]
     other = dataclasses.replace(kn, copy="trained")
     assert other.shared == {} and kn.shared != {}

@@ -264,7 +264,15 @@ def mispaired_control(
     from splitleak.stats import effect_verdict
 
     rows, given = mispairing(len(traffic), traffic.frames, control_docs, config.attack_seed)
-    twin_traffic = traffic.subset(given).replace(doc_ids=tuple(traffic.doc_ids[r] for r in rows))
+
+    def twinned() -> Traffic:
+        return traffic.subset(given).replace(doc_ids=tuple(traffic.doc_ids[r] for r in rows))
+
+    # one twin per traffic object and pairing in a knowledge's memo: the attacks that share the knowledge and
+    # the traffic (a grid worker's group, an audit's suite) then share what they derive from the twin too
+    kn = getattr(attack, "knowledge_", None)
+    key = ("mispaired", tuple(int(r) for r in rows), tuple(int(g) for g in given))
+    twin_traffic = kn.memo(key, twinned, traffic, whole=True) if kn is not None else twinned()
     t0 = time.perf_counter()
     twin = attack.reconstruct(twin_traffic, progress).tokens
     truth = np.array([list(d.token_ids) for d in docs], dtype=np.int64)
