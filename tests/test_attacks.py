@@ -267,7 +267,8 @@ def test_threat_model_knowledge_holds_no_server_layers_or_eval_text(weak_runs):
     # (names and arguments, no seed or secret), the split mode and how the draws were made, and can load
     # the traffic it observed before (training frames: no evaluation text)
     public = {"defences", "mode", "draws", "history_loader"}
-    assert set(vars(kn)) == {"client", "calibration", "copy", "model", "top", "shared"} | public and kn.shared == {}
+    assert set(vars(kn)) == {"client", "calibration", "copy", "model", "top", "shared", "planned"} | public
+    assert kn.shared == {} and kn.planned == ()  # ``planned``: the attacks a grid worker will run on it, none here
     assert kn.mode == "plain" and kn.draws in {"os", "derived"}
     assert all(set(d) <= {"name", "args"} for d in kn.defences)
     assert kn.top is None  # the pretrained Top is loaded only for the attacks that match output gradients
@@ -599,5 +600,6 @@ def test_knowledge_memo_computes_once_per_traffic_and_a_replaced_knowledge_start
     assert kn.memo("twin", lambda: compute("w"), a, whole=True) == "w"
     assert kn.memo("twin", lambda: compute("w2"), shuffled, whole=True) == "w2"
     assert kn.memo("twin", lambda: compute("w3"), a, whole=True) == "w" and calls[-2:] == ["w", "w2"]
+    kn.planned = ("an attack",)
     other = dataclasses.replace(kn, copy="trained")
-    assert other.shared == {} and kn.shared != {}
+    assert other.shared == {} and kn.shared != {} and other.planned == ()

@@ -173,6 +173,10 @@ class Knowledge:
     #: (candidate lists): computed once, shared by every attack fitted on this object (an audit's suite);
     #: not an init field, so ``dataclasses.replace(knowledge, client=other)`` starts with an empty one
     shared: dict[Any, Any] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    #: the attacks (unfitted) that will run on this knowledge, each on the same traffic (a grid worker's attack
+    #: jobs of one run and copy), so that one can serve its siblings' results from one computation where they
+    #: are provably the same (SipIt's budgets); not an init field either
+    planned: tuple[Any, ...] = dataclasses.field(default_factory=tuple, init=False, repr=False, compare=False)
 
     def calibration_ids(self) -> torch.Tensor:
         return torch.tensor([list(d.token_ids) for d in self.calibration], dtype=torch.long)
