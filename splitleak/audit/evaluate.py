@@ -74,6 +74,7 @@ def run_attack(
     documents: str | Path | None = None,
     verify: bool = True,
     control_docs: int = 0,
+    already_verified: bool = False,
 ) -> dict[str, Any]:
     """Fit and run the attack, score it, and (with ``out``) write RESULT.json and the per-document
     predictions as Parquet beside it. Returns the result dictionary.
@@ -85,6 +86,8 @@ def run_attack(
 
     ``verify``: first check the run (and ``documents``) against its journal (``splitleak verify``), and
     read nothing from one that fails; ``verify=False`` reads it as it is, and the result says so.
+    ``already_verified``: the caller has just checked them itself (a grid worker, once for the attack jobs
+    of one run: ``experiments.sharing``), so they are not checked again.
 
     ``run_dir`` may be a server's capture (one ``session-NNNN/`` of ``splitleak serve --capture``):
     the traffic is then what the server recorded, and ``documents`` names the client's run directory
@@ -96,7 +99,7 @@ def run_attack(
     out_path = Path(out) if out is not None else None
     if out_path is not None:  # before anything is read or fitted
         check_result_out(out_path, force, run_dir, documents)
-    if verify:
+    if verify and not already_verified:
         for d in (run_dir, documents):
             if d is not None:
                 require_verified(d, "the attack")
