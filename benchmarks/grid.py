@@ -2,7 +2,7 @@
 (run by hand; not part of the test suite).
 
     .venv/bin/python benchmarks/grid.py [--spec paper_main] [--profile quick] [--workers 2 --threads 1]
-                                        [--device cpu|cuda] [--flops] [--record]
+                                        [--device cpu|cuda] [--flops] [--no-group] [--record]
 
 Runs `splitleak experiment run SPEC --profile PROFILE --executor local` in a subprocess on a fresh
 store (the spec's protocol is copied to the temporary folder first, so the shipped protocol file
@@ -198,6 +198,11 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="store folder to keep (default: a temporary one)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the GPU of this machine)")
     ap.add_argument("--flops", action="store_true", help="count each job's FLOPs (torch.utils.flop_counter)")
+    ap.add_argument(
+        "--no-group",
+        action="store_true",
+        help="each attack job its own task (`run --no-group`): the work the jobs of one run and copy share, done per job",
+    )
     ap.add_argument("--record", action="store_true", help="append the result to benchmarks/RESULTS.md")
     a = ap.parse_args()
     shared = HERE.parent.parent / "shared" / "data" / "wikitext-2-raw"
@@ -232,6 +237,8 @@ def main() -> None:
     ]
     for o in overrides:
         cmd += ["--override", o]
+    if a.no_group:
+        cmd.append("--no-group")
     env = dict(os.environ)
     flops_dir = tmp / "flops" if a.flops else None
     if flops_dir:
@@ -300,7 +307,7 @@ def main() -> None:
     if gpu and not proj["missing"]:
         print(f"on this GPU: {gpu_h:.2f} GPU-hours for the full profile ({a.workers} job(s) at a time on one GPU)")
     row = (
-        f"| {date.today().isoformat()} | {Path(a.spec).stem} ({a.profile}) | {model} | {c['train']}/{c['attack']}/{c['reuse']} "
+        f"| {date.today().isoformat()} | {Path(a.spec).stem} ({a.profile}{', --no-group' if a.no_group else ''}) | {model} | {c['train']}/{c['attack']}/{c['reuse']} "
         f"| {failed} | {device_name(a.device)} | {a.workers} x {a.threads} | {wall:.0f} | {executed / (wall / 3600):.0f} | "
         f"{peak[0] / 2**30:.2f} | {load_before[0]:.1f} / {load_after[0]:.1f} | "
         f"{full_h} | {per_eval:.1f} | {f'{rate / 1e9:.1f}' if rate else '—'} | {full_pf} | {paper[0]} |"

@@ -267,7 +267,8 @@ def test_threat_model_knowledge_holds_no_server_layers_or_eval_text(weak_runs):
     # (names and arguments, no seed or secret), the split mode and how the draws were made, and can load
     # the traffic it observed before (training frames: no evaluation text)
     public = {"defences", "mode", "draws", "history_loader"}
-    assert set(vars(kn)) == {"client", "calibration", "copy", "model", "top", "shared"} | public and kn.shared == {}
+    assert set(vars(kn)) == {"client", "calibration", "copy", "model", "top", "shared", "planned"} | public
+    assert kn.shared == {} and kn.planned == ()  # ``planned``: the attacks a grid worker will run on it, none here
     assert kn.mode == "plain" and kn.draws in {"os", "derived"}
     assert all(set(d) <= {"name", "args"} for d in kn.defences)
     assert kn.top is None  # the pretrained Top is loaded only for the attacks that match output gradients
@@ -572,7 +573,7 @@ def test_knowledge_memo_computes_once_per_traffic_and_a_replaced_knowledge_start
     import dataclasses
     from types import SimpleNamespace
 
-    from splitleak.attacks.knowledge import Knowledge, Traffic
+    from splitleak.attacks.knowledge import MEMO_TRAFFICS, Knowledge, Traffic
 
     kn = Knowledge(SimpleNamespace(device=torch.device("cpu")), (), "public", "tiny-gpt2")
     calls = []
@@ -588,7 +589,17 @@ def test_knowledge_memo_computes_once_per_traffic_and_a_replaced_knowledge_start
     shuffled = a.replace(gradients=torch.ones(1, 2, 3))  # the same activations: the same candidates
     assert kn.memo("cand", lambda: compute("s"), shuffled) == "a"
     assert kn.memo("cand", lambda: compute("b"), b) == "b"  # another traffic is computed for itself
-    assert kn.memo("cand", lambda: compute("a3"), a) == "a3"  # and only the latest is kept
-    assert calls == ["r", "a", "b", "a3"]
+    assert kn.memo("cand", lambda: compute("a3"), a) == "a"  # the MEMO_TRAFFICS latest traffics are kept
+    more = [Traffic((0,), torch.zeros(1, 2, 3), None) for _ in range(MEMO_TRAFFICS - 1)]
+    for i, t in enumerate(more):  # b, the least recently used, is let go for the last of them
+        assert kn.memo("cand", lambda i=i: compute(f"m{i}"), t) == f"m{i}"
+    assert kn.memo("cand", lambda: compute("a4"), a) == "a"
+    assert kn.memo("cand", lambda: compute("b2"), b) == "b2"
+    assert calls == ["r", "a", "b", *(f"m{i}" for i in range(MEMO_TRAFFICS - 1)), "b2"]
+    # ``whole``: a value of the whole traffic (gradients too) is told apart by the traffic object
+    assert kn.memo("twin", lambda: compute("w"), a, whole=True) == "w"
+    assert kn.memo("twin", lambda: compute("w2"), shuffled, whole=True) == "w2"
+    assert kn.memo("twin", lambda: compute("w3"), a, whole=True) == "w" and calls[-2:] == ["w", "w2"]
+    kn.planned = ("an attack",)
     other = dataclasses.replace(kn, copy="trained")
-    assert other.shared == {} and kn.shared != {}
+    assert other.shared == {} and kn.shared != {} and other.planned == ()

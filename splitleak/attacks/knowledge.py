@@ -174,6 +174,10 @@ class Knowledge:
     #: (candidate lists): computed once, shared by every attack fitted on this object (an audit's suite);
     #: not an init field, so ``dataclasses.replace(knowledge, client=other)`` starts with an empty one
     shared: dict[Any, Any] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    #: the attacks (unfitted) that will run on this knowledge, each on the same traffic (a grid worker's attack
+    #: jobs of one run and copy), so that one can serve its siblings' results from one computation where they
+    #: are provably the same (SipIt's budgets); not an init field either
+    planned: tuple[Any, ...] = dataclasses.field(default_factory=tuple, init=False, repr=False, compare=False)
 
     def calibration_ids(self) -> torch.Tensor:
         return torch.tensor([list(d.token_ids) for d in self.calibration], dtype=torch.long)
@@ -189,19 +193,30 @@ class Knowledge:
             return None
         return self.memo("history", self.history_loader)
 
-    def memo(self, key: Any, compute: Callable[[], Any], traffic: "Traffic | None" = None) -> Any:
-        """``compute()``, once per ``key`` and, for a value that depends on the traffic, per ``traffic``:
-        only the latest traffic's value is kept (an audit's attacks read one traffic in turn; the
-        calibration's doses each read their own, and do not pile up). The client copy must not change
-        after the first call (an attack that changes it works on a copy: ``dataclasses.replace``); a move
-        to another device starts afresh."""
+    def memo(self, key: Any, compute: Callable[[], Any], traffic: "Traffic | None" = None, whole: bool = False) -> Any:
+        """``compute()``, once per ``key`` and, for a value that depends on the traffic, per ``traffic``: told
+        apart by its activations tensor (a value of the activations alone: the traffic with other gradients is
+        the same), or with ``whole`` by the ``Traffic`` object itself. The values of the ``MEMO_TRAFFICS``
+        latest traffics are kept (a grid worker's jobs read one traffic in turn, each with a mis-paired twin;
+        an audit's calibration doses each read their own, and do not pile up). The client copy must not change
+        after the first call (an attack that changes it works on a copy: ``dataclasses.replace``); a move to
+        another device starts afresh."""
         slot = (key, str(self.client.device))
-        hit = self.shared.get(slot)
-        if hit is not None and (traffic is None or hit[0] is traffic.activations):
-            return hit[1]
+        seen = None if traffic is None else traffic if whole else traffic.activations
+        kept = self.shared.setdefault(slot, [])
+        for i, (activations, value) in enumerate(kept):
+            if activations is seen:
+                kept.append(kept.pop(i))  # the most recently used last
+                return value
         value = compute()
-        self.shared[slot] = (None if traffic is None else traffic.activations, value)
+        kept.append((seen, value))
+        del kept[:-MEMO_TRAFFICS]
         return value
+
+
+#: traffics whose values ``Knowledge.memo`` keeps per key (the latest): a grid worker's group reads its traffic
+#: and, for each attack seed, a mis-paired twin of it (``audit.evaluate.mispaired_control``)
+MEMO_TRAFFICS = 4
 
 
 @dataclass

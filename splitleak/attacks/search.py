@@ -13,8 +13,9 @@ partial text's score is the sum of its positions' distances. Ties are broken by 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -187,67 +188,219 @@ def sipit(
     ``observed``), the candidate token ids of ranks [start, start + size) at position ``t``:
     [len(rows), size]; ``prefix()`` gives a fresh cache of those rows' prefixes (None at t = 0)
     for orders that probe the client layers."""
+    setup = _Setup(client, observed, tol, pass_size, margin, after_miss, distance)
+    track = _Track.new(observed.shape[:2], round_sizes(round_size, growth, setup.limit(budget)), order)
     progress = progress or Silent()
-    n, T, _ = observed.shape
-    vocab = client.vocab_size
-    limit = vocab if budget is None else min(budget, vocab)
-    sizes = round_sizes(round_size, growth, limit)
-    task = progress.start(name, n * T)
-    tokens = torch.zeros(n, T, dtype=torch.long)
-    dist = torch.full((n, T), float("inf"), dtype=torch.float64)
-    checks = torch.zeros(n, T, dtype=torch.long)
-    matched = torch.zeros(n, T, dtype=torch.bool)
-    within = torch.zeros(n, T, dtype=torch.long)
-    tolv = tol.double().cpu() if isinstance(tol, torch.Tensor) else torch.full((n, T), float(tol), dtype=torch.float64)
-    for s in range(0, n, chunk_docs):
-        rows_all = torch.arange(s, min(n, s + chunk_docs))
-        m = len(rows_all)
-        obs = observed[rows_all].to(client.device, client.dtype)
-        cache = client.new_cache()
-        for t in range(T):
-            active = torch.arange(m)
-            start = 0
-            missed = (
-                ~matched[rows_all, t - 1] if (after_miss is not None and t > 0) else torch.zeros(m, dtype=torch.bool)
-            )
-            for r in sizes:
-                if not len(active):
-                    break
-
-                def prefix(act=active):  # called within this iteration only
-                    return _subset_cache(client, cache, act) if t > 0 else None  # noqa: B023
-
-                cand = order(rows_all[active], t, start, r, prefix).to(client.device)
-                parts = []
-                for c0 in range(0, r, pass_size):  # each pass extends a fresh copy of the prefixes
-                    sub = prefix() or client.new_cache()
-                    h = client.extend(sub, cand[:, c0 : c0 + pass_size], t)  # [a, <=pass_size, d]
-                    if distance is None:
-                        parts.append((h - obs[active, t].unsqueeze(1)).norm(dim=-1).double().cpu())
-                    else:
-                        parts.append(distance(h, rows_all[active], t).double().cpu())
-                d = torch.cat(parts, dim=1)  # [a, r]
-                bd, bj = d.min(dim=1)
-                gi = rows_all[active]
-                before = dist[gi, t].clone()
-                better = bd < before
-                dist[gi[better], t] = bd[better]
-                tokens[gi[better], t] = cand.cpu()[better, bj[better]]
-                checks[gi, t] += r
-                hit = bd <= tolv[gi, t]
-                matched[gi[hit], t] = True
-                within[gi[hit], t] = (d[hit] <= tolv[gi[hit], t].unsqueeze(1)).sum(dim=1)
-                done = hit
-                if margin is not None:  # nothing in this round came within the margin of the best so far
-                    done = done | (bd > (1 + margin) * before)
-                if after_miss is not None:  # a prefix without a match: no candidate can match here
-                    done = done | (missed[active] & (start + r >= after_miss))
-                active = active[~done]
-                start += r
-            client.extend(cache, tokens[rows_all, t].unsqueeze(1).to(client.device), t)  # grow the prefix
-            progress.advance(task, m)
+    task = progress.start(name, observed.shape[0] * observed.shape[1])
+    for rows in torch.arange(observed.shape[0]).split(chunk_docs):
+        _positions(setup, _Chunk(setup, rows), track, progress, task)
     progress.finish(task)
-    return SearchResult(tokens, dist.to(observed.dtype), checks, matched, within)
+    return track.result(observed.dtype)
+
+
+def shared_budgets(budgets, vocab: int, round_size: int = 16, growth: int = 1) -> list[int | None]:
+    """The budgets (``None``: exhaustive) that ``sipit_budgets`` can serve from the search of the largest:
+    those whose rounds are the first rounds of its (then a search stopped at one is, round for round, the
+    start of the larger search). The largest first; fewer than two: nothing to share."""
+    limit = {b: vocab if b is None else min(int(b), vocab) for b in set(budgets)}
+    ranked = sorted(limit, key=lambda b: (-limit[b], b is not None, b or 0))
+    if not ranked:
+        return []
+    lead = round_sizes(round_size, growth, limit[ranked[0]])
+    out = [ranked[0]] + [b for b in ranked[1:] if (s := round_sizes(round_size, growth, limit[b])) == lead[: len(s)]]
+    return out if len(out) > 1 else []
+
+
+def sipit_budgets(
+    client: ClientCopy,
+    observed: torch.Tensor,
+    order: "GradientGuidedOrder",
+    budgets: list[int | None],
+    tol: float | torch.Tensor,
+    round_size: int = 16,
+    chunk_docs: int = 64,
+    progress: Progress | None = None,
+    name: str = "SipIt",
+    growth: int = 1,
+    pass_size: int = 512,
+    margin: float | None = None,
+    after_miss: int | None = None,
+    distance: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+) -> dict[int | None, SearchResult]:
+    """``sipit`` at each of ``budgets`` (as ``shared_budgets`` gives them, the largest first) from one search,
+    each result bit for bit the one ``sipit`` gives at that budget alone (the other arguments the same).
+
+    A search at a smaller budget b is, op for op, the larger search until, in a chunk of documents, a
+    position still has documents searching when b checks are spent: up to there both ran the same rounds
+    on the same rows from the same state. There b's search leaves the larger one (its state copied: the
+    prefix cache, the order's, the results so far) and runs the rest of the chunk alone, as ``sipit``
+    would; the next chunk starts afresh in both, so b rides along again. Work is saved on the positions of
+    each chunk before the first one where b runs out on any document (where every document matches
+    within b checks, all of it; through a copy that cannot match, none). The batch of a chunk is never
+    split: a forward pass over other rows could round differently."""
+    setup = _Setup(client, observed, tol, pass_size, margin, after_miss, distance)
+    if shared_budgets(budgets, client.vocab_size, round_size, growth) != list(budgets):
+        raise ValueError(f"SipIt budgets {budgets} cannot share one search (shared_budgets)")
+    shape = observed.shape[:2]
+    lead = _Track.new(shape, round_sizes(round_size, growth, setup.limit(budgets[0])), order)
+    riders = [_Track.new(shape, round_sizes(round_size, growth, setup.limit(b)), None) for b in budgets[1:]]
+    progress = progress or Silent()
+    task = progress.start(name, shape[0] * shape[1])
+    for rows in torch.arange(shape[0]).split(chunk_docs):
+        chunk = _Chunk(setup, rows)
+        left: set[int] = set()
+
+        def leave(t: int, spent: int, active: torch.Tensor, chunk=chunk, left=left) -> None:
+            for i, rider in enumerate(riders):
+                if i not in left and len(active) and spent == rider.limit < lead.limit:
+                    left.add(i)
+                    rider.take(lead, chunk.rows)
+                    rider.order = lead.order.fork()
+                    quiet = Silent()
+                    _positions(setup, chunk.fork(setup, t), rider, quiet, quiet.start(name, 0), t_from=t, resumed=True)
+
+        _positions(setup, chunk, lead, progress, task, on_round=leave)
+        for i, rider in enumerate(riders):
+            if i not in left:
+                rider.take(lead, chunk.rows)
+    progress.finish(task)
+    return {b: tr.result(observed.dtype) for b, tr in zip(budgets, [lead, *riders])}
+
+
+@dataclass
+class _Setup:
+    """What every SipIt search of one traffic reads."""
+
+    client: ClientCopy
+    observed: torch.Tensor
+    tol: float | torch.Tensor
+    pass_size: int
+    margin: float | None
+    after_miss: int | None
+    distance: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None
+    tolv: torch.Tensor = field(init=False)  # the tolerance per (document, position), float64
+
+    def __post_init__(self):
+        n, T = self.observed.shape[:2]
+        tol = self.tol
+        self.tolv = (
+            tol.double().cpu() if isinstance(tol, torch.Tensor) else torch.full((n, T), float(tol), dtype=torch.float64)
+        )
+
+    def limit(self, budget: int | None) -> int:
+        vocab = self.client.vocab_size
+        return vocab if budget is None else min(budget, vocab)
+
+
+class _Chunk:
+    """The documents searched together (one batch) and the cache of their chosen prefixes."""
+
+    def __init__(self, setup: _Setup, rows: torch.Tensor, cache: Any = None):
+        self.rows = rows
+        self.obs = setup.observed[rows].to(setup.client.device, setup.client.dtype)
+        self.cache = setup.client.new_cache() if cache is None else cache
+
+    def fork(self, setup: _Setup, t: int) -> "_Chunk":
+        """The same documents with a copy of the prefix cache as it stands while position ``t`` is searched."""
+        cache = _subset_cache(setup.client, self.cache, torch.arange(len(self.rows))) if t > 0 else None
+        return _Chunk(setup, self.rows, cache)
+
+
+@dataclass
+class _Track:
+    """One search (one budget): its rounds, its candidate order, and what it chose so far [n, T]."""
+
+    sizes: list[int]
+    order: Any
+    tokens: torch.Tensor
+    dist: torch.Tensor
+    checks: torch.Tensor
+    matched: torch.Tensor
+    within: torch.Tensor
+
+    @classmethod
+    def new(cls, shape, sizes: list[int], order) -> "_Track":
+        n, T = shape
+        return cls(
+            sizes,
+            order,
+            torch.zeros(n, T, dtype=torch.long),
+            torch.full((n, T), float("inf"), dtype=torch.float64),
+            torch.zeros(n, T, dtype=torch.long),
+            torch.zeros(n, T, dtype=torch.bool),
+            torch.zeros(n, T, dtype=torch.long),
+        )
+
+    @property
+    def limit(self) -> int:
+        return sum(self.sizes)
+
+    def take(self, other: "_Track", rows: torch.Tensor) -> None:
+        """``other``'s results for ``rows`` as this search's own."""
+        for name in ("tokens", "dist", "checks", "matched", "within"):
+            getattr(self, name)[rows] = getattr(other, name)[rows]
+
+    def result(self, dtype: torch.dtype) -> SearchResult:
+        return SearchResult(self.tokens, self.dist.to(dtype), self.checks, self.matched, self.within)
+
+
+def _positions(setup: _Setup, chunk: _Chunk, track: _Track, progress, task, on_round=None, t_from=0, resumed=False):
+    """Search positions ``t_from`` … T-1 of a chunk, each position's prefix grown by its chosen token; with
+    ``resumed``, position ``t_from``'s rounds are already done."""
+    client, m = setup.client, len(chunk.rows)
+    for t in range(t_from, setup.observed.shape[1]):
+        if not (resumed and t == t_from):
+            _rounds(setup, chunk, track, t, on_round)
+        client.extend(chunk.cache, track.tokens[chunk.rows, t].unsqueeze(1).to(client.device), t)  # grow the prefix
+        progress.advance(task, m)
+
+
+def _rounds(setup: _Setup, chunk: _Chunk, track: _Track, t: int, on_round=None) -> None:
+    """The rounds of position ``t`` for a chunk's documents, until each matches, is stopped or spends its
+    budget; ``on_round(t, spent, active)`` after each round (the checks spent per active document so far)."""
+    s, client, rows_all = setup, setup.client, chunk.rows
+    m = len(rows_all)
+    active = torch.arange(m)
+    start = 0
+    missed = (
+        ~track.matched[rows_all, t - 1] if (s.after_miss is not None and t > 0) else torch.zeros(m, dtype=torch.bool)
+    )
+    for r in track.sizes:
+        if not len(active):
+            break
+
+        def prefix(act=active):  # called within this iteration only
+            return _subset_cache(client, chunk.cache, act) if t > 0 else None
+
+        cand = track.order(rows_all[active], t, start, r, prefix).to(client.device)
+        parts = []
+        for c0 in range(0, r, s.pass_size):  # each pass extends a fresh copy of the prefixes
+            sub = prefix() or client.new_cache()
+            h = client.extend(sub, cand[:, c0 : c0 + s.pass_size], t)  # [a, <=pass_size, d]
+            if s.distance is None:
+                parts.append((h - chunk.obs[active, t].unsqueeze(1)).norm(dim=-1).double().cpu())
+            else:
+                parts.append(s.distance(h, rows_all[active], t).double().cpu())
+        d = torch.cat(parts, dim=1)  # [a, r]
+        bd, bj = d.min(dim=1)
+        gi = rows_all[active]
+        before = track.dist[gi, t].clone()
+        better = bd < before
+        track.dist[gi[better], t] = bd[better]
+        track.tokens[gi[better], t] = cand.cpu()[better, bj[better]]
+        track.checks[gi, t] += r
+        hit = bd <= s.tolv[gi, t]
+        track.matched[gi[hit], t] = True
+        track.within[gi[hit], t] = (d[hit] <= s.tolv[gi[hit], t].unsqueeze(1)).sum(dim=1)
+        done = hit
+        if s.margin is not None:  # nothing in this round came within the margin of the best so far
+            done = done | (bd > (1 + s.margin) * before)
+        if s.after_miss is not None:  # a prefix without a match: no candidate can match here
+            done = done | (missed[active] & (start + r >= s.after_miss))
+        active = active[~done]
+        start += r
+        if on_round is not None:
+            on_round(t, start, active)
 
 
 def _subset_cache(client: ClientCopy, cache, rows: torch.Tensor):
@@ -281,6 +434,13 @@ class GradientGuidedOrder:
         self.step = step
         self._state: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._unit = torch.nn.functional.normalize(client.embedding, dim=-1)
+
+    def fork(self) -> "GradientGuidedOrder":
+        """An order that goes on from where this one stands, apart from it (``sipit_budgets``): its state is
+        copied; the tensors in it are never changed in place, only replaced."""
+        other = copy.copy(self)
+        other._state = dict(self._state)
+        return other
 
     def _grad_step(self, e: torch.Tensor, rows: torch.Tensor, t: int, prefix) -> torch.Tensor:
         c = self.client

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import NonNegativeFloat, PositiveFloat, PositiveInt
 
 from splitleak.attacks.base import Budget, Reconstruction, _RidgeAttack
 from splitleak.attacks.ridge import cosine_scores, cosine_topk
-from splitleak.attacks.search import GradientGuidedOrder, sipit
+from splitleak.attacks.search import GradientGuidedOrder, SearchResult, shared_budgets, sipit, sipit_budgets
 from splitleak.errors import ConfigError
 
 
@@ -108,8 +108,6 @@ class SipIt(_RidgeAttack):
         self._check(traffic)
         if self.budget != "exhaustive" and (not isinstance(self.budget, int) or self.budget < 1):
             raise ConfigError(f"SipIt budget must be a positive integer or 'exhaustive', got {self.budget!r}")
-        client = self.knowledge_.client
-        est = self.embed_estimate(traffic)
         budget = None if self.budget == "exhaustive" else int(self.budget)
         if self.growth is not None and (
             isinstance(self.growth, bool) or not isinstance(self.growth, int) or self.growth < 1
@@ -123,34 +121,71 @@ class SipIt(_RidgeAttack):
             raise ConfigError(
                 f"SipIt after_miss must be a positive number of checks (or left out), got {self.after_miss!r}"
             )
-        growth = self.growth if self.growth is not None else (16 if budget is None else 1)
+        if self.order not in ("gradient", "ridge"):
+            raise ConfigError(f"SipIt order must be 'gradient' or 'ridge', got {self.order!r}")
         wire = self.public_wire(traffic)
+        budgets = self.sibling_budgets()
+        if budgets:  # one search serves this budget and its siblings' (``search.sipit_budgets``)
+            key = ("sipit-budgets", type(self).__name__, self._search_state(), tuple(budgets))
+            res = self.knowledge_.memo(key, lambda: self._search(traffic, budgets, wire, progress), traffic)[budget]
+        else:
+            res = self._search(traffic, [budget], wire, progress)[budget]
+        extra = {"matched": res.matched, "checks": res.checks, "distance": res.distance}
+        if wire is not None:  # what a match means under the chain (``attacks.aware``)
+            extra.update(wire.readout(res))
+        return Reconstruction(res.tokens, extra)
+
+    def _growth(self, budget: int | None) -> int:
+        return self.growth if self.growth is not None else (16 if budget is None else 1)
+
+    def _search_state(self) -> tuple:
+        """Every argument of this search but its budget (``__init__``'s; fitted state ends in ``_``)."""
+        return tuple(sorted((k, v) for k, v in vars(self).items() if k != "budget" and not k.endswith("_")))
+
+    def sibling_budgets(self) -> list[int | None]:
+        """The budgets (None: exhaustive) of the searches ``Knowledge.planned`` holds that this one can share
+        (its class and every other argument the same, rounds that ``search.shared_budgets`` can nest), the
+        largest first, this one among them; empty when there is nothing to share. Only in the gradient order:
+        the ridge order ranks ``max(budget, round_size)`` candidates at once, and a top-k of another depth may
+        order equal scores otherwise."""
+        if self.order != "gradient":
+            return []
+        mine = None if self.budget == "exhaustive" else int(self.budget)
+        budgets = {mine}
+        for other in self.knowledge_.planned:
+            if type(other) is type(self) and other._search_state() == self._search_state():
+                theirs = None if other.budget == "exhaustive" else int(other.budget)
+                if self._growth(theirs) == self._growth(mine):
+                    budgets.add(theirs)
+        return shared_budgets(budgets, self.knowledge_.client.vocab_size, self.round_size, self._growth(mine))
+
+    def _search(self, traffic, budgets: list[int | None], wire, progress) -> dict[int | None, SearchResult]:
+        """The search at ``budgets`` (one, or those ``sibling_budgets`` gives) of this traffic."""
+        client = self.knowledge_.client
+        est = self.embed_estimate(traffic)
+        growth = self._growth(budgets[0])
+        order: Any
         if self.order == "ridge":
-            order = _RidgeOrder(est, client.embedding, 256 if budget is None else max(budget, self.round_size))
-        elif self.order == "gradient":
+            order = _RidgeOrder(est, client.embedding, 256 if budgets[0] is None else max(budgets[0], self.round_size))
+        else:
             order = GradientGuidedOrder(
                 client, traffic.activations, est, self.step, emulate=None if wire is None else wire.emulate
             )
-        else:
-            raise ConfigError(f"SipIt order must be 'gradient' or 'ridge', got {self.order!r}")
         obs = traffic.activations
         tol = self.tol_rel * obs.double().norm(dim=-1) if wire is None else wire.tolerance(self.tol_rel)
-        res = sipit(
-            client,
-            obs,
-            order,
-            budget,
-            tol,
-            self.round_size,
-            self.chunk_docs,
-            progress,
-            name=f"SipIt (budget {self.budget})",
+        common = dict(
+            progress=progress,
             growth=growth,
             margin=self.margin,
             after_miss=self.after_miss,
             distance=None if wire is None else wire.distance,
         )
-        extra = {"matched": res.matched, "checks": res.checks, "distance": res.distance}
-        if wire is not None:  # what a match means under the chain (``attacks.aware``)
-            extra.update(wire.readout(res))
-        return Reconstruction(res.tokens, extra)
+        if len(budgets) == 1:
+            name = f"SipIt (budget {self.budget})"
+            return {
+                budgets[0]: sipit(
+                    client, obs, order, budgets[0], tol, self.round_size, self.chunk_docs, name=name, **common
+                )
+            }
+        name = f"SipIt (budgets {', '.join('exhaustive' if b is None else str(b) for b in budgets)})"
+        return sipit_budgets(client, obs, order, budgets, tol, self.round_size, self.chunk_docs, name=name, **common)

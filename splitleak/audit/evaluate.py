@@ -86,6 +86,7 @@ def run_attack(
     documents: str | Path | None = None,
     verify: bool = True,
     control_docs: int = 0,
+    already_verified: bool = False,
 ) -> dict[str, Any]:
     """Fit and run the attack, score it, and (with ``out``) write RESULT.json and the per-document
     predictions as Parquet beside it. Returns the result dictionary.
@@ -97,6 +98,8 @@ def run_attack(
 
     ``verify``: first check the run (and ``documents``) against its journal (``splitleak verify``), and
     read nothing from one that fails; ``verify=False`` reads it as it is, and the result says so.
+    ``already_verified``: the caller has just checked them itself (a grid worker, once for the attack jobs
+    of one run: ``experiments.sharing``), so they are not checked again.
 
     ``run_dir`` may be a server's capture (one ``session-NNNN/`` of ``splitleak serve --capture``):
     the traffic is then what the server recorded, and ``documents`` names the client's run directory
@@ -108,7 +111,7 @@ def run_attack(
     out_path = Path(out) if out is not None else None
     if out_path is not None:  # before anything is read or fitted
         check_result_out(out_path, force, run_dir, documents)
-    if verify:
+    if verify and not already_verified:
         for d in (run_dir, documents):
             if d is not None:
                 require_verified(d, "the attack")
@@ -273,7 +276,15 @@ def mispaired_control(
     other documents labelled with these documents' ids, and is scored against their labels beside the arm's
     own reading of that traffic. The documents and the derangement are drawn from the attack seed."""
     rows, given = mispairing(len(traffic), traffic.frames, control_docs, config.attack_seed)
-    twin_traffic = traffic.subset(given).replace(doc_ids=tuple(traffic.doc_ids[r] for r in rows))
+
+    def twinned() -> Traffic:
+        return traffic.subset(given).replace(doc_ids=tuple(traffic.doc_ids[r] for r in rows))
+
+    # one twin per traffic object and pairing in a knowledge's memo: the attacks that share the knowledge and
+    # the traffic (a grid worker's group, an audit's suite) then share what they derive from the twin too
+    kn = getattr(attack, "knowledge_", None)
+    key = ("mispaired", tuple(int(r) for r in rows), tuple(int(g) for g in given))
+    twin_traffic = kn.memo(key, twinned, traffic, whole=True) if kn is not None else twinned()
     t0 = time.perf_counter()
     twin = attack.reconstruct(twin_traffic, progress).tokens
     truth = np.array([list(d.token_ids) for d in docs], dtype=np.int64)

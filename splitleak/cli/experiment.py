@@ -47,6 +47,12 @@ def run_cmd(
     gpus_per_job: Optional[float] = typer.Option(
         None, "--gpus-per-job", help="ray: GPUs declared per job (default 1 when the cluster has GPUs, else 0)"
     ),
+    group: bool = typer.Option(
+        True,
+        "--group/--no-group",
+        help="run the attack jobs of one run and copy as one task, sharing the model, capture and fits "
+        "(the same results; --no-group: each job its own task)",
+    ),
     quiet: bool = typer.Option(False, "--quiet", help="no progress output"),
 ) -> None:
     """Run every job of SPEC that the store does not hold yet (resumes after a kill); exit 1 when a job failed."""
@@ -72,6 +78,7 @@ def run_cmd(
             device=device,
             gpus_per_job=gpus_per_job,
             reporter=reporter,
+            group=group,
         )
     n = len(res.grid.jobs)
     console.print(

@@ -1,8 +1,10 @@
 """Where jobs run: a process pool on this machine (``local``) or Ray tasks (``ray``).
 
-Both give the scheduler the same four operations: ``submit(job)`` -> handle, ``wait(handles,
-timeout)`` -> the finished ones, ``result(handle)`` -> the worker's status dict (``WorkerDied``
-when the process running it died), and ``events()`` -> progress messages sent by running jobs.
+Both give the scheduler the same four operations on a task (a train job alone, or the attack jobs of one
+run and copy: ``sharing``): ``submit(jobs)`` -> handle, ``wait(handles, timeout)`` -> the handles with news,
+``result(handle)`` -> (the statuses of the jobs that finished since the last call, in the task's order;
+whether the task is over), ``WorkerDied`` when the process running it died (its ``running``: the job it
+died in, where known), and ``events()`` -> progress messages sent by running jobs.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor
 from concurrent.futures import wait as futures_wait
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from typing import Any
 
 from splitleak.errors import ConfigError, IntegrityError, SplitleakError
 from splitleak.experiments.shipping import deliver, run_parcel
 from splitleak.experiments.store import ResultsStore
-from splitleak.experiments.worker import execute_job, failed_status, init_worker, ray_execute_job
+from splitleak.experiments.worker import execute_jobs, failed_status, init_worker, ray_execute_jobs
 from splitleak.files import sha256_file
 from splitleak.runs.journal import JOURNAL
 
@@ -27,7 +30,12 @@ RAY_HINT = "pip install 'splitleak[ray]'"
 
 
 class WorkerDied(Exception):
-    """The process that ran a job died (killed, out of memory, crashed) before it returned."""
+    """The process that ran a task died (killed, out of memory, crashed) before it returned; ``running``:
+    the key of the job it was running then, or None where that is not known (it died between jobs)."""
+
+    def __init__(self, message: str, running: str | None = None):
+        super().__init__(message)
+        self.running = running
 
 
 def cpu_count() -> int:
@@ -64,6 +72,7 @@ class LocalExecutor:
         self._ctx = mp.get_context("spawn")
         self._queue = self._ctx.Queue()
         self._pool = self._new_pool()
+        self._tasks: dict[Any, tuple[list[dict[str, Any]], ResultsStore]] = {}
 
     def _new_pool(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
@@ -76,12 +85,14 @@ class LocalExecutor:
     def describe(self) -> str:
         return f"local process pool, {self.workers} worker(s) x {self.threads} thread(s), device {self.device}"
 
-    def submit(self, job: dict[str, Any], store_root: str):
+    def submit(self, jobs: list[dict[str, Any]], store_root: str):
         try:
-            return self._pool.submit(execute_job, job, store_root, self.device, self.threads, self.driver)
-        except BrokenProcessPool:  # a worker died between jobs: a new pool takes the job
+            fut = self._pool.submit(execute_jobs, jobs, store_root, self.device, self.threads, self.driver)
+        except BrokenProcessPool:  # a worker died between tasks: a new pool takes the task
             self.recover()
-            return self._pool.submit(execute_job, job, store_root, self.device, self.threads, self.driver)
+            fut = self._pool.submit(execute_jobs, jobs, store_root, self.device, self.threads, self.driver)
+        self._tasks[fut] = (jobs, ResultsStore(store_root))
+        return fut
 
     def wait(self, handles: list, timeout: float) -> list:
         if not handles:
@@ -89,12 +100,16 @@ class LocalExecutor:
         done, _ = futures_wait(handles, timeout=timeout, return_when=FIRST_COMPLETED)
         return list(done)
 
-    def result(self, handle) -> dict[str, Any]:
+    def result(self, handle) -> tuple[list[dict[str, Any]], bool]:
+        """All the task's statuses at once; a worker that died leaves the claim of the job it ran (a job
+        releases its claim when it ends), which names that job."""
+        jobs, store = self._tasks.pop(handle)
         try:
-            return handle.result()
+            return handle.result(), True
         except BrokenProcessPool as exc:
+            running = next((j["key"] for j in jobs if store.claim_path(j["key"]).is_file()), None)
             raise WorkerDied(
-                f"a worker process died while this job ran (killed, out of memory or crashed): {exc}"
+                f"a worker process died while this job ran (killed, out of memory or crashed): {exc}", running
             ) from None
 
     def recover(self) -> None:
@@ -128,15 +143,26 @@ def import_ray():
     return ray
 
 
+@dataclass
+class _RayTask:
+    """The jobs of one Ray task, the driver's store, and the jobs whose status has come back."""
+
+    jobs: list[dict[str, Any]]
+    store: ResultsStore
+    reported: set[str] = field(default_factory=set)
+
+
 class RayExecutor:
-    """Ray tasks declaring ``num_cpus`` (= threads) and ``num_gpus`` per job. Without ``address``,
+    """Ray tasks declaring ``num_cpus`` (= threads) and ``num_gpus`` per task. Without ``address``,
     ``ray.init`` starts a local instance (``workers x threads`` CPUs, no dashboard) and stops it at
     the end; with ``address`` it joins that cluster and leaves it at the end (the cluster stays up).
-    A task uses ``cuda`` when Ray gave it a GPU. Nothing is shared on disk: a task runs its job in a
-    scratch store on its node and returns the files, which ``result`` checks and writes into the
-    driver's store; an attack job gets its run directory from the driver through Ray's object store,
-    put there once per run (``shipping``). The driver claims a job in its store while a task runs it.
-    splitleak (with the models) must be installed on every node."""
+    A task uses ``cuda`` when Ray gave it a GPU. Nothing is shared on disk: a task (a generator) runs
+    its jobs in a scratch store on its node and yields each job's files as it finishes, which ``result``
+    checks and writes into the driver's store; attack jobs get their run directory from the driver
+    through Ray's object store, put there once per run (``shipping``). The driver claims a task's jobs in
+    its store while it runs them. Ray does not run a failed task again (it would replay a generator from
+    its first job): the scheduler reruns the unfinished jobs. splitleak (with the models) must be
+    installed on every node."""
 
     #: run parcels kept in Ray's object store for the attack jobs still to come (most recent runs)
     RUNS_KEPT = 4
@@ -189,9 +215,10 @@ class RayExecutor:
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self._queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})  # dies with the driver only
-        self._task = ray.remote(max_retries=1)(ray_execute_job)
+        # a generator task: Ray would run it again from its first job; the scheduler reruns what is unfinished
+        self._task = ray.remote(max_retries=0)(ray_execute_jobs)
         self._address = address
-        self._inflight: dict[Any, tuple[dict[str, Any], ResultsStore]] = {}
+        self._inflight: dict[Any, _RayTask] = {}
         self._runs: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
     def describe(self) -> str:
@@ -201,19 +228,20 @@ class RayExecutor:
             f"{f' and {self.gpus_per_job:g} GPU(s)' if self.gpus_per_job else ''} per task"
         )
 
-    def submit(self, job: dict[str, Any], store_root: str):
+    def submit(self, jobs: list[dict[str, Any]], store_root: str):
         task_device = "auto" if self.device in ("auto", "cuda") else self.device
         store = ResultsStore(store_root)
-        store.claim(job["key"], self.driver)
+        for job in jobs:
+            store.claim(job["key"], self.driver)
         try:
-            run = self._run_ref(store, job["train_key"]) if job["kind"] == "attack" else None
-        except OSError as exc:  # its run cannot be read here: the job fails, the grid goes on
-            handle = self.ray.put(failed_status(job["key"], exc, 0.0, task_device, "driver"))
+            run = self._run_ref(store, jobs[0]["train_key"]) if jobs[0]["kind"] == "attack" else None
+        except OSError as exc:  # its run cannot be read here: the jobs fail, the grid goes on
+            handle = self.ray.put([failed_status(j["key"], exc, 0.0, task_device, "driver") for j in jobs])
         else:
             handle = self._task.options(num_cpus=self.threads, num_gpus=self.gpus_per_job).remote(
-                job, self.threads, self._queue, self.driver, task_device, run
+                jobs, self.threads, self._queue, self.driver, task_device, run
             )
-        self._inflight[handle] = (job, store)
+        self._inflight[handle] = _RayTask(jobs, store)
         return handle
 
     def _run_ref(self, store: ResultsStore, train_key: str):
@@ -234,19 +262,37 @@ class RayExecutor:
             ready, _ = self.ray.wait(handles, num_returns=len(handles), timeout=0)
         return ready
 
-    def result(self, handle) -> dict[str, Any]:
-        """The task's status; the files of a job that is done written into the driver's store first."""
-        job, store = self._inflight.pop(handle)
+    def result(self, handle) -> tuple[list[dict[str, Any]], bool]:
+        """The status of the task's next finished job (its files written into the driver's store first), as
+        its generator yields them, and whether that was the task's last job."""
+        task = self._inflight[handle]
         try:
-            res = self.ray.get(handle)
-        except self.ray.exceptions.RayError as exc:
-            raise WorkerDied(f"the Ray task running this job failed: {exc}") from None
-        finally:
-            store.release(job["key"])
+            if isinstance(handle, self.ray.ObjectRef):  # the task failed before it started
+                statuses = self.ray.get(handle)
+            else:
+                statuses = [self.ray.get(next(handle))]
+        except (self.ray.exceptions.RayError, StopIteration) as exc:
+            del self._inflight[handle]
+            left = [j["key"] for j in task.jobs if j["key"] not in task.reported]
+            for key in left:
+                task.store.release(key)
+            raise WorkerDied(f"the Ray task running this job failed: {exc}", left[0] if left else None) from None
+        out = [self._delivered(task, res) for res in statuses]
+        over = len(task.reported) == len(task.jobs)
+        if over:
+            del self._inflight[handle]
+        return out, over
+
+    def _delivered(self, task: "_RayTask", res: dict[str, Any]) -> dict[str, Any]:
+        """A job's status, its files written into the driver's store where it is done (a failed status if
+        they cannot be), its claim released."""
+        job = next(j for j in task.jobs if j["key"] == res["key"])
+        task.reported.add(job["key"])
+        task.store.release(job["key"])
         files = res.pop("files", None)
         if res["status"] == "done":
             try:
-                deliver(store, job, files or {})
+                deliver(task.store, job, files or {})
             except (IntegrityError, OSError) as exc:
                 return failed_status(job["key"], exc, res["seconds"], res["device"], res["node"])
         return res

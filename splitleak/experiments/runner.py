@@ -4,10 +4,12 @@
 protocol when it is not frozen yet, takes the store's lock, and then runs every job that has no
 result in the store: train jobs first become ready, each attack job becomes ready when its train
 job is done (attack jobs go before further train jobs, so results land early), and a reuse job is
-written as soon as the measurement it reuses is. A job that fails is recorded with its error and
-the jobs that depend on it are recorded as skipped, naming it; the others go on. Killing the
-process at any moment loses at most the jobs in flight: the next ``run_grid`` skips what is in the
-store and redoes the rest (a train job from scratch, since its run directory may be partial).
+written as soon as the measurement it reuses is. The ready attack jobs of one run and copy go to one
+worker as one task, which shares their common work (``sharing``) and writes each job's rows as it
+finishes. A job that fails is recorded with its error and the jobs that depend on it are recorded as
+skipped, naming it; the others go on. Killing the process at any moment loses at most the unfinished
+jobs in flight: the next ``run_grid`` skips what is in the store and redoes the rest (a train job from
+scratch, since its run directory may be partial).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from splitleak.experiments.display import SilentReporter
 from splitleak.experiments.executors import LocalExecutor, RayExecutor, WorkerDied, import_ray, plan_workers
 from splitleak.experiments.jobs import Grid, Job, expand
 from splitleak.experiments.rekey import apply_rekeys, find_rekeys
+from splitleak.experiments.sharing import task_key
 from splitleak.experiments.spec_loading import LoadedSpec, load_spec
 from splitleak.experiments.store import ResultsStore, reuse_rows
 from splitleak.runs.verify import verify_run
@@ -159,13 +162,17 @@ def run_grid(
     device: str = "auto",
     gpus_per_job: float | None = None,
     reporter=None,
+    group: bool = True,
 ) -> GridRun:
     """Run every job of the spec that the store does not hold yet; see the module docstring.
 
     ``executor``: ``local`` (a process pool of ``workers`` processes with ``threads`` torch threads
     each; default half the cores as workers, workers x threads ~ cores) or ``ray`` (``address``: a
     cluster to join; default a local instance). ``store``: default ``<spec stem>-results/`` beside
-    the spec. Returns a ``GridRun``; its ``failures`` list the jobs that failed or were skipped.
+    the spec. ``group``: run the attack jobs of one run and copy as one task, sharing the model load, the
+    capture read and what their attacks compute alike (``sharing``; the results are the same either way);
+    False: each job its own task. Returns a ``GridRun``; its ``failures`` list the jobs that failed or were
+    skipped.
     """
     t0 = time.perf_counter()
     load_plugins()  # plug-in attacks (SPLITLEAK_PLUGINS) before the spec's attacks are looked up
@@ -202,7 +209,7 @@ def run_grid(
             result.done_before,
         )
         try:
-            _schedule(grid, rs, ex, done, result, reporter)
+            _Scheduler(grid, rs, ex, done, result, reporter, group).run()
         finally:
             ex.close()
             reporter.end()
@@ -276,95 +283,142 @@ def _recheck_train_runs(grid: Grid, rs: ResultsStore, done: set[str], reporter) 
             done.discard(job.key)
 
 
-def _schedule(grid: Grid, rs: ResultsStore, ex, done: set[str], result: GridRun, reporter) -> None:
-    pending_train: deque[Job] = deque(j for j in grid.of_kind("train") if j.key not in done)
-    ready: deque[Job] = deque(j for j in grid.of_kind("attack") if j.key not in done and j.train_key in done)
-    inflight: dict[Any, Job] = {}
-    attempts: dict[str, int] = {}  # retries after a dead worker, per job, in this call
+class _Scheduler:
+    """``run_grid``'s loop (the module docstring): ready jobs go to the executor as tasks (with ``group``, the
+    ready attack jobs of one run and copy as one task: ``sharing``), and each job is recorded as its status
+    comes back. A task whose worker died loses only its unfinished jobs: those it finished are in the store,
+    the one it died in runs again (``WORKER_RETRIES``), the others go back to the queue as they were."""
 
-    def finished(job: Job, status: str, seconds: float | None, error: str | None = None) -> None:
-        reporter.job_finished(job.key, job.summary, status, seconds, error)
+    def __init__(self, grid: Grid, rs: ResultsStore, ex, done: set[str], result: GridRun, reporter, group: bool):
+        self.grid, self.rs, self.ex, self.done, self.result, self.reporter = grid, rs, ex, done, result, reporter
+        self.group = group
+        self.pending_train: deque[Job] = deque(j for j in grid.of_kind("train") if j.key not in done)
+        self.ready: deque[Job] = deque(j for j in grid.of_kind("attack") if j.key not in done and j.train_key in done)
+        self.inflight: dict[Any, list[Job]] = {}  # task -> its jobs whose status has not come back
+        self.attempts: dict[str, int] = {}  # retries after a dead worker, per job, in this call
 
-    def skip(key: str, reason: str) -> None:
-        job = grid.by_key[key]
-        if key in done:
-            return
-        rs.record_failure(job.to_dict(), reason, "skipped")
-        result.failures.append(JobFailure(key, job.kind, job.summary, "skipped", reason))
-        finished(job, "skipped", None, reason)
-        for dep in grid.dependents.get(key, []):
-            skip(dep, f"the job it depends on ({key[:12]}) was skipped")
+    def run(self) -> None:
+        for j in self.grid.of_kind("reuse"):  # measurements already in the store
+            if j.key not in self.done and j.reuse_of in self.done:
+                self.reuse(j)
+        store_root = str(self.rs.root)
+        while self.pending_train or self.ready or self.inflight:
+            while len(self.inflight) < self.ex.capacity and (self.ready or self.pending_train):
+                jobs = self._next_task()
+                self.inflight[self.ex.submit([j.to_dict() for j in jobs], store_root)] = jobs
+            finished_handles = self.ex.wait(list(self.inflight), timeout=0.2)
+            for ev in self.ex.events():
+                ev_job = self.grid.by_key.get(ev[1]) if len(ev) > 1 else None
+                if ev_job is not None:
+                    self.reporter.job_event(ev, ev_job.summary)
+            broken = False
+            for h in finished_handles:
+                broken = self._collect(h) or broken
+            if broken:
+                self.ex.recover()
 
-    def fail(job: Job, etype: str, msg: str, trace: str = "", seconds: float | None = None) -> None:
-        rs.record_failure(job.to_dict(), msg, etype, trace)
-        result.failures.append(JobFailure(job.key, job.kind, job.summary, etype, msg))
-        finished(job, "failed", seconds, f"{etype}: {msg}")
-        for dep in grid.dependents.get(job.key, []):
-            skip(dep, f"its {job.kind} job {job.key[:12]} failed ({etype})")
+    def _next_task(self) -> list[Job]:
+        """The next task: the first ready attack job with (``group``) the other ready ones of its run and copy,
+        in their order; else the next train job."""
+        if not self.ready:
+            return [self.pending_train.popleft()]
+        first = self.ready.popleft()
+        if not self.group:
+            return [first]
+        key = task_key(first.to_dict())
+        jobs = [first] + [j for j in self.ready if task_key(j.to_dict()) == key]
+        self.ready = deque(j for j in self.ready if task_key(j.to_dict()) != key)
+        return jobs
 
-    def reuse(job: Job) -> None:
+    def _collect(self, handle) -> bool:
+        """Record what a task reported; True when its worker died."""
+        jobs = self.inflight[handle]
         try:
-            assert job.reuse_of is not None  # a reuse job names the measurement it copies
-            rows = reuse_rows(job.to_dict(), rs.read_job("attack", job.reuse_of))
-            rs.write_rows("attack", job.key, rows)
-        except Exception as exc:  # noqa: BLE001 - recorded like any failure
-            fail(job, type(exc).__name__, str(exc))
-            return
-        rs.remove("failed", job.key)
-        done.add(job.key)
-        result.reused += 1
-        finished(job, "reused", None)
-
-    def succeeded(job: Job, seconds: float) -> None:
-        rs.remove("failed", job.key)
-        done.add(job.key)
-        result.ran += 1
-        finished(job, "done", seconds)
-        for dep in grid.dependents.get(job.key, []):
-            dj = grid.by_key[dep]
-            if dep in done:
-                continue
-            if dj.kind == "attack":
-                ready.append(dj)
-            elif dj.kind == "reuse":
-                reuse(dj)
-
-    for j in grid.of_kind("reuse"):  # measurements already in the store
-        if j.key not in done and j.reuse_of in done:
-            reuse(j)
-
-    store_root = str(rs.root)
-    while pending_train or ready or inflight:
-        while len(inflight) < ex.capacity and (ready or pending_train):
-            job = ready.popleft() if ready else pending_train.popleft()
-            inflight[ex.submit(job.to_dict(), store_root)] = job
-        finished_handles = ex.wait(list(inflight), timeout=0.2)
-        for ev in ex.events():
-            ev_job = grid.by_key.get(ev[1]) if len(ev) > 1 else None
-            if ev_job is not None:
-                reporter.job_event(ev, ev_job.summary)
-        broken = False
-        for h in finished_handles:
-            job = inflight.pop(h)
-            try:
-                res = ex.result(h)
-            except WorkerDied as exc:
-                broken = True
-                if attempts.get(job.key, 0) < WORKER_RETRIES:
-                    attempts[job.key] = attempts.get(job.key, 0) + 1
-                    n = rs.record_retry(job.to_dict(), str(exc))
-                    result.retried += 1
-                    reporter.note(f"{job.key[:12]} ({job.summary}): its worker died (attempt {n}); running it again")
-                    (pending_train if job.kind == "train" else ready).appendleft(job)
-                else:
-                    fail(job, "WorkerDied", str(exc))
-                continue
+            statuses, over = self.ex.result(handle)
+        except WorkerDied as exc:
+            del self.inflight[handle]
+            self._died(jobs, exc)
+            return True
+        for res in statuses:
+            job = self.grid.by_key[res["key"]]
+            jobs.remove(job)
             node = res.get("node")
             if node:
-                result.nodes[node] = result.nodes.get(node, 0) + 1
+                self.result.nodes[node] = self.result.nodes.get(node, 0) + 1
             if res["status"] == "done":
-                succeeded(job, res["seconds"])
+                self.succeeded(job, res["seconds"])
             else:
-                fail(job, res["error_type"], res["error"], res.get("traceback", ""), res.get("seconds"))
-        if broken:
-            ex.recover()
+                self.fail(job, res["error_type"], res["error"], res.get("traceback", ""), res.get("seconds"))
+        if over:
+            del self.inflight[handle]
+        return False
+
+    def _died(self, jobs: list[Job], exc: WorkerDied) -> None:
+        """The unreported jobs of a task whose worker died: done where the store holds their rows (written
+        before it died); the job it died in (the first unfinished one where that is not known) charged one
+        attempt; the others queued again without one."""
+        left = []
+        for job in jobs:
+            self.rs.release(job.key)  # a claim the dead worker left
+            if self.rs.is_done(job):
+                self.succeeded(job, None)
+            else:
+                left.append(job)
+        running = exc.running if exc.running in {j.key for j in left} else (left[0].key if left else None)
+        for job in reversed(left):
+            if job.key == running and self.attempts.get(job.key, 0) >= WORKER_RETRIES:
+                self.fail(job, "WorkerDied", str(exc))
+                continue
+            if job.key == running:
+                self.attempts[job.key] = self.attempts.get(job.key, 0) + 1
+                n = self.rs.record_retry(job.to_dict(), str(exc))
+                self.result.retried += 1
+                self.reporter.note(f"{job.key[:12]} ({job.summary}): its worker died (attempt {n}); running it again")
+            (self.pending_train if job.kind == "train" else self.ready).appendleft(job)
+
+    def finished(self, job: Job, status: str, seconds: float | None, error: str | None = None) -> None:
+        self.reporter.job_finished(job.key, job.summary, status, seconds, error)
+
+    def skip(self, key: str, reason: str) -> None:
+        job = self.grid.by_key[key]
+        if key in self.done:
+            return
+        self.rs.record_failure(job.to_dict(), reason, "skipped")
+        self.result.failures.append(JobFailure(key, job.kind, job.summary, "skipped", reason))
+        self.finished(job, "skipped", None, reason)
+        for dep in self.grid.dependents.get(key, []):
+            self.skip(dep, f"the job it depends on ({key[:12]}) was skipped")
+
+    def fail(self, job: Job, etype: str, msg: str, trace: str = "", seconds: float | None = None) -> None:
+        self.rs.record_failure(job.to_dict(), msg, etype, trace)
+        self.result.failures.append(JobFailure(job.key, job.kind, job.summary, etype, msg))
+        self.finished(job, "failed", seconds, f"{etype}: {msg}")
+        for dep in self.grid.dependents.get(job.key, []):
+            self.skip(dep, f"its {job.kind} job {job.key[:12]} failed ({etype})")
+
+    def reuse(self, job: Job) -> None:
+        try:
+            assert job.reuse_of is not None  # a reuse job names the measurement it copies
+            rows = reuse_rows(job.to_dict(), self.rs.read_job("attack", job.reuse_of))
+            self.rs.write_rows("attack", job.key, rows)
+        except Exception as exc:  # noqa: BLE001 - recorded like any failure
+            self.fail(job, type(exc).__name__, str(exc))
+            return
+        self.rs.remove("failed", job.key)
+        self.done.add(job.key)
+        self.result.reused += 1
+        self.finished(job, "reused", None)
+
+    def succeeded(self, job: Job, seconds: float | None) -> None:
+        self.rs.remove("failed", job.key)
+        self.done.add(job.key)
+        self.result.ran += 1
+        self.finished(job, "done", seconds)
+        for dep in self.grid.dependents.get(job.key, []):
+            dj = self.grid.by_key[dep]
+            if dep in self.done:
+                continue
+            if dj.kind == "attack":
+                self.ready.append(dj)
+            elif dj.kind == "reuse":
+                self.reuse(dj)

@@ -1,26 +1,29 @@
-"""What runs inside a worker process (a local pool process or a Ray task): one job, start to end.
+"""What runs inside a worker process (a local pool process or a Ray task): one task, start to end: a
+train job, or the attack jobs of one run and copy (``sharing``), one after another.
 
 A train job calls ``run_training`` into ``STORE/runs/<key[:16]>`` (``force=True``: a partial
 directory left by a killed run is removed and redone), checks it with ``verify_run`` and writes its
 utility row. An attack job loads the attacker's knowledge from that run directory, calls
-``run_attack`` and writes one row per document. Both write their Parquet file atomically and
-return a small status dict; exceptions become ``{"status": "failed", ...}``, so one bad job never
-stops the others. A Ray task (``ray_execute_job``) does the same in a private scratch store on its
-node and returns the files the job wrote there, for the driver to write into its store (``shipping``).
+``run_attack`` and writes one row per document; the attack jobs of one task share the run's
+verification, its capture and the knowledge (``sharing.Shared``). Each job writes its Parquet file
+atomically as it finishes and gives a small status dict; exceptions become ``{"status": "failed", ...}``,
+so one bad job never stops the others. A Ray task (``ray_execute_jobs``) does the same in a private
+scratch store on its node and yields each job's status with the files it wrote there as it finishes, for
+the driver to write into its store (``shipping``).
 
 With ``SPLITLEAK_COUNT_FLOPS=DIR`` in its environment (``benchmarks/grid.py --flops`` sets it), a
 worker also counts each job's floating-point operations with ``torch.utils.flop_counter`` and
 writes ``DIR/<key>.json`` (``flops``, ``seconds``, the count per operator). The counter sees the
 operators it has formulas for (matrix products, attention, convolutions; torch's own formulas,
 which count a causal attention as a full one), which carry almost all of a transformer's work,
-and only on the job's own thread.
+and only on the job's own thread. In a task, work its jobs share is counted in the job that did it.
 
 Each worker process keeps the pristine weights of the last few models it loaded and hands every
-attack job a deep copy, so a grid loads each model once per worker, not once per job. A train job
-takes the cached weights themselves (and loads them again for its all-local twin), so that it never
-holds the cache, its copy and the optimiser state at once; after every job the worker collects what
-the job held and gives the freed heap back to the system (``release_memory``). See
-``benchmarks/worker_memory.py`` for the memory of one worker, job by job.
+attack task a deep copy (per copy of the client layers it reads), so a grid loads each model once per
+worker, not once per job. A train job takes the cached weights themselves (and loads them again for its
+all-local twin), so that it never holds the cache, its copy and the optimiser state at once; after every
+job the worker collects what the job held and gives the freed heap back to the system
+(``release_memory``). See ``benchmarks/worker_memory.py`` for the memory of one worker, job by job.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils import flop_counter as fc
@@ -49,6 +52,7 @@ from splitleak.attacks.knowledge import load_knowledge
 from splitleak.attacks.registry import attack_info, load_plugins
 from splitleak.audit.defaults import CONTROL_DOCS
 from splitleak.errors import IntegrityError
+from splitleak.experiments.sharing import Shared
 from splitleak.experiments.shipping import outputs_parcel, scratch_root, unpack_run
 from splitleak.experiments.store import ResultsStore, attack_rows, format_error, train_row
 from splitleak.files import write_atomic
@@ -178,7 +182,8 @@ def _train(job: dict[str, Any], store, device: str, threads: int | None, progres
     store.write_rows("train", job["key"], [row])
 
 
-def _attack(job: dict[str, Any], store, device: str, progress) -> None:
+def _attack(job: dict[str, Any], store, device: str, progress, shared=None) -> None:
+    """One attack job; with ``shared`` (``sharing.Shared``), on the run, traffic and knowledge its task shares."""
     # lazy: audit.evaluate loads scipy.stats (a second), which the driver importing this module does without
     from splitleak.audit.evaluate import run_attack
 
@@ -190,18 +195,30 @@ def _attack(job: dict[str, Any], store, device: str, progress) -> None:
         raise IntegrityError(f"{run_dir} has no configuration hash in its manifest")
     m = manifest["config"]
     cfg = make_attack_config(**job["config"]["attack"])
-    knowledge = None
-    if "latent" not in attack_info(cfg.attack).modes:  # the latent attacks read frames and the truth file only
+    info = attack_info(cfg.attack)
+
+    def knowledge_of_run():
         lm = cached_model(m["model"], m["precision"], m["seed"], m.get("model_path"))
-        knowledge = load_knowledge(run_dir, cfg.client_copy, lm=lm, with_top=attack_info(cfg.attack).needs_top)
+        return load_knowledge(run_dir, cfg.client_copy, lm=lm, with_top=info.needs_top)
+
+    knowledge = traffic = None
+    if "latent" not in info.modes:  # the latent attacks read frames and the truth file only
+        if shared is None:
+            knowledge = knowledge_of_run()
+        else:
+            shared.verify(run_dir)
+            knowledge = shared.knowledge(run_dir, cfg.client_copy, info.needs_top, knowledge_of_run)
+            traffic = shared.traffic(run_dir, cfg.phase, not cfg.inference)
     result = run_attack(
         run_dir,
         cfg,
         knowledge=knowledge,
+        traffic=traffic,
         progress=progress,
         device=device,
         protocol_hash=job["config"]["protocol_hash"],
         control_docs=CONTROL_DOCS,  # every token attack of a grid runs its mis-paired twin (result_json "control")
+        already_verified=traffic is not None,
     )
     store.write_rows("attack", job["key"], attack_rows(job, result, manifest["split"]["cut"]))
 
@@ -263,10 +280,12 @@ def execute_job(
     threads: int | None = None,
     driver: dict[str, Any] | None = None,
     node: str | None = None,
+    shared=None,
 ) -> dict[str, Any]:
     """Run one train or attack job and write its result into the store. Never raises: the
     returned dict has ``status`` ``done`` or ``failed`` (with ``error``, ``error_type``, ``traceback``)
-    and ``node``, where it ran (the host name, or what the caller passed)."""
+    and ``node``, where it ran (the host name, or what the caller passed). ``shared``: what the attack
+    jobs of its task share (``sharing.Shared``); None: the job alone, as ``splitleak attack`` runs it."""
     node = node or socket.gethostname()
 
     store = ResultsStore(store_root)
@@ -288,7 +307,7 @@ def execute_job(
             if job["kind"] == "train":
                 _train(job, store, device, threads, progress)
             else:
-                _attack(job, store, device, progress)
+                _attack(job, store, device, progress, shared)
         seconds = time.perf_counter() - t0
         if flops_dir:
             _write_flops(Path(flops_dir), job, counter, seconds, device)
@@ -298,6 +317,21 @@ def execute_job(
     finally:
         store.release(key)
         release_memory()
+
+
+def execute_jobs(
+    jobs: list[dict[str, Any]],
+    store_root: str,
+    device: str = "cpu",
+    threads: int | None = None,
+    driver: dict[str, Any] | None = None,
+    node: str | None = None,
+) -> list[dict[str, Any]]:
+    """Run one task's jobs one after another, each written into the store as it finishes (``execute_job``),
+    and return their statuses in order: a train job alone, or the attack jobs of one run and copy, which
+    share one ``sharing.Shared`` when there are several."""
+    shared = Shared(jobs) if len(jobs) > 1 else None
+    return [execute_job(job, store_root, device, threads, driver, node, shared) for job in jobs]
 
 
 def failed_status(key: str, exc: BaseException, seconds: float, device: str, node: str) -> dict[str, Any]:
@@ -327,18 +361,19 @@ def release_memory() -> None:
         pass
 
 
-def ray_execute_job(
-    job: dict[str, Any],
+def ray_execute_jobs(
+    jobs: list[dict[str, Any]],
     threads: int | None,
     queue: Any,
     driver: dict[str, Any] | None,
     device: str = "auto",
     run: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """A Ray task: run the job in a private scratch store on this node and return its status with the
-    files it wrote (``files``, a parcel the driver writes into its store; see ``shipping``). ``run``: an
-    attack job's run directory, parcelled by the driver, unpacked and verified here first. ``cuda``
-    when Ray gave this task a GPU, else ``cpu`` (unless ``device`` is set)."""
+) -> Iterator[dict[str, Any]]:
+    """A Ray generator task: run a task's jobs (``execute_jobs``) in a private scratch store on this node and
+    yield each job's status as it finishes, a finished one with the files it wrote (``files``, a parcel the
+    driver writes into its store; see ``shipping``). ``run``: the attack jobs' run directory, parcelled by the
+    driver, unpacked and verified here first. ``cuda`` when Ray gave this task a GPU, else ``cpu`` (unless
+    ``device`` is set)."""
     global _QUEUE
 
     # lazy: ray is optional (`pip install 'splitleak[ray]'`)
@@ -349,15 +384,23 @@ def ray_execute_job(
         device = "cuda" if ray.get_gpu_ids() else "cpu"
     node = f"{socket.gethostname()} (Ray node {ray.get_runtime_context().get_node_id()[:12]})"
     t0 = time.perf_counter()
-    scratch = ResultsStore(tempfile.mkdtemp(prefix=f"splitleak-{job['key'][:12]}-", dir=scratch_root()))
+    scratch = ResultsStore(tempfile.mkdtemp(prefix=f"splitleak-{jobs[0]['key'][:12]}-", dir=scratch_root()))
     try:
-        if run is not None:
-            unpack_run(run, scratch, job["train_key"])
-        status = execute_job(job, str(scratch.root), device=device, threads=threads, driver=driver, node=node)
-        if status["status"] == "done":
-            status["files"] = outputs_parcel(scratch, job)
-        return status
-    except Exception as exc:  # noqa: BLE001 - a run that does not arrive whole fails this job only
-        return failed_status(job["key"], exc, time.perf_counter() - t0, device, node)
+        try:
+            if run is not None:
+                unpack_run(run, scratch, jobs[0]["train_key"])
+        except Exception as exc:  # noqa: BLE001 - a run that does not arrive whole fails these jobs only
+            for job in jobs:
+                yield failed_status(job["key"], exc, time.perf_counter() - t0, device, node)
+            return
+        shared = Shared(jobs) if len(jobs) > 1 else None
+        for job in jobs:
+            status = execute_job(job, str(scratch.root), device, threads, driver, node, shared)
+            if status["status"] == "done":
+                try:
+                    status["files"] = outputs_parcel(scratch, job)
+                except Exception as exc:  # noqa: BLE001 - a result that cannot be read back fails its job
+                    status = failed_status(job["key"], exc, status["seconds"], device, node)
+            yield status
     finally:
         shutil.rmtree(scratch.root, ignore_errors=True)
