@@ -19,11 +19,10 @@ runner = CliRunner()
 BASE = dict(model="tiny-gpt2", n_calib=16, n_train=12, n_eval=24, all_local_baseline=False)
 
 
-def _train(path, seed=1, defences=None, **split):
+def _train(path, seed=1, defences=None, draws="os", **split):
     split = split or {"depth": 2}
-    run_training(
-        make_train_config(**BASE, seed=seed, defences=defences or [{"name": "none"}], **split), path, device="cpu"
-    )
+    config = make_train_config(**BASE, seed=seed, defences=defences or [{"name": "none"}], draws=draws, **split)
+    run_training(config, path, device="cpu")
     return path
 
 
@@ -43,7 +42,9 @@ def runs(tmp_path_factory):
 def test_probe_rows_undo_mixup_exactly(tmp_path, lam, seed):
     """With the probe rows that cross, the mixed rows unmix to the trained client's own activations
     of the evaluation documents; λ is estimated from the traffic alone."""
-    run = _train(tmp_path / "r", seed=seed, defences=[{"name": "mixup", "args": {"lambda": lam}}])
+    # draws keyed by the seed: under the default "os" the decoys are fresh entropy, and the estimate's error
+    # (about 0.01 at these sizes) would vary from run to run; here each parameter is one reproducible draw
+    run = _train(tmp_path / "r", seed=seed, defences=[{"name": "mixup", "args": {"lambda": lam}}], draws="derived")
     traffic = load_traffic(run)
     kn = load_knowledge(run, "trained")
     attack = MixupUnmix(k=4).fit(kn)
