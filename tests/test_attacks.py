@@ -603,3 +603,32 @@ def test_knowledge_memo_computes_once_per_traffic_and_a_replaced_knowledge_start
     kn.planned = ("an attack",)
     other = dataclasses.replace(kn, copy="trained")
     assert other.shared == {} and kn.shared != {} and other.planned == ()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_prefix_cache_is_passed_by_the_keyword_the_installed_transformers_takes(seed):
+    """transformers 5.17 takes the key/value cache as ``past_key_values`` and drops an unknown ``cache=``
+    without a word (every beam attack then failed on the GPU machine's image); 5.2x takes ``cache``."""
+    from splitleak.attacks.knowledge import cache_keyword
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            return input_ids
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs):
+            return input_ids
+
+    assert cache_keyword(Old()) == "past_key_values" and cache_keyword(New()) == "cache"
+    with pytest.raises(ConfigError, match="no key/value cache"):
+        cache_keyword(torch.nn.Linear(2, 2))
+    client = ClientCopy(load_model("tiny-gpt2", seed=seed).model, 2)
+    cache = client.new_cache()
+    ids = torch.randint(0, client.vocab_size, (2, 3), generator=torch.Generator().manual_seed(seed))
+    out = client.extend(cache, ids, 0)  # three candidates for each of two empty prefixes
+    assert out.shape == (2, 3, client.embedding.shape[1]) and cache.layers[0].keys.shape[-2] == 3
+    # the same forward with a keyword the model swallows in **kwargs leaves the cache empty: refused
+    client.cache_keyword = "not_the_cache"
+    with pytest.raises(RuntimeError, match="did not fill the key/value cache"):
+        client.extend(client.new_cache(), ids, 0)

@@ -13,6 +13,7 @@ section of ``documents.json``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -56,6 +57,7 @@ class ClientCopy:
         self.cut = cut
         self.tokenizer = tokenizer
         self.embedding = owner.get_input_embeddings().weight.detach()
+        self.cache_keyword = cache_keyword(owner)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -101,14 +103,43 @@ class ClientCopy:
         idx = torch.arange(k, device=self.device)
         mask[:, 0, idx, position + idx] = True
         pos = torch.full((n, k), position, dtype=torch.long, device=self.device)
+        before = _cached_length(cache)
         out = self.owner(
             input_ids=candidates.to(self.device),
             position_ids=pos,
             attention_mask=mask,
-            cache=cache,
             use_cache=True,
+            **{self.cache_keyword: cache},
         )
+        if _cached_length(cache) != before + k:
+            raise RuntimeError(
+                f"the client copy's forward did not fill the key/value cache passed as {self.cache_keyword!r} "
+                f"(transformers {_transformers_version()}): the prefix search needs it; report this with the version"
+            )
         return out.last_hidden_state
+
+
+def _cached_length(cache) -> int:
+    keys = cache.layers[0].keys if cache.layers else None
+    return 0 if keys is None else int(keys.shape[-2])
+
+
+def cache_keyword(module: nn.Module) -> str:
+    """The keyword a transformers model's forward takes its key/value cache by: ``cache`` from transformers
+    5.2x on, ``past_key_values`` before (5.17 takes only that, and silently drops an unknown ``cache=``)."""
+    params = inspect.signature(module.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise ConfigError(f"{type(module).__name__}.forward takes no key/value cache (neither cache nor past_key_values)")
+
+
+def _transformers_version() -> str:
+    # lazy: transformers only where a model runs: reports and the results store load this module without one
+    import transformers
+
+    return transformers.__version__
 
 
 def select_cache(cache, position: int, parent: torch.Tensor, choice: torch.Tensor | None) -> None:
