@@ -292,15 +292,20 @@ def test_undefended_label_shielded_training_is_all_local_training_and_its_captur
 
 @pytest.mark.integration
 def test_mirage_sends_a_gradient_unlike_the_raw_one_and_top_only_sends_none(tmp_path):
-    cfg = make_train_config(**SMALL, data="instructions", shielded=_shielded(), defences=[{"name": "mirage"}], seed=1)
+    cfg = make_train_config(
+        **SMALL, data="instructions", shielded=_shielded(), defences=[{"name": "mirage"}], seed=1, draws="derived"
+    )
     res = run_training(cfg, tmp_path / "mirage", device="cpu")
     cap = load_capture(res.run_dir)
     own = load_file(res.run_dir / "shielded" / "output_gradients.safetensors")
     assert torch.equal(own["sent"], cap.output_gradients)  # the capture is what crossed
-    # mutation check: were the raw output gradient sent, these fail
+    # mutation check: were the raw output gradient sent (cosine 1), or vMF alone (about 0.97 at kappa=1000
+    # in 64 dimensions), these fail. Per document the cosine spreads with the draws of selective
+    # supervision and scale blinding: 0.63-0.91 over eight runs (four os draws, derived seeds 1-4),
+    # means 0.74-0.78; a bound on the largest of six at 0.9 failed once in CI
     raw, sent = own["raw"], cap.output_gradients
     cos = torch.nn.functional.cosine_similarity(raw.flatten(1), sent.flatten(1), dim=1)
-    assert float(cos.max()) < 0.9 and float((sent.norm() / raw.norm())) > 100
+    assert float(cos.mean()) < 0.85 and float(cos.max()) < 0.95 and float((sent.norm() / raw.norm())) > 100
     util = res.metrics["capture"]["gradient_utility"]["mean"]
     assert util["recall@10"] < 1.0 and util["asnr"] < 0.01
     assert abs(res.metrics["heldout_ce"] - res.metrics["all_local_ce"]) < 0.2  # still trains
