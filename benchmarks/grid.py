@@ -206,7 +206,8 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help="append the result to benchmarks/RESULTS.md")
     a = ap.parse_args()
     shared = HERE.parent.parent / "shared" / "data" / "wikitext-2-raw"
-    if shared.is_dir() and not any(o.startswith("data.path=") for o in a.override):
+    reads_wikitext = load_spec(a.spec, a.profile, a.override).spec.data.source == "wikitext2"
+    if reads_wikitext and shared.is_dir() and not any(o.startswith("data.path=") for o in a.override):
         a.override.append(f"data.path={shared}")  # offline: the shipped specs otherwise read the hub
 
     tmp = Path(tempfile.mkdtemp(prefix="grid-bench-"))
