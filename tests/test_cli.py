@@ -263,3 +263,15 @@ def test_audit_certify_runs_the_whole_exact_inversion_check_and_refuses_a_bad_bo
     cert = next(a for a in report["attacks"] if a["threat_model"] == "trained")
     assert cert["attack_params"]["budget"] == "exhaustive" and cert["certified_tokens"] == 1.0
     assert "the whole vocabulary if needed" in report["verdict"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("length", [120, 230])
+def test_an_error_is_one_line_however_long_its_paths(tmp_path, length):
+    # rich wrapped errors at the console width (160 off a terminal): a word split over two lines made a test
+    # that looks for it pass or fail with the length of pytest's temporary folder
+    spec = tmp_path / ("s" * length + ".yaml")
+    r = runner.invoke(app, ["experiment", "run", str(spec)])
+    assert r.exit_code == 2
+    assert r.output.startswith("error: ") and r.output.count("\n") == 1 and len(r.output) > 2 * length
+    assert f"'{spec}' not found" in r.output

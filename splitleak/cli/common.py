@@ -27,17 +27,18 @@ err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, widt
 
 @contextmanager
 def user_errors():
-    """The project's own errors become one red line on stderr and exit status 2, no traceback."""
+    """The project's own errors become one red line on stderr (never wrapped, however long its paths) and exit
+    status 2, no traceback."""
     try:
         yield
     except SplitleakError as exc:
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     except OSError as exc:
         msg = place_error(exc)
         if msg is None:
             raise
-        err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
