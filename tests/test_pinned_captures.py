@@ -22,6 +22,10 @@ CASES = {
     "replica-median": dict(depth=2, defences=[{"name": "replica-median"}]),
     "u-quant8": dict(offload_start=1, offload_length=2, defences=[{"name": "quant8"}]),
 }
+#: relative tolerance where one CPU's kernels round differently from another's by whole quantisation levels:
+#: 4-bit levels flipped by last-bit differences moved the sums by up to 1.2e-4 between machines; without the
+#: 4-bit quantisation and its noise they are 0.8 % away (plain-none's train/activations), 16 times this bound
+TOLERANCE = {"plain-quant4-noisy": 5e-4}
 FIELDS = ("activations", "gradients", "probe_activations", "probe_gradients", "trunk_output", "output_gradients")
 
 
@@ -51,7 +55,9 @@ PINNED = {
     # re-pinned on 2026-12-03: the earlier pins (303.3192485757172, 190.5626362496987, 506.27715849503875,
     # 314.42619193252176) disagreed by up to 1.2e-4 relative on this machine kind at landed main d9630c6 too,
     # not only after the change being made; the 4-bit rounding of the noisy returned gradient turns last-bit
-    # differences of the kernels into flips of whole levels. The other cases still agree to 1e-5.
+    # differences of the kernels into flips of whole levels. On 2026-12-04 an AMD EPYC machine gave
+    # 303.3192512 again (the earlier pin to 1e-8): the two values are two CPUs' kernels, so this case is
+    # checked to TOLERANCE below. The other cases still agree to 1e-5.
     "plain-quant4-noisy": {
         "train/activations": 303.3370539005846,
         "train/gradients": 190.5721227331087,
@@ -124,4 +130,4 @@ def test_captures_are_what_they_were(tmp_path, name):
     got = capture_stats(tmp_path / "r")
     assert set(got) == set(PINNED[name])
     for key, value in PINNED[name].items():
-        assert got[key] == pytest.approx(value, rel=1e-5), key
+        assert got[key] == pytest.approx(value, rel=TOLERANCE.get(name, 1e-5)), key
