@@ -384,6 +384,8 @@ def test_audit_on_smollm2_with_wikitext(tmp_path, smollm2, wikitext_dir):
         steps=4,
         seed=0,
         device="cpu",
+        certify=8,  # SipIt's checks per position (default 32) and the mis-paired twins' documents (default
+        control_docs=2,  # all 6): the stages run whole at a third of their cost; nothing below reads them
     )
     by_name = {a["attack"]: a for a in res.attacks}
     assert set(by_name) == {"majority", "vmi", "activation", "joint", "sipit"}

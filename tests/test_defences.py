@@ -224,7 +224,9 @@ def test_mixup_probe_rows_give_the_text_back_on_smollm2(tmp_path, smollm2):
     0.03 % of the client's own activations; tokens / whole documents 78.1 / 23.4 % and 74.6 / 18.8 %
     under mixup-unmix, 78.7 / 26.6 % and 74.6 / 18.8 % when the same attack reads that client's clean
     activations, 66.2 / 3.1 % and 67.8 / 4.7 % for the naive attacker, 79.9 / 29.7 % and 73.4 / 12.5 %
-    on the undefended run (a differently trained client)."""
+    on the undefended run (a differently trained client). That run is no longer trained here (it cost half
+    the test): the twin, the same client's clean activations under the same attack, is the exact
+    counterfactual and is held to tighter bounds than the undefended run was (10 points of documents)."""
     import copy
 
     from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
@@ -233,23 +235,21 @@ def test_mixup_probe_rows_give_the_text_back_on_smollm2(tmp_path, smollm2):
     from splitleak.runs.truth import phase_documents
 
     lm = load_model("smollm2-135m", seed=1)
-    runs = {}
-    for defence in ("none", "mixup"):
-        cfg = make_train_config(
-            model="smollm2-135m",
-            depth=6,
-            n_calib=32,
-            n_train=16,
-            n_eval=64,
-            doc_len=8,
-            seed=1,
-            all_local_baseline=False,
-            defences=[{"name": defence}],
-            draws="derived",  # the decoy draws of the measured runs
-        )
-        runs[defence] = tmp_path / defence
-        run_training(cfg, runs[defence], device="cpu", lm=copy.deepcopy(lm))
-    mixed = runs["mixup"]
+    # one run: the undefended counterfactual is this client's own clean activations (the twin below)
+    cfg = make_train_config(
+        model="smollm2-135m",
+        depth=6,
+        n_calib=32,
+        n_train=16,
+        n_eval=64,
+        doc_len=8,
+        seed=1,
+        all_local_baseline=False,
+        defences=[{"name": "mixup"}],
+        draws="derived",  # the decoy draws of the measured runs
+    )
+    mixed = tmp_path / "mixup"
+    run_training(cfg, mixed, device="cpu", lm=copy.deepcopy(lm))
     public = load_knowledge(mixed, "public", lm=copy.deepcopy(lm))
     traffic = load_traffic(mixed)
     score = lambda run, attack, **kw: run_attack(run, make_attack_config(attack=attack, k=8), **kw)  # noqa: E731
@@ -260,7 +260,6 @@ def test_mixup_probe_rows_give_the_text_back_on_smollm2(tmp_path, smollm2):
     ids = torch.tensor([list(by_id[i].token_ids) for i in traffic.doc_ids])
     clean = load_knowledge(mixed, "trained", lm=copy.deepcopy(lm)).client.activations(ids)
     twin = score(mixed, "activation", knowledge=public, traffic=traffic.replace(activations=clean))
-    plain = score(runs["none"], "activation", knowledge=load_knowledge(runs["none"], "public", lm=copy.deepcopy(lm)))
 
     assert abs(unmix["lambda"] - 0.75) <= 0.02
     unmixed = MixupUnmix().unmix(traffic, unmix["lambda"]).activations
@@ -268,5 +267,4 @@ def test_mixup_probe_rows_give_the_text_back_on_smollm2(tmp_path, smollm2):
     assert unmix["token_recovery"] >= twin["token_recovery"] - 0.01
     assert unmix["doc_recovery"] >= twin["doc_recovery"] - 0.05
     assert unmix["doc_recovery"] >= naive["doc_recovery"] + 0.08  # the defence holds only against the naive reader
-    assert abs(unmix["doc_recovery"] - plain["doc_recovery"]) <= 0.10
     assert unmix["probe_rows"]["token_recovery"] > 0.6  # the probe rows read back earlier training text

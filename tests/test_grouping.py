@@ -104,7 +104,7 @@ def trained(tmp_path_factory):
     spec = write_spec(root, SPEC, "grouped.yaml")
     g = plan_grid(spec)
     for job in g.of_kind("train"):
-        assert execute_job(job.to_dict(), str(root / "trained"), device="cpu", threads=2)["status"] == "done"
+        assert execute_job(job.to_dict(), str(root / "trained"), device="cpu", threads=1)["status"] == "done"
     return spec, root / "trained"
 
 
@@ -129,9 +129,9 @@ def executed(trained, tmp_path_factory):
         with pytest.MonkeyPatch.context() as mp:
             calls = _counted(mp)
             if mode == "grouped":
-                statuses = [s for task in tasks.values() for s in execute_jobs(task, str(root), "cpu", 2)]
+                statuses = [s for task in tasks.values() for s in execute_jobs(task, str(root), "cpu", 1)]
             else:
-                statuses = [execute_job(job, str(root), "cpu", 2) for job in jobs]
+                statuses = [execute_job(job, str(root), "cpu", 1) for job in jobs]
         assert [s["status"] for s in statuses] == ["done"] * len(jobs), [s.get("error") for s in statuses]
         out[mode] = (root, dict(calls), len(tasks))
     return g, out
