@@ -20,7 +20,11 @@ With --flops every worker counts its job's floating-point operations (``SPLITLEA
 see ``splitleak/experiments/worker.py``): the row then gives the measured FLOP rate of the jobs
 (their counted FLOPs over their summed seconds) and the full grid's FLOPs, projected job by job with
 the same scaling as its seconds (each job's counted FLOPs times the ratio of its projected to its
-measured seconds). With --device cuda the jobs run on the GPU and the projection is in GPU-hours.
+measured seconds). An attack job's counter also holds the rest of the job, mostly the mis-paired twin,
+which reads min(CONTROL_DOCS, n_eval) documents in either profile (8 in the quick one, 16 in the full):
+that share (the job's counted seconds outside fit + reconstruct, FLOPs apportioned by time) is scaled by
+the twins' document ratio, not by the evaluation documents'. Rows before 2026-12-04 scaled it by 32
+and overstate the full grid's FLOPs by up to twice. With --device cuda the jobs run on the GPU and the projection is in GPU-hours.
 
 With --record it appends a row to benchmarks/RESULTS.md.
 """
@@ -42,6 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from splitleak.audit.defaults import CONTROL_DOCS  # noqa: E402
 from splitleak.experiments import load_spec, plan_grid, read_results  # noqa: E402
 
 # What Gradients Add Appendix A: GPU hours summed over the executed work of each experiment, and what they cover
@@ -125,11 +130,13 @@ def project(
     step_ratio = (full.loaded.spec.steps or fd.n_train) / (quick.loaded.spec.steps or qd.n_train)
 
     flops = flops or {}
-    # signature -> (measured seconds, counted FLOPs of the job or None)
-    attack_s: dict[tuple, tuple[float, int | None]] = {}
+    twin_ratio = min(CONTROL_DOCS, fd.n_eval) / min(CONTROL_DOCS, qd.n_eval)
+    # signature -> (measured fit + reconstruct seconds, counted FLOPs of the job or None, its counted seconds)
+    attack_s: dict[tuple, tuple[float, int | None, float | None]] = {}
     for r in read_results(store).to_pylist():
         if r["kind"] == "attack":
-            attack_s[signature({**r})] = (r["seconds"], _count(flops.get(r["key"])))
+            counted = flops.get(r["key"])
+            attack_s[signature({**r})] = (r["seconds"], _count(counted), counted[1] if counted else None)
     train_s: dict[tuple, tuple[float, float, int | None]] = {}
     for r in read_results(store, "train").to_pylist():
         run = store / r["run_dir"]
@@ -150,6 +157,9 @@ def project(
             secs, scale, n = a[0] * doc_ratio, doc_ratio, a[1]
             total_attack += secs
             attack_measured += 1
+            if n is not None and a[2]:  # the share outside fit + reconstruct: the twin, at its own ratio
+                main = min(1.0, a[0] / a[2])
+                scale = main * doc_ratio + (1.0 - main) * twin_ratio
         elif j.kind == "train":
             t = train_s.get(signature(j.fields))
             if t is None:
