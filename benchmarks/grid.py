@@ -24,7 +24,8 @@ measured seconds). An attack job's counter also holds the rest of the job, mostl
 which reads min(CONTROL_DOCS, n_eval) documents in either profile (8 in the quick one, 16 in the full):
 that share (the job's counted seconds outside fit + reconstruct, FLOPs apportioned by time) is scaled by
 the twins' document ratio, not by the evaluation documents'. Rows before 2026-12-04 scaled it by 32
-and overstate the full grid's FLOPs by up to twice. With --device cuda the jobs run on the GPU and the projection is in GPU-hours.
+and overstate the full grid's FLOPs by up to twice. With --device cuda the jobs run on the GPU and the
+projection is in GPU-hours.
 
 With --record it appends a row to benchmarks/RESULTS.md.
 """
