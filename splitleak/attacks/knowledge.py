@@ -13,6 +13,7 @@ section of ``documents.json``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +58,12 @@ class ClientCopy:
         self.cut = cut
         self.tokenizer = tokenizer
         self.embedding = owner.get_input_embeddings().weight.detach()
-        self.cache_keyword = cache_keyword(owner)
+
+    @functools.cached_property
+    def cache_keyword(self) -> str:
+        """The keyword ``extend`` passes the key/value cache by; looked up on first use, so that a copy the
+        prefix search never runs does not depend on it."""
+        return cache_keyword(self.owner)
 
     @property
     def dtype(self) -> torch.dtype:
