@@ -2,6 +2,7 @@ import json
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -275,3 +276,28 @@ def test_an_error_is_one_line_however_long_its_paths(tmp_path, length):
     assert r.exit_code == 2
     assert r.output.startswith("error: ") and r.output.count("\n") == 1 and len(r.output) > 2 * length
     assert f"'{spec}' not found" in r.output
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "nodes", [{"10.0.0.2 (Ray node aaaa)": 14}, {"10.0.0.2 (Ray node aaaa)": 9, "10.0.0.3 (Ray node bbbb)": 5}]
+)
+def test_experiment_run_names_every_node_that_ran_jobs_even_one(tmp_path, monkeypatch, nodes):
+    # a Ray grid whose second node died before any of its jobs finished ran everything on one node: the
+    # line was left out then, and the cluster test read "no jobs ran anywhere"
+    import splitleak.experiments as experiments
+
+    store = tmp_path / ("d" * 150) / "store"
+    fake = SimpleNamespace(
+        grid=SimpleNamespace(jobs=[None] * 14), ran=14, reused=0, done_before=0, failures=[], retried=1,
+        seconds=3.0, store=store, nodes=nodes,
+    )  # fmt: skip
+    monkeypatch.setattr(experiments, "run_grid", lambda *a, **k: fake)
+    r = runner.invoke(app, ["experiment", "run", "tiny.yaml", "--quiet"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("14 job(s) ran") and lines[0].endswith(f"store {store}")
+    assert lines[1] == "jobs per node: " + ", ".join(f"{n}: {c}" for n, c in sorted(nodes.items()))
+    fake.nodes = {}  # the local executor names no node
+    r = runner.invoke(app, ["experiment", "run", "tiny.yaml", "--quiet"])
+    assert r.exit_code == 0 and "jobs per node" not in r.output and r.output.count("\n") == 1, r.output

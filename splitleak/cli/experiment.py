@@ -87,9 +87,14 @@ def run_cmd(
         + (f"; {res.retried} attempt(s) ran again after their worker died" if res.retried else "")
         + f"; {res.seconds:.1f} s; store {res.store}",
         highlight=False,
+        soft_wrap=True,
     )
-    if len(res.nodes) > 1:
-        console.print("jobs per node: " + ", ".join(f"{n}: {c}" for n, c in sorted(res.nodes.items())), highlight=False)
+    if res.nodes:  # Ray: every node that ran a job, one node included (a grid whose other node died)
+        console.print(
+            "jobs per node: " + ", ".join(f"{n}: {c}" for n, c in sorted(res.nodes.items())),
+            highlight=False,
+            soft_wrap=True,
+        )
     if res.failures:
         err.print(f"[bold red]{len(res.failures)} job(s) did not finish:[/]", highlight=False)
         for f in res.failures:
