@@ -39,9 +39,10 @@ PYTEST := $(PY) -m pytest -n $(WORKERS) --dist loadgroup
 test: install
 	$(PYTEST)
 
-# The fast tier while you work (about three minutes on 2 cores; the goal is two): no real model, no end-to-end runs.
+# The fast tier while you work (two minutes on 2 cores): no real model, no end-to-end runs, and each test
+# parametrized by seed on its first seed only (`reseed`, tests/conftest.py); `make test` runs every seed.
 check: $(VENV)/.installed
-	$(PYTEST) -m "not slow and not e2e" -q
+	$(PYTEST) -m "not slow and not e2e and not reseed" -q
 
 # pyflakes, bugbear, import order and formatting, then mypy over the package (all configured in
 # pyproject.toml); CI runs it before the tests. `make format` rewrites the files in place.

@@ -57,9 +57,12 @@ def pytest_collection_modifyitems(config, items):
     `make check` keep meaning what they say; `slow` is a flag on top of a tier. Checked before `-m`
     deselects anything, so a test without a tier fails every run, not only the runs that select it. Then the
     tests that share a module-scoped fixture join one pytest-xdist group, and the groups reach the scheduler
-    (tests/scheduling.py)."""
+    (tests/scheduling.py). A test parametrized by `seed` is marked `reseed` on every seed after its first."""
     wrong = []
     for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.indices.get("seed", 0) > 0:
+            item.add_marker(pytest.mark.reseed)  # the same test on a further seed: `make test` runs it
         tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
         if len(tiers) != 1:
             wrong.append(f"  {item.nodeid}: {', '.join(tiers) if tiers else 'no tier'}")
