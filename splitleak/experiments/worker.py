@@ -106,10 +106,10 @@ def warm_worker() -> None:
     global _WARM
     if _WARM:
         return
-    # lazy: as in _attack (scipy.stats), and the model classes load with their architecture's module
+    # lazy: the driver imports this module without transformers; the model classes load on first use
     import transformers
 
-    import splitleak.audit.evaluate  # noqa: F401
+    import splitleak.audit.evaluate  # noqa: F401  # lazy: as in _attack (scipy.stats)
 
     for name in ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM", "AutoTokenizer"):
         with contextlib.suppress(ImportError, AttributeError):  # an older transformers without one of them
