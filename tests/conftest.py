@@ -16,7 +16,7 @@ if XDIST_WORKER:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from scheduling import group_by_module_fixture, write_group_suffix  # noqa: E402
+from scheduling import group_by_module_fixture, heavy_modules_first, write_group_suffix  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPLITLEAK_SHARED", REPO.parent / "shared"))
@@ -73,6 +73,7 @@ def pytest_collection_modifyitems(config, items):
             "or `@pytest.mark.unit` on each test (see the markers in pyproject.toml):\n" + "\n".join(wrong)
         )
     group_by_module_fixture(items)
+    heavy_modules_first(items)
     write_group_suffix(config, items)
 
 

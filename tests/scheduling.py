@@ -45,3 +45,23 @@ def write_group_suffix(config, items) -> None:
         names = group_names(item)
         if names and isinstance(getattr(item, "_id", None), NodeId):
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
+#: tiers whose tests take seconds to a minute each (whole audits and grids, the real model)
+HEAVY = ("e2e", "slow")
+
+
+def heavy_modules_first(items) -> None:
+    """pytest-xdist hands out work in collection order, so a module of minute-long tests that sorts late in the
+    alphabet (test_mirage_grid, test_ray_cluster, test_tune) ran while the other worker had run out of work:
+    the suite's wall time was the later worker's. Modules holding an ``e2e`` or ``slow`` test move to the front,
+    in their order, and the seconds-long tests fill in behind them; each module's tests stay together and in
+    their order, so module-scoped fixtures are built as before."""
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def light(module: str) -> bool:
+        return not any(item.get_closest_marker(m) is not None for item in modules[module] for m in HEAVY)
+
+    items[:] = [item for module in sorted(modules, key=light) for item in modules[module]]

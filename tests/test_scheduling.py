@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from scheduling import group_by_module_fixture
+from scheduling import group_by_module_fixture, heavy_modules_first
 
 pytest_plugins = ("pytester",)
 
@@ -147,3 +147,19 @@ def test_under_two_workers_a_group_runs_on_one_worker_and_a_module_fixture_is_bu
     assert len(where["uses"]) == 2 and len(set(where["uses"])) == 1, where
     assert len(where["built"]) == 1, where  # built once, on the worker that ran both its tests
     assert where["built"] == where["uses"][:1]
+
+
+@pytest.mark.unit
+def test_modules_with_heavy_tests_come_first_and_each_module_stays_whole_and_in_order(pytester, monkeypatch):
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: e\n    slow: s\n    unit: u\n")
+    pytester.makepyfile(
+        test_a="import pytest\n\ndef test_a1():\n    pass\n\ndef test_a2():\n    pass\n",
+        test_b="import pytest\n\ndef test_b1():\n    pass\n\n@pytest.mark.e2e\ndef test_b2():\n    pass\n",
+        test_c="import pytest\n\n@pytest.mark.unit\ndef test_c1():\n    pass\n",
+        test_d="import pytest\n\npytestmark = pytest.mark.slow\n\ndef test_d1():\n    pass\n\ndef test_d2():\n    pass\n",
+    )
+    items, _ = pytester.inline_genitems("-p", "no:cacheprovider")  # the folder's modules, in name order
+    assert [i.name for i in items] == ["test_a1", "test_a2", "test_b1", "test_b2", "test_c1", "test_d1", "test_d2"]
+    heavy_modules_first(items)
+    assert [i.name for i in items] == ["test_b1", "test_b2", "test_d1", "test_d2", "test_a1", "test_a2", "test_c1"]
