@@ -264,8 +264,9 @@ class RawClient:
         from websockets.sync.client import connect
 
         self.conn = connect(
-            f"wss://127.0.0.1:{port}/", ssl=client_context(tls_dir), compression=None, proxy=None, max_size=None
-        )
+            f"wss://127.0.0.1:{port}/", ssl=client_context(tls_dir), compression=None, proxy=None, max_size=None,
+            open_timeout=60,  # websockets' 10 s was passed twice in a full suite on 2 loaded cores (as RemoteServer's)
+        )  # fmt: skip
         self.seq = 0
         self.session = None
         self.send({"type": "hello", **hello})

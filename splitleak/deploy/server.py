@@ -43,7 +43,7 @@ from typing import Callable
 from websockets.sync.server import Server, serve
 
 from splitleak.deploy.limits import HELLO_SECONDS, MAX_CONCURRENT, MAX_FRAME_MIB, MAX_FRAME_TOKENS, MAX_ROWS, MAX_TOKENS
-from splitleak.deploy.session import Session, SessionRecord
+from splitleak.deploy.session import Session, SessionRecord, peer_address
 from splitleak.errors import ConfigError
 from splitleak.wire.client import cap_messages
 from splitleak.wire.tls import server_context
@@ -182,7 +182,7 @@ class ServerNode:
         """A connection over ``max_concurrent``: told so in one error message, no model loaded. The
         hello is read (header-sized at most, within a second or two) before the close, so that the
         client reads the refusal rather than a connection closed under its hello."""
-        peer = getattr(conn, "remote_address", "?")
+        peer = peer_address(conn)
         message = (
             f"the server is busy: {self.max_concurrent} sessions are running, its limit "
             "(`splitleak serve --max-concurrent`); try again later"

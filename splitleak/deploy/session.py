@@ -86,13 +86,23 @@ class SessionRecord:
     capture: str | None = None
 
 
+def peer_address(conn) -> str:
+    """The client's address, or "?" when its socket has none any more: a client that left between its opening
+    handshake and its session's start made ``remote_address`` raise (ENOTCONN), which failed the connection's
+    handler with a traceback."""
+    try:
+        return str(conn.remote_address)
+    except (AttributeError, OSError):
+        return "?"
+
+
 class Session:
     """One client connection: handshake, frames, close. Owns its model, role, ledger and capture."""
 
     def __init__(self, node: Node, conn, index: int):
         self.node = node
         self.conn = conn
-        self.rec = SessionRecord(index, str(getattr(conn, "remote_address", "?")))
+        self.rec = SessionRecord(index, peer_address(conn))
         self.session_id = new_session_id()  # the welcome gives it; every later message must carry it
         self.guard = ReplayGuard()
         self.send_seq = 0
