@@ -14,6 +14,7 @@ namespaces with their veth pairs, and any process left that names this test's fo
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -66,6 +67,7 @@ def _run(*args: str, timeout: float = 30, check: bool = True) -> subprocess.Comp
     return r
 
 
+@functools.cache
 def _why_not_permitted() -> str | None:
     if os.geteuid() != 0:
         return "needs root to create network namespaces (ip netns)"
