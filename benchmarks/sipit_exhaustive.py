@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/sipit_exhaustive.py --run RUN_DIR [--docs 4] [--copy trained] [--record]
 
 RUN_DIR is a run of `splitleak train` (e.g. the `run/` folder that `make audit` writes). The script
-1. measures this machine's float32 matmul throughput (GFLOP/s, 2048^3 products);
+1. measures this machine's float32 matmul throughput (GFLOP/s, 2048^3 products), the best of five timings
+   before the search and five after (``attack_throughput.MatmulReference``);
 2. runs SipIt with ``budget='exhaustive'`` (the default order and rounds: 16, then 16 times wider per
    round) on the first --docs captured documents through the --copy of the client layers, and records
    wall time, checks per position, the share certified and token recovery;
@@ -27,7 +28,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from attack_throughput import matmul_gflops  # noqa: E402
+from attack_throughput import MatmulReference  # noqa: E402
 from train_capture import cpu_name, peak_rss_gib, record  # noqa: E402
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack  # noqa: E402
@@ -71,13 +72,16 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
 
-    gflops = matmul_gflops()
+    reference = MatmulReference()
     kn = load_knowledge(a.run, a.copy)
     traffic = load_traffic(a.run).subset(range(a.docs))
     attack = make_attack("sipit", budget="exhaustive").fit(kn)
+    reference.measure()
     t0 = time.perf_counter()
     rec = attack.reconstruct(traffic)
     wall = time.perf_counter() - t0
+    reference.measure()
+    gflops = reference.best
     rss = peak_rss_gib()
     truth = torch.tensor(eval_token_ids(a.run, traffic.doc_ids))
     checks = rec.extra["checks"]
