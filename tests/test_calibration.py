@@ -62,6 +62,9 @@ def noisy_run(request, tmp_path_factory):
         seed=seed,
         all_local_baseline=False,
         defences=[{"name": "clip-noise", "args": {"clip": 1.0, "sigma": 2.0, "where": "forward"}}],
+        # the noise keyed by the seed: under the default fresh OS draws every suite trained another run, and
+        # on one of them no row of the 0.3 x 0.5 dose moved its probe log-likelihood off the floor
+        draws="derived",
     )
     run_training(cfg, path, device="cpu")
     return path
