@@ -39,7 +39,7 @@ PYTEST := $(PY) -m pytest -n $(WORKERS) --dist loadgroup
 test: install
 	$(PYTEST)
 
-# The fast tier while you work (two minutes on 2 cores): no real model, no end-to-end runs, and each test
+# The fast tier while you work (under two minutes on 2 cores): no real model, no end-to-end runs, and each test
 # parametrized by seed on its first seed only (`reseed`, tests/conftest.py); `make test` runs every seed.
 check: $(VENV)/.installed
 	$(PYTEST) -m "not slow and not e2e and not reseed" -q

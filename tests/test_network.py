@@ -442,7 +442,7 @@ def test_sessions_do_not_share_state(tls, tmp_path, monkeypatch):
         time.sleep(0.05)
 
 
-@pytest.mark.integration
+@pytest.mark.e2e  # the two CLIs in processes of their own, one killed: the tier of the other kill tests
 def test_serve_cli_and_a_killed_server_stops_the_client_with_one_line(tls, tmp_path):
     from typer.testing import CliRunner
 

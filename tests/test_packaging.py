@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e  # builds and installs the wheel, then runs the installed package
 
 
 @pytest.fixture(scope="module")
