@@ -100,9 +100,9 @@ def warm_worker() -> None:
     """Once per process: import what the jobs import when they first run (every registered attack, the model
     classes of the presets), collect, then move every object the process holds to the collector's permanent
     generation (``gc.freeze``). ``release_memory`` after each job then walks the objects made since, not the
-    few hundred thousand of torch and transformers: its ``gc.collect`` took 0.18 s a job before, a tenth of a
-    tiny grid's time, and well under a millisecond after. What is frozen lives as long as the process anyway
-    (modules, classes, functions); no job has run yet, so none of a job's objects is among it."""
+    few hundred thousand of torch and transformers (what that saves: benchmarks/RESULTS.md, "The test
+    suite"). What is frozen lives as long as the process anyway (modules, classes, functions); no job has run
+    in this process yet, so none of a job's objects is among it."""
     global _WARM
     if _WARM:
         return
