@@ -634,3 +634,34 @@ def test_the_prefix_cache_is_passed_by_the_keyword_the_installed_transformers_ta
     client.cache_keyword = "not_the_cache"
     with pytest.raises(RuntimeError, match="did not fill the key/value cache"):
         client.extend(client.new_cache(), ids, 0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sipit_s_gradient_step_attends_to_the_prefix_through_the_keyword_the_client_names(seed):
+    """SipIt's gradient step passed its prefix as ``cache=`` whatever the installed transformers takes, so on
+    5.17 (which takes ``past_key_values`` and drops an unknown ``cache=``) it stepped as if the position had no
+    prefix. Here the model's forward takes the cache as 5.17's did: the step must still read the prefix."""
+    from splitleak.attacks.search import GradientGuidedOrder
+
+    client = ClientCopy(load_model("tiny-gpt2", seed=seed).model, 2)
+    forward = client.owner.forward
+
+    def forward_517(input_ids=None, past_key_values=None, **kwargs):
+        kwargs.pop("cache", None)  # an unknown keyword, dropped without a word
+        return forward(input_ids=input_ids, cache=past_key_values, **kwargs)
+
+    client.owner.forward = forward_517
+    assert client.cache_keyword == "past_key_values"
+    gen = torch.Generator().manual_seed(seed)
+    d = client.embedding.shape[1]
+    order = GradientGuidedOrder(client, torch.randn(2, 3, d, generator=gen), torch.randn(2, 3, d, generator=gen))
+    start = torch.randn(2, d, generator=gen)
+
+    def step(first_tokens):
+        cache = client.new_cache()
+        client.extend(cache, first_tokens, 0)
+        return order._grad_step(start, torch.arange(2), 1, lambda: cache)
+
+    # another prefix, another step: the step read the prefix
+    assert not torch.allclose(step(torch.tensor([[1], [2]])), step(torch.tensor([[5], [9]])))

@@ -448,7 +448,10 @@ class GradientGuidedOrder:
         pos = torch.full((len(rows), 1), t, dtype=torch.long, device=c.device)
         with torch.enable_grad():
             out = c.owner(
-                inputs_embeds=e.unsqueeze(1), position_ids=pos, cache=prefix() if t > 0 else None, use_cache=t > 0
+                inputs_embeds=e.unsqueeze(1),
+                position_ids=pos,
+                use_cache=t > 0,
+                **{c.cache_keyword: prefix() if t > 0 else None},  # transformers 5.17 drops an unknown keyword
             ).last_hidden_state[:, 0]
             if self.emulate is not None:
                 out = self.emulate(out.unsqueeze(1), rows, t)[:, 0]
