@@ -37,25 +37,31 @@ documents: {n_calib: 4, n_train: 4, n_eval: 4, doc_len: 8}
 steps: 2
 attacks:
   - {attack: activation, k: [4, 8], attack_seeds: [0, 1], inference: true}
-  - {attack: joint, k: 4, client_copy: public, perturbations: [none, {gradient_bits: 8}]}
+  - {attack: joint, k: 4, client_copy: public, perturbations: [none, {gradient_bits: 8}], attack_seeds: [0, 1]}
   - {attack: shuffled-gradient, k: 4, client_copy: public}
   - {attack: property, client_copy: public}
   - {attack: sipit, budget: [16, 32, 64]}
 """
-#: per run: activation (2 k x 2 copies x 2 seeds), joint (2 perturbations), shuffled, property, SipIt (3 x 2 copies)
-PER_RUN = {"activation": 8, "joint": 2, "shuffled-gradient": 1, "property": 1, "sipit": 6}
+#: per run: activation (2 k x 2 copies x 2 seeds), joint (2 perturbations x 2 seeds), shuffled, property, SipIt
+#: (3 x 2 copies)
+PER_RUN = {"activation": 8, "joint": 4, "shuffled-gradient": 1, "property": 1, "sipit": 6}
+#: per run, the jobs whose reading is another seed's (``AttackInfo.seeded`` False): activation's seed 1 (2 k x 2
+#: copies) and joint's (unperturbed, and rounded gradients: the rounding draws nothing)
+SHARED_READINGS = 4 + 2
 ATTACK_JOBS = 2 * sum(PER_RUN.values())
 REUSED = 2 * PER_RUN["activation"]  # the activation jobs counted in inference too
 
 
 def rows(store: Path) -> dict[tuple, dict]:
     """Every attack row by (job, document), all columns but the timings (``seconds``, in the row and
-    anywhere in its result)."""
+    anywhere in its result, and the note that says whose search a job's seconds left out)."""
     from splitleak.experiments import read_results
 
     def untimed(obj):
         if isinstance(obj, dict):
-            return {k: untimed(v) for k, v in obj.items() if k != "seconds"}
+            return {
+                k: untimed(v) for k, v in obj.items() if k not in ("seconds", "reconstruction_shared_with_attack_seed")
+            }
         if isinstance(obj, list):
             return [untimed(v) for v in obj]
         return obj
@@ -76,6 +82,7 @@ COUNTED = {  # module, name: what each call does once
     "ranking": ("splitleak.attacks.base", "cosine_topk"),  # a candidate list over the vocabulary
     "sipit": ("splitleak.attacks.sipit", "sipit"),  # one SipIt search at one budget
     "sipit_budgets": ("splitleak.attacks.sipit", "sipit_budgets"),  # one search for several
+    "beam": ("splitleak.attacks.beam", "beam_search"),  # one beam search of one traffic
 }
 
 
@@ -139,6 +146,7 @@ def executed(trained, tmp_path_factory):
 
 
 def test_grouped_rows_equal_each_job_run_alone_bit_for_bit(executed):
+    from splitleak.experiments import read_results
     from splitleak.experiments.store import ResultsStore, reuse_rows
 
     g, out = executed
@@ -150,6 +158,15 @@ def test_grouped_rows_equal_each_job_run_alone_bit_for_bit(executed):
     mine, theirs = rows(out["grouped"][0]), rows(out["alone"][0])
     assert len(mine) == 4 * (ATTACK_JOBS + REUSED)  # every job once, one row per document
     assert mine == theirs  # predictions, scores, controls, keys, configurations and digests
+    # the jobs that read another seed's search say so, and name it; run alone, none does
+    noted = {
+        r["key"]: json.loads(r["result_json"]).get("reconstruction_shared_with_attack_seed")
+        for r in read_results(out["grouped"][0], as_rows=True)
+        if r["key"] in {j.key for j in g.of_kind("attack")}  # the executed jobs (a reuse row copies its source's)
+    }
+    assert sorted(v for v in noted.values() if v is not None) == [0] * 2 * SHARED_READINGS
+    alone_noted = [json.loads(r["result_json"]) for r in read_results(out["alone"][0], as_rows=True)]
+    assert not any("reconstruction_shared_with_attack_seed" in r for r in alone_noted)
 
 
 def test_each_task_did_its_shared_work_once(executed):
@@ -163,11 +180,17 @@ def test_each_task_did_its_shared_work_once(executed):
     assert grouped["model"] == grouped["capture"] == grouped["verify"] == tasks
     assert alone["ridge"] == ATTACK_JOBS and grouped["ridge"] == tasks  # property: VMI beside it (leakage index)
     # each ranked job ranks its traffic and its mis-paired twin (property: its VMI, no twin); a task ranks its
-    # traffic once and each twin once: one per attack seed, and the perturbed job's own (whose twin carries the
+    # traffic once and each twin once: one per attack seed, and the perturbed jobs' own (whose twins carry the
     # perturbed gradients)
     twinned = 2 * (PER_RUN["activation"] + PER_RUN["joint"] + PER_RUN["shuffled-gradient"])
     assert alone["ranking"] == 2 * twinned + 2 * PER_RUN["property"]
-    assert grouped["ranking"] == 2 * (1 + 3) + 2 * (1 + 2)  # per run: public (seeds 0, 1, perturbed), trained
+    # per run: public (seeds 0 and 1, unperturbed and perturbed), trained (seeds 0 and 1)
+    assert grouped["ranking"] == 2 * (1 + 4) + 2 * (1 + 2)
+    # every beam job searches its traffic and its twin alone; in a task the jobs that differ only in their seed
+    # search the traffic once (activation: 2 k x 2 copies; joint: unperturbed and rounded; the shuffled control
+    # reads its seed), and every job still its own twin (the seed draws its pairing)
+    assert alone["beam"] == 2 * twinned
+    assert grouped["beam"] == twinned + 2 * (4 + 2 + 1)
     assert alone["sipit"] == 2 * 2 * PER_RUN["sipit"] and alone["sipit_budgets"] == 0  # each job and its twin
     assert grouped["sipit"] == 0 and grouped["sipit_budgets"] == 2 * tasks  # each task's traffic and twin
 

@@ -252,8 +252,11 @@ class Knowledge:
 
 
 #: traffics whose values ``Knowledge.memo`` keeps per key (the latest): a grid worker's group reads its traffic
-#: and, for each attack seed, a mis-paired twin of it (``audit.evaluate.mispaired_control``)
-MEMO_TRAFFICS = 4
+#: and, for each attack seed and each perturbation of its gradients, a mis-paired twin of it
+#: (``audit.evaluate.mispaired_control``): paper_main's undefended group has 11 activation tensors (the traffic,
+#: and two seeds' twins of it and of its four perturbations); what one entry holds is small (a ranked list, a
+#: twin of 16 documents)
+MEMO_TRAFFICS = 16
 
 
 @dataclass

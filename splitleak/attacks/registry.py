@@ -43,6 +43,10 @@ class AttackInfo:
     needs_top: bool = False  # fits on the pretrained Top (``Knowledge.top``) as well as the client-layer copy
     #: built for defences (``Defence.adaptive`` names it): reads their public arguments (``Knowledge.defences``)
     adaptive: bool = False
+    #: its reading depends on the attack seed (a seeded draw); False: the same reading under every seed, so
+    #: that the jobs of one run and copy that differ only in their seed compute it once (``audit.evaluate``;
+    #: ``tests/test_registry.py`` checks the claim on every such attack)
+    seeded: bool = True
 
     @property
     def display(self) -> str:
@@ -66,24 +70,28 @@ REGISTRY: dict[str, AttackInfo] = {
             "control: the calibration documents' most frequent token at each position",
             reads=(),
             control=True,
+            seeded=False,
         ),
         AttackInfo(
             "vmi",
             f"{_A}.vmi:VMI",
             "ridge map from activation to input embedding, nearest token by cosine",
             reads=("activations",),
+            seeded=False,
         ),
         AttackInfo(
             "activation",
             f"{_A}.beam:ActivationBeam",
             "k ridge/cosine candidates per position, beam search over recomputed activations",
             reads=("activations",),
+            seeded=False,
         ),
         AttackInfo(
             "sipit",
             f"{_A}.sipit:SipIt",
             "per position, check candidates until one's recomputed activation matches",
             reads=("activations",),
+            seeded=False,
         ),
         AttackInfo(
             "sipit-aware",
@@ -122,6 +130,7 @@ REGISTRY: dict[str, AttackInfo] = {
             "as activation, with half the candidates from the gradient",
             reads=("activations", "gradient", "output-gradient"),
             takes_readout=True,
+            seeded=False,
         ),
         AttackInfo(
             "shuffled-gradient",
@@ -148,6 +157,7 @@ REGISTRY: dict[str, AttackInfo] = {
             "the gradient at t-1 alone names token t",
             reads=("gradient", "output-gradient"),
             takes_readout=True,
+            seeded=False,
         ),
         AttackInfo(
             "joint-adaptive",
@@ -155,6 +165,7 @@ REGISTRY: dict[str, AttackInfo] = {
             "as joint, with gradient candidates only where their precision, estimated on the traffic, "
             "beats the activation candidates they displace",
             reads=("activations", "gradient", "output-gradient"),
+            seeded=False,
         ),
         AttackInfo(
             "mixup-history",
@@ -178,6 +189,7 @@ REGISTRY: dict[str, AttackInfo] = {
             "undo mixup from its probe rows, then the activation attacker",
             reads=("activations", "probe-activations"),
             adaptive=True,
+            seeded=False,
         ),
         AttackInfo(
             "support-partition",

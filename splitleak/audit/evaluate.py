@@ -133,14 +133,14 @@ def run_attack(
             knowledge.history_loader = lambda: load_traffic(run_dir, phase="train")
     if device is not None:
         knowledge.client.to(device)
-    traffic = _attack_traffic(run_dir, config, attack, traffic)
+    traffic = _attack_traffic(run_dir, config, attack, traffic, knowledge)
     docs_by_id = {d.doc_id: d for d in phase_documents(doc_dir, config.phase)}
     docs = [docs_by_id[i] for i in traffic.doc_ids]
     if control_docs and control_docs < 2:
         raise ConfigError(f"control_docs must be 0 (no control) or at least 2, got {control_docs}")
     t0 = time.perf_counter()
     attack.fit(knowledge)
-    rec = attack.reconstruct(traffic, progress)
+    rec, shared_from = _reconstruct(attack, knowledge, traffic, config, progress)
     seconds = time.perf_counter() - t0
     result: dict[str, Any] = {
         "attack": config.attack,
@@ -162,6 +162,8 @@ def run_attack(
         "n_tokens": int(traffic.activations.shape[0] * traffic.activations.shape[1]),
         "seconds": seconds,
     }
+    if shared_from is not None:  # the seconds are this job's; the search's are in the job that ran it
+        result["reconstruction_shared_with_attack_seed"] = shared_from
     if rec.tokens is not None:
         judge = TruthJudge(docs, knowledge.client.tokenizer, doc_dir, traffic)
         per_doc_rows = _score_tokens(result, rec, attack, judge, config, control_docs, progress)
@@ -190,25 +192,53 @@ def _documents_of(run_dir: Path, documents: str | Path | None, config: AttackCon
     return run_dir, manifest
 
 
-def _attack_traffic(run_dir: Path, config: AttackConfig, attack, traffic: Traffic | None) -> Traffic:
+def _attack_traffic(
+    run_dir: Path, config: AttackConfig, attack, traffic: Traffic | None, knowledge: Knowledge
+) -> Traffic:
     """The traffic the attack reads (``traffic``, or loaded from ``run_dir``), its gradients perturbed where
-    the configuration asks (``perturb_gradients``)."""
+    the configuration asks (``perturb_gradients``): once per traffic and perturbation in ``knowledge``'s memo
+    (the seed names it only where it draws noise), so that jobs that differ in nothing else read one object."""
     if traffic is None:
         traffic = load_traffic(run_dir, with_gradients=not config.inference, phase=config.phase)
     if config.inference and attack.uses_gradients:
         raise ConfigError(f"attack {config.attack!r} needs gradients, which inference traffic does not carry")
     if traffic.gradients is not None and (config.gradient_noise is not None or config.gradient_bits is not None):
-        perturb = lambda g: (
-            None
-            if g is None
-            else perturb_gradients(  # noqa: E731
-                g, config.gradient_noise, config.gradient_bits, config.attack_seed
+        base = traffic
+
+        def perturbed() -> Traffic:
+            perturb = lambda g: (  # noqa: E731
+                None
+                if g is None
+                else perturb_gradients(g, config.gradient_noise, config.gradient_bits, config.attack_seed)
             )
-        )
-        traffic = traffic.replace(
-            gradients=perturb(traffic.gradients), output_gradients=perturb(traffic.output_gradients)
-        )
+            return base.replace(gradients=perturb(base.gradients), output_gradients=perturb(base.output_gradients))
+
+        seed = config.attack_seed if config.gradient_noise is not None else None  # rounding draws nothing
+        key = ("perturbed", config.gradient_noise, config.gradient_bits, seed)
+        traffic = knowledge.memo(key, perturbed, base, whole=True)
     return traffic
+
+
+def _reconstruct(
+    attack, knowledge: Knowledge, traffic: Traffic, config: AttackConfig, progress
+) -> tuple[Any, int | None]:
+    """``attack.reconstruct(traffic)``, and the attack seed of the job whose reading it is when that was another
+    job's (else None). An attack whose reading does not depend on its seed (``AttackInfo.seeded`` False) reads
+    one traffic once per knowledge and configuration: the jobs of a grid task (one run and copy) that differ
+    only in their attack seed share one search, bit for bit what each would compute alone."""
+    if attack_info(config.attack).seeded:
+        return attack.reconstruct(traffic, progress), None
+    identity = config.model_dump(mode="json")
+    identity.pop("attack_seed")
+    key = ("reconstruction", json.dumps(identity, sort_keys=True))
+    ran: list[int] = []
+
+    def read() -> tuple[Any, int]:
+        ran.append(1)
+        return attack.reconstruct(traffic, progress), config.attack_seed
+
+    rec, seed = knowledge.memo(key, read, traffic, whole=True)
+    return rec, None if ran else seed
 
 
 def _score_tokens(
