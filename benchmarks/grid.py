@@ -11,8 +11,12 @@ whole process tree (driver and workers) every half second, and then projects the
 spec's `full` profile on the same model from the measured per-job seconds:
 
 - attack job: its measured seconds (fit + reconstruct, from the store) for the same configuration
-  (depth, defence, attack, k, budget, copy, perturbation), scaled by full / quick evaluation
-  documents (linear; an upper bound, since a larger batch of documents costs less per document);
+  (depth, defence, attack, k, budget, copy, perturbation) and attack seed, scaled by full / quick
+  evaluation documents (linear; an upper bound, since a larger batch of documents costs less per
+  document), plus its mis-paired twin's seconds (the result's ``control``) scaled by the twins' document
+  ratio (rows before 2026-12-05 left the twin out). A quick run with both of the full profile's attack
+  seeds (``--override 'attack_seeds=[0, 1]'``) measures what the jobs that differ only in their seed share
+  (``AttackInfo.seeded``); with one seed, every full job pays for its own search;
 - train job: split-training and all-local seconds (training.json, all_local.json) scaled by the
   step ratio, the rest (utility evaluations, capture, writing) by the evaluation-document ratio.
 
@@ -132,12 +136,22 @@ def project(
 
     flops = flops or {}
     twin_ratio = min(CONTROL_DOCS, fd.n_eval) / min(CONTROL_DOCS, qd.n_eval)
-    # signature -> (measured fit + reconstruct seconds, counted FLOPs of the job or None, its counted seconds)
-    attack_s: dict[tuple, tuple[float, int | None, float | None]] = {}
+    # (signature, attack seed) -> (measured fit + reconstruct seconds, counted FLOPs of the job or None, its
+    # counted seconds, the mis-paired twin's seconds)
+    attack_s: dict[tuple, tuple[float, int | None, float | None, float]] = {}
     for r in read_results(store).to_pylist():
         if r["kind"] == "attack":
             counted = flops.get(r["key"])
-            attack_s[signature({**r})] = (r["seconds"], _count(counted), counted[1] if counted else None)
+            control = json.loads(r["result_json"]).get("control") or {}
+            attack_s[(signature({**r}), r["attack_seed"])] = (
+                r["seconds"],
+                _count(counted),
+                counted[1] if counted else None,
+                float(control.get("seconds", 0.0)),
+            )
+    # a full job takes the quick job of its own attack seed where the quick run had it (two seeds measure what the
+    # jobs that differ only in their seed share), else the first seed's (every seed paying for its own search)
+    first_seed = {sig: v for (sig, _), v in sorted(attack_s.items(), key=lambda kv: -kv[0][1])}
     train_s: dict[tuple, tuple[float, float, int | None]] = {}
     for r in read_results(store, "train").to_pylist():
         run = store / r["run_dir"]
@@ -151,11 +165,12 @@ def project(
     missing = attack_measured = 0
     for j in full.jobs:
         if j.kind == "attack":
-            a = attack_s.get(signature(j.fields))
+            sig = signature(j.fields)
+            a = attack_s.get((sig, j.fields.get("attack_seed"))) or first_seed.get(sig)
             if a is None:
                 missing += 1
                 continue
-            secs, scale, n = a[0] * doc_ratio, doc_ratio, a[1]
+            secs, scale, n = a[0] * doc_ratio + a[3] * twin_ratio, doc_ratio, a[1]
             total_attack += secs
             attack_measured += 1
             if n is not None and a[2]:  # the share outside fit + reconstruct: the twin, at its own ratio
