@@ -76,6 +76,20 @@ class MatmulReference:
     def spread(self) -> str:
         return f"{min(self.timings):.0f}-{max(self.timings):.0f}"
 
+    def cell(self) -> str:
+        """The rate a row of RESULTS names: the best, with how many timings and their spread."""
+        return f"{self.best:.0f} (best of {len(self.timings)}: {self.spread()})"
+
+
+def run_identity(run: str | Path) -> dict[str, object]:
+    """The model and cut of a run, as the benchmark rows name them."""
+    manifest = json.loads((Path(run) / "manifest.json").read_text())
+    return {"model": manifest["config"]["model"], "cut": manifest["split"]["cut"]}
+
+
+def device_cell() -> str:
+    return f"cpu: {cpu_name()}, {torch.get_num_threads()} threads"
+
 
 def search_flops(client, n_docs: int, T: int, k: int, width: int) -> float:
     """Multiply-adds x 2 of the batched search: every candidate token through the client blocks."""
@@ -120,11 +134,9 @@ def whole_attack(a) -> None:
     truth = torch.tensor(eval_token_ids(a.run, traffic.doc_ids))
     tok = float((rec.tokens == truth).float().mean())
     same = bool(torch.equal(rec.extra["candidates"], cand))  # the counted pass computed what the timed one did
-    manifest = json.loads((Path(a.run) / "manifest.json").read_text())
     res = {
         "attack": a.attack,
-        "model": manifest["config"]["model"],
-        "cut": manifest["split"]["cut"],
+        **run_identity(a.run),
         "docs": n,
         "k": a.k,
         "matmul_gflops": gflops,
@@ -140,10 +152,9 @@ def whole_attack(a) -> None:
     }
     print(json.dumps(res, indent=2))
     if a.record:
-        dev = f"cpu: {cpu_name()}, {torch.get_num_threads()} threads"
         row = (
-            f"| {date.today().isoformat()} | {a.attack} | {res['model']} | {res['cut']} | {n} | {a.k} | {dev} | "
-            f"{gflops:.0f} (best of {len(reference.timings)}: {reference.spread()}) | {search / 1e12:.2f} | "
+            f"| {date.today().isoformat()} | {a.attack} | {res['model']} | {res['cut']} | {n} | {a.k} | {device_cell()} | "
+            f"{reference.cell()} | {search / 1e12:.2f} | "
             f"{rest / 1e12:.2f} | {wall:.1f} | {floor:.1f} | {wall / floor:.2f} | "
             f"{'yes' if same else 'NO'} | {tok:.4f} |"
         )
@@ -179,7 +190,7 @@ def main() -> None:
     reference.measure()
     gflops = reference.best
     print(
-        f"matmul {gflops:.0f} GFLOP/s (best of {len(reference.timings)}: {reference.spread()}); "
+        f"matmul {reference.cell()} GFLOP/s; "
         f"search {search_flops(kn.client, n, T, a.k, 2) / 1e12:.2f} TFLOP in {wall:.1f} s",
         flush=True,
     )
@@ -200,10 +211,8 @@ def main() -> None:
 
     flops = search_flops(kn.client, n, T, a.k, 2)
     floor = flops / (gflops * 1e9)
-    manifest = json.loads((Path(a.run) / "manifest.json").read_text())
     res = {
-        "model": manifest["config"]["model"],
-        "cut": manifest["split"]["cut"],
+        **run_identity(a.run),
         "docs": n,
         "k": a.k,
         "matmul_gflops": gflops,
@@ -223,10 +232,9 @@ def main() -> None:
     }
     print(json.dumps(res, indent=2))
     if a.record:
-        dev = f"cpu: {cpu_name()}, {torch.get_num_threads()} threads"
         row = (
-            f"| {date.today().isoformat()} | {res['model']} | {res['cut']} | {n} | {a.k} | {dev} | "
-            f"{gflops:.0f} (best of {len(reference.timings)}: {reference.spread()}) | "
+            f"| {date.today().isoformat()} | {res['model']} | {res['cut']} | {n} | {a.k} | {device_cell()} | "
+            f"{reference.cell()} | "
             f"{wall:.0f} | {floor:.0f} | {wall / floor:.2f} | {rss:.2f} | {m} | {ratio_same:.1f} | {ratio_per_doc:.0f} | "
             f"{'yes' if identical else 'NO'} | {tok:.4f} |"
         )

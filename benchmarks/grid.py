@@ -14,7 +14,7 @@ spec's `full` profile on the same model from the measured per-job seconds:
   (depth, defence, attack, k, budget, copy, perturbation) and attack seed, scaled by full / quick
   evaluation documents (linear; an upper bound, since a larger batch of documents costs less per
   document), plus its mis-paired twin's seconds (the result's ``control``) scaled by the twins' document
-  ratio (rows before 2026-12-05 left the twin out). A quick run with both of the full profile's attack
+  ratio (rows before commit 5ef6f50 left the twin out). A quick run with both of the full profile's attack
   seeds (``--override 'attack_seeds=[0, 1]'``) measures what the jobs that differ only in their seed share
   (``AttackInfo.seeded``); with one seed, every full job pays for its own search;
 - train job: split-training and all-local seconds (training.json, all_local.json) scaled by the
@@ -151,7 +151,9 @@ def project(
             )
     # a full job takes the quick job of its own attack seed where the quick run had it (two seeds measure what the
     # jobs that differ only in their seed share), else the first seed's (every seed paying for its own search)
-    first_seed = {sig: v for (sig, _), v in sorted(attack_s.items(), key=lambda kv: -kv[0][1])}
+    first_seed: dict[tuple, tuple[float, int | None, float | None, float]] = {}
+    for (sig, _), v in sorted(attack_s.items(), key=lambda kv: kv[0][1]):
+        first_seed.setdefault(sig, v)
     train_s: dict[tuple, tuple[float, float, int | None]] = {}
     for r in read_results(store, "train").to_pylist():
         run = store / r["run_dir"]

@@ -32,8 +32,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from attack_throughput import MatmulReference  # noqa: E402
-from train_capture import cpu_name, peak_rss_gib, record  # noqa: E402
+from attack_throughput import MatmulReference, device_cell, run_identity  # noqa: E402
+from train_capture import peak_rss_gib, record  # noqa: E402
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack  # noqa: E402
 from splitleak.attacks.search import round_sizes  # noqa: E402
@@ -96,10 +96,8 @@ def main() -> None:
     # the attack's own rounds: 16 then 16 times wider (exhaustive), or rounds of 16 up to the budget
     flops = sipit_flops(kn.client, checks, attack.round_size, attack._growth(a.budget), a.budget)
     floor = flops / (gflops * 1e9)
-    manifest = json.loads((Path(a.run) / "manifest.json").read_text())
     res = {
-        "model": manifest["config"]["model"],
-        "cut": manifest["split"]["cut"],
+        **run_identity(a.run),
         "copy": a.copy,
         "docs": len(traffic),
         "positions": int(checks.numel()),
@@ -117,14 +115,13 @@ def main() -> None:
     }
     print(json.dumps(res, indent=2))
     if a.record:
-        dev = f"cpu: {cpu_name()}, {torch.get_num_threads()} threads"
+        budget = f" {a.budget} |" if a.budget else ""  # the budgeted table's own column
         row = (
-            f"| {date.today().isoformat()} | {res['model']} | {res['cut']} | {a.copy} | {res['docs']} | {dev} | "
-            f"{gflops:.0f} (best of {len(reference.timings)}: {reference.spread()}) | {res['mean_checks']:.1f} | {res['max_checks']} | {100 * res['certified']:.2f} | "
-            f"{100 * res['token_recovery']:.2f} | {wall:.0f} | {floor:.0f} | {wall / floor:.2f} | {rss:.2f} |"
+            f"| {date.today().isoformat()} | {res['model']} | {res['cut']} | {a.copy} |{budget} {res['docs']} | "
+            f"{device_cell()} | {reference.cell()} | {res['mean_checks']:.1f} | {res['max_checks']} | "
+            f"{100 * res['certified']:.2f} | {100 * res['token_recovery']:.2f} | {wall:.0f} | {floor:.0f} | "
+            f"{wall / floor:.2f} | {rss:.2f} |"
         )
-        if a.budget:
-            row = row.replace(f"| {a.copy} |", f"| {a.copy} | {a.budget} |", 1)
         record("### Budgeted SipIt against its floor" if a.budget else "## Exhaustive SipIt", row)
 
 
