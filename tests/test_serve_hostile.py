@@ -351,6 +351,24 @@ def test_a_message_of_one_session_replayed_into_another_is_refused(tls, tmp_path
 # ------------------------------------------------------------------ 6. TLS failures explained
 
 
+def test_the_server_sends_nothing_after_the_tls_handshake_until_the_client_speaks(tls):
+    """No TLS 1.3 session ticket follows the handshake: tickets raced websockets' sync client, whose receiving
+    thread read them while its main thread wrote the opening request on the same TLS object, and about one
+    connection in a hundred on two loaded cores lost its request and timed out after 30 s. A ticket arrives
+    within milliseconds of the handshake on loopback; this waits a second for any byte."""
+    import select
+    import socket
+
+    with Served(tls) as srv:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as raw:
+                with client_context(tls).wrap_socket(raw, server_hostname="127.0.0.1") as conn:
+                    assert conn.version() == "TLSv1.3"
+                    readable, _, _ = select.select([conn], [], [], 1.0)
+                    assert not readable, "the server sent a record before the client's request (a session ticket)"
+                    assert conn.session is not None and not conn.session.has_ticket
+
+
 def test_a_failed_tls_handshake_is_logged_on_the_server_and_explained_to_the_client(tls, tmp_path, caplog):
     from websockets.sync.client import connect
 
