@@ -103,6 +103,8 @@ def signature(f: dict) -> tuple:
         f.get("client_copy"),
         f.get("perturbation"),
         f.get("inference"),
+        f.get("readout"),
+        f.get("params"),  # a profile may run an attack with other parameters (decoys: a smaller probe battery)
     )
 
 
