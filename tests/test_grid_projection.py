@@ -1,0 +1,41 @@
+"""benchmarks/grid.py projects the full profile of a grid from its quick profile's measured jobs. A full job
+may only stand on a quick job that ran the same work: the same attack with the same parameters."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from splitleak.experiments import plan_grid
+
+pytestmark = pytest.mark.unit
+
+GRID = Path(__file__).resolve().parents[1] / "benchmarks" / "grid.py"
+
+
+def _grid_module():
+    spec = importlib.util.spec_from_file_location("bench_grid", GRID)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def _unmatched(grid, name: str, overrides: list[str]) -> list[dict]:
+    quick = plan_grid(name, profile="quick", overrides=overrides)
+    full = plan_grid(name, profile="full", overrides=[*overrides, f"model=[{', '.join(quick.loaded.spec.models)}]"])
+    measured = {grid.signature(j.fields) for j in quick.jobs if j.kind == "attack"}
+    return [j.fields for j in full.jobs if j.kind == "attack" and grid.signature(j.fields) not in measured]
+
+
+def test_a_full_job_is_projected_only_from_a_quick_job_with_the_same_attack_parameters(wikitext_dir):
+    grid = _grid_module()
+    over = [f"data.path={wikitext_dir}"]
+    # decoys' quick profile runs a probe battery of 3 views x 2 models x 1 restart; the full one the default
+    # 5 x 4 x 3: its 9 probe jobs have no measurement, everything else has
+    missing = _unmatched(grid, "decoys", over)
+    assert len(missing) == 9 and {(f["attack"], f["params"]) for f in missing} == {("latent-probe", None)}
+    # mirage's quick GMA-SL runs 100 of its 400 steps: none of the full attack jobs has a measurement
+    missing = _unmatched(grid, "mirage", over)
+    assert len(missing) == 72 and {f["attack"] for f in missing} == {"gma-sl", "gma-sl-aware", "bisr", "bisr-f"}
+    # paper_main's quick profile runs every configuration of the full one: all 3,440 are measured
+    assert _unmatched(grid, "paper_main", over) == []
