@@ -87,6 +87,17 @@ def run_identity(run: str | Path) -> dict[str, object]:
     return {"model": manifest["config"]["model"], "cut": manifest["split"]["cut"]}
 
 
+def row_head(run: str | Path, n: int, k: int, reference: MatmulReference) -> dict[str, object]:
+    """The fields every attack row's JSON starts with: the run, its documents, k and the reference rate."""
+    return {
+        **run_identity(run),
+        "docs": n,
+        "k": k,
+        "matmul_gflops": reference.best,
+        "matmul_gflops_spread": reference.spread(),
+    }
+
+
 def device_cell() -> str:
     return f"cpu: {cpu_name()}, {torch.get_num_threads()} threads"
 
@@ -136,11 +147,7 @@ def whole_attack(a) -> None:
     same = bool(torch.equal(rec.extra["candidates"], cand))  # the counted pass computed what the timed one did
     res = {
         "attack": a.attack,
-        **run_identity(a.run),
-        "docs": n,
-        "k": a.k,
-        "matmul_gflops": gflops,
-        "matmul_gflops_spread": reference.spread(),
+        **row_head(a.run, n, a.k, reference),
         "wall_s": wall,
         "search_tflop": search / 1e12,
         "outside_search_tflop": rest / 1e12,
@@ -189,11 +196,8 @@ def main() -> None:
     wall = time.perf_counter() - t0
     reference.measure()
     gflops = reference.best
-    print(
-        f"matmul {reference.cell()} GFLOP/s; "
-        f"search {search_flops(kn.client, n, T, a.k, 2) / 1e12:.2f} TFLOP in {wall:.1f} s",
-        flush=True,
-    )
+    flops = search_flops(kn.client, n, T, a.k, 2)
+    print(f"matmul {reference.cell()} GFLOP/s; search {flops / 1e12:.2f} TFLOP in {wall:.1f} s", flush=True)
     rss = peak_rss_gib()
     truth = torch.tensor(eval_token_ids(a.run, traffic.doc_ids))
     tok = float((fast.tokens == truth).float().mean())
@@ -209,14 +213,9 @@ def main() -> None:
     ratio_same = naive_s / fast_sub_s
     ratio_per_doc = (naive_s / m) / (wall / n)
 
-    flops = search_flops(kn.client, n, T, a.k, 2)
     floor = flops / (gflops * 1e9)
     res = {
-        **run_identity(a.run),
-        "docs": n,
-        "k": a.k,
-        "matmul_gflops": gflops,
-        "matmul_gflops_spread": reference.spread(),
+        **row_head(a.run, n, a.k, reference),
         "batched_s": wall,
         "peak_rss_gib": rss,
         "token_recovery": tok,

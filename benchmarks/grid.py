@@ -11,7 +11,8 @@ whole process tree (driver and workers) every half second, and then projects the
 spec's `full` profile on the same model from the measured per-job seconds:
 
 - attack job: its measured seconds (fit + reconstruct, from the store) for the same configuration
-  (depth, defence, attack, k, budget, copy, perturbation) and attack seed, scaled by full / quick
+  (depth, cut, defence, attack with its parameters and read-out, k, budget, copy, perturbation; a full job
+  with none is unmeasured) and attack seed, scaled by full / quick
   evaluation documents (linear; an upper bound, since a larger batch of documents costs less per
   document), plus its mis-paired twin's seconds (the result's ``control``) scaled by the twins' document
   ratio (rows before commit 5ef6f50 left the twin out). A quick run with both of the full profile's attack
