@@ -502,6 +502,37 @@ def test_wide_exhaustive_rounds_certify_the_same_tokens_in_far_fewer_rounds(seed
 
 @pytest.mark.integration
 @pytest.mark.parametrize("seed", [0, 1])
+def test_a_round_split_into_many_passes_reads_what_one_pass_reads(seed):
+    """``pass_rows`` bounds the candidate rows of one forward pass; it cuts a wide round into passes and
+    must change nothing but the rounding of the products."""
+    from splitleak.attacks.search import sipit
+
+    client, ev, obs, order, g = _weak_search(seed)
+    other = load_model("tiny-gpt2", seed=seed)  # a copy that cannot match: every position takes every round
+    with torch.no_grad():
+        for p in other.model.parameters():
+            p.add_(0.02 * p.std() * torch.randn(p.shape, generator=g))
+    public = ClientCopy(other.model, 2)
+    tol = 1e-3 * obs.double().norm(dim=-1)
+    passes = []
+    extend = public.extend
+
+    def counted(cache, cand, t):
+        passes.append(cand.shape)
+        return extend(cache, cand, t)
+
+    public.extend = counted
+    one = sipit(public, obs, order(public), None, tol, 16, growth=16, pass_rows=4096)
+    wide = len(passes)
+    many = sipit(public, obs, order(public), None, tol, 16, growth=16, pass_rows=7)
+    assert len(passes) - wide > 10 * wide  # 3 documents, at most 2 candidates each per pass
+    assert max(a * k for a, k in passes[wide:] if k > 1) <= 7
+    assert torch.equal(one.tokens, many.tokens) and torch.equal(one.checks, many.checks)
+    torch.testing.assert_close(one.distance, many.distance, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1])
 def test_the_margin_rule_stops_a_copy_that_cannot_match_early_with_the_same_reading(seed):
     """Through a copy that differs from the client's (as the public copy after fine-tuning), nothing ever
     matches, so the plain exhaustive search checks the whole vocabulary at every position; the margin

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from splitleak.attacks.candidate_attention import extend_attention
 from splitleak.attacks.registry import COPIES
 from splitleak.data import Document
 from splitleak.defences import build_defence
@@ -104,19 +105,28 @@ class ClientCopy:
         to its prefix and itself only (a 4-D mask), at position id ``position``. The cache grows by
         ``k`` entries per row; ``select_cache`` keeps the chosen ones."""
         n, k = candidates.shape
+        kinds = list(getattr(self.owner.config, "layer_types", None) or [])[: self.cut]
+        sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+        if sliding:  # its cache keeps only the window, which the candidates' mask does not know
+            raise ConfigError(
+                f"the prefix search (beam search, SipIt) does not support sliding-window attention: blocks {sliding} "
+                f"of this copy attend through a window of {getattr(self.owner.config, 'sliding_window', '?')} tokens; "
+                "cut before them or use a model without a sliding window"
+            )
         mask = torch.zeros(n, 1, k, position + k, dtype=torch.bool, device=self.device)
         mask[..., :position] = True
         idx = torch.arange(k, device=self.device)
         mask[:, 0, idx, position + idx] = True
         pos = torch.full((n, k), position, dtype=torch.long, device=self.device)
         before = _cached_length(cache)
-        out = self.owner(
-            input_ids=candidates.to(self.device),
-            position_ids=pos,
-            attention_mask=mask,
-            use_cache=True,
-            **{self.cache_keyword: cache},
-        )
+        with extend_attention(self.owner.config, position, k):  # linear in k (``attacks.candidate_attention``)
+            out = self.owner(
+                input_ids=candidates.to(self.device),
+                position_ids=pos,
+                attention_mask=mask,
+                use_cache=True,
+                **{self.cache_keyword: cache},
+            )
         if _cached_length(cache) != before + k:
             raise RuntimeError(
                 f"the client copy's forward did not fill the key/value cache passed as {self.cache_keyword!r} "

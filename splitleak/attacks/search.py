@@ -160,7 +160,7 @@ def sipit(
     progress: Progress | None = None,
     name: str = "SipIt",
     growth: int = 1,
-    pass_size: int = 512,
+    pass_rows: int = 2048,
     margin: float | None = None,
     after_miss: int | None = None,
     distance: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
@@ -173,11 +173,12 @@ def sipit(
     Rounds: the first checks ``round_size`` candidates, each later one ``growth`` times more (``growth=1``:
     rounds of one size, What Gradients Add's budgeted SipIt; 16 makes an exhaustive search of a
     position with no exact match a handful of wide rounds instead of thousands of narrow ones). A round
-    is recomputed in forward passes of at most ``pass_size`` candidates per document (the candidates'
-    masked attention grows with its square). ``margin`` (ours; None: off) stops a position that has no
-    match when a whole round found nothing within (1 + margin) times the best distance so far: the
-    order proposes the likeliest candidates first, so a round that comes nowhere near says the rest will
-    not either. Such a token is the best checked, not certified (``matched`` stays False).
+    is recomputed in forward passes of at most ``pass_rows`` candidate rows in all (documents x candidates,
+    at least one candidate per document): wide enough for the products to run at speed, small enough to
+    bound the passes' memory; the candidates' attention is linear in their number (``ClientCopy.extend``).
+    ``margin`` (ours; None: off) stops a position that has no match when a whole round found nothing
+    within (1 + margin) times the best distance so far: the order proposes the likeliest candidates first,
+    so a round that comes nowhere near says the rest will not either. Such a token is the best checked, not certified (``matched`` stays False).
     ``distance`` (None: the L2 norm) scores candidates as in ``beam_search``.
     ``after_miss`` (ours; None: off) bounds the search of a position whose previous position found no
     match: its prefix is then not the true one, so no candidate can reproduce the observed activation
@@ -188,7 +189,7 @@ def sipit(
     ``observed``), the candidate token ids of ranks [start, start + size) at position ``t``:
     [len(rows), size]; ``prefix()`` gives a fresh cache of those rows' prefixes (None at t = 0)
     for orders that probe the client layers."""
-    setup = _Setup(client, observed, tol, pass_size, margin, after_miss, distance)
+    setup = _Setup(client, observed, tol, pass_rows, margin, after_miss, distance)
     track = _Track.new(observed.shape[:2], round_sizes(round_size, growth, setup.limit(budget)), order)
     progress = progress or Silent()
     task = progress.start(name, observed.shape[0] * observed.shape[1])
@@ -222,7 +223,7 @@ def sipit_budgets(
     progress: Progress | None = None,
     name: str = "SipIt",
     growth: int = 1,
-    pass_size: int = 512,
+    pass_rows: int = 2048,
     margin: float | None = None,
     after_miss: int | None = None,
     distance: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
@@ -238,7 +239,7 @@ def sipit_budgets(
     each chunk before the first one where b runs out on any document (where every document matches
     within b checks, all of it; through a copy that cannot match, none). The batch of a chunk is never
     split: a forward pass over other rows could round differently."""
-    setup = _Setup(client, observed, tol, pass_size, margin, after_miss, distance)
+    setup = _Setup(client, observed, tol, pass_rows, margin, after_miss, distance)
     if shared_budgets(budgets, client.vocab_size, round_size, growth) != list(budgets):
         raise ValueError(f"SipIt budgets {budgets} cannot share one search (shared_budgets)")
     shape = observed.shape[:2]
@@ -274,7 +275,7 @@ class _Setup:
     client: ClientCopy
     observed: torch.Tensor
     tol: float | torch.Tensor
-    pass_size: int
+    pass_rows: int
     margin: float | None
     after_miss: int | None
     distance: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None
@@ -374,9 +375,10 @@ def _rounds(setup: _Setup, chunk: _Chunk, track: _Track, t: int, on_round=None) 
 
         cand = track.order(rows_all[active], t, start, r, prefix).to(client.device)
         parts = []
-        for c0 in range(0, r, s.pass_size):  # each pass extends a fresh copy of the prefixes
+        per = max(1, s.pass_rows // len(active))  # candidates per document in one pass
+        for c0 in range(0, r, per):  # each pass extends a fresh copy of the prefixes
             sub = prefix() or client.new_cache()
-            h = client.extend(sub, cand[:, c0 : c0 + s.pass_size], t)  # [a, <=pass_size, d]
+            h = client.extend(sub, cand[:, c0 : c0 + per], t)  # [a, <=per, d]
             if s.distance is None:
                 parts.append((h - chunk.obs[active, t].unsqueeze(1)).norm(dim=-1).double().cpu())
             else:
