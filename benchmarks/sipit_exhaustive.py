@@ -9,9 +9,12 @@ RUN_DIR is a run of `splitleak train` (e.g. the `run/` folder that `make audit` 
    round) on the first --docs captured documents through the --copy of the client layers, and records
    wall time, checks per position, the share certified and token recovery;
 3. counts the multiply-adds of what it computed: every checked candidate through the client blocks
-   (with its attention to the cached prefix), the prefix growth, and the gradient steps of the
+   (with its attention to the cached prefix), the prefix growth, the gradient steps of the
    order (a forward and a backward, about three forwards, of one position per document per round
-   after the first); and reports wall time against the floor that FLOPs / measured throughput gives.
+   after the first) and, since 2026-12-05, the order's ranking of the vocabulary before each round
+   (one [1, d] x [d, vocab] product per document and round, as the whole-attack rows of
+   ``attack_throughput.py`` count the beam attackers' cosine rankings); and reports wall time against the
+   floor that FLOPs / measured throughput gives.
 
 With ``--budget N`` it runs What Gradients Add's budgeted SipIt instead (rounds of 16, at most N checks per
 position, the best checked candidate kept where none matched), counted the same way, and records the row in
@@ -43,11 +46,12 @@ from splitleak.runs.truth import eval_token_ids  # noqa: E402
 def sipit_flops(
     client, checks: torch.Tensor, round_size: int = 16, growth: int = 16, budget: int | None = None
 ) -> float:
-    """Multiply-adds x 2 of what a SipIt search computed, from its checks per (document, position); its rounds
-    as ``search.round_sizes`` cuts them (up to ``budget``, None: the vocabulary)."""
+    """Multiply-adds x 2 of what a SipIt search in the gradient order computed, from its checks per (document,
+    position); its rounds as ``search.round_sizes`` cuts them (up to ``budget``, None: the vocabulary)."""
     block_params = sum(p.numel() for b in client.blocks for p in b.parameters())
     d = client.embedding.shape[1]
     n_blocks = client.cut
+    vocab = client.vocab_size
     n, T = checks.shape
     total = 0.0
     sizes = round_sizes(round_size, growth, client.vocab_size if budget is None else min(budget, client.vocab_size))
@@ -65,6 +69,7 @@ def sipit_flops(
                 done += r
                 rounds += 1
             total += max(0, rounds - 1) * 3 * (2 * block_params + attn)
+            total += rounds * 2 * d * vocab  # the order ranks the vocabulary by cosine before each round
     return total
 
 

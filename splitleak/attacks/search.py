@@ -473,9 +473,10 @@ class GradientGuidedOrder:
             es = torch.stack([self._state[(int(r), t)][0] for r in rows])
             checked = torch.stack([self._state[(int(r), t)][1] for r in rows])
             es = self._grad_step(es, rows, t, prefix)
-        scores = torch.nn.functional.normalize(es, dim=-1) @ self._unit.T
-        scores = scores.masked_fill(checked, float("-inf"))
-        pick = torch.topk(scores, size, dim=-1).indices
+        # [vocab, a]: in this orientation the product reads the unit embedding once at speed for few rows
+        scores = self._unit @ torch.nn.functional.normalize(es, dim=-1).T
+        scores = scores.masked_fill_(checked.T, float("-inf"))
+        pick = torch.topk(scores, size, dim=0).indices.T
         checked = checked.scatter(1, pick, True)
         for i, r in enumerate(rows.tolist()):
             self._state[(r, t)] = (es[i], checked[i])
