@@ -36,6 +36,7 @@ _UNCOVERED = ("softcap", "sliding_window", "s_aux", "position_bias")
 
 
 def _sdpa(*args, **kwargs):
+    # lazy: transformers only where a model runs: reports and the results store load this module without one
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(*args, **kwargs)
@@ -75,6 +76,7 @@ def candidate_attention(module, query, key, value, attention_mask, dropout: floa
 
 
 def _register() -> None:
+    # lazy: transformers only where a model runs: reports and the results store load this module without one
     from transformers import AttentionInterface
 
     if NAME not in AttentionInterface._global_mapping:

@@ -102,8 +102,9 @@ class ClientCopy:
     def extend(self, cache, candidates: torch.Tensor, position: int) -> torch.Tensor:
         """Activations of ``k`` alternative next tokens for each of ``n`` cached prefixes of length
         ``position``, in one forward pass: ``candidates`` [n, k] -> [n, k, d]. Each candidate attends
-        to its prefix and itself only (a 4-D mask), at position id ``position``. The cache grows by
-        ``k`` entries per row; ``select_cache`` keeps the chosen ones."""
+        to its prefix and itself only, at position id ``position``: by ``attacks.candidate_attention``,
+        linear in k, or where that does not apply by transformers' attention under a 4-D mask. The cache
+        grows by ``k`` entries per row; ``select_cache`` keeps the chosen ones."""
         n, k = candidates.shape
         kinds = list(getattr(self.owner.config, "layer_types", None) or [])[: self.cut]
         sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]

@@ -178,7 +178,8 @@ def sipit(
     bound the passes' memory; the candidates' attention is linear in their number (``ClientCopy.extend``).
     ``margin`` (ours; None: off) stops a position that has no match when a whole round found nothing
     within (1 + margin) times the best distance so far: the order proposes the likeliest candidates first,
-    so a round that comes nowhere near says the rest will not either. Such a token is the best checked, not certified (``matched`` stays False).
+    so a round that comes nowhere near says the rest will not either. Such a token is the best checked,
+    not certified (``matched`` stays False).
     ``distance`` (None: the L2 norm) scores candidates as in ``beam_search``.
     ``after_miss`` (ours; None: off) bounds the search of a position whose previous position found no
     match: its prefix is then not the true one, so no candidate can reproduce the observed activation
