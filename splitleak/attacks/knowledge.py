@@ -66,6 +66,12 @@ class ClientCopy:
         prefix search never runs does not depend on it."""
         return cache_keyword(self.owner)
 
+    @functools.cached_property
+    def sliding_blocks(self) -> list[int]:
+        """The blocks of this copy that attend through a sliding window (transformers' ``layer_types``)."""
+        kinds = list(getattr(self.owner.config, "layer_types", None) or [])[: self.cut]
+        return [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embedding.dtype
@@ -106,12 +112,11 @@ class ClientCopy:
         linear in k, or where that does not apply by transformers' attention under a 4-D mask. The cache
         grows by ``k`` entries per row; ``select_cache`` keeps the chosen ones."""
         n, k = candidates.shape
-        kinds = list(getattr(self.owner.config, "layer_types", None) or [])[: self.cut]
-        sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
-        if sliding:  # its cache keeps only the window, which the candidates' mask does not know
+        if self.sliding_blocks:  # their cache keeps only the window, which the candidates' mask does not know
             raise ConfigError(
-                f"the prefix search (beam search, SipIt) does not support sliding-window attention: blocks {sliding} "
-                f"of this copy attend through a window of {getattr(self.owner.config, 'sliding_window', '?')} tokens; "
+                f"the prefix search (beam search, SipIt) does not support sliding-window attention: blocks "
+                f"{self.sliding_blocks} of this copy attend through a window of "
+                f"{getattr(self.owner.config, 'sliding_window', '?')} tokens; "
                 "cut before them or use a model without a sliding window"
             )
         mask = torch.zeros(n, 1, k, position + k, dtype=torch.bool, device=self.device)
