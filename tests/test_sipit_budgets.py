@@ -10,9 +10,9 @@ import torch
 
 from splitleak.attacks import load_knowledge, load_traffic
 from splitleak.attacks.core import make_attack
-from splitleak.attacks.knowledge import ClientCopy
+from splitleak.attacks.knowledge import ClientCopy, select_cache
 from splitleak.attacks.ridge import RidgeMap
-from splitleak.attacks.search import GradientGuidedOrder, shared_budgets, sipit, sipit_budgets
+from splitleak.attacks.search import GradientGuidedOrder, _subset_cache, shared_budgets, sipit, sipit_budgets
 from splitleak.models import load_model
 
 FIELDS = ("tokens", "distance", "checks", "matched", "within")
@@ -155,3 +155,36 @@ def test_sipit_siblings_on_one_knowledge_read_what_each_reads_alone(shared_run, 
     assert not torch.equal(alone[16].tokens, alone[64].tokens) or not torch.equal(
         alone[16].extra["checks"], alone[64].extra["checks"]
     )  # the budgets read differently here
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_order_proposes_each_token_once_per_position_the_nearest_unchecked_first(seed):
+    """``GradientGuidedOrder`` masks the tokens it proposed before at a position (a few per document, scattered
+    into the scores): over rounds that cover the vocabulary every token comes exactly once, and each round's
+    picks are the unchecked tokens nearest by cosine to that round's estimate, nearest first."""
+    client, obs, est = _setup(seed, 24, 0.3)
+    order = GradientGuidedOrder(client, obs, est)
+    rows, t, vocab = torch.tensor([4, 1, 3]), 2, client.vocab_size
+    cache = client.new_cache()
+    for p in range(t):  # a prefix of t tokens per row
+        client.extend(cache, torch.tensor([[7], [3], [5]]) + p, p)
+        select_cache(cache, p, torch.arange(3), torch.zeros(3, dtype=torch.long))
+
+    def prefix():
+        return _subset_cache(client, cache, torch.arange(3))
+
+    sizes = [16, 16, 100, vocab - 132]
+    picks, start = [], 0
+    for size in sizes:
+        p = order(rows, t, start, size, prefix)
+        assert p.shape == (3, size)
+        es = torch.stack([order._state[(int(r), t)][0] for r in rows])  # the estimate this round ranked by
+        sims = torch.nn.functional.normalize(es, dim=-1) @ torch.nn.functional.normalize(client.embedding, dim=-1).T
+        seen = torch.cat(picks, dim=1) if picks else torch.zeros(3, 0, dtype=torch.long)
+        sims = sims.scatter(1, seen, float("-inf"))
+        assert torch.equal(p, torch.topk(sims, size, dim=1).indices)
+        picks.append(p)
+        start += size
+    every = torch.cat(picks, dim=1)
+    assert torch.equal(every.sort(dim=1).values, torch.arange(vocab).expand(3, vocab))

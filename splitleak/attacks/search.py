@@ -469,16 +469,16 @@ class GradientGuidedOrder:
             for r in rows.tolist():
                 self._state.pop((r, t - 1), None)  # the previous position is settled
             es = self.estimate[rows, t].to(c.device, c.dtype)
-            checked = torch.zeros(len(rows), c.vocab_size, dtype=torch.bool, device=c.device)
+            checked = torch.zeros(len(rows), 0, dtype=torch.long, device=c.device)
         else:
             es = torch.stack([self._state[(int(r), t)][0] for r in rows])
-            checked = torch.stack([self._state[(int(r), t)][1] for r in rows])
+            checked = torch.stack([self._state[(int(r), t)][1] for r in rows])  # [a, start]
             es = self._grad_step(es, rows, t, prefix)
         # [vocab, a]: in this orientation the product reads the unit embedding once at speed for few rows
         scores = self._unit @ torch.nn.functional.normalize(es, dim=-1).T
-        scores = scores.masked_fill_(checked.T, float("-inf"))
+        scores = scores.scatter_(0, checked.T, float("-inf"))  # the tokens checked already: a few per row
         pick = torch.topk(scores, size, dim=0).indices.T
-        checked = checked.scatter(1, pick, True)
+        checked = torch.cat([checked, pick], dim=1)
         for i, r in enumerate(rows.tolist()):
             self._state[(r, t)] = (es[i], checked[i])
         return pick.cpu()
