@@ -180,7 +180,8 @@ def test_the_order_proposes_each_token_once_per_position_the_nearest_unchecked_f
         p = order(rows, t, start, size, prefix)
         assert p.shape == (3, size)
         es = torch.stack([order._state[(int(r), t)][0] for r in rows])  # the estimate this round ranked by
-        sims = torch.nn.functional.normalize(es, dim=-1) @ torch.nn.functional.normalize(client.embedding, dim=-1).T
+        unit = torch.nn.functional.normalize(client.embedding, dim=-1)
+        sims = (unit @ torch.nn.functional.normalize(es, dim=-1).T).T  # the order's product, so the same bits
         seen = torch.cat(picks, dim=1) if picks else torch.zeros(3, 0, dtype=torch.long)
         sims = sims.scatter(1, seen, float("-inf"))
         assert torch.equal(p, torch.topk(sims, size, dim=1).indices)
