@@ -39,6 +39,7 @@ from splitleak.attacks.gma import DISTANCES, GMASL, INIT_TOKEN_PROB
 from splitleak.attacks.sip import SipGRU
 from splitleak.errors import ConfigError
 from splitleak.progress import Progress, Silent
+from splitleak.runtime import fused_optimizer
 
 F_DISTANCES = ("cos", "l2")
 
@@ -112,7 +113,7 @@ def match_inputs(
         z = torch.zeros(e - s, h.shape[1], V, dtype=torch.float32, device=client.device)
         z.scatter_(-1, ids0.unsqueeze(-1).to(client.device), peak)
         z.requires_grad_(True)
-        opt = torch.optim.Adam([z], lr=lr)
+        opt = fused_optimizer(torch.optim.Adam, [z], lr=lr)
         history: list[float] = []
         t = 0
         while True:

@@ -73,6 +73,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from splitleak.attacks.base import Attack, Reconstruction
 from splitleak.errors import ConfigError
 from splitleak.progress import Progress, Silent
+from splitleak.runtime import fused_optimizer
 
 DISTANCES = ("cos", "l1", "l2", "tag")
 # a token-id initialisation puts this much probability on the given token (ours)
@@ -295,7 +296,7 @@ def _match_chunk(
         p = torch.softmax(logits.detach().float(), dim=-1)
         g_obs = g_obs.detach().to(h.device)
         z = z0.to(h.device).clone().requires_grad_(True)
-        opt = torch.optim.Adam([z], lr=lr)
+        opt = fused_optimizer(torch.optim.Adam, [z], lr=lr)
         weight = active.to(h.device, torch.float32)
         if distance == "cos":
             scale = 1.0

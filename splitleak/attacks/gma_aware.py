@@ -27,6 +27,7 @@ from splitleak.defences.mirage import Mirage, ScaleBlinding, SelectiveSupervisio
 from splitleak.defences.vmf import VMFDirection
 from splitleak.errors import ConfigError
 from splitleak.progress import Progress, Silent
+from splitleak.runtime import fused_optimizer
 
 AWARE_SCALES = ("auto", "none", "public", "fit")
 AWARE_DISTANCES = ("auto", "l2", "row-l2", "row-cos")
@@ -273,7 +274,7 @@ def _match_chunk_aware(
         if ob.scale == "fit":
             a = a.clone().requires_grad_(True)
         lo, hi = ob.lo / unit, ob.hi / unit
-        opt = torch.optim.Adam(params, lr=lr)
+        opt = fused_optimizer(torch.optim.Adam, params, lr=lr)
         weight = active.to(h.device, torch.float32)
         keep = (g_obs != 0).float() if ob.mask != "off" else None
         if ob.mask == "bound":  # a zeroed coordinate was no larger than the smallest one kept in its document

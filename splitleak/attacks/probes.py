@@ -51,6 +51,7 @@ from torch import nn
 from splitleak.attacks.partition import LatentFrame, LatentTraffic
 from splitleak.defences.decoys import derived_seed
 from splitleak.errors import ConfigError
+from splitleak.runtime import fused_optimizer
 
 VIEWS = ("forward", "real-rows", "gradient", "joint", "cross-gram")
 MODELS = ("mlp", "features", "graph", "deep")
@@ -321,7 +322,7 @@ class ProbeBattery:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(key)
             net = self._net(model, z.shape[-1], classes)
-        opt = torch.optim.AdamW(net.parameters(), lr=self.lr, weight_decay=0.01)
+        opt = fused_optimizer(torch.optim.AdamW, net.parameters(), lr=self.lr, weight_decay=0.01)
         rng = np.random.default_rng(key)
         target = torch.from_numpy(y)
         for _ in range(self.epochs):

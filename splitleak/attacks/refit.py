@@ -57,6 +57,7 @@ from splitleak.attacks.sipit import SipIt
 from splitleak.attacks.vmi import VMI
 from splitleak.errors import ConfigError
 from splitleak.progress import Progress, Silent
+from splitleak.runtime import fused_optimizer
 
 UPDATES = ("blocks", "norms", "all")
 INNER = ("sipit", "activation", "vmi")
@@ -204,7 +205,7 @@ class Refit(Attack):
         params = fit_parameters(client, self.update)
         for p in params:
             p.requires_grad_(True)
-        opt = torch.optim.Adam(params, lr=self.lr)
+        opt = fused_optimizer(torch.optim.Adam, params, lr=self.lr)
         gen = torch.Generator().manual_seed(int(self.seed) * 1_000_003 + 7919 * round_ + 11)
         n = tokens.shape[0]
         order = torch.randperm(n, generator=gen)

@@ -22,6 +22,7 @@ from torch import nn
 from splitleak.attacks.base import Attack, Reconstruction
 from splitleak.errors import ConfigError
 from splitleak.progress import Progress, Silent
+from splitleak.runtime import fused_optimizer
 
 
 class _GRUInverter(nn.Module):
@@ -85,7 +86,7 @@ class SipGRU(Attack):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             model = _GRUInverter(x.shape[-1], self.hidden, client.vocab_size)
-        opt = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        opt = fused_optimizer(torch.optim.AdamW, model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
         task = progress.start("sip-gru training", self.epochs)
         self.losses_: list[float] = []
         for _ in range(self.epochs):

@@ -26,6 +26,7 @@ import torch
 from splitleak.defences import DefenceChain
 from splitleak.errors import ConfigError, NonFiniteError
 from splitleak.models.split import BlockContext, SplitModel, next_token_loss
+from splitleak.runtime import fused_optimizer
 from splitleak.wire.channel import Channel
 from splitleak.wire.frames import Frame, check_finite
 
@@ -49,10 +50,7 @@ def make_optimizer(params, lr: float):
     params = [p for p in params if p.requires_grad]
     if not params:
         return None
-    try:
-        return torch.optim.AdamW(params, lr=lr, fused=True)
-    except (RuntimeError, ValueError):  # a device or dtype without the fused kernel
-        return torch.optim.AdamW(params, lr=lr)
+    return fused_optimizer(torch.optim.AdamW, params, lr=lr)
 
 
 #: forwards a server session holds at once awaiting their backward-top (each keeps its graph): a client
