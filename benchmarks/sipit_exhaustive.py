@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--copy", default="trained", choices=["trained", "public"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--budget", type=int, default=None, help="checks per position (default: exhaustive)")
+    ap.add_argument("--chunk-docs", type=int, default=None, help="documents searched together (default: the attack's)")
     ap.add_argument("--record", action="store_true")
     a = ap.parse_args()
     if a.threads:
@@ -88,7 +89,8 @@ def main() -> None:
     reference = MatmulReference()
     kn = load_knowledge(a.run, a.copy)
     traffic = load_traffic(a.run).subset(range(a.docs))
-    attack = make_attack("sipit", budget=a.budget or "exhaustive").fit(kn)
+    chunk = {} if a.chunk_docs is None else {"chunk_docs": a.chunk_docs}
+    attack = make_attack("sipit", budget=a.budget or "exhaustive", **chunk).fit(kn)
     reference.measure()
     t0 = time.perf_counter()
     rec = attack.reconstruct(traffic)
@@ -105,6 +107,7 @@ def main() -> None:
         **run_identity(a.run),
         "copy": a.copy,
         "docs": len(traffic),
+        "chunk_docs": attack._chunk_docs(traffic.activations.shape[1]),
         "positions": int(checks.numel()),
         "matmul_gflops": gflops,
         "matmul_gflops_spread": reference.spread(),

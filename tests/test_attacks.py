@@ -176,6 +176,35 @@ def test_budgeted_sipit_stops_at_its_budget(weak_runs):
     assert 0 < res["token_recovery"] <= 1
 
 
+@pytest.mark.unit
+def test_sipit_chunks_up_to_256_documents_and_32768_prefix_tokens_unless_told():
+    from splitleak.attacks.core import make_attack
+
+    default = make_attack("sipit", budget=32)
+    assert [default._chunk_docs(t) for t in (1, 32, 128, 129, 512, 4096, 10**6)] == [256, 256, 256, 254, 64, 8, 1]
+    assert make_attack("sipit-aware", budget=32)._chunk_docs(32) == 256
+    assert make_attack("sipit", budget=32, chunk_docs=7)._chunk_docs(32) == 7  # told: as told, at any length
+    assert make_attack("sipit", budget=32, chunk_docs=512)._chunk_docs(512) == 512
+
+
+@pytest.mark.integration
+def test_a_search_in_chunks_certifies_what_one_chunk_certifies(weak_runs, monkeypatch):
+    """The chunk reaches the search, and only batches it: 64 documents in one chunk (the default) and in four
+    read the same certified tokens through the trained copy."""
+    import splitleak.attacks.sipit as sipit_module
+    from splitleak.attacks.core import make_attack
+
+    seen: list[int] = []
+    real = sipit_module.sipit
+    monkeypatch.setattr(sipit_module, "sipit", lambda *a, **k: seen.append(a[6]) or real(*a, **k))
+    kn, tr = load_knowledge(weak_runs[1], "trained"), load_traffic(weak_runs[1])
+    whole = make_attack("sipit", budget="exhaustive").fit(kn).reconstruct(tr)
+    parts = make_attack("sipit", budget="exhaustive", chunk_docs=16).fit(kn).reconstruct(tr)
+    assert seen == [256, 16] and len(tr) == 64
+    assert bool(whole.extra["matched"].all()) and bool(parts.extra["matched"].all())
+    assert torch.equal(whole.tokens, parts.tokens)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("seed", [0, 1])
 def test_batched_and_naive_beam_search_agree_exactly(seed):

@@ -226,7 +226,7 @@ class AwareSipIt(_Aware, SipIt):
         tol_rel: NonNegativeFloat = 1e-3,
         round_size: PositiveInt = 16,
         seed: int = 0,
-        chunk_docs: PositiveInt = 64,
+        chunk_docs: PositiveInt | None = None,
         order: Order = "gradient",
         step: PositiveFloat = 0.5,
         growth: PositiveInt | None = None,
