@@ -9,12 +9,14 @@ RUN_DIR is a run of `splitleak train` (e.g. the `run/` folder that `make audit` 
    round) on the first --docs captured documents through the --copy of the client layers, and records
    wall time, checks per position, the share certified and token recovery;
 3. counts the multiply-adds of what it computed: every checked candidate through the client blocks
-   (with its attention to the cached prefix), the prefix growth, the gradient steps of the
-   order (a forward and a backward, about three forwards, of one position per document per round
-   after the first) and, since 2026-12-05, the order's ranking of the vocabulary before each round
-   (one [1, d] x [d, vocab] product per document and round, as the whole-attack rows of
-   ``attack_throughput.py`` count the beam attackers' cosine rankings); and reports wall time against the
-   floor that FLOPs / measured throughput gives.
+   (with its attention to the cached prefix), the prefix growth, the gradient steps of the order (a
+   forward and a backward of one position per document per round after the first: two forwards, since
+   the backward reaches the input embedding only and the copy's weights are frozen; until 2026-12-05 it
+   counted three, which put the floor above the work done) and, since 2026-12-05, the order's ranking of
+   the vocabulary before each round (one [1, d] x [d, vocab] product per document and round, as the
+   whole-attack rows of ``attack_throughput.py`` count the beam attackers' cosine rankings); and reports
+   wall time against the floor that FLOPs / measured throughput gives. The count agrees with torch's flop
+   counter over the same search to within GPT-2's biases and norms (``tests/test_sipit_floor.py``).
 
 With ``--budget N`` it runs What Gradients Add's budgeted SipIt instead (rounds of 16, at most N checks per
 position, the best checked candidate kept where none matched), counted the same way, and records the row in
@@ -60,7 +62,8 @@ def sipit_flops(
         attn = 2 * 2 * d * (t + 1) * n_blocks  # one new token against t cached positions and itself
         total += float(c.sum()) * (2 * block_params + attn)
         total += n * (2 * block_params + attn)  # the chosen token extends the prefix
-        # rounds after the first: one gradient step each (forward + backward ~ 3 forwards of one token)
+        # rounds after the first: one gradient step each, a forward and a backward into the input embedding
+        # only (no weight gradients): two forwards of one token (tests/test_sipit_floor.py)
         for ci in c.tolist():
             done, rounds = 0, 0
             for r in sizes:
@@ -68,7 +71,7 @@ def sipit_flops(
                     break
                 done += r
                 rounds += 1
-            total += max(0, rounds - 1) * 3 * (2 * block_params + attn)
+            total += max(0, rounds - 1) * 2 * (2 * block_params + attn)
             total += rounds * 2 * d * vocab  # the order ranks the vocabulary by cosine before each round
     return total
 
