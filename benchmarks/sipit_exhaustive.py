@@ -16,7 +16,7 @@ RUN_DIR is a run of `splitleak train` (e.g. the `run/` folder that `make audit` 
    the vocabulary before each round (one [1, d] x [d, vocab] product per document and round, as the
    whole-attack rows of ``attack_throughput.py`` count the beam attackers' cosine rankings); and reports
    wall time against the floor that FLOPs / measured throughput gives. The count agrees with torch's flop
-   counter over the same search to within GPT-2's biases and norms (``tests/test_sipit_floor.py``).
+   counter over the same search to within GPT-2's biases and norms (``tests/test_benchmark_floors.py``).
 
 With ``--budget N`` it runs What Gradients Add's budgeted SipIt instead (rounds of 16, at most N checks per
 position, the best checked candidate kept where none matched), counted the same way, and records the row in
@@ -63,7 +63,7 @@ def sipit_flops(
         total += float(c.sum()) * (2 * block_params + attn)
         total += n * (2 * block_params + attn)  # the chosen token extends the prefix
         # rounds after the first: one gradient step each, a forward and a backward into the input embedding
-        # only (no weight gradients): two forwards of one token (tests/test_sipit_floor.py)
+        # only (no weight gradients): two forwards of one token (tests/test_benchmark_floors.py)
         for ci in c.tolist():
             done, rounds = 0, 0
             for r in sizes:

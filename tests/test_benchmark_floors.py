@@ -1,7 +1,8 @@
-"""The floor of SipIt's benchmark (``benchmarks/sipit_exhaustive.py::sipit_flops``) counts what the search
-computes: its count of multiply-adds agrees with torch's flop counter run over the same search. The order's
-gradient step back-propagates into the input embedding only (the copy's weights are frozen), so it costs two
-forwards, not three; a floor that counted three would sit above the work done and flatter the ratio."""
+"""The benchmarks' FLOP floors count what the searches compute: the multiply-adds that
+``benchmarks/sipit_exhaustive.py::sipit_flops`` and ``benchmarks/attack_throughput.py::search_flops`` count
+agree with torch's flop counter run over the same search. A floor above the work done would flatter the ratio
+of wall time to floor: SipIt's order back-propagates into the input embedding only (the copy's weights are
+frozen), so its gradient step costs two forwards, not the three counted until 2026-12-05."""
 
 from __future__ import annotations
 
@@ -15,16 +16,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from splitleak.attacks.knowledge import ClientCopy
 from splitleak.attacks.ridge import RidgeMap
-from splitleak.attacks.search import GradientGuidedOrder, sipit
+from splitleak.attacks.search import GradientGuidedOrder, beam_search, sipit
 from splitleak.models import load_model
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def _bench():
+def _bench(name: str = "sipit_exhaustive"):
     sys.path.insert(0, str(BENCH))  # the script imports its neighbours as a script would
     try:
-        spec = importlib.util.spec_from_file_location("bench_sipit_exhaustive", BENCH / "sipit_exhaustive.py")
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)  # type: ignore[union-attr]
     finally:
@@ -56,3 +57,18 @@ def test_the_floor_counts_what_the_search_computes(seed, noise, budget, growth):
     # the count takes every parameter of a block for a multiply-add: GPT-2's biases and layer norms make it
     # about 2 % high here (under 0.1 % on SmolLM2, which has neither biases nor LayerNorm's shifts)
     assert 1.0 <= floor / counted <= 1.03, (floor, counted)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("k", [4, 8])
+def test_the_beam_floor_counts_what_the_beam_search_computes(seed, k):
+    bench = _bench("attack_throughput")
+    client = ClientCopy(load_model("tiny-gpt2", seed=seed).model, 2)
+    g = torch.Generator().manual_seed(seed)
+    obs = client.activations(torch.randint(0, client.vocab_size, (6, 10), generator=g))
+    candidates = torch.randint(0, client.vocab_size, (6, 10, k), generator=g)
+    with FlopCounterMode(display=False) as counter:
+        beam_search(client, obs, candidates, 2)
+    floor = bench.search_flops(client, 6, 10, k, 2)
+    assert 1.0 <= floor / counter.get_total_flops() <= 1.03, (floor, counter.get_total_flops())
