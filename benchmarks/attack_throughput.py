@@ -43,6 +43,7 @@ from train_capture import cpu_name, peak_rss_gib, record  # noqa: E402
 from splitleak.attacks import load_knowledge, load_traffic, make_attack  # noqa: E402
 from splitleak.attacks.search import beam_search, beam_search_naive  # noqa: E402
 from splitleak.runs.truth import eval_token_ids  # noqa: E402
+from splitleak.runtime import keep_freed_memory  # noqa: E402
 
 
 def matmul_gflops(n: int = 2048, reps: int = 5) -> float:
@@ -87,12 +88,20 @@ def run_identity(run: str | Path) -> dict[str, object]:
     return {"model": manifest["config"]["model"], "cut": manifest["split"]["cut"]}
 
 
+def allocator() -> str:
+    """Set glibc to keep freed memory as the command line and the grid's workers do
+    (``runtime.keep_freed_memory``), and name the setting in force: ``keep`` or ``system``
+    (``SPLITLEAK_MALLOC=system``, or not glibc)."""
+    return "keep" if keep_freed_memory() else "system"
+
+
 def row_head(run: str | Path, n: int, k: int, reference: MatmulReference) -> dict[str, object]:
     """The fields every attack row's JSON starts with: the run, its documents, k and the reference rate."""
     return {
         **run_identity(run),
         "docs": n,
         "k": k,
+        "malloc": allocator(),
         "matmul_gflops": reference.best,
         "matmul_gflops_spread": reference.spread(),
     }
@@ -180,6 +189,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    allocator()
     if a.attack:
         whole_attack(a)
         return

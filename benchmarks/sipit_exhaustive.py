@@ -37,7 +37,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from attack_throughput import MatmulReference, device_cell, run_identity  # noqa: E402
+from attack_throughput import MatmulReference, allocator, device_cell, run_identity  # noqa: E402
 from train_capture import peak_rss_gib, record  # noqa: E402
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack  # noqa: E402
@@ -88,6 +88,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    malloc = allocator()
 
     reference = MatmulReference()
     kn = load_knowledge(a.run, a.copy)
@@ -111,6 +112,7 @@ def main() -> None:
         "copy": a.copy,
         "docs": len(traffic),
         "chunk_docs": attack._chunk_docs(traffic.activations.shape[1]),
+        "malloc": malloc,
         "positions": int(checks.numel()),
         "matmul_gflops": gflops,
         "matmul_gflops_spread": reference.spread(),

@@ -1,9 +1,11 @@
-"""Where and how a process computes: the torch device, its threads, and the versions of the packages a
-run's numbers depend on (recorded in every manifest). One small module, below every stage that uses it."""
+"""Where and how a process computes: the torch device, its threads, glibc's heap, and the versions of the
+packages a run's numbers depend on (recorded in every manifest). One small module, below every stage that uses it."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
+import os
 import platform
 
 import torch
@@ -29,6 +31,50 @@ def apply_threads(threads: int | None) -> None:
         if threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
+
+
+#: glibc's ``mallopt`` parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: ours: the largest block glibc takes from its heap (not a fresh mapping), and the free memory it keeps at the
+#: heap's top, when ``keep_freed_memory`` is on. 64 MiB holds a ranking of 256 rows against a 49,152-token
+#: vocabulary (48 MiB) and every tensor of a candidates' pass; 256 MiB holds the pass's temporaries together.
+HEAP_MMAP_THRESHOLD = 64 << 20
+HEAP_TRIM_THRESHOLD = 256 << 20
+#: ``keep`` (the default) or ``system`` (glibc's own behaviour, for comparison)
+MALLOC_ENV = "SPLITLEAK_MALLOC"
+_MALLOC_CHOICES = ("keep", "system")
+_KEPT: bool | None = None
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc keep the memory the process frees, up to ``HEAP_TRIM_THRESHOLD`` at the heap's top
+    and in blocks of up to ``HEAP_MMAP_THRESHOLD``, for the next tensors of the same sizes. By default glibc
+    maps a large block afresh and returns the heap's free top to the kernel past twice the largest block freed
+    so far, so a forward pass whose temporaries together exceed that faults in (and the kernel zeroes) the same
+    memory on every pass: 90 MiB per pass of 2,048 candidates through SmolLM2's six client blocks, 5-8 % of
+    its time (``benchmarks/RESULTS.md``, "glibc's heap"). Workers still give memory back after each job
+    (``experiments.worker.release_memory``: ``malloc_trim``). Numbers are unchanged: torch aligns every
+    tensor the same way whichever allocator serves it.
+
+    Called once by the command line, the grid's worker processes and the benchmarks, not on import: a Python
+    user's process keeps its allocator unless they call it. ``SPLITLEAK_MALLOC=system`` leaves glibc as it is.
+    Returns whether the setting is in force (False where the C library is not glibc)."""
+    global _KEPT
+    choice = os.environ.get(MALLOC_ENV, "keep")
+    if choice not in _MALLOC_CHOICES:
+        raise ConfigError(f"{MALLOC_ENV}={choice!r} is not a choice; use one of {', '.join(_MALLOC_CHOICES)}")
+    if _KEPT is None:
+        _KEPT = False
+        if choice == "keep" and platform.libc_ver()[0] == "glibc":
+            try:
+                libc = ctypes.CDLL("libc.so.6")
+            except OSError:  # glibc under another name: leave it
+                return False
+            _KEPT = bool(
+                libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(HEAP_MMAP_THRESHOLD))
+                and libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(HEAP_TRIM_THRESHOLD))
+            )
+    return _KEPT
 
 
 def fused_optimizer(cls: type[torch.optim.Adam] | type[torch.optim.AdamW], params, **kwargs) -> torch.optim.Optimizer:

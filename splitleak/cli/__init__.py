@@ -7,12 +7,14 @@ from __future__ import annotations
 from splitleak.attacks.registry import load_plugins
 from splitleak.cli import audit, catalogue, deploy, experiment, protocol, runs, tune  # noqa: F401  (each registers its commands)
 from splitleak.cli.common import app, parse_defences, user_errors
+from splitleak.runtime import keep_freed_memory
 
 __all__ = ["app", "main", "parse_defences"]
 
 
 def main() -> None:  # console-script entry point
     with user_errors():
+        keep_freed_memory()  # glibc keeps what the passes free for the next ones (SPLITLEAK_MALLOC=system: not)
         load_plugins()  # attacks registered by SPLITLEAK_PLUGINS
     app()
 

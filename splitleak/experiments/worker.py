@@ -60,6 +60,7 @@ from splitleak.models import LoadedModel, load_model
 from splitleak.models.presets import PRESETS
 from splitleak.runs.manifest import read_manifest
 from splitleak.runs.verify import verify_run
+from splitleak.runtime import keep_freed_memory
 from splitleak.seeds import model_init_seed
 from splitleak.training import config_from_record, run_training
 
@@ -102,10 +103,12 @@ def warm_worker() -> None:
     generation (``gc.freeze``). ``release_memory`` after each job then walks the objects made since, not the
     few hundred thousand of torch and transformers (what that saves: benchmarks/RESULTS.md, "The test
     suite"). What is frozen lives as long as the process anyway (modules, classes, functions); no job has run
-    in this process yet, so none of a job's objects is among it."""
+    in this process yet, so none of a job's objects is among it. It also sets glibc to keep freed memory for
+    the next pass (``runtime.keep_freed_memory``)."""
     global _WARM
     if _WARM:
         return
+    keep_freed_memory()
     # lazy: the driver imports this module without transformers; the model classes load on first use
     import transformers
 
