@@ -7,16 +7,20 @@ import ctypes
 import importlib.metadata
 import os
 import platform
-
-import torch
+from typing import TYPE_CHECKING
 
 import splitleak
 from splitleak.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic", "faker", "gguf")
 
 
 def resolve_device(device: str) -> torch.device:
+    import torch  # lazy: torch stays out of `splitleak --help`, which loads this module (keep_freed_memory)
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -30,6 +34,8 @@ def apply_threads(threads: int | None) -> None:
     if threads is not None:
         if threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {threads}")
+        import torch  # lazy: as in resolve_device
+
         torch.set_num_threads(threads)
 
 
@@ -51,8 +57,8 @@ def keep_freed_memory() -> bool:
     and in blocks of up to ``HEAP_MMAP_THRESHOLD``, for the next tensors of the same sizes. By default glibc
     maps a large block afresh and returns the heap's free top to the kernel past twice the largest block freed
     so far, so a forward pass whose temporaries together exceed that faults in (and the kernel zeroes) the same
-    memory on every pass: 90 MiB per pass of 2,048 candidates through SmolLM2's six client blocks, 5-8 % of
-    its time (``benchmarks/RESULTS.md``, "glibc's heap"). Workers still give memory back after each job
+    memory on every pass: 90 MiB per pass of 2,048 candidates through SmolLM2's six client blocks. Kept,
+    budgeted SipIt on 256 documents ran about 2 % faster (``benchmarks/RESULTS.md``, "glibc's heap"). Workers still give memory back after each job
     (``experiments.worker.release_memory``: ``malloc_trim``). Numbers are unchanged: torch aligns every
     tensor the same way whichever allocator serves it.
 
