@@ -58,9 +58,9 @@ def keep_freed_memory() -> bool:
     maps a large block afresh and returns the heap's free top to the kernel past twice the largest block freed
     so far, so a forward pass whose temporaries together exceed that faults in (and the kernel zeroes) the same
     memory on every pass: 90 MiB per pass of 2,048 candidates through SmolLM2's six client blocks. Kept,
-    budgeted SipIt on 256 documents ran about 2 % faster (``benchmarks/RESULTS.md``, "glibc's heap"). Workers still give memory back after each job
-    (``experiments.worker.release_memory``: ``malloc_trim``). Numbers are unchanged: torch aligns every
-    tensor the same way whichever allocator serves it.
+    budgeted SipIt on 256 documents ran about 2 % faster (``benchmarks/RESULTS.md``, "glibc's heap").
+    Workers still give memory back after each job (``experiments.worker.release_memory``: ``malloc_trim``).
+    Numbers are unchanged: torch aligns every tensor the same way whichever allocator serves it.
 
     Called once by the command line, the grid's worker processes and the benchmarks, not on import: a Python
     user's process keeps its allocator unless they call it. ``SPLITLEAK_MALLOC=system`` leaves glibc as it is.
