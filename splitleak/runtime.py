@@ -52,6 +52,26 @@ _MALLOC_CHOICES = ("keep", "system")
 _KEPT: bool | None = None
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc (whose ``mallopt`` and ``malloc_trim`` the heap's two settings call),
+    else None."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # glibc under another name: leave it
+        return None
+
+
+def trim_heap() -> None:
+    """Ask glibc to return the heap's free memory to the system now (``malloc_trim``), kept or not: what a
+    worker does after each job (``experiments.worker.release_memory``). Nothing where the C library is not
+    glibc."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def keep_freed_memory() -> bool:
     """Let glibc's malloc keep the memory the process frees, up to ``HEAP_TRIM_THRESHOLD`` at the heap's top
     and in blocks of up to ``HEAP_MMAP_THRESHOLD``, for the next tensors of the same sizes. By default glibc
@@ -71,11 +91,8 @@ def keep_freed_memory() -> bool:
         raise ConfigError(f"{MALLOC_ENV}={choice!r} is not a choice; use one of {', '.join(_MALLOC_CHOICES)}")
     if _KEPT is None:
         _KEPT = False
-        if choice == "keep" and platform.libc_ver()[0] == "glibc":
-            try:
-                libc = ctypes.CDLL("libc.so.6")
-            except OSError:  # glibc under another name: leave it
-                return False
+        libc = _glibc() if choice == "keep" else None
+        if libc is not None:
             _KEPT = bool(
                 libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(HEAP_MMAP_THRESHOLD))
                 and libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(HEAP_TRIM_THRESHOLD))

@@ -91,3 +91,23 @@ def test_the_command_line_refuses_an_unknown_choice_before_it_runs():
     assert out.returncode != 0
     assert "SPLITLEAK_MALLOC='fast' is not a choice" in out.stdout + out.stderr
     assert "Usage" not in out.stdout  # refused before the command ran
+
+
+def test_a_trimmed_heap_gives_the_kept_memory_back():
+    """What a worker does after each job (``release_memory``): kept memory stays resident until the trim."""
+    code = """
+import json, resource, torch
+from splitleak.runtime import keep_freed_memory, trim_heap
+assert keep_freed_memory()
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
+x = torch.ones(12 << 20)  # 48 MiB from the heap, not a mapping of its own
+del x
+kept = rss()
+trim_heap()
+print(json.dumps({"kept": kept, "trimmed": rss()}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["kept"] - got["trimmed"] > 40, got  # MiB

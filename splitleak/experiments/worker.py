@@ -60,7 +60,7 @@ from splitleak.models import LoadedModel, load_model
 from splitleak.models.presets import PRESETS
 from splitleak.runs.manifest import read_manifest
 from splitleak.runs.verify import verify_run
-from splitleak.runtime import keep_freed_memory
+from splitleak.runtime import keep_freed_memory, trim_heap
 from splitleak.seeds import model_init_seed
 from splitleak.training import config_from_record, run_training
 
@@ -388,10 +388,7 @@ def release_memory() -> None:
     the process's lifetime, so that a worker's resident memory after a job is the model cache, not the
     largest job's peak."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+    trim_heap()
 
 
 def ray_execute_jobs(
