@@ -10,7 +10,11 @@ token ids (seeded), draws 32 random candidate tokens per prefix, and computes th
 It then computes the same (prefix, candidate) pairs again in batches of another composition: fewer candidates
 per prefix, fewer or other documents, the documents or the candidates in another order. For each case it prints
 how many rows, and how many of the key/value entries the pass appends to the cache, differ in any bit from the
-reference, and by how much at most.
+reference, and by how much at most. Then the same for SipIt's gradient-guided order
+(``GradientGuidedOrder``): the first 16 picks from the estimate, one gradient step against a random observed
+row, and the next 16 picks, for all documents and for subsets: how many documents' estimates after the step
+differ in any bit, how many documents' picks differ, and how many documents' ranking scores (the order's
+product of the unit embedding with the estimates, here the reference's estimates after the step) differ in any bit.
 
 A cache of candidate rows shared by the searches of one grid task (RESULTS.md, "What a shared cache of
 candidate rows could save") is exact only if no row depends on its batch: this measures where that holds on the
@@ -30,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from splitleak.attacks import load_knowledge  # noqa: E402
-from splitleak.attacks.search import _subset_cache  # noqa: E402  (the searches' own copy of a cache's rows)
+from splitleak.attacks.search import GradientGuidedOrder, _subset_cache  # noqa: E402
 from splitleak.runs.manifest import read_manifest  # noqa: E402
 
 #: candidates per prefix in the reference pass (the beam attackers' largest k)
@@ -43,6 +47,16 @@ def _pass(client, cache, rows: torch.Tensor, candidates: torch.Tensor, t: int):
     h = client.extend(sub, candidates, t)
     kv = torch.stack([torch.stack([layer.keys[:, :, t:], layer.values[:, :, t:]]) for layer in sub.layers])
     return h, kv
+
+
+def _order(client, cache, rows: torch.Tensor, observed: torch.Tensor, estimate: torch.Tensor, t: int):
+    """SipIt's order for ``rows`` at position t: (first 16 picks, the estimate after one gradient step, the next 16
+    picks)."""
+    order = GradientGuidedOrder(client, observed, estimate)
+    first = order(rows, t, 0, 16, lambda: _subset_cache(client, cache, rows))
+    second = order(rows, t, 16, 16, lambda: _subset_cache(client, cache, rows))
+    stepped = torch.stack([order._state[(int(r), t)][0] for r in rows.tolist()])
+    return first, stepped, second
 
 
 def main() -> None:
@@ -100,6 +114,41 @@ def main() -> None:
             f"{label:<34} {rec['rows']:>6} {rec['rows_differ']:>12} {rec['max_abs_diff']:>11.3g} "
             f"{rec['cache_entries_differ']:>10} of {rec['cache_entries']:<8}"
         )
+
+    d = client.embedding.shape[1]
+    observed, estimate = torch.randn(n, t + 1, d, generator=g), torch.randn(n, t + 1, d, generator=g)
+    ref_order = _order(client, cache, everyone, observed, estimate, t)
+    unit = torch.nn.functional.normalize(client.embedding, dim=-1)
+    ref_scores = unit @ torch.nn.functional.normalize(ref_order[1], dim=-1).T  # [vocabulary, documents]
+    order_out = []
+    print(
+        f"\n{'SipIt order, documents':<34} {'docs':>6} {'estimates differ':>17} {'max |diff|':>11} {'picks differ':>13} "
+        f"{'scores differ':>14}"
+    )
+    for label, rows in [
+        ("0-23", torch.arange(24)),
+        ("5-20", torch.arange(5, 21)),
+        ("all, reversed", everyone.flip(0)),
+        ("0-3", torch.arange(4)),
+        ("7 alone", torch.tensor([7])),
+    ]:
+        first, stepped, second = _order(client, cache, rows, observed, estimate, t)
+        r_first, r_stepped, r_second = (x[rows] for x in ref_order)
+        rec = {
+            "documents": label,
+            "docs": len(rows),
+            "estimates_differ": int((stepped != r_stepped).any(-1).sum()),
+            "max_abs_diff": float((stepped - r_stepped).abs().max()),
+            "picks_differ": int(((first != r_first).any(-1) | (second != r_second).any(-1)).sum()),
+            "scores_differ": int(
+                (unit @ torch.nn.functional.normalize(r_stepped, dim=-1).T != ref_scores[:, rows]).any(0).sum()
+            ),
+        }
+        order_out.append(rec)
+        print(
+            f"{label:<34} {rec['docs']:>6} {rec['estimates_differ']:>17} {rec['max_abs_diff']:>11.3g} "
+            f"{rec['picks_differ']:>13} {rec['scores_differ']:>14}"
+        )
     print(
         json.dumps(
             {
@@ -112,6 +161,7 @@ def main() -> None:
                 "seed": a.seed,
                 "torch": torch.__version__,
                 "cases": out,
+                "order": order_out,
             },
             indent=1,
         )
