@@ -174,8 +174,9 @@ def test_the_grid_stores_the_latent_attacks_as_run_attack_scores_them(latent_gri
     assert json.loads(mine[0]["result_json"])["partition"] == direct["partition"]
     probe = [r for r in rows if r["attack"] == "latent-probe"]
     one = [r for r in probe if r["key"] == probe[0]["key"]]
-    # one row per arm and capture frame: 2 arms x 8 frames
-    assert sorted({r["arm"] for r in one}) == ["gradient/mlp/0", "real-rows/mlp/0"] and len(one) == 16
+    # one row per arm and capture frame, and per arm of the shuffled-label twin: (2 + 2) arms x 8 frames
+    arms = ["gradient/mlp/0", "real-rows/mlp/0"]
+    assert sorted({r["arm"] for r in one}) == arms + ["twin:" + a for a in arms] and len(one) == 32
     train = read_results(store, "train", as_rows=True)
     assert len(train) == 9 and all(t["defence_name"] == "latent" and t["heldout_ce"] > 0 for t in train)
 

@@ -231,16 +231,23 @@ def test_an_edited_copy_of_the_protocol_changes_the_verdict(tmp_path):
 # ------------------------------------------------------------------ protocol analyse
 
 
-def write_battery_result(folder: Path, digest: str, read: float = 0.3) -> Path:
+def write_battery_result(
+    folder: Path, digest: str, read: float = 0.3, twin_read: float = 0.0, twin_frames: bool = True
+) -> Path:
     """A probe-battery RESULT.json and its per-frame predictions, as ``run_probe_attack`` writes them,
     under the protocol hash ``digest``; the run directory holds its metrics (0.1 nats over pretrained), recorded
-    in its journal and closed complete (the gate reads the metrics of a run that verifies only)."""
+    in its journal and closed complete (the gate reads the metrics of a run that verifies only). Its
+    shuffled-label twin's gradient view reads a share ``twin_read`` of the rows; ``twin_frames``: its per-frame
+    differences are kept beside the battery's (as today), else only its verdict (as results written before)."""
     from splitleak.audit.evaluate import write_result
+    from splitleak.audit.gate import TWIN_PREFIX
     from splitleak.files import config_hash
     from splitleak.runs.store import RunStore
 
     stats, extra, probes, frame_rows = battery(read=read)
-    twin_stats, _, twin_probes, _ = battery(read=0.0, seed=1)
+    twin_stats, _, twin_probes, twin_rows = battery(read=twin_read, seed=1)
+    if twin_frames:
+        frame_rows = frame_rows + [{**r, "arm": TWIN_PREFIX + r["arm"]} for r in twin_rows]
     run = folder / "run"
     store = RunStore.create(run)
     store.add_json(
@@ -298,6 +305,36 @@ def test_protocol_analyse_reads_a_battery_under_the_protocol_given_and_its_edite
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("twin_frames", [True, False])
+def test_a_detected_shuffled_twin_turns_protocol_analyse_red(tmp_path, twin_frames):
+    """002 declares that the shuffled-label twin must read at floor: a twin that reads detected is an
+    instrument fault, whatever the battery's own arms read (here they hold the gate under a loose gate), and
+    protocol analyse exits non-zero and says so; the same battery with its twin at floor passes."""
+    from splitleak.cli import app
+
+    loose = edited_copy(tmp_path / "p", "gate.yaml", ("gate: 0.01", "gate: 0.5"))
+    digest = load_protocol(loose)[1]
+    bad = write_battery_result(tmp_path / "bad", digest, read=0.0, twin_read=0.6, twin_frames=twin_frames)
+    if not twin_frames:  # a result written before the twin's frames were kept: the verdict its job read
+        res = json.loads(bad.read_text())
+        res["probes"]["negative_control"]["verdict"] = {"verdict": "detected"}
+        res["probes"]["negative_control"]["by_view"] = {"gradient": {"verdict": "detected"}}
+        bad.write_text(json.dumps(res))
+    r = runner.invoke(app, ["protocol", "analyse", str(loose), str(bad), "--out", str(tmp_path / "an")])
+    assert r.exit_code == 1, r.output
+    g = json.loads((tmp_path / "an.json").read_text())["gate"][0]
+    assert g["privacy_holds"] is True and g["passes"] is False and g["instrument_fault"] is True
+    assert g["negative_control"]["verdict"] == "detected" and g["negative_control"]["detected_in"] == ["gradient"]
+    assert ("protocol's alpha" in g["negative_control"]["read_at"]) is twin_frames
+    assert g["verdict"].startswith("INSTRUMENT FAULT") and "INSTRUMENT FAULT" in (tmp_path / "an.md").read_text()
+    good = write_battery_result(tmp_path / "good", digest, read=0.0, twin_read=0.0, twin_frames=twin_frames)
+    r = runner.invoke(app, ["protocol", "analyse", str(loose), str(good), "--out", str(tmp_path / "ok")])
+    assert r.exit_code == 0, r.output
+    g = json.loads((tmp_path / "ok.json").read_text())["gate"][0]
+    assert g["passes"] is True and g["instrument_fault"] is False and g["negative_control"]["detected_in"] == []
+
+
+@pytest.mark.unit
 def test_every_shipped_protocol_is_handled_and_says_what_it_did_not_evaluate():
     from splitleak.audit.analysis import analyse
 
@@ -324,7 +361,7 @@ def test_protocol_analyse_reads_the_gate_over_a_split_runs_attacks(tmp_path, sha
     from splitleak.attacks import make_attack_config
     from splitleak.audit.analysis import analyse, find_results, rows_from_results, run_rows_from_results
     from splitleak.audit.evaluate import run_attack
-    from splitleak.audit.gate import gate_inputs
+    from splitleak.audit.gate_results import gate_inputs
     from splitleak.audit.verdicts import arm_effects, arm_gate
     from splitleak.runs.truth import eval_token_ids
 
@@ -471,7 +508,7 @@ def test_the_split_gate_and_the_delta_u_rows_read_no_edited_metrics(tmp_path, sh
     import shutil
 
     from splitleak.audit.analysis import run_rows_from_results
-    from splitleak.audit.gate import split_utility
+    from splitleak.audit.gate_results import split_utility
     from splitleak.errors import IntegrityError
 
     run = tmp_path / "run"

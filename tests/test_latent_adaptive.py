@@ -133,7 +133,8 @@ def test_given_the_decoy_identities_the_partition_is_exact_and_each_verbatim_dec
     exactly by the same scorer; and, split by that record, every verbatim decoy's norm is one an earlier
     frame sent, to float precision, while real rows are far from theirs (the mechanism)."""
     from splitleak.attacks.decoy_history import NearestIndex
-    from splitleak.attacks.partition import load_latent_traffic, score_partition
+    from splitleak.attacks.partition import load_latent_traffic
+    from splitleak.metrics.partition import score_partition
     from splitleak.runs.truth import load_truth
 
     run = runs[("verbatim", SEEDS[0])]

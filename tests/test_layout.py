@@ -89,6 +89,32 @@ def test_no_attack_imports_the_truth_the_scorer_reads():
     assert not found, "attacks/ reaches the truth: " + "; ".join(found)
 
 
+#: the files of a run only the scorer reads: the client's latent record and its per-run secret
+PRIVATE_FILES = ("truth.safetensors", "secret.json")
+
+
+def private_file_names(stage: str, package_root: Path = PACKAGE) -> list[str]:
+    """``path:line`` of each string constant under ``package_root/stage`` that names a file only the scorer reads
+    (a path built from it would reach the truth without importing ``splitleak.runs.truth``)."""
+    return [
+        f"{path.relative_to(package_root.parent)}:{node.lineno}"
+        for path in sorted((package_root / stage).rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if any(name in node.value for name in PRIVATE_FILES)
+    ]
+
+
+@pytest.mark.unit
+def test_no_attack_names_a_file_only_the_scorer_reads(tmp_path):
+    """Nor by its name: no string in attacks/ names the client's record or its secret (and the check sees one)."""
+    found = private_file_names("attacks")
+    assert not found, "attacks/ names a private file: " + "; ".join(found)
+    (tmp_path / "splitleak" / "attacks").mkdir(parents=True)
+    (tmp_path / "splitleak" / "attacks" / "a.py").write_text('x = 1\nP = "latent/" + "truth.safetensors"\n')
+    assert flagged(private_file_names("attacks", tmp_path / "splitleak")) == ["a.py:2"]
+
+
 @pytest.mark.unit
 def test_the_wire_imports_no_stage_above_it():
     """wire/ holds only what crosses: it imports none of the run directory, the deployment node, training or

@@ -91,7 +91,7 @@ class DecoyHistory(LatentPartition):
     def reads_history(self) -> bool:
         return True
 
-    def fit(self, history: LatentTraffic | None = None, truth=None, public: dict[str, Any] | None = None):
+    def fit(self, history: LatentTraffic | None = None, public: dict[str, Any] | None = None, shadow=None):
         """Keep the earlier frames; choose the features the public arguments allow ("auto": norm and
         gram, and raw rows where the gauges are off)."""
         cfg = public_latent(public)

@@ -45,7 +45,7 @@ class GaugeKeySearch(LatentPartition):
     def channels_read(self) -> tuple[str, ...]:
         return ("activations", "row-ids", "shapes")
 
-    def fit(self, history=None, truth=None, public: dict[str, Any] | None = None):
+    def fit(self, history=None, public: dict[str, Any] | None = None, shadow=None):
         """Keep the run's public latent arguments (clip, sigma, decoy release, gauges, width)."""
         self.cfg_ = public_latent(public)
         return self

@@ -14,22 +14,23 @@ document, is known to the server from the handshake's frame sizes):
 - ``classifier``: logistic regression on gauge-invariant row features of all four wires (log norms
   of the forward row, the return row, the output gradient and the input gradient; the cosines
   between the return row and its output gradient and between the forward row and its input
-  gradient; the forward row's Gram statistics within its frame), fitted on the training-phase
-  frames with their true partition — a known-plaintext attacker, as the paper's probes are — and
-  evaluated on the capture pass.
+  gradient; the forward row's Gram statistics within its frame), fitted on *shadow frames*: frames
+  the attacker makes itself by running the public mechanism on its own documents with its own draws,
+  labelled by its own record (``splitleak.attacks.shadow``). It never sees the victim's partition.
 
-An attack reads the frames as the server holds them (``LatentTraffic``); the truth is the client's
-own record (``latent/truth.safetensors``), which the scorer reads (``splitleak.runs.truth.load_truth``)
-and passes in, for scoring and, for ``classifier``, for fitting; this package never reads it.
-Every partition attack has the shape of ``LatentPartition``; the attacks built for the decoy mix and
-the gauges (``decoy-history``, ``gauge-key-search``) live in their own files.
+An attack reads the frames as the server holds them (``LatentTraffic``) and what its threat model
+grants: the run's public latent arguments, the frames of earlier steps, its own shadow frames. The
+truth is the client's own record (``splitleak.runs.truth.TRUTH_FILE``), which only the scorer reads
+(``splitleak.runs.truth.load_truth``, ``splitleak.metrics.partition``); no ``fit`` takes it. Every
+partition attack has the shape of ``LatentPartition``; the attacks built for the decoy mix and the
+gauges (``decoy-history``, ``gauge-key-search``) live in their own files.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable
 
 import numpy as np
 import torch
@@ -37,10 +38,10 @@ from pydantic import NonNegativeFloat
 from scipy.optimize import minimize
 
 from splitleak.errors import ConfigError, IntegrityError
-from splitleak.metrics.auc import roc_auc
 from splitleak.runs.manifest import read_manifest
 from splitleak.runs.wire import read_wire
 from splitleak.training.config import LatentConfig
+from splitleak.wire.frames import Frame
 
 RULES = ("support", "norm", "classifier")
 KINDS = {"forward": "x", "forward-return": "ret", "backward-top": "g_out", "backward": "g_in"}
@@ -74,21 +75,28 @@ def load_latent_traffic(run_dir: str | Path, phase: str) -> LatentTraffic:
     manifest = read_manifest(run_dir)
     if manifest.get("mode") != "latent" and (manifest.get("config") or {}).get("latent") is None:
         raise ConfigError(f"{run_dir} is not a latent-mode run; partition attacks read the decoy system's frames")
+    return latent_traffic(
+        phase, [rec.frame for rec in read_wire(run_dir, phase)], int(manifest["config"]["doc_len"]), where=run_dir
+    )
+
+
+def latent_traffic(phase: str, crossed: Iterable[Frame], real_rows: int, where: Any = "the traffic") -> LatentTraffic:
+    """The frames that crossed in one phase (every wire's), joined per frame id across the four wires."""
     parts: dict[int, dict[str, torch.Tensor]] = {}
     steps: dict[int, int] = {}
-    for rec in read_wire(run_dir, phase):
-        name = KINDS[rec.frame.kind]
-        for b, fid in enumerate(rec.frame.doc_ids):
-            parts.setdefault(int(fid), {})[name] = rec.frame.tensor[b].double()
-            steps[int(fid)] = int(rec.frame.step)
+    for frame in crossed:
+        name = KINDS[frame.kind]
+        for b, fid in enumerate(frame.doc_ids):
+            parts.setdefault(int(fid), {})[name] = frame.tensor[b].detach().double()
+            steps[int(fid)] = int(frame.step)
     frames = []
     for fid in sorted(parts):
         p = parts[fid]
         missing = sorted(set(KINDS.values()) - set(p))
         if missing:
-            raise IntegrityError(f"frame {fid} of {run_dir} ({phase}) lacks the wire(s) {', '.join(missing)}")
+            raise IntegrityError(f"frame {fid} of {where} ({phase}) lacks the wire(s) {', '.join(missing)}")
         frames.append(LatentFrame(fid, p["x"], p["ret"], p["g_out"], p["g_in"], steps[fid]))
-    return LatentTraffic(phase, frames, int(manifest["config"]["doc_len"]))
+    return LatentTraffic(phase, frames, int(real_rows))
 
 
 def row_features(f: LatentFrame) -> np.ndarray:
@@ -143,23 +151,24 @@ def top_rows(scores: np.ndarray, real_rows: int) -> np.ndarray:
 
 class LatentPartition:
     """scikit-learn's shape for partition attacks on latent frames: parameters in ``__init__``;
-    ``fit(history, truth, public)`` takes what the attacker holds (the training-phase frames when
-    ``reads_history`` or ``needs_labels``, their truth only when ``needs_labels``, the run's public
-    latent arguments); ``partition(traffic)`` returns per frame a score per row (higher: more likely
-    real) and the hard partition; ``report()`` what the attack found on the traffic alone."""
+    ``fit(history, public, shadow)`` takes what the attacker holds (the training-phase frames when
+    ``reads_history``, the run's public latent arguments, and its own shadow frames when ``needs_shadow``);
+    ``partition(traffic)`` returns per frame a score per row (higher: more likely real) and the hard
+    partition; ``report()`` what the attack found on the traffic alone. No argument carries the victim's
+    record of real rows: the scorer alone reads it."""
 
     name: ClassVar[str]
     uses_gradients: ClassVar[bool] = False
 
-    def needs_labels(self) -> bool:
-        """Fits on the training frames with their truth (a known-plaintext attacker): capture pass only."""
+    def needs_shadow(self) -> bool:
+        """Learns from labelled frames the attacker makes itself (``splitleak.attacks.shadow``)."""
         return False
 
     def reads_history(self) -> bool:
         """Reads the training-phase frames, what the server saw before the frames it scores."""
         return False
 
-    def fit(self, history=None, truth=None, public=None):
+    def fit(self, history=None, public=None, shadow=None):
         return self
 
     def partition(self, traffic: LatentTraffic) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -188,18 +197,21 @@ class PartitionAttack(LatentPartition):
             return ("activations", "trunk-output", "output-gradient", "gradient")
         return ("output-gradient",)
 
-    def needs_labels(self) -> bool:
+    def needs_shadow(self) -> bool:
         return self.rule == "classifier"
 
-    def fit(self, traffic: LatentTraffic | None = None, truth: dict[int, np.ndarray] | None = None, public=None):
+    def fit(self, history=None, public=None, shadow=None):
         if self.rule != "classifier":
             return self
-        if traffic is None or truth is None or not len(traffic):
+        if shadow is None or not shadow.frames:
             raise ConfigError(
-                "the classifier rule learns from labelled frames: pass the training-phase frames and truth"
+                "the classifier rule learns from the attacker's own labelled frames: pass its shadow frames "
+                "(splitleak.attacks.shadow.make_shadow)"
             )
-        x = np.concatenate([row_features(f) for f in traffic.frames])
-        y = np.concatenate([truth[f.frame_id] for f in traffic.frames]).astype(np.float64)
+        x = np.concatenate([row_features(f) for f in shadow.frames])
+        y = np.concatenate([shadow.real[f.frame_id] for f in shadow.frames]).astype(np.float64)
+        if not 0 < y.sum() < len(y):
+            raise ConfigError("the shadow frames hold rows of one class only; the classifier has nothing to learn")
         self.mean_, self.std_ = x.mean(0), x.std(0) + 1e-12
         self.w_ = _logistic((x - self.mean_) / self.std_, y, seed=self.seed)
         return self
@@ -207,7 +219,9 @@ class PartitionAttack(LatentPartition):
     def scores(self, f: LatentFrame) -> np.ndarray:
         if self.rule == "classifier":
             if not hasattr(self, "w_"):
-                raise ConfigError("call fit(train traffic, truth) before partition with the classifier rule")
+                raise ConfigError(
+                    "call fit(shadow=the attacker's shadow frames) before partition with the classifier rule"
+                )
             z = (row_features(f) - self.mean_) / self.std_
             return z @ self.w_[:-1] + self.w_[-1]
         return f.g_out.norm(dim=-1).numpy()
@@ -235,32 +249,3 @@ def _logistic(x: np.ndarray, y: np.ndarray, seed: int, l2: float = 1e-3) -> np.n
 
     w0 = np.random.default_rng(seed).normal(scale=1e-3, size=xb.shape[1])
     return minimize(loss, w0, jac=True, method="L-BFGS-B").x
-
-
-def score_partition(
-    traffic: LatentTraffic, truth: dict[int, np.ndarray], result: list[tuple[np.ndarray, np.ndarray]]
-) -> dict[str, Any]:
-    """Frames matched exactly, row agreement, the share of real rows, and the AUC of the scores."""
-    exact, agree, rows, real = 0, 0, 0, 0
-    all_s, all_y = [], []
-    for f, (s, pred) in zip(traffic.frames, result):
-        y = truth.get(f.frame_id)
-        if y is None or len(y) != len(pred):
-            raise IntegrityError(f"the client's record has no partition for frame {f.frame_id} of {len(pred)} rows")
-        exact += bool((pred == y).all())
-        agree += int((pred == y).sum())
-        rows += len(y)
-        real += int(y.sum())
-        all_s.append(s)
-        all_y.append(y)
-    s_cat, y_cat = np.concatenate(all_s), np.concatenate(all_y)
-    auc = roc_auc(s_cat, y_cat) if 0 < y_cat.sum() < len(y_cat) else None
-    return {
-        "frames": len(traffic),
-        "frames_exact": exact,
-        "frame_exact_share": exact / max(1, len(traffic)),
-        "row_agreement": agree / max(1, rows),
-        "real_row_share": real / max(1, rows),
-        "auc": auc,
-        "rows": rows,
-    }

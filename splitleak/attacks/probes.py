@@ -30,7 +30,7 @@ Each model runs ``restarts`` times (the paper: three) from its own seed; an arm 
 model, restart). ``shuffle=True`` builds the paper's shuffled-label negative control: the tokens of
 every labelled row, training and evaluation alike, are permuted globally once (one permutation for
 all views) and the whole battery is retrained on them. ``control=True`` (the default) has the audit
-run that twin beside the battery (``splitleak.audit.evaluate.run_probe_attack``).
+run that twin beside the battery (``splitleak.audit.latent_attacks.run_probe_attack``).
 
 Ours, where the paper gives no number: hidden width 256, AdamW at lr 1e-3 with weight decay 0.01,
 16 frames per batch, 30 epochs, the deep probe at width 128; no epoch is selected on the evaluation

@@ -194,7 +194,8 @@ REGISTRY: dict[str, AttackInfo] = {
         AttackInfo(
             "support-partition",
             f"{_A}.partition:PartitionAttack",
-            "decoy system: a row is real iff its output gradient is non-zero (or: by norm, by a classifier)",
+            "decoy system: a row is real iff its output gradient is non-zero (or: by norm, by a classifier fitted on "
+            "the attacker's own shadow frames)",
             reads=("output-gradient", "activations", "trunk-output", "gradient"),
             output="partition",
             modes=("latent",),

@@ -36,7 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from splitleak.attacks.config import CONFIG_FIELDS, IDENTITY_FIELDS, attack_identity, canonical
 from splitleak.attacks.registry import readout_attacks
-from splitleak.audit.gate import analyse_gate, gate_hash_records, thresholds_of
+from splitleak.audit.gate import thresholds_of
+from splitleak.audit.gate_results import analyse_gate, gate_hash_records
 from splitleak.audit.predictions import (
     RESULT_FIX,
     read_predictions,  # noqa: F401  (re-exported)
@@ -395,7 +396,7 @@ def analyse(
     gate_inputs: Sequence[dict[str, Any]] = (),
 ) -> Analysis:
     """Evaluate the protocol's main test, its family, its partial-offloading tests and its gate test
-    (``gate_inputs`` from ``splitleak.audit.gate.gate_inputs``, read at the protocol's gate, α, J and
+    (``gate_inputs`` from ``splitleak.audit.gate_results.gate_inputs``, read at the protocol's gate, α, J and
     utility gate); ``notes`` name every declared test these results did not evaluate.
 
     Refuses (IntegrityError) any record not written under ``protocol_hash``."""

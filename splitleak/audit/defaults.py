@@ -14,3 +14,6 @@ AUDIT_N_EVAL = 48
 #: would double each attack's time, and a planted reader of the evaluation text reads +60 pp or more above its
 #: floor on 16 (tests/test_controls.py)
 CONTROL_DOCS = 16
+
+#: bootstrap replicates of a single attack's control interval (the audit recomputes its arms' with ARM_BOOT)
+CONTROL_BOOT = 2000

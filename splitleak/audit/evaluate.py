@@ -10,41 +10,30 @@ nothing of scores.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
-import glob
-import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from splitleak.attacks.config import AttackConfig, perturb_gradients
 from splitleak.attacks.core import VMI, Majority, make_attack
 from splitleak.attacks.knowledge import Knowledge, Traffic, load_knowledge, load_traffic
-from splitleak.attacks.partition import LatentPartition, load_latent_traffic, score_partition
-from splitleak.attacks.probes import ProbeBattery
 from splitleak.attacks.registry import attack_info, attacks_for_mode
+from splitleak.audit.defaults import CONTROL_BOOT
 from splitleak.audit.extras import TruthJudge
-from splitleak.audit.gate import latent_verdict, shipped_thresholds
+from splitleak.audit.latent_attacks import run_partition_attack, run_probe_attack
+from splitleak.audit.result_files import check_result_out, write_result  # noqa: F401 (write_result: re-exported)
 from splitleak.audit.verdicts import MISPAIRED_CONTROL, control_delta, control_interval, mispairing
-from splitleak.errors import ConfigError, SplitleakError
-from splitleak.files import json_default, parquet_bytes, write_atomic
+from splitleak.errors import ConfigError
 from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
 from splitleak.progress import Progress, Silent
-from splitleak.runs.journal import JOURNAL
 from splitleak.runs.manifest import pair_session, read_manifest, run_mode
-from splitleak.runs.truth import load_row_tokens, load_truth, phase_documents
+from splitleak.runs.truth import phase_documents
 from splitleak.runs.verify import require_verified
 from splitleak.stats import effect_verdict
-from splitleak.stats.paired import battery_verdict, score_arms
-
-#: bootstrap replicates of a single attack's control interval (the audit recomputes its arms' with ARM_BOOT)
-CONTROL_BOOT = 2000
 
 
 def attack_label(result: dict[str, Any]) -> str:
@@ -123,7 +112,9 @@ def run_attack(
             f"run; attacks for it: {', '.join(attacks_for_mode(mode))}"
         )
     if info.output == "partition":
-        return run_partition_attack(run_dir, doc_dir, manifest, config, out_path, protocol_hash, force)
+        return run_partition_attack(
+            run_dir, doc_dir, manifest, config, out_path, protocol_hash, force, control_docs=control_docs
+        )
     if info.output == "row-tokens":
         return run_probe_attack(run_dir, doc_dir, manifest, config, out_path, protocol_hash, force)
     attack = make_attack(config.attack, **config.attack_params())
@@ -331,258 +322,3 @@ def mispaired_control(
         "verdict": effect_verdict(n),
         "seconds": time.perf_counter() - t0,
     }
-
-
-def _latent_result(
-    config: AttackConfig,
-    attack,
-    run_dir: Path,
-    manifest: dict[str, Any],
-    frames: int,
-    seconds: float,
-    protocol_hash: str | None,
-):
-    """The head of a latent-mode attack's RESULT.json (it recovers no text: the token fields are None)."""
-    return {
-        "protocol_hash": protocol_hash,
-        "attack": config.attack,
-        "config": config.model_dump(mode="json"),
-        "config_hash": config.hash(),
-        "attack_params": attack.params(),
-        "run": {"dir": str(run_dir), "config_hash": manifest["config_hash"], "config": manifest["config"]},
-        "phase": config.phase,
-        "channels_read": list(attack.channels_read()),
-        "n_frames": frames,
-        "seconds": seconds,
-        "token_recovery": None,
-        "doc_recovery": None,
-        "span_recovery": None,
-    }
-
-
-def run_partition_attack(
-    run_dir: Path,
-    doc_dir: Path,
-    manifest: dict[str, Any],
-    config: AttackConfig,
-    out_path: Path | None,
-    protocol_hash: str | None = None,
-    force: bool = False,
-) -> dict[str, Any]:
-    """A partition attack on a latent run's frames of ``config.phase``, scored against the client's
-    record of real rows. The attack is given the training-phase frames where it reads what the server
-    saw before, their truth only where it fits on labels (the classifier rule: then it is evaluated on
-    the capture pass only), and the run's public latent arguments; never the client's private files."""
-    attack = make_attack(config.attack, **config.attack_params())
-    if not isinstance(attack, LatentPartition):
-        raise ConfigError(
-            f"attack {config.attack!r} is registered as a partition attack but is not a LatentPartition "
-            "(splitleak.attacks.partition); derive it from that class"
-        )
-    labels = attack.needs_labels()
-    if labels and config.phase == "train":
-        raise ConfigError(f"{config.attack} fits on the training frames' truth; evaluate it on the capture pass")
-    truth = load_truth(doc_dir)
-    traffic = load_latent_traffic(run_dir, config.phase)
-    t0 = time.perf_counter()
-    history = None
-    if labels or attack.reads_history():
-        history = traffic if config.phase == "train" else load_latent_traffic(run_dir, "train")
-    attack.fit(history, truth if labels else None, public=(manifest["config"] or {}).get("latent"))
-    parts = attack.partition(traffic)
-    seconds = time.perf_counter() - t0
-    scored = score_partition(traffic, truth, parts)
-    result = _latent_result(config, attack, run_dir, manifest, len(traffic), seconds, protocol_hash) | {
-        "partition": scored
-    }
-    if attack.report():  # what the attack found on the traffic alone (gauge-key-search: the seed)
-        result["attack_summary"] = attack.report()
-    per_frame = [
-        {"frame_id": f.frame_id, "rows": len(pred), "exact": bool((pred == truth[f.frame_id]).all()),
-         "agreement": float((pred == truth[f.frame_id]).mean())}
-        for f, (_, pred) in zip(traffic.frames, parts)
-    ]  # fmt: skip
-    if out_path is not None:
-        write_result(out_path, result, per_frame, force=force)
-    result["per_doc"] = per_frame
-    return result
-
-
-SHUFFLED_CONTROL = (
-    "shuffled-label: the tokens of every labelled row, probe training and evaluation alike, permuted globally "
-    "once, and the whole battery retrained on them"
-)
-
-
-#: frame-bootstrap replicates of the probe battery's intervals (recorded in its result)
-PROBE_BOOT = 10_000
-
-
-def run_probe_attack(
-    run_dir: Path,
-    doc_dir: Path,
-    manifest: dict[str, Any],
-    config: AttackConfig,
-    out_path: Path | None,
-    protocol_hash: str | None = None,
-    force: bool = False,
-) -> dict[str, Any]:
-    """The probe battery on a latent run: trained on the training-phase frames with the client's record
-    of their tokens, scored on the capture pass's real rows against the most-frequent-token control
-    (``splitleak.stats.paired``), with its shuffled-label twin (unless ``control=False``).
-
-    The job runs without its protocol file, so it reads the battery at the shipped gate_002's gate, α
-    and family (``splitleak.audit.gate``), recorded in each verdict; ``protocol_verdict`` is the
-    protocol's test (002's nine arms per view). ``splitleak protocol analyse`` and a grid's report read
-    the stored per-frame differences again under the protocol they check against (``reread_probes``)."""
-    attack = make_attack(config.attack, **config.attack_params())
-    if not isinstance(attack, ProbeBattery):
-        raise ConfigError(f"attack {config.attack!r} is registered as a probe battery but is not a ProbeBattery")
-    if config.phase != "capture":
-        raise ConfigError("the probes train on the training frames; they are scored on the capture pass only")
-    real, tokens = load_truth(doc_dir), load_row_tokens(doc_dir)
-    train, evaluation = load_latent_traffic(run_dir, "train"), load_latent_traffic(run_dir, "capture")
-    every = [f.frame_id for f in train.frames + evaluation.frames]
-    th = shipped_thresholds()
-    t0 = time.perf_counter()
-
-    def measure(battery: ProbeBattery) -> dict[str, Any]:
-        labels_of = battery.shuffled_tokens(tokens, every) if battery.shuffle else tokens
-        labels = [np.where(real[f.frame_id], labels_of[f.frame_id], -1) for f in evaluation.frames]
-        arms = battery.run(train, evaluation, tokens, real)
-        stats, extra = score_arms({a.name: a.predictions for a in arms}, labels, seed=battery.seed, n_boot=PROBE_BOOT)
-        const = extra["constant"]
-        w, rate = extra["weights"], const["accuracy"]
-        by_view = {
-            view: battery_verdict(
-                [s for s in stats if s.name.startswith(view + "/")], w, rate, alpha=th.alpha, gate=th.gate
-            )
-            for view in battery.views
-        }
-        rows = [{**s.as_dict(), "classes": a.classes, "seconds": a.seconds} for s, a in zip(stats, arms)]
-        frames = [
-            {"arm": s.name, "frame_id": f.frame_id, "paired_delta": float(d)}
-            for s in stats
-            for f, d in zip(evaluation.frames, s.frame_delta)
-        ]
-        verdict = battery_verdict(stats, w, rate, alpha=th.alpha, gate=th.gate)
-        return {
-            "constant": const,
-            "arms": rows,
-            "verdict": verdict,
-            "by_view": by_view,
-            "protocol_verdict": latent_verdict(stats, w, rate, th),
-            "bootstrap": {"n_boot": PROBE_BOOT, "seed": battery.seed},
-            "_frames": frames,
-        }
-
-    measured = measure(attack)
-    control = measure(attack.twin()) if attack.control and not attack.shuffle else None
-    seconds = time.perf_counter() - t0
-    per_frame = measured.pop("_frames")
-    if control is not None:
-        control.pop("_frames")
-        control["type"] = SHUFFLED_CONTROL
-        best = measured["verdict"].get("best_arm")
-        twin = next((a for a in control["arms"] if a["arm"] == best), None)
-        measured["control_of_best_arm"] = None if twin is None else twin["paired_effect"]
-    result = _latent_result(config, attack, run_dir, manifest, len(evaluation), seconds, protocol_hash) | {
-        "n_train_frames": len(train),
-        "probes": {**measured, "negative_control": control},
-    }
-    if out_path is not None:
-        write_result(out_path, result, per_frame, force=force)
-    result["per_doc"] = per_frame
-    return result
-
-
-def check_result_out(out: Path, force: bool, *runs: str | Path | None) -> None:
-    """Refuse, in one line and before an attack runs, an ``--out`` its result cannot go to: one that ends in
-    ``.parquet`` (the name of its own predictions, written beside it), lies inside a run (``runs``, or any
-    folder with a journal: a file added to a run makes it fail ``verify``), cannot be created (a file where
-    a folder belongs), is a folder, or exists already without ``force``."""
-    if out.suffix.lower() == ".parquet":
-        raise SplitleakError(
-            f"--out {out} ends in .parquet, the name the result's own predictions take beside it; give the result a "
-            ".json name"
-        )
-    where = out.resolve()
-    inside = [Path(r) for r in runs if r is not None and where.is_relative_to(Path(r).resolve())]
-    inside += [a for a in where.parents if (a / JOURNAL).exists()]
-    if inside:
-        raise SplitleakError(
-            f"--out {out} lies inside the run {inside[0]}, which holds only what it recorded (a file added there "
-            "makes it fail `splitleak verify`); write the result outside it"
-        )
-    if out.is_dir():
-        raise SplitleakError(f"--out {out} is a folder; name the result's file (RESULT.json) in it")
-    if (out.exists() or out.is_symlink()) and not force:
-        raise SplitleakError(f"{out} already exists; choose another --out or pass --force")
-    above = next((a for a in out.absolute().parents if a.exists()), None)
-    if above is None or not above.is_dir():
-        raise SplitleakError(f"--out {out} cannot be created: {above} is not a folder; choose another --out")
-
-
-def write_result(
-    out_path: Path, result: dict[str, Any], per_doc_rows: list[dict[str, Any]], *, force: bool = True
-) -> None:
-    """RESULT.json and its predictions (``.parquet`` beside it, with page checksums and a content digest,
-    its SHA-256 recorded in RESULT.json as ``predictions_sha256``), each written whole to a temporary
-    file of this process, flushed to disk and renamed into place (``write_atomic``), the predictions
-    first: a job killed at any point leaves no partial file under either name and no RESULT.json without
-    its predictions. Temporary files that a killed writer of the same result left behind are removed;
-    they never block a rerun.
-
-    Both files are written under an exclusive lock on their folder (``flock``), so that two attacks with
-    the same ``--out`` never mix their files; without ``force`` a RESULT.json that another attack wrote
-    meanwhile is refused, and nothing is written."""
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    pq_path = out_path.with_suffix(".parquet")
-    flat = []
-    for row in per_doc_rows:
-        r = {}
-        for k, v in row.items():
-            r[k] = json.dumps(v, sort_keys=True) if isinstance(v, dict) else v
-        flat.append(r)
-    data = parquet_bytes(pa.Table.from_pylist(flat) if flat else pa.table({}))
-    result = dict(result)
-    result["predictions"] = pq_path.name
-    result["predictions_sha256"] = hashlib.sha256(data).hexdigest()
-    text = json.dumps(result, indent=2, sort_keys=True, default=json_default) + "\n"  # before any file is written
-    fd = os.open(out_path.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # one writer of results in this folder at a time; freed when fd closes
-        if not force and (out_path.exists() or out_path.is_symlink()):
-            raise SplitleakError(
-                f"{out_path} already exists (another attack wrote it while this one ran); nothing was written: "
-                "choose another --out, or pass --force to replace it"
-            )
-        write_atomic(pq_path, data)
-        write_atomic(out_path, text.encode())
-        for path in (pq_path, out_path):
-            _remove_stale_temps(path)
-    finally:
-        os.close(fd)
-
-
-def _remove_stale_temps(path: Path) -> None:
-    """Delete the temporary files of ``path`` (``.NAME.PID.tmp``, or ``.NAME.tmp`` of earlier versions)
-    whose writing process is gone: what a job killed mid-write left behind."""
-    stale = [path.with_name(f".{path.name}.tmp")]
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        pid = tmp.name[len(path.name) + 2 : -len(".tmp")]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            stale.append(tmp)
-    for tmp in stale:
-        if tmp.is_file() and not tmp.is_symlink():
-            tmp.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: alive
-        return True
-    return True

@@ -21,7 +21,7 @@ keyed by them — reads the document it is labelled as, and N is *detected*. (Th
 statistic this replaces scored the arm's own predictions against permuted labels: chance agreement,
 at or below floor by construction, so it could not fail.) The probe battery, which does fit on the
 victim's labels, keeps its twin fitted and scored on shuffled labels
-(``splitleak.audit.evaluate.run_probe_attack``).
+(``splitleak.audit.latent_attacks.run_probe_attack``).
 
 Intervals resample documents (frame-clustered bootstrap). Verdict words, exactly as Politis & Pappas 2026, §3:
 **detected** when the lower end of the interval is above zero; **at floor** when the interval

@@ -39,7 +39,7 @@ def protocol_analyse_cmd(
     refused; a declared test the results do not evaluate is named, with why."""
     # lazy: torch and pydantic stay out of `splitleak --help`
     from splitleak.audit.analysis import analyse, find_results, rows_from_results, run_rows_from_results
-    from splitleak.audit.gate import gate_inputs
+    from splitleak.audit.gate_results import gate_inputs
     from splitleak.audit.protocol import load_protocol
     from splitleak.report.analysis import analysis_markdown
 

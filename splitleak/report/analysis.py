@@ -118,6 +118,17 @@ def gate_markdown(a: Analysis) -> list[str]:
         if g.get("outside_family"):
             lines.append("")
             lines.append(f"Outside the protocol's family (not in J): {', '.join(g['outside_family'])}.")
+        twin = g.get("negative_control")
+        lines.append("")
+        if twin is None:
+            lines.append("Negative control: none ran (the battery's shuffled-label twin was not measured).")
+        else:
+            where = ", ".join(twin.get("detected_in") or []) or "no view"
+            lines.append(
+                f"Negative control ({twin.get('type') or 'shuffled-label twin'}), which must read at floor: "
+                f"{twin['verdict']}, detected in {where}; read at {twin.get('read_at', 'the job’s thresholds')}."
+                + (" **INSTRUMENT FAULT**: no verdict." if g.get("instrument_fault") else "")
+            )
         lines.append("")
     return lines
 

@@ -21,7 +21,7 @@ def attack_rows(res: dict[str, Any]) -> list[Row]:
     elif "probes" in res:
         rows += _probe_rows(res["probes"])
     elif "partition" in res:
-        rows += _partition_rows(res["partition"])
+        rows += _partition_rows(res["partition"], res.get("control"), res.get("shadow"))
     else:
         for p in res["properties"]:
             rows.append((f"AUC, token {p['token_id']}", "n/a" if p["auc"] is None else f"{p['auc']:.4f}"))
@@ -97,11 +97,31 @@ def _probe_rows(pr: dict[str, Any]) -> list[Row]:
     return rows
 
 
-def _partition_rows(part: dict[str, Any]) -> list[Row]:
-    """How well the decoy system's real rows were told from its decoys."""
-    return [
+def _partition_rows(
+    part: dict[str, Any], control: dict[str, Any] | None = None, shadow: dict[str, Any] | None = None
+) -> list[Row]:
+    """How well the decoy system's real rows were told from its decoys, what the attacker learnt from (its
+    own shadow frames), and the mis-paired control."""
+    rows = [
         ("frames partitioned exactly", f"{part['frames_exact']} / {part['frames']}"),
         ("row agreement", f"{part['row_agreement']:.4f}"),
         ("real rows (share)", f"{part['real_row_share']:.4f}"),
         ("AUC of the row scores", "n/a" if part["auc"] is None else f"{part['auc']:.4f}"),
     ]
+    if shadow is not None:
+        rows.append(
+            (
+                "learnt from (the attacker's own frames)",
+                f"{shadow['train_frames']} + {shadow['capture_frames']} shadow frames of {shadow['documents']} documents",
+            )
+        )
+    if control is not None:
+        e = control["effect"]
+        words = "INSTRUMENT FAULT" if control.get("instrument_fault") else control["verdict"]
+        rows.append(
+            (
+                f"mis-paired control N (pp of rows, {len(control['doc_ids'])} frames)",
+                f"{100 * e['estimate']:+.2f} [{100 * e['low']:+.2f}, {100 * e['high']:+.2f}] ({words})",
+            )
+        )
+    return rows

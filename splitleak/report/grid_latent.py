@@ -447,7 +447,8 @@ def _partition_table(cells: Sequence[PartitionCell]) -> Table:
         ["model", "attack", "latent arm", "parameters", "seeds", "frames exact", "row agreement", "AUC"],
         rows,
         caption="Support partition: a row is called real iff its returned output gradient is non-zero; the "
-        "norm and classifier rules read the same frames after the fix, which the paper did not test. "
+        "norm rule and the classifier (fitted on the attacker's own shadow frames, never on the client's record) "
+        "read the same frames after the fix, which the paper did not test. "
         f"The paper: open, {PAPER['partition_open']}; with the fix, {PAPER['partition_fix']}. "
         "decoy-history (a row matching an earlier frame's rows is a decoy) and gauge-key-search (run seeds "
         "tried against the derived keys) are built for the decoy mix and the gauges; the paper did not "

@@ -1,0 +1,197 @@
+"""The truth stays with the scorer, by construction, for the partition attacks on the decoy system's frames:
+no ``fit`` takes the client's record of real rows; the learned rule fits on the attacker's own shadow frames;
+every registered partition attack reads the same when that record is replaced by a permuted copy; and a
+planted reader of the record is caught by the partition attacks' mis-paired negative control, which reads
+exactly zero for the honest rules."""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from splitleak.attacks import make_attack_config
+from splitleak.attacks.registry import PLUGINS_ENV, REGISTRY, load_plugins, unregister
+from splitleak.audit.evaluate import run_attack
+from splitleak.runs.truth import TRUTH_FILE
+
+TINY = dict(model="tiny-gpt2", n_calib=2, n_train=8, n_eval=8, steps=8, lr=3e-4, capture_batch=4)
+
+
+def _latent(**kw):
+    return dict(split_after=0, resume_at=3, width=16, gauge_entropy="derived", **kw)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from splitleak.training.config import make_train_config
+    from splitleak.training.run import run_training
+
+    root = tmp_path_factory.mktemp("boundary")
+    out = {}
+    for name, extra in {"open": {}, "fix": {"output_gradient": "clip-noise"}}.items():
+        cfg = make_train_config(**TINY, seed=5, latent=_latent(**extra))
+        out[name] = run_training(cfg, root / name, device="cpu").run_dir
+    return out
+
+
+def partition_configs() -> list[tuple[str, dict]]:
+    """Every registered partition attack of the latent mode, the support attack once per rule."""
+    from splitleak.attacks.partition import RULES
+
+    out = []
+    for name, info in REGISTRY.items():
+        if info.output == "partition" and "latent" in info.modes:
+            out += [(name, {"rule": r}) for r in RULES] if name == "support-partition" else [(name, {})]
+    return out
+
+
+@pytest.mark.unit
+def test_no_partition_attack_is_handed_the_record():
+    """What ``fit`` can take is the attacker's: earlier frames, the public arguments, its own shadow frames."""
+    names = [n for n, _ in partition_configs()]
+    assert {"support-partition", "decoy-history", "gauge-key-search"} <= set(names)
+    for name in set(names):
+        params = list(inspect.signature(REGISTRY[name].load().fit).parameters)
+        assert params == ["self", "history", "public", "shadow"], (name, params)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_classifier_learns_the_open_partition_from_its_own_shadow_frames(runs, seed):
+    """With the output gradient open a decoy row's gradient is exactly zero, in the attacker's own frames as
+    in the victim's: fitted on its shadow frames alone, the classifier separates the victim's rows."""
+    res = run_attack(
+        runs["open"],
+        make_attack_config(attack="support-partition", attack_seed=seed, params={"rule": "classifier"}),
+        control_docs=8,
+    )
+    assert res["shadow"] == {"documents": 2, "train_frames": 8, "capture_frames": 2, "steps": 8}
+    assert res["partition"]["auc"] > 0.99 and res["partition"]["row_agreement"] > 0.95, res["partition"]
+    assert res["control"]["per_doc_delta"] == [0.0] * 8 and res["control"]["verdict"] == "at floor"
+
+
+def _permute_record(run_dir, dest, seed):
+    """A copy of the run whose client record has each frame's rows permuted (real mask and tokens alike)."""
+    shutil.copytree(run_dir, dest)
+    t = load_file(str(dest / TRUTH_FILE))
+    rng = np.random.default_rng(seed)
+    real, tokens = t["real"].clone(), t["token"].clone()
+    for i, n in enumerate(t["frames"][:, 4].tolist()):
+        p = torch.from_numpy(rng.permutation(n))
+        real[i, :n], tokens[i, :n] = real[i, :n][p], tokens[i, :n][p]
+    save_file({**t, "real": real.contiguous(), "token": tokens.contiguous()}, str(dest / TRUTH_FILE))
+    return dest
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_partition_attack_reads_the_same_with_a_permuted_record(runs, tmp_path, seed):
+    """The record is replaced by a permuted copy (read without verifying, as its hash no longer matches): each
+    partition attack calls the same rows real, and the scores move, so the copy did reach the scorer."""
+    moved = False
+    for arm in ("open", "fix"):
+        permuted = _permute_record(runs[arm], tmp_path / arm, seed)
+        for name, params in partition_configs():
+            cfg = make_attack_config(attack=name, attack_seed=seed, params=params)
+            a = run_attack(runs[arm], cfg, verify=False)
+            b = run_attack(permuted, cfg, verify=False)
+            assert [r["predicted"] for r in a["per_doc"]] == [r["predicted"] for r in b["per_doc"]], (arm, name)
+            moved |= a["partition"]["row_agreement"] != b["partition"]["row_agreement"]
+    assert moved
+
+
+PLANTED = textwrap.dedent(
+    """
+    from pathlib import Path
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from splitleak.attacks.partition import LatentPartition
+    from splitleak.attacks.registry import AttackInfo, register
+
+
+    class ReadsTheRecord(LatentPartition):
+        \"\"\"Planted: the client's record of real rows, read by frame id from every run under ``root`` (what a
+        partition attack must never reach).\"\"\"
+
+        name = "reads-the-record"
+
+        def __init__(self, root: str = ".", seed: int = 0):
+            self.root, self.seed = root, seed
+
+        def params(self):
+            return {"root": self.root, "seed": self.seed}
+
+        def channels_read(self):
+            return ("output-gradient",)
+
+        def partition(self, traffic):
+            real = {}
+            for path in Path(self.root).rglob("truth.safetensors"):
+                t = load_file(str(path))
+                for f, r in zip(t["frames"].numpy(), t["real"].numpy()):
+                    real[int(f[0])] = r[: int(f[4])].astype(bool)
+            return [(real[f.frame_id].astype(float), real[f.frame_id]) for f in traffic.frames]
+
+
+    register(
+        AttackInfo(
+            "reads-the-record", ReadsTheRecord, "planted: reads the real rows", reads=("output-gradient",),
+            output="partition", modes=("latent",),
+        )
+    )
+    """
+)
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    folder = tmp_path / "plugins"
+    folder.mkdir()
+    (folder / "planted_record.py").write_text(PLANTED)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.setenv(PLUGINS_ENV, "planted_record")
+    assert load_plugins() == ["planted_record"]
+    yield
+    unregister("reads-the-record")
+    sys.modules.pop("planted_record", None)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 2])
+def test_the_mispaired_control_catches_a_reader_of_the_record_and_not_the_rules(planted, runs, seed):
+    """Alone the planted reader looks like a perfect partition; its twin, given other frames' wires under
+    each frame's header, still reads the frame it is labelled as: N detected, an instrument fault. The rules
+    read each frame's wires, so their twins read exactly what the arm read of the same wires: N = 0."""
+    run = runs["fix"]
+    cheat = run_attack(
+        run,
+        make_attack_config(attack="reads-the-record", attack_seed=seed, params={"root": str(run)}),
+        control_docs=8,
+    )
+    assert cheat["partition"]["frames_exact"] == cheat["partition"]["frames"] == 8
+    c = cheat["control"]
+    assert len(c["doc_ids"]) == 8 and all(a != b for a, b in zip(c["doc_ids"], c["given_doc_ids"]))
+    assert c["verdict"] == "detected" and c["instrument_fault"] and c["effect"]["low"] > 0.2, c
+    for rule in ("support", "norm", "classifier"):
+        res = run_attack(
+            run,
+            make_attack_config(attack="support-partition", attack_seed=seed, params={"rule": rule}),
+            control_docs=8,
+        )
+        assert res["control"]["per_doc_delta"] == [0.0] * 8 and not res["control"]["instrument_fault"], rule
+    # the attacks built for the decoys and gauges read other frames and the headers' keys; their twins read
+    # nothing the arm did not (the key search reads every frame exactly here: derived keys)
+    for name in ("decoy-history", "gauge-key-search"):
+        res = run_attack(run, make_attack_config(attack=name, attack_seed=seed), control_docs=8)
+        assert res["control"]["verdict"] != "detected" and not res["control"]["instrument_fault"], name
+    assert run_attack(run, make_attack_config(attack="gauge-key-search"))["partition"]["frames_exact"] == 8
+    assert "control" not in run_attack(run, make_attack_config(attack="support-partition"))  # only when asked
