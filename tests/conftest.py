@@ -170,3 +170,31 @@ def tiny_audit(tmp_path_factory):
         now = _listing(path.parent)
         changed = sorted(k for k in written.keys() | now.keys() if written.get(k) != now.get(k))
         assert not changed, f"a test wrote into the shared audit {path} (read only; copy it): {changed}"
+
+
+@pytest.fixture
+def plant(tmp_path, monkeypatch):
+    """``plant(module, source, *attacks)``: register a planted attack as a plug-in module (``SPLITLEAK_PLUGINS``,
+    so that a grid's spawned workers register it too); returns the imported module. Every registration and the
+    module are removed after the test."""
+    import sys
+
+    from splitleak.attacks.registry import PLUGINS_ENV, load_plugins, unregister
+
+    planted: list[tuple[str, tuple[str, ...]]] = []
+
+    def plant_module(module: str, source: str, *attacks: str):
+        folder = tmp_path / "plugins"
+        folder.mkdir(exist_ok=True)
+        (folder / f"{module}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(folder))
+        monkeypatch.setenv(PLUGINS_ENV, module)
+        assert load_plugins() == [module]
+        planted.append((module, attacks))
+        return sys.modules[module]
+
+    yield plant_module
+    for module, attacks in planted:
+        for name in attacks:
+            unregister(name)
+        sys.modules.pop(module, None)

@@ -4,13 +4,11 @@ and in a grid; attacks that read only the traffic read their control at floor.""
 
 import json
 import shutil
-import sys
 import textwrap
 
 import pytest
 
 from splitleak.attacks import make_attack_config
-from splitleak.attacks.registry import PLUGINS_ENV, load_plugins, unregister
 from splitleak.audit.evaluate import run_attack
 
 #: a plug-in module (``SPLITLEAK_PLUGINS``), so that a grid's spawned workers register it too
@@ -54,16 +52,8 @@ PLANTED = textwrap.dedent(
 
 
 @pytest.fixture
-def planted(tmp_path, monkeypatch):
-    folder = tmp_path / "plugins"
-    folder.mkdir()
-    (folder / "planted_reader.py").write_text(PLANTED)
-    monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.setenv(PLUGINS_ENV, "planted_reader")
-    assert load_plugins() == ["planted_reader"]
-    yield
-    unregister("reads-the-text")
-    sys.modules.pop("planted_reader", None)
+def planted(plant):
+    return plant("planted_reader", PLANTED, "reads-the-text")
 
 
 @pytest.mark.integration

@@ -23,12 +23,12 @@ latent:
   - {label: fix, split: 0/3, width: 16, output_gradient: clip-noise}
   - {label: naked, split: 0/3, width: 16, sigma: 0, decoys: 0, gauges: false}
 victim_seeds: [1, 2, 3]
-documents: {n_calib: 2, n_train: 16, n_eval: 8, doc_len: 8}
+documents: {n_calib: 16, n_train: 16, n_eval: 8, doc_len: 8}
 steps: 16
 capture_batch: 4
 attacks:
   - {attack: support-partition, params: {rule: [support, norm]}}
-  - {attack: latent-probe, params: {views: "real-rows,gradient", models: "mlp", restarts: 1, epochs: 20}}
+  - {attack: latent-probe, params: {views: "real-rows,gradient", models: "mlp", restarts: 1, epochs: 20, threat: trained-codec}}
 """
 
 
@@ -85,15 +85,15 @@ def test_a_named_split_resolves_per_model_and_the_shipped_spec_has_the_papers_si
     from splitleak.experiments import plan_grid
 
     g = plan_grid("decoys", profile="quick")
-    # per train job: 3 partition rules, the probe battery, decoy-history and gauge-key-search
-    assert g.counts() == {"train": 6, "attack": 6 * 6, "reuse": 0}
+    # per train job: 3 partition rules, the probe battery under 3 threat models, decoy-history, gauge-key-search
+    assert g.counts() == {"train": 6, "attack": 6 * 8, "reuse": 0}
     splits = {
         (j.config["train"]["latent"]["split_after"], j.config["train"]["latent"]["resume_at"])
         for j in g.of_kind("train")
     }
     assert splits == {(15, 28)}  # SmolLM2's main preset
     full = plan_grid("decoys")
-    assert full.counts() == {"train": 9, "attack": 9 * 6, "reuse": 0}
+    assert full.counts() == {"train": 9, "attack": 9 * 8, "reuse": 0}
     assert {(j.config["train"]["latent"]["split_after"], j.config["train"]["latent"]["resume_at"]) for j in full.of_kind("train")} == {(14, 26)}  # fmt: skip
     assert {j.config["train"]["seed"] for j in full.of_kind("train")} == {48, 49, 50}
     utility = plan_grid("decoys", profile="utility")  # the profile's latent list replaces the file's

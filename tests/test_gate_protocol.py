@@ -232,13 +232,19 @@ def test_an_edited_copy_of_the_protocol_changes_the_verdict(tmp_path):
 
 
 def write_battery_result(
-    folder: Path, digest: str, read: float = 0.3, twin_read: float = 0.0, twin_frames: bool = True
+    folder: Path,
+    digest: str,
+    read: float = 0.3,
+    twin_read: float = 0.0,
+    twin_frames: bool = True,
+    threat: str | None = "shadow",
 ) -> Path:
     """A probe-battery RESULT.json and its per-frame predictions, as ``run_probe_attack`` writes them,
     under the protocol hash ``digest``; the run directory holds its metrics (0.1 nats over pretrained), recorded
     in its journal and closed complete (the gate reads the metrics of a run that verifies only). Its
     shuffled-label twin's gradient view reads a share ``twin_read`` of the rows; ``twin_frames``: its per-frame
-    differences are kept beside the battery's (as today), else only its verdict (as results written before)."""
+    differences are kept beside the battery's (as today), else only its verdict (as results written before).
+    ``threat``: the battery's threat model (None: a result written before threat models, an oracle's)."""
     from splitleak.audit.evaluate import write_result
     from splitleak.audit.gate import TWIN_PREFIX
     from splitleak.files import config_hash
@@ -262,7 +268,7 @@ def write_battery_result(
         "attack": "latent-probe",
         "config": cfg,
         "config_hash": config_hash(cfg),
-        "attack_params": {"seed": 0},
+        "attack_params": {"seed": 0} if threat is None else {"seed": 0, "threat": threat},
         "run": {"dir": str(run), "config_hash": config_hash(run_cfg), "config": run_cfg},
         "n_frames": 40,
         "token_recovery": None,
@@ -335,6 +341,26 @@ def test_a_detected_shuffled_twin_turns_protocol_analyse_red(tmp_path, twin_fram
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("threat", ["oracle", None])
+def test_an_oracle_battery_is_an_upper_bound_and_never_a_verdict(tmp_path, threat):
+    """A battery trained and read with the client's record (the oracle threat model, and every result written
+    before threat models existed) breaks the gate here, but gives no verdict: no pass, no fail, and it says
+    why; the same battery under the shadow threat model fails the protocol."""
+    from splitleak.cli import app
+
+    proto = edited_copy(tmp_path / "p", "gate.yaml")
+    digest = load_protocol(proto)[1]
+    res = write_battery_result(tmp_path / "o", digest, threat=threat)
+    r = runner.invoke(app, ["protocol", "analyse", str(proto), str(res), "--out", str(tmp_path / "an")])
+    assert r.exit_code == 0, r.output
+    g = json.loads((tmp_path / "an.json").read_text())["gate"][0]
+    assert g["threat"] == "oracle" and g["passes"] is None and g["privacy_holds"] is None
+    assert g["verdict"].startswith("ORACLE, an upper bound") and "breaks the gate in gradient" in g["verdict"]
+    shadow = write_battery_result(tmp_path / "s", digest, threat="shadow")
+    assert runner.invoke(app, ["protocol", "analyse", str(proto), str(shadow)]).exit_code == 1
+
+
+@pytest.mark.unit
 def test_every_shipped_protocol_is_handled_and_says_what_it_did_not_evaluate():
     from splitleak.audit.analysis import analyse
 
@@ -394,16 +420,17 @@ def test_protocol_analyse_reads_the_gate_over_a_split_runs_attacks(tmp_path, sha
 # ------------------------------------------------------------------ the grid report's decoy section
 
 
-def store_rows(arms: dict[str, float], ce: dict[str, float], seeds=(1, 2)):
+def store_rows(arms: dict[str, float], ce: dict[str, float], seeds=(1, 2), threat: str | None = "shadow"):
     """Hand-built store rows of a latent grid: per latent arm and seed, a probe job's per-(arm, frame) rows
-    and its train row (held-out CE ``3.0 + ce[arm]`` over a pretrained 3.0)."""
+    and its train row (held-out CE ``3.0 + ce[arm]`` over a pretrained 3.0); ``threat``: the batteries'
+    threat model (None: results written before threat models, the oracle's)."""
     attack, train = [], []
     for arm, read in arms.items():
         for seed in seeds:
             stats, extra, probes, frame_rows = battery(read=read, seed=seed)
             verdict = battery_verdict(stats, extra["weights"], extra["constant"]["accuracy"], alpha=0.05, gate=0.01)
             result = {
-                "attack_params": {"seed": seed},
+                "attack_params": {"seed": seed} if threat is None else {"seed": seed, "threat": threat},
                 "probes": {**probes, "verdict": verdict, "negative_control": None},
             }
             base = {
@@ -454,6 +481,17 @@ def test_the_decoy_section_reads_the_grids_protocol_and_its_utility_gate(tmp_pat
     text = " ".join(render_markdown(doc).split())
     assert tight.protocol_hash[:12] in text and "utility gate ≤ 0.15 nats" in text
     assert "| m | fix | defaults | 2 | 2 | 0 | 0 | no |" in text
+
+    # an oracle battery (or one written before threat models) is an upper bound: no arm passes or fails on it
+    for threat in ("oracle", None):
+        attack, train = store_rows({"open": 0.3, "fix": 0.0}, {"open": 0.1, "fix": 0.2}, threat=threat)
+        o = latent_summary(attack, train, shipped_thresholds())
+        verdicts = {a["arm"]: a for a in arm_passes(o)}
+        assert all(v["oracle"] and v["passes"] is None for v in verdicts.values()), verdicts
+        assert verdicts["open"]["seeds_breaking_gate"] == 2  # what it read is still shown
+        doc = Document("y")
+        latent_section(doc, attack, train)
+        assert "no verdict (oracle: an upper bound)" in render_markdown(doc)
 
 
 @pytest.mark.unit

@@ -2,6 +2,7 @@
 may only stand on a quick job that ran the same work: the same attack with the same parameters."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -31,9 +32,10 @@ def test_a_full_job_is_projected_only_from_a_quick_job_with_the_same_attack_para
     grid = _grid_module()
     over = [f"data.path={wikitext_dir}"]
     # decoys' quick profile runs a probe battery of 3 views x 2 models x 1 restart; the full one the default
-    # 5 x 4 x 3: its 9 probe jobs have no measurement, everything else has
+    # 5 x 4 x 3: its 27 probe jobs (9 runs x 3 threat models) have no measurement, everything else has
     missing = _unmatched(grid, "decoys", over)
-    assert len(missing) == 9 and {(f["attack"], f["params"]) for f in missing} == {("latent-probe", None)}
+    assert len(missing) == 27 and {f["attack"] for f in missing} == {"latent-probe"}
+    assert {json.loads(f["params"])["threat"] for f in missing} == {"shadow", "trained-codec", "oracle"}
     # mirage's quick GMA-SL runs 100 of its 400 steps: none of the full attack jobs has a measurement
     missing = _unmatched(grid, "mirage", over)
     assert len(missing) == 72 and {f["attack"] for f in missing} == {"gma-sl", "gma-sl-aware", "bisr", "bisr-f"}

@@ -148,35 +148,47 @@ def test_a_reading_arm_is_detected_a_guessing_arm_at_floor_and_a_constant_arm_ex
 # ----------------------------------------------------------------------------- integration
 
 
-SMALL = dict(model="tiny-gpt2", n_calib=2, n_train=16, n_eval=8, steps=16, lr=3e-4, capture_batch=4)
+SMALL = dict(model="tiny-gpt2", n_calib=16, n_train=16, n_eval=8, steps=16, lr=3e-4, capture_batch=4)
 BATTERY = {"views": "real-rows,joint,gradient", "models": "mlp,graph", "restarts": 1, "epochs": 30}
 
 
-def _probe(tmp_path, seed: int, **latent):
-    from splitleak.attacks import make_attack_config
-    from splitleak.audit.evaluate import run_attack
+def _run(tmp_path, seed: int, **latent):
     from splitleak.training.config import make_train_config
     from splitleak.training.run import run_training
 
     keys = {"gauge_entropy": "derived", **latent}  # seeded, so that each reading is reproducible
     cfg = make_train_config(**SMALL, seed=seed, latent=dict(split_after=0, resume_at=3, width=16, **keys))
-    run = run_training(cfg, tmp_path / f"run-{seed}-{len(latent)}", device="cpu")
-    out = tmp_path / f"probe-{seed}-{len(latent)}.json"
-    config = make_attack_config(attack="latent-probe", params=BATTERY, attack_seed=seed)
-    return run_attack(run.run_dir, config, out=out)
+    out = tmp_path / f"run-{seed}-{len(latent)}"
+    return out if out.exists() else run_training(cfg, out, device="cpu").run_dir
+
+
+def _probe(tmp_path, seed: int, threat: str = "trained-codec", **latent):
+    from splitleak.attacks import make_attack_config
+    from splitleak.audit.evaluate import run_attack
+
+    run = _run(tmp_path, seed, **latent)
+    out = tmp_path / f"probe-{seed}-{len(latent)}-{threat}.json"
+    config = make_attack_config(attack="latent-probe", params={**BATTERY, "threat": threat}, attack_seed=seed)
+    return run_attack(run, config, out=out)
+
+
+NAKED = dict(sigma=0.0, decoys=0, gauges=False)
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("seed", [1, 2])
 def test_the_probes_read_the_naked_boundary_and_nothing_through_the_defence(tmp_path, seed):
-    """The naked control (no noise, no decoys, no gauges) is read far above the most-frequent-token
-    control; the defended system (noise, decoys, gauges; output gradient open) reads at floor; the
-    shuffled-label twins read at floor in both."""
-    naked = _probe(tmp_path, seed, sigma=0.0, decoys=0, gauges=False)["probes"]
+    """Given the victim's trained codec (a threat model that grants it) and its own shadow frames, the
+    battery reads the naked control (no noise, no decoys, no gauges) far above the most-frequent-token
+    control, and the defended system (noise, decoys, gauges; output gradient open) at floor; the
+    shuffled-label twins, scored against the true labels, read at floor in both."""
+    naked = _probe(tmp_path, seed, **NAKED)
+    assert naked["learnt_from"]["threat"] == "trained-codec" and naked["learnt_from"]["documents"] == 16
+    naked = naked["probes"]
     assert naked["verdict"]["verdict"] == "detected" and naked["verdict"]["paired_low"] > 0.05
     assert naked["by_view"]["real-rows"]["verdict"] == "detected"
-    assert naked["negative_control"]["verdict"]["verdict"] != "detected"
-    assert "permuted globally" in naked["negative_control"]["type"]
+    assert naked["negative_control"]["verdict"]["verdict"] != "detected" and not naked["instrument_fault"]
+    assert "training row" in naked["negative_control"]["type"]
     assert abs(naked["control_of_best_arm"]) < 0.1
     defended = _probe(tmp_path, seed)["probes"]
     assert defended["verdict"]["verdict"] != "detected", defended["verdict"]
@@ -184,6 +196,21 @@ def test_the_probes_read_the_naked_boundary_and_nothing_through_the_defence(tmp_
     assert defended["negative_control"]["verdict"]["verdict"] != "detected"
     # the same constant control both times: the most frequent evaluation token, on the real rows only
     assert naked["constant"]["known_rows"] == defended["constant"]["known_rows"] == 8 * 32
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_codec_is_what_the_naked_boundary_hides_and_the_oracle_reads_it_as_an_upper_bound(tmp_path, seed):
+    """Without the victim's codec, shadow frames of the attacker's own codec teach the probes nothing about
+    the victim's coordinates: the naked boundary reads at or below floor. The oracle (the client's record)
+    reads it, and says it is an upper bound."""
+    own = _probe(tmp_path, seed, threat="shadow", **NAKED)
+    assert own["learnt_from"]["rows_taken_as_real"].startswith("every row")
+    assert own["probes"]["verdict"]["verdict"] != "detected", own["probes"]["verdict"]
+    oracle = _probe(tmp_path, seed, threat="oracle", **NAKED)
+    assert oracle["learnt_from"]["threat"] == "oracle" and "upper bound" in oracle["learnt_from"]["upper_bound"]
+    assert oracle["probes"]["verdict"]["verdict"] == "detected"
+    assert "permuted globally" in oracle["probes"]["negative_control"]["type"]
 
 
 @pytest.mark.integration
@@ -196,8 +223,9 @@ def test_the_probe_result_names_its_arms_and_refuses_the_training_phase(tmp_path
     res = _probe(tmp_path, 4, sigma=0.0, decoys=0, gauges=False)
     arms = [a["arm"] for a in res["probes"]["arms"]]
     assert arms == [f"{v}/{m}/0" for v in ("real-rows", "joint", "gradient") for m in ("mlp", "graph")]
-    assert res["channels_read"] == ["activations", "output-gradient"] and res["n_train_frames"] == 16
-    on_disk = json.loads((tmp_path / "probe-4-3.json").read_text())
+    # 16 training frames seen, so 16 shadow training steps and a capture pass over the 16 own documents (4 frames each)
+    assert res["channels_read"] == ["activations", "output-gradient"] and res["n_train_frames"] == 32
+    on_disk = json.loads((tmp_path / "probe-4-3-trained-codec.json").read_text())
     assert on_disk["probes"]["verdict"] == res["probes"]["verdict"]
     run = res["run"]["dir"]
     with pytest.raises(ConfigError, match="capture pass only"):

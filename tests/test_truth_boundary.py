@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import shutil
-import sys
 import textwrap
 
 import numpy as np
@@ -17,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from splitleak.attacks import make_attack_config
-from splitleak.attacks.registry import PLUGINS_ENV, REGISTRY, load_plugins, unregister
+from splitleak.attacks.registry import REGISTRY
 from splitleak.audit.evaluate import run_attack
 from splitleak.runs.truth import TRUTH_FILE
 
@@ -90,21 +89,46 @@ def _permute_record(run_dir, dest, seed):
     return dest
 
 
+#: a small battery: what the permuted-record test needs is its predictions, not its power
+SMALL_BATTERY = {"views": "forward,real-rows,joint", "models": "mlp", "restarts": 1, "epochs": 3, "control": False}
+
+
+def latent_configs() -> list[tuple[str, dict]]:
+    """Every registered latent attack that may reach a verdict: the partition attacks, and the probe battery
+    under each threat model but the oracle (which reads the record by definition and gives no verdict)."""
+    from splitleak.attacks.probes import THREATS
+
+    probes = [
+        (name, {**SMALL_BATTERY, "threat": t})
+        for name, info in REGISTRY.items()
+        if info.output == "row-tokens" and "latent" in info.modes
+        for t in THREATS
+        if t != "oracle"
+    ]
+    assert probes, "no probe battery registered"
+    return partition_configs() + probes
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("seed", [0, 1])
-def test_every_partition_attack_reads_the_same_with_a_permuted_record(runs, tmp_path, seed):
+def test_every_latent_attack_reads_the_same_with_a_permuted_record(runs, tmp_path, seed):
     """The record is replaced by a permuted copy (read without verifying, as its hash no longer matches): each
-    partition attack calls the same rows real, and the scores move, so the copy did reach the scorer."""
-    moved = False
+    partition attack calls the same rows real and each battery names the same tokens, and the scores move,
+    so the copy did reach the scorer. The oracle battery, which reads the record, names other tokens."""
+    moved = set()
     for arm in ("open", "fix"):
         permuted = _permute_record(runs[arm], tmp_path / arm, seed)
-        for name, params in partition_configs():
+        for name, params in latent_configs() + [("latent-probe", {**SMALL_BATTERY, "threat": "oracle"})]:
             cfg = make_attack_config(attack=name, attack_seed=seed, params=params)
             a = run_attack(runs[arm], cfg, verify=False)
             b = run_attack(permuted, cfg, verify=False)
-            assert [r["predicted"] for r in a["per_doc"]] == [r["predicted"] for r in b["per_doc"]], (arm, name)
-            moved |= a["partition"]["row_agreement"] != b["partition"]["row_agreement"]
-    assert moved
+            same = [r["predicted"] for r in a["per_doc"]] == [r["predicted"] for r in b["per_doc"]]
+            assert same is (params.get("threat") != "oracle"), (arm, name, params)
+            if "partition" in a:
+                moved.add(a["partition"]["row_agreement"] != b["partition"]["row_agreement"])
+            else:
+                moved.add([r["paired_delta"] for r in a["per_doc"]] != [r["paired_delta"] for r in b["per_doc"]])
+    assert True in moved
 
 
 PLANTED = textwrap.dedent(
@@ -153,16 +177,8 @@ PLANTED = textwrap.dedent(
 
 
 @pytest.fixture
-def planted(tmp_path, monkeypatch):
-    folder = tmp_path / "plugins"
-    folder.mkdir()
-    (folder / "planted_record.py").write_text(PLANTED)
-    monkeypatch.syspath_prepend(str(folder))
-    monkeypatch.setenv(PLUGINS_ENV, "planted_record")
-    assert load_plugins() == ["planted_record"]
-    yield
-    unregister("reads-the-record")
-    sys.modules.pop("planted_record", None)
+def planted(plant):
+    return plant("planted_record", PLANTED, "reads-the-record")
 
 
 @pytest.mark.integration
@@ -195,3 +211,63 @@ def test_the_mispaired_control_catches_a_reader_of_the_record_and_not_the_rules(
         assert res["control"]["verdict"] != "detected" and not res["control"]["instrument_fault"], name
     assert run_attack(run, make_attack_config(attack="gauge-key-search"))["partition"]["frames_exact"] == 8
     assert "control" not in run_attack(run, make_attack_config(attack="support-partition"))  # only when asked
+
+
+PLANTED_PROBE = textwrap.dedent(
+    """
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from splitleak.attacks.probes import ArmPredictions, ProbeBattery
+    from splitleak.attacks.registry import AttackInfo, register
+
+
+    class ReadsTheTokens(ProbeBattery):
+        \"\"\"Planted: names every evaluation row's token from the client's record under ``ROOT`` (what a
+        battery must never reach), whatever it was trained on.\"\"\"
+
+        name = "reads-the-tokens"
+        ROOT = "."
+
+        def run(self, train, evaluation, tokens, real, taken=None):
+            rec = {}
+            for path in Path(self.ROOT).rglob("truth.safetensors"):
+                t = load_file(str(path))
+                for f, row in zip(t["frames"].numpy(), t["token"].numpy()):
+                    rec[int(f[0])] = row[: int(f[4])]
+            preds = [rec[f.frame_id] for f in evaluation.frames]
+            return [
+                ArmPredictions(v, m, r, preds, 100, 0.0)
+                for v in self.views for m in self.models for r in range(self.restarts)
+            ]
+
+
+    register(
+        AttackInfo(
+            "reads-the-tokens", ReadsTheTokens, "planted: reads the tokens", reads=("activations",),
+            output="row-tokens", modes=("latent",),
+        )
+    )
+    """
+)
+
+
+@pytest.fixture
+def planted_probe(plant):
+    return plant("planted_tokens", PLANTED_PROBE, "reads-the-tokens")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_shuffled_twin_catches_a_battery_that_reads_the_record(planted_probe, runs, seed):
+    """The planted battery names every real row right; so does its twin, trained on shuffled labels but
+    scored against the true ones: detected, an instrument fault. An honest battery's twin reads at floor."""
+    planted_probe.ReadsTheTokens.ROOT = str(runs["open"])
+    params = {"views": "real-rows,gradient", "models": "mlp", "restarts": 1, "epochs": 3}
+    cheat = run_attack(runs["open"], make_attack_config(attack="reads-the-tokens", attack_seed=seed, params=params))
+    p = cheat["probes"]
+    assert p["verdict"]["verdict"] == "detected" and all(a["accuracy"] == 1.0 for a in p["arms"])
+    assert p["instrument_fault"] and p["negative_control"]["detected_in"] == ["real-rows", "gradient"]
+    honest = run_attack(runs["open"], make_attack_config(attack="latent-probe", attack_seed=seed, params=params))
+    assert not honest["probes"]["instrument_fault"] and honest["probes"]["negative_control"]["detected_in"] == []

@@ -1,19 +1,31 @@
 """The probe battery on the decoy system's released rows (Politis & Pappas 2026, §3–§4, Tables 6, 8, 9).
 
-A probe is a known-plaintext attacker: it learns, from frames whose tokens it is given, to name the
-token a released row carries, and is then scored on frames it never saw. Here it trains on the
-training-phase frames (with the client's record of each row's token) and is scored on the capture
-pass (the evaluation documents), on the real rows only. An evaluation token that never occurs in
-probe training cannot be named, so it counts as wrong.
+A probe learns, from frames whose tokens it knows, to name the token a released row carries, and is
+then scored on frames it never saw: the capture pass (the evaluation documents), on the real rows only.
+An evaluation token that never occurs in probe training cannot be named, so it counts as wrong.
+
+**Threat models** (``threat``), which say where the labelled frames come from:
+
+- ``shadow`` (the default; Kerckhoffs): the attacker's own frames, made by running the public mechanism
+  on its own documents with its own codec and draws (``splitleak.attacks.shadow``). The views that read
+  only real rows read the rows a wire-only partition reader picks in each victim frame: the
+  ``classifier`` rule fitted on the same shadow frames (every row where the public arguments send no
+  decoy). A row it does not pick is named nothing.
+- ``trained-codec``: the same, but the shadow frames go through the victim's trained encoder and decoder,
+  which this threat model grants (as ``client_copy="trained"`` grants a split run's trained layers).
+- ``oracle``: the victim's training-phase frames with the client's record of each row's token and of
+  its real rows, and that record's real rows in the evaluation frames too (002's known-plaintext
+  probes). It is an upper bound, labelled so in every report and never a verdict.
 
 **Views** (what the probe reads of a frame; all as the server holds it):
 
 - ``forward``: the forward rows, every row; it trains on decoys too (labelled with the token of the
   row they re-send) and never uses the partition;
-- ``real-rows``: the forward rows of the real rows only (the oracle partition, which the open
-  output gradient hands over exactly: the paper's "forward arm");
+- ``real-rows``: the forward rows of the real rows only (the paper's "forward arm"; the partition
+  the open output gradient hands over exactly, or the one the attacker read);
 - ``gradient``: the output-gradient rows of the real rows (the paper's "gradient arm");
-- ``joint``: [x ‖ g · (median ‖x‖ / median ‖g‖)] of the real rows (the paper's "joint arm");
+- ``joint``: [x ‖ g · (median ‖x‖ / median ‖g‖)] of the real rows, the medians over the rows taken as
+  real (the paper's "joint arm");
 - ``cross-gram``: gauge-invariant features of the cross-Gram X Gᵀ (cosine form), which cancels the
   frame's rotation: a row's own cross term, its row's and its column's statistics.
 
@@ -27,10 +39,12 @@ similarities; its index in the frame over n):
 - ``deep``: the paper's deep probe, a transformer encoder over the frame's rows (4 layers, 8 heads).
 
 Each model runs ``restarts`` times (the paper: three) from its own seed; an arm is one (view,
-model, restart). ``shuffle=True`` builds the paper's shuffled-label negative control: the tokens of
-every labelled row, training and evaluation alike, are permuted globally once (one permutation for
-all views) and the whole battery is retrained on them. ``control=True`` (the default) has the audit
-run that twin beside the battery (``splitleak.audit.latent_attacks.run_probe_attack``).
+model, restart). ``shuffle=True`` builds the shuffled-label negative control: the tokens of every
+labelled training row are permuted globally once (one permutation for all views) and the whole battery
+is retrained on them. Under ``oracle`` the evaluation rows' labels are permuted with them (the paper's
+twin); under the shadow threat models the twin is scored against the true labels, so that a battery that
+reaches the victim's tokens some other way reads above floor. ``control=True`` (the default) has the
+audit run that twin beside the battery (``splitleak.audit.latent_attacks.run_probe_attack``).
 
 Ours, where the paper gives no number: hidden width 256, AdamW at lr 1e-3 with weight decay 0.01,
 16 frames per batch, 30 epochs, the deep probe at width 128; no epoch is selected on the evaluation
@@ -55,6 +69,7 @@ from splitleak.runtime import fused_optimizer
 
 VIEWS = ("forward", "real-rows", "gradient", "joint", "cross-gram")
 MODELS = ("mlp", "features", "graph", "deep")
+THREATS = ("shadow", "trained-codec", "oracle")
 N_FEATURES = 22
 TOP = 8
 EPS = 1e-12
@@ -220,8 +235,12 @@ class ProbeBattery:
         deep_heads: int = 8,
         shuffle: bool = False,
         control: bool = True,
+        threat: str = "shadow",
         seed: int = 0,
     ):
+        if threat not in THREATS:
+            raise ConfigError(f"unknown probe threat model {threat!r}; use one of {', '.join(THREATS)}")
+        self.threat = threat
         self.views = _names(views, VIEWS, "view")
         self.models = _names(models, MODELS, "model")
         for k, v in {"restarts": restarts, "epochs": epochs, "hidden": hidden, "batch_frames": batch_frames}.items():
@@ -247,6 +266,7 @@ class ProbeBattery:
             "deep_heads": self.deep_heads,
             "shuffle": self.shuffle,
             "control": self.control,
+            "threat": self.threat,
             "seed": self.seed,
         }
 
@@ -256,7 +276,7 @@ class ProbeBattery:
 
     def twin(self) -> ProbeBattery:
         """The same battery on globally shuffled labels: the negative control."""
-        return ProbeBattery(**{**self.params(), "shuffle": True, "control": False})
+        return type(self)(**{**self.params(), "shuffle": True, "control": False})
 
     def shuffled_tokens(self, tokens: dict[int, np.ndarray], frame_ids: list[int]) -> dict[int, np.ndarray]:
         """The negative control's labels: every known row's token, permuted once over the rows of all
@@ -277,15 +297,24 @@ class ProbeBattery:
         evaluation: LatentTraffic,
         tokens: dict[int, np.ndarray],
         real: dict[int, np.ndarray],
+        taken: dict[int, np.ndarray] | None = None,
     ) -> list[ArmPredictions]:
+        """Train every arm on ``train`` (``tokens`` and ``real``: each training row's token and whether it is
+        real) and name a token for every row of ``evaluation``. ``taken``: per evaluation frame, the rows the
+        attacker takes as real (the partition it read); the views of real rows name nothing elsewhere. None
+        (the oracle): ``tokens`` and ``real`` cover the evaluation frames too, and the shuffle spans them."""
         if not len(train) or not len(evaluation):
-            raise ConfigError("the probes need training-phase and capture-phase frames; this run has none of one")
+            raise ConfigError("the probes need labelled frames and capture-phase frames; one of them is empty")
+        ids = [f.frame_id for f in train.frames] + ([f.frame_id for f in evaluation.frames] if taken is None else [])
         if self.shuffle:
-            tokens = self.shuffled_tokens(tokens, [f.frame_id for f in train.frames + evaluation.frames])
+            tokens = {**tokens, **self.shuffled_tokens(tokens, ids)}
+        ev_real = real if taken is None else taken
+        unknown = {f.frame_id: np.full(len(f.x), -1, dtype=np.int64) for f in evaluation.frames}
+        ev_tokens = tokens if taken is None else unknown
         out = []
         for view in self.views:
             tr = [view_frame(f, view, tokens[f.frame_id], real[f.frame_id]) for f in train.frames]
-            ev = [view_frame(f, view, tokens[f.frame_id], real[f.frame_id]) for f in evaluation.frames]
+            ev = [view_frame(f, view, ev_tokens[f.frame_id], ev_real[f.frame_id]) for f in evaluation.frames]
             classes = np.unique(np.concatenate([v.labels for v in tr]))
             classes = classes[classes >= 0]
             if not len(classes):
@@ -304,6 +333,8 @@ class ProbeBattery:
                         logits = net(z_ev, a_ev.float(), pad_ev)
                     named = classes[logits.argmax(-1).numpy()]
                     preds = [named[i, : len(v.labels)] for i, v in enumerate(ev)]
+                    if taken is not None and view != "forward":  # a row not taken as real is named nothing
+                        preds = [np.where(v.real, p, -1) for p, v in zip(preds, ev)]
                     out.append(ArmPredictions(view, model, restart, preds, len(classes), time.perf_counter() - t0))
         return out
 

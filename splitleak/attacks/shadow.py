@@ -89,10 +89,13 @@ class ShadowFrames:
         return list(self.train.frames) + list(self.capture.frames)
 
 
-def make_shadow(plan: ShadowPlan, seed: int, lm: LoadedModel | None = None) -> ShadowFrames:
+def make_shadow(
+    plan: ShadowPlan, seed: int, lm: LoadedModel | None = None, codec: dict[str, torch.Tensor] | None = None
+) -> ShadowFrames:
     """Run the public mechanism on the attacker's documents, both roles in this process, with the
     attacker's own draws (``gauge_entropy="derived"`` keyed by a seed derived from ``seed``: the same
-    distribution as the victim's fresh draws, and replayable)."""
+    distribution as the victim's fresh draws, and replayable). ``codec``: the victim's trained encoder and
+    decoder (``LatentClient.state_dict``), for a threat model that grants them; they are then used frozen."""
     cfg = public_latent(plan.latent).model_copy(update={"gauge_entropy": "derived"})
     own = derived_seed(int(seed), "shadow", 0, "latent", 0)
     if lm is None:
@@ -107,6 +110,12 @@ def make_shadow(plan: ShadowPlan, seed: int, lm: LoadedModel | None = None) -> S
     server = LatentServer(cfg, plan.lr, derived_seed(own, "shadow", 0, "server", 0))
     channel = InProcessChannel(server.handle, [tap])
     client = LatentClient(split, cfg, own, channel, plan.lr)
+    if codec is not None:
+        client.encoder.load_state_dict({k[len("encoder.") :]: v for k, v in codec.items() if k.startswith("encoder.")})
+        client.decoder.load_state_dict({k[len("decoder.") :]: v for k, v in codec.items() if k.startswith("decoder.")})
+        for q in client.params:
+            q.requires_grad_(False)
+        client.opt = None  # the victim's codec as it was trained: the shadow steps train the surrogate only
     with torch.random.fork_rng(devices=[]):
         train_latent(client, plan.documents, seed=own, steps=plan.steps)
         server.opt = None

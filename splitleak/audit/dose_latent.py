@@ -148,7 +148,8 @@ def dose_ladder(
     th = thresholds or shipped_thresholds()
     views = ("gradient",) if channel == "output-gradient" else ("real-rows",)
     params = {"views": views, "models": ("mlp", "graph"), "restarts": 1, **(battery or {})}
-    probe = ProbeBattery(**{**params, "shuffle": False, "control": False, "seed": seed})
+    # the instrument read with the record into which the leak was injected: the oracle threat model
+    probe = ProbeBattery(**{**params, "shuffle": False, "control": False, "seed": seed, "threat": "oracle"})
     real, tokens = load_truth(run_dir), load_row_tokens(run_dir)
     train0, eval0 = load_latent_traffic(run_dir, "train"), load_latent_traffic(run_dir, "capture")
     train_tokens = np.concatenate([tokens[f.frame_id][real[f.frame_id]] for f in train0.frames])

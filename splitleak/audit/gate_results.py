@@ -99,6 +99,11 @@ def _read_latent(item: dict[str, Any], th: GateThresholds) -> dict[str, Any]:
         )
     else:
         v["instrument_fault"] = False
+    threat = (res.get("attack_params") or {}).get("threat", "oracle")  # results written before threat models
+    v["threat"] = threat
+    if threat == "oracle":
+        v["privacy_holds"] = v["passes"] = None
+        v["verdict"] = f"ORACLE, an upper bound and not a verdict (it read the client's record): {v['verdict']}"
     run_cfg = res["run"]["config"]
     latent = run_cfg.get("latent") or {}
     return {

@@ -11,10 +11,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors.torch import load_file
 
 from splitleak.attacks.config import AttackConfig
 from splitleak.attacks.core import make_attack
-from splitleak.attacks.partition import LatentFrame, LatentPartition, LatentTraffic, load_latent_traffic
+from splitleak.attacks.partition import (
+    LatentFrame,
+    LatentPartition,
+    LatentTraffic,
+    PartitionAttack,
+    load_latent_traffic,
+    public_latent,
+)
 from splitleak.attacks.probes import ProbeBattery
 from splitleak.attacks.shadow import make_shadow, shadow_plan
 from splitleak.audit.defaults import CONTROL_BOOT
@@ -27,6 +35,7 @@ from splitleak.runs.manifest import read_calibration
 from splitleak.runs.truth import load_row_tokens, load_truth
 from splitleak.stats import effect_verdict
 from splitleak.stats.paired import battery_verdict, score_arms
+from splitleak.training.latent import CODEC_FILE
 
 
 def _latent_result(
@@ -172,9 +181,40 @@ def partition_control(
     }
 
 
+#: what every report prints beside an oracle reading
+ORACLE_NOTE = (
+    "oracle: trained on the victim's training frames with the client's record of every row's token and of its "
+    "real rows, and read on the record's real rows: an upper bound on what a known-plaintext attacker could "
+    "read, never a verdict"
+)
+
+
+def _shadow_side(attack: ProbeBattery, manifest, doc_dir: Path, evaluation: LatentTraffic, seen: int, config):
+    """What a shadow battery learns from: the attacker's own frames (through the victim's trained codec
+    under ``trained-codec``, read from the client's run as that threat model grants), their tokens and real
+    rows from its own record, and per victim frame the rows a wire-only reader takes as real (the classifier
+    rule fitted on the same shadow frames; every row where the public arguments send no decoy)."""
+    codec = load_file(str(Path(doc_dir) / CODEC_FILE)) if attack.threat == "trained-codec" else None
+    plan = shadow_plan(manifest, read_calibration(doc_dir), steps=seen)
+    shadow = make_shadow(plan, seed=config.attack_seed, codec=codec)
+    frames = LatentTraffic("shadow", shadow.frames, evaluation.real_rows)
+    if public_latent(plan.latent).decoys == 0:
+        taken = {f.frame_id: np.ones(len(f.x), dtype=bool) for f in evaluation.frames}
+        reader = "every row (the public arguments send no decoy)"
+    else:
+        picker = PartitionAttack(rule="classifier", seed=config.attack_seed).fit(shadow=shadow)
+        taken = {f.frame_id: pred for f, (_, pred) in zip(evaluation.frames, picker.partition(evaluation))}
+        reader = "the classifier rule fitted on the same shadow frames (top T rows per frame)"
+    learnt = {
+        "threat": attack.threat, "documents": len(plan.documents), "train_frames": len(shadow.train),
+        "capture_frames": len(shadow.capture), "rows_taken_as_real": reader,
+    }  # fmt: skip
+    return frames, shadow.tokens, shadow.real, taken, learnt
+
+
 SHUFFLED_CONTROL = (
-    "shuffled-label: the tokens of every labelled row, probe training and evaluation alike, permuted globally "
-    "once, and the whole battery retrained on them"
+    "shuffled-label: the tokens of every labelled training row permuted globally once (under the oracle, the "
+    "evaluation rows' too), and the whole battery retrained on them"
 )
 
 
@@ -191,9 +231,12 @@ def run_probe_attack(
     protocol_hash: str | None = None,
     force: bool = False,
 ) -> dict[str, Any]:
-    """The probe battery on a latent run: trained on the training-phase frames with the client's record
-    of their tokens, scored on the capture pass's real rows against the most-frequent-token control
-    (``splitleak.stats.paired``), with its shuffled-label twin (unless ``control=False``).
+    """The probe battery on a latent run, scored on the capture pass's real rows against the
+    most-frequent-token control (``splitleak.stats.paired``), with its shuffled-label twin (unless
+    ``control=False``). What it learns from is its threat model's (``splitleak.attacks.probes``): its own
+    shadow frames (``shadow``; ``trained-codec``: through the victim's trained codec), and the rows a
+    wire-only partition reader picks in the victim's frames; or, as an upper bound that is never a verdict,
+    the victim's training frames with the client's record (``oracle``).
 
     The job runs without its protocol file, so it reads the battery at the shipped gate_002's gate, α
     and family (``splitleak.audit.gate``), recorded in each verdict; ``protocol_verdict`` is the
@@ -204,16 +247,25 @@ def run_probe_attack(
         raise ConfigError(f"attack {config.attack!r} is registered as a probe battery but is not a ProbeBattery")
     if config.phase != "capture":
         raise ConfigError("the probes train on the training frames; they are scored on the capture pass only")
-    real, tokens = load_truth(doc_dir), load_row_tokens(doc_dir)
+    t0 = time.perf_counter()
     train, evaluation = load_latent_traffic(run_dir, "train"), load_latent_traffic(run_dir, "capture")
+    taken: dict[int, np.ndarray] | None = None
+    if attack.threat != "oracle":
+        train, tokens, real, taken, learnt = _shadow_side(attack, manifest, doc_dir, evaluation, len(train), config)
+    truth_real, truth_tokens = load_truth(doc_dir), load_row_tokens(doc_dir)  # the scorer's
+    if attack.threat == "oracle":  # the record handed to the battery itself: an upper bound, never a verdict
+        tokens, real = truth_tokens, truth_real
+        learnt = {"threat": "oracle", "train_frames": len(train), "upper_bound": ORACLE_NOTE}
     every = [f.frame_id for f in train.frames + evaluation.frames]
     th = shipped_thresholds()
-    t0 = time.perf_counter()
 
     def measure(battery: ProbeBattery) -> dict[str, Any]:
-        labels_of = battery.shuffled_tokens(tokens, every) if battery.shuffle else tokens
-        labels = [np.where(real[f.frame_id], labels_of[f.frame_id], -1) for f in evaluation.frames]
-        arms = battery.run(train, evaluation, tokens, real)
+        # the oracle's twin is the paper's (evaluation labels permuted with the training ones); a shadow
+        # twin is scored against the true labels, so that a battery that reaches them otherwise is detected
+        oracle_twin = battery.shuffle and taken is None
+        labels_of = battery.shuffled_tokens(truth_tokens, every) if oracle_twin else truth_tokens
+        labels = [np.where(truth_real[f.frame_id], labels_of[f.frame_id], -1) for f in evaluation.frames]
+        arms = battery.run(train, evaluation, tokens, real, taken)
         stats, extra = score_arms({a.name: a.predictions for a in arms}, labels, seed=battery.seed, n_boot=PROBE_BOOT)
         const = extra["constant"]
         w, rate = extra["weights"], const["accuracy"]
@@ -225,9 +277,9 @@ def run_probe_attack(
         }
         rows = [{**s.as_dict(), "classes": a.classes, "seconds": a.seconds} for s, a in zip(stats, arms)]
         frames = [
-            {"arm": s.name, "frame_id": f.frame_id, "paired_delta": float(d)}
-            for s in stats
-            for f, d in zip(evaluation.frames, s.frame_delta)
+            {"arm": s.name, "frame_id": f.frame_id, "paired_delta": float(d), "predicted": [int(t) for t in pred]}
+            for s, a in zip(stats, arms)
+            for f, d, pred in zip(evaluation.frames, s.frame_delta, a.predictions)
         ]
         verdict = battery_verdict(stats, w, rate, alpha=th.alpha, gate=th.gate)
         return {
@@ -250,8 +302,12 @@ def run_probe_attack(
         best = measured["verdict"].get("best_arm")
         twin = next((a for a in control["arms"] if a["arm"] == best), None)
         measured["control_of_best_arm"] = None if twin is None else twin["paired_effect"]
+        detected = [view for view, r in control["by_view"].items() if r.get("verdict") == "detected"]
+        control["detected_in"] = detected
+        measured["instrument_fault"] = bool(detected)  # the twin must read at floor (002, gate_002.yaml)
     result = _latent_result(config, attack, run_dir, manifest, len(evaluation), seconds, protocol_hash) | {
         "n_train_frames": len(train),
+        "learnt_from": learnt,
         "probes": {**measured, "negative_control": control},
     }
     if out_path is not None:

@@ -19,7 +19,7 @@ def attack_rows(res: dict[str, Any]) -> list[Row]:
     if res.get("token_recovery") is not None:
         rows += _token_rows(res)
     elif "probes" in res:
-        rows += _probe_rows(res["probes"])
+        rows += _probe_rows(res["probes"], res.get("learnt_from"))
     elif "partition" in res:
         rows += _partition_rows(res["partition"], res.get("control"), res.get("shadow"))
     else:
@@ -72,10 +72,22 @@ def _token_rows(res: dict[str, Any]) -> list[Row]:
     return rows
 
 
-def _probe_rows(pr: dict[str, Any]) -> list[Row]:
-    """The probes' constant control, each view's best paired effect, the best arm and the verdicts."""
+def _probe_rows(pr: dict[str, Any], learnt: dict[str, Any] | None = None) -> list[Row]:
+    """What the battery learnt from (its threat model), the probes' constant control, each view's best paired
+    effect, the best arm and the verdicts; an oracle battery's verdicts are marked an upper bound."""
     const, v = pr["constant"], pr["verdict"]
-    rows = [("most-frequent-token control (%)", fmt_pct(const["accuracy"]))]
+    rows: list[Row] = []
+    if learnt is not None and learnt.get("threat") == "oracle":
+        rows.append(("threat model", "ORACLE: " + str(learnt.get("upper_bound", "an upper bound, not a verdict"))))
+    elif learnt is not None:
+        rows.append(
+            (
+                f"threat model: {learnt['threat']}",
+                f"{learnt['train_frames']} + {learnt['capture_frames']} shadow frames of {learnt['documents']} "
+                f"documents; rows taken as real: {learnt['rows_taken_as_real']}",
+            )
+        )
+    rows.append(("most-frequent-token control (%)", fmt_pct(const["accuracy"])))
     for view, vv in pr["by_view"].items():
         if "best_arm" in vv:
             rows.append((f"{view}: best paired effect (pp)", f"{100 * vv['paired_effect']:+.2f} ({vv['verdict']})"))
@@ -94,6 +106,9 @@ def _probe_rows(pr: dict[str, Any]) -> list[Row]:
         rows.append((f"under {pv['thresholds']['protocol']} (J = {pv['J']} per view)", pv["verdict"]))
     if pr.get("control_of_best_arm") is not None:
         rows.append(("its shuffled-label twin (pp)", f"{100 * pr['control_of_best_arm']:+.2f}"))
+    if pr.get("instrument_fault"):
+        views = ", ".join(pr["negative_control"].get("detected_in") or [])
+        rows.append(("INSTRUMENT FAULT", f"the shuffled-label twin reads detected in {views}: no verdict"))
     return rows
 
 

@@ -94,6 +94,8 @@ class ProbeRun:
     arms: list[dict[str, Any]]
     #: the run read under the grid's protocol (splitleak.audit.gate.latent_verdict)
     protocol: dict[str, Any] | None = None
+    #: the battery's threat model; "oracle" (and every battery run before threat models) gives no verdict
+    threat: str = "oracle"
 
 
 @dataclass
@@ -223,6 +225,7 @@ def _probes(
                 float(probes["constant"]["accuracy"]),
                 probes["arms"],
                 protocol,
+                (res.get("attack_params") or {}).get("threat", "oracle"),
             )
         )
     return out
@@ -358,6 +361,9 @@ def arm_passes(s: LatentSummary) -> list[dict[str, Any]]:
         holds = (
             None if not privacy or any(p is None for p in privacy) else all(privacy)
         )  # undecided when a seed's family is not the protocol's
+        oracle = any(r.threat == "oracle" for r in rs)
+        if oracle:
+            holds = None  # an upper bound, read with the client's record: never a verdict
         within = None if not util or any(u is None for u in util) else all(util)
         limit = s.thresholds.utility_ce_increase_max if s.thresholds is not None else None
         out.append(
@@ -372,6 +378,7 @@ def arm_passes(s: LatentSummary) -> list[dict[str, Any]]:
                 "privacy_holds": holds,
                 "utility_within": within,
                 "passes": passes(holds, None if limit is None else {"max": limit, "passes": within}),
+                "oracle": oracle,
             }
         )
     return out
@@ -522,10 +529,13 @@ def _arm_table(verdicts: Sequence[dict[str, Any]]) -> Table:
     return Table(
         ["model", "latent arm", "battery", "seeds", "hold the gate", "break it", "within the utility gate", "passes"],
         [[a["model"], a["arm"], a["params"], str(a["seeds"]), str(a["seeds_holding_gate"]), str(a["seeds_breaking_gate"]),
-          str(a["seeds_within_utility"]), yn[a["passes"]]] for a in verdicts],
+          str(a["seeds_within_utility"]),
+          "no verdict (oracle: an upper bound)" if a.get("oracle") else yn[a["passes"]]] for a in verdicts],
         caption="Per latent arm, under the protocol: an arm passes only when every seed holds the privacy "
         "gate in every view and is within the utility gate (002: \"passed both gates\"); an arm over the "
-        "utility gate is never passing, however little its rows give away.",
+        "utility gate is never passing, however little its rows give away. A battery of the oracle threat "
+        "model (trained and read with the client's record of tokens and real rows, as 002's known-plaintext "
+        "probes) is an upper bound and gives no verdict.",
     )  # fmt: skip
 
 
