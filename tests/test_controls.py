@@ -249,3 +249,61 @@ def test_a_grid_of_noisy_controls_flags_only_the_reader_of_the_text(seed):
     unadjusted = sum(c["p"] < 0.05 for c in controls if c["row"]["key"] != "cheat")
     assert unadjusted > 5  # what an uncorrected 5 % test would have flagged among the noisy ones
     assert control_p_value([0.0] * 16) == 1.0 and control_p_value([0.25] * 16) == 0.0
+
+
+@pytest.mark.e2e
+def test_a_tune_trial_whose_reader_reads_the_text_is_an_instrument_fault(planted, tmp_path, monkeypatch):
+    """In `tune`, a trial whose attack reaches the evaluation text (the planted reader, reading every run under
+    the working folder) fails as an instrument fault and places nothing on the frontier; with an attack of the
+    traffic the same trial completes."""
+    import splitleak.experiments.tune as tune_module
+    from splitleak.experiments.tune import TuneSettings
+    from splitleak.experiments.tune_study import tune
+
+    suite = tune_module.attack_suite()  # the tune's fixed suite, with the planted reader offered beside it
+    monkeypatch.setattr(
+        tune_module,
+        "attack_suite",
+        lambda: {**suite, "reads-the-text": {"attack": "reads-the-text", "client_copy": "public"}},
+    )
+    monkeypatch.chdir(tmp_path)
+    tiny = dict(model="tiny-gpt2", budget=0.05, n_calib=16, n_train=4, n_eval=16, doc_len=16, steps=2)
+    res = tune(tmp_path / "cheat", TuneSettings(attacks=("reads-the-text",), **tiny), depths=[1], n_trials=1)
+    (trial,) = res.trials
+    assert trial["error"] is not None and trial["error"].startswith("instrument fault"), trial
+    assert "reads-the-text" in trial["error"] and res.passing == [] and res.frontier == []
+    honest = tune(tmp_path / "honest", TuneSettings(attacks=("vmi",), **tiny), depths=[1], n_trials=1)
+    assert honest.trials[0]["error"] is None and honest.trials[0]["arms"][0]["control_verdict"] == "at floor"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_grids_control_family_is_read_at_the_protocols_alpha(seed):
+    """The level of the grid's control family is the frozen protocol's: its thresholds.alpha, else its main
+    test's; a protocol at a looser level flags a borderline job that the shipped level does not."""
+    import numpy as np
+
+    from splitleak.audit.protocol import SHIPPED, load_protocol
+    from splitleak.audit.verdicts import control_p_value
+    from splitleak.report.grid_controls import control_alpha, job_controls
+
+    gate, _ = load_protocol(SHIPPED / "gate_002.yaml")
+    main, _ = load_protocol(SHIPPED / "paper_main.yaml")
+    assert control_alpha(gate) == (0.05, "protocol gate-002's thresholds.alpha")
+    assert control_alpha(main)[1] == "protocol paper-main's main test"
+    loose = gate.model_copy(update={"thresholds": {**gate.thresholds, "alpha": 0.5}})
+    assert control_alpha(loose)[0] == 0.5
+
+    rng = np.random.default_rng(seed)
+    z = rng.normal(size=16)
+    z = (z - z.mean()) / z.std(ddof=1)
+    borderline = 0.028 + 0.05 * z  # t = 0.028 / (0.05 / 4) = 2.24 on 15 degrees of freedom: p = 0.02 on any seed
+    rows = [
+        {"key": f"n{i}", "attack": "vmi", "client_copy": "public",
+         "result_json": json.dumps({"control": {"per_doc_delta": list(d), "effect": {"estimate": float(np.mean(d))}}})}
+        for i, d in enumerate([rng.normal(0, 0.05, 16) for _ in range(9)] + [borderline])
+    ]  # fmt: skip
+    p = control_p_value(borderline)
+    assert 0.05 / 10 < p < 0.5 / 10, p
+    assert [c["row"]["key"] for c in job_controls(rows, control_alpha(loose)[0]) if c["fault"]][-1:] == ["n9"]
+    assert "n9" not in [c["row"]["key"] for c in job_controls(rows, control_alpha(gate)[0]) if c["fault"]]

@@ -9,12 +9,26 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from splitleak.audit.protocol import Protocol
 from splitleak.audit.verdicts import control_p_value
 from splitleak.report.document import Document, Heading, Para, Table
 from splitleak.report.grid_common import Ctx, count, pp
 
-#: the family-wise level of a grid's negative controls (Bonferroni over its jobs)
+#: the family-wise level of a grid's negative controls (Bonferroni over its jobs) where the protocol names none
 CONTROL_ALPHA = 0.05
+
+
+def control_alpha(protocol: Protocol) -> tuple[float, str]:
+    """The family-wise level of the grid's negative controls, and where it comes from: the protocol's
+    ``thresholds.alpha``, else its main test's α, else its family's, else ``CONTROL_ALPHA`` (said so)."""
+    th = protocol.thresholds
+    if "alpha" in th and isinstance(th["alpha"], (int, float)) and 0 < float(th["alpha"]) < 1:
+        return float(th["alpha"]), f"protocol {protocol.name}'s thresholds.alpha"
+    if protocol.main_test is not None:
+        return protocol.main_test.alpha, f"protocol {protocol.name}'s main test"
+    if protocol.family is not None:
+        return protocol.family.alpha, f"protocol {protocol.name}'s family"
+    return CONTROL_ALPHA, f"splitleak's default (protocol {protocol.name} names no level)"
 
 
 def job_controls(attack_rows: Sequence[dict[str, Any]], alpha: float = CONTROL_ALPHA) -> list[dict[str, Any]]:
@@ -55,7 +69,8 @@ def controls_section(doc: Document, ctx: Ctx, attack_rows: Sequence[dict[str, An
     one and how many read above floor; every detected job by name. A detected control is an instrument
     fault: the protocol's tests below are not to be read until it is explained."""
     doc.add(Heading(2, "Negative controls"))
-    controls = job_controls(attack_rows)
+    alpha, source = control_alpha(ctx.used)
+    controls = job_controls(attack_rows, alpha)
     if not controls:
         doc.add(Para("Omitted: no attack job of this store ran a mis-paired negative control.", "note"))
         return
@@ -67,7 +82,8 @@ def controls_section(doc: Document, ctx: Ctx, attack_rows: Sequence[dict[str, An
             "documents it is labelled as, minus the job's own reading of that traffic scored against the same "
             "labels. An attack that reads only the traffic reads 0; one that reaches the evaluation text by the "
             "documents' identity reads above it. Detected: a one-sided t-test of the job's per-document "
-            f"differences, p below {CONTROL_ALPHA:g} / {len(controls):,} (Bonferroni over the jobs with a control).",
+            f"differences, p below {alpha:g} ({source}) / {len(controls):,} (Bonferroni over the jobs with a "
+            "control).",
             "caption",
         ),
     )
