@@ -110,9 +110,37 @@ def test_each_defence_names_the_attacks_built_for_it(name):
         assert attack_info(attack).adaptive, f"{attack} is named by {name} but not registered as adaptive"
     for mode in cls.split_modes:
         names = d.adaptive_attacks(mode)
-        assert names and set(names) <= set(cls.adaptive)
+        assert set(names) <= set(cls.adaptive)
+        assert bool(names) != bool(d.adaptive_gap(mode)), (mode, names)  # an attack, or why none applies
         assert all(mode in attack_info(a).modes for a in names)
         assert set(DefenceChain([d], seed=0).adaptive_attacks(mode)) == set(names)
+
+
+#: configurations whose declarations differ from the defaults'
+CONFIGS = [(name, {}) for name in DEFENCES] + [
+    ("clip-noise", {"where": "backward"}),
+    ("clip-noise", {"where": "both"}),
+    ("mixup", {"correction": "cached"}),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name, args", CONFIGS)
+def test_every_attack_built_for_a_defence_reads_a_channel_it_transforms(name, args):
+    """An attack declared as built for a defence must read a channel that this configuration of the defence
+    transforms in that split mode: otherwise knowing the defence changes nothing it reads, and it is the plain
+    attack under an adaptive name (as sipit-aware was for replica-median, for clip-noise on the returned
+    gradient only, and for the output-gradient defences in a U-shape). Where none applies, the defence says
+    why."""
+    from splitleak.attacks.registry import attack_info
+
+    d = build_defence(name, args)
+    for mode in d.split_modes:
+        for attack in d.adaptive_attacks(mode):
+            read = set(attack_info(attack).reads)
+            assert read & d.transformed_channels(), (name, args, mode, attack, read, d.transformed_channels())
+        if not d.adaptive_attacks(mode):
+            assert len(d.adaptive_gap(mode)) > 40, (name, args, mode)
 
 
 @pytest.mark.unit
@@ -134,8 +162,16 @@ def test_a_defence_without_an_adaptive_attack_is_refused():
         def adaptive_attacks(self, mode):
             return self.adaptive if mode == "plain" else ()
 
-    with pytest.raises(ConfigError, match="partly.*in a u-shape run"):
+    with pytest.raises(ConfigError, match="partly.*in a u-shape run, nor why none applies"):
         check_adaptive(Partly)
+
+    class Explained(Partly):
+        name = "explained"
+
+        def adaptive_gap(self, mode):
+            return "" if mode == "plain" else "it acts on nothing a u-shape's attacks read"
+
+    check_adaptive(Explained)  # a mode without an attack is accepted where the defence says why
 
 
 @pytest.mark.unit
@@ -148,7 +184,7 @@ def test_the_chain_names_each_adaptive_attack_once_with_the_defences_it_serves()
         "seed-search": ("clip-noise",),
     }
     backward_only = DefenceChain([build_defence("clip-noise", {"where": "backward"})], seed=0)
-    assert "seed-search" not in backward_only.adaptive_attacks("plain")
+    assert backward_only.adaptive_attacks("plain") == {}  # nothing built for noise on the returned gradient yet
     assert DefenceChain([build_defence("mixup", {"correction": "cached"})], seed=0).adaptive_attacks("plain") == {
         "mixup-history": ("mixup",)
     }

@@ -11,6 +11,7 @@ noise, and their accounting), which its client applies and which register nothin
 
 import importlib
 import pkgutil
+from typing import Any
 
 from splitleak.defences.base import (
     DEFENCES,
@@ -25,10 +26,10 @@ from splitleak.defences.base import (
     canonical_args,
     check_adaptive,
     clip_per_document,
-    parse_defence_args,
     quantize_symmetric,
     register,
 )
+from splitleak.errors import ConfigError
 
 #: the families first imported, in this order: ``DEFENCES`` then lists their defences in the order the registry
 #: had before it became a package (``tune`` offers the searchable ones in that order); any other module of the
@@ -48,6 +49,24 @@ def load_family_modules() -> list[str]:
         importlib.import_module(full)
         names.append(full)
     return names
+
+
+def parse_defence_args(items: list[str]) -> dict[str, Any]:
+    """``["lambda=0.75", "k=3"]`` -> ``{"lambda": 0.75, "k": 3}`` (numbers parsed, else strings)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"defence argument {item!r} is not KEY=VALUE (e.g. --defence-arg lambda=0.75)")
+        k, v = item.split("=", 1)
+        for conv in (int, float):
+            try:
+                out[k.strip()] = conv(v)
+                break
+            except ValueError:
+                continue
+        else:
+            out[k.strip()] = {"true": True, "false": False}.get(v.lower(), v)
+    return out
 
 
 FAMILY_MODULES = load_family_modules()

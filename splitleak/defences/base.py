@@ -65,6 +65,16 @@ class WireContext:
 #:   (``exposed_weights``, per target; the Top still learns from the full loss: dual-track), and by how
 #:   much the client divides the gradient it gets back for its Bottom (``recovery``).
 ROLES = ("client-forward", "return-wire", "server", "client-after-receipt", "backward-wire", "exposed-loss")
+#: the channels an attack reads (``AttackInfo.reads``) that each role transforms; an attack built for a defence
+#: reads one of them (the contract tests hold every declaration to it), or knowing it changes nothing it reads
+ROLE_CHANNELS: dict[str, tuple[str, ...]] = {
+    "client-forward": ("activations", "probe-activations"),
+    "return-wire": ("gradient",),
+    "backward-wire": ("output-gradient",),
+    "exposed-loss": ("output-gradient",),
+    "server": (),
+    "client-after-receipt": (),
+}
 SPLIT_MODES = ("plain", "u-shape", "label-shielded")
 
 
@@ -116,8 +126,19 @@ class Defence:
     def adaptive_attacks(self, mode: str) -> tuple[str, ...]:
         """The attacks built for this configured defence in a run of split ``mode`` ("plain", "u-shape",
         "label-shielded"); by default every declared one (``DefenceChain.adaptive_attacks`` keeps those
-        reads traffic of the mode: the contract tests hold every declared one to the attack registry)."""
+        reads traffic of the mode: the contract tests hold every declared one to the attack registry, and to
+        reading a channel this configuration transforms). Empty where none applies: ``adaptive_gap`` says why."""
         return self.adaptive
+
+    def adaptive_gap(self, mode: str) -> str:
+        """Why no attack is built for this configured defence in a run of split ``mode`` ("" where one is), which
+        reports print instead of a plain attack under an adaptive name: by default the note of a defence that names
+        none at all; one that names some says for itself where none applies."""
+        return "" if self.adaptive or self.adaptive_attacks(mode) else self.adaptive_note
+
+    def transformed_channels(self) -> set[str]:
+        """The channels attacks read (``AttackInfo.reads``) that this configured defence transforms."""
+        return {c for role in self.roles() for c in ROLE_CHANNELS[role]}
 
     def forward(self, x: torch.Tensor, ctx: WireContext) -> torch.Tensor:
         return x
@@ -330,8 +351,11 @@ def check_adaptive(cls: type[Defence]) -> None:
     if cls.adaptive:
         d = build_defence(cls.name) if cls.name in DEFENCES else cls()
         for mode in cls.split_modes:
-            if not d.adaptive_attacks(mode):
-                raise ConfigError(f"defence {cls.name!r} names no attack built for it in a {mode} run")
+            if not d.adaptive_attacks(mode) and not d.adaptive_gap(mode):
+                raise ConfigError(
+                    f"defence {cls.name!r} names no attack built for it in a {mode} run, nor why none applies there "
+                    "(adaptive_gap)"
+                )
 
 
 def build_defence(name: str, args: dict[str, Any] | None = None) -> Defence:
@@ -559,21 +583,3 @@ class DefenceChain:
             for name in d.adaptive_attacks(mode):
                 out[name] = (*out.get(name, ()), d.name)
         return out
-
-
-def parse_defence_args(items: list[str]) -> dict[str, Any]:
-    """``["lambda=0.75", "k=3"]`` -> ``{"lambda": 0.75, "k": 3}`` (numbers parsed, else strings)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"defence argument {item!r} is not KEY=VALUE (e.g. --defence-arg lambda=0.75)")
-        k, v = item.split("=", 1)
-        for conv in (int, float):
-            try:
-                out[k.strip()] = conv(v)
-                break
-            except ValueError:
-                continue
-        else:
-            out[k.strip()] = {"true": True, "false": False}.get(v.lower(), v)
-    return out

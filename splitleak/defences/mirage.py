@@ -37,7 +37,7 @@ import torch
 
 from splitleak.defences.base import Defence, WireContext, check_bool, check_integer, check_number, register
 from splitleak.defences.noise import gaussian_mechanism_epsilon
-from splitleak.defences.vmf import VMFDirection
+from splitleak.defences.vmf import U_SHAPE_GAP, VMFDirection
 
 SHIELDED = ("label-shielded",)
 GRADIENT_MODES = ("u-shape", "label-shielded")
@@ -56,14 +56,17 @@ class LabelDefence(Defence):
     zeroed, seq-dp's clip applied); in a U-shape, which has no label attack, they change no
     activation, which the forward-wire attacks read as undefended."""
 
-    adaptive: ClassVar[tuple[str, ...]] = ("gma-sl-aware", "sipit-aware")
+    adaptive: ClassVar[tuple[str, ...]] = ("gma-sl-aware",)
     adaptive_note: ClassVar[str] = (
         "GMA-SL matched under the exposed loss the defence declares (public scale, masks, noise model); the "
         "activations are not this defence's to protect"
     )
 
     def adaptive_attacks(self, mode):
-        return ("gma-sl-aware",) if mode == "label-shielded" else ("sipit-aware",)
+        return ("gma-sl-aware",) if mode == "label-shielded" else ()
+
+    def adaptive_gap(self, mode):
+        return "" if mode == "label-shielded" else U_SHAPE_GAP.format(name=self.name)
 
 
 @register

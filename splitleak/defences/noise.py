@@ -26,6 +26,13 @@ ROW_CLIP_RANGE = SearchRange(
 )
 
 
+#: why the forward-wire attacks built for clipped and noised activations read them as the client's were
+FORWARD_NOTE = (
+    "the clip is deterministic and the noise Gaussian with a public scale: a candidate is scored by its "
+    "likelihood after the clip; noise keyed by a guessable run seed is found and removed (seed-search)"
+)
+
+
 @register
 class ClipNoise(Defence):
     """Per-row L2 clip to ``clip`` and Gaussian noise ``sigma`` x ``clip``, on the forward wire,
@@ -34,8 +41,8 @@ class ClipNoise(Defence):
     name = "clip-noise"
     adaptive = (*FORWARD_AWARE, "seed-search")
     adaptive_note = (
-        "the clip is deterministic and the noise Gaussian with a public scale: a candidate is scored by its "
-        "likelihood after the clip; noise keyed by a guessable run seed is found and removed (seed-search)"
+        f"{FORWARD_NOTE}. Clip and noise on the returned gradient (where=backward or both) are modelled by no "
+        "attack yet: the joint attacker reads the gradient as it crossed"
     )
     search = {
         "clip": ROW_CLIP_RANGE,
@@ -66,7 +73,16 @@ class ClipNoise(Defence):
         return gaussian_rows(clip_rows(x, self.clip), self.sigma * self.clip, ctx, direction)
 
     def adaptive_attacks(self, mode):
-        return self.adaptive if self.where in ("forward", "both") else FORWARD_AWARE
+        return self.adaptive if self.where in ("forward", "both") else ()
+
+    def adaptive_gap(self, mode):
+        if self.where in ("forward", "both"):
+            return ""
+        return (
+            "clip-noise with where=backward clips and noises only the returned gradient: the activations cross as "
+            "they are, which the suite's forward-wire attacks read as undefended, and no attack built for the "
+            "noise on the gradient exists yet (the joint attacker reads the gradient as it crossed)"
+        )
 
     def forward(self, x, ctx):
         return self._apply(x, ctx, "forward") if self.where in ("forward", "both") else x
@@ -90,7 +106,7 @@ class DPForward(Defence):
 
     name = "dp-forward"
     adaptive = (*FORWARD_AWARE, "seed-search")
-    adaptive_note = ClipNoise.adaptive_note
+    adaptive_note = FORWARD_NOTE
     search = {
         "clip": ROW_CLIP_RANGE,
         "noise_multiplier": SearchRange(

@@ -28,7 +28,9 @@ class Quant(Defence):
     adaptive = FORWARD_AWARE
     adaptive_note = (
         "rounding is deterministic given each document's scale, which crosses with the frame (its largest "
-        "level is the scale times the largest integer): a candidate's activation is rounded as the client's was"
+        "level is the scale times the largest integer): a candidate's activation is rounded as the client's was. "
+        "The rounding of the returned gradient is modelled by no attack yet: the joint attacker reads the "
+        "rounded gradient as it crossed"
     )
 
     def forward(self, x, ctx):

@@ -15,10 +15,11 @@ class ReplicaMedian(Defence):
 
     name = "replica-median"
     split_modes = ("plain",)
-    adaptive = ("sipit-aware",)
+    adaptive = ()
     adaptive_note = (
-        "the activations cross unchanged to every copy, so the forward-wire attacks read them as undefended; "
-        "the defence guards the gradient's integrity, not the text"
+        "no attack is built for replica-median: it changes only the server's copies and the median the client "
+        "takes, which never crosses; the activations cross unchanged to every copy, so the suite's forward-wire "
+        "attacks read them as undefended. The defence guards the gradient's integrity, not the text"
     )
 
     def roles(self):

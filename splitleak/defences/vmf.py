@@ -92,6 +92,15 @@ def vmf_epsilon(kappa: float) -> dict[str, Any]:
     }
 
 
+#: why a defence of the output gradient has no attack built for it in a U-shape (``adaptive_gap``)
+U_SHAPE_GAP = (
+    "{name} acts only on the output gradient the client returns in a U-shape: it changes no activation, which the "
+    "suite's forward-wire attacks read as undefended, and no attack built for its perturbation of that gradient "
+    "exists yet there (the joint attacker reads the gradient as it crossed; GMA-SL, built for it, reads the "
+    "label-shielded split)"
+)
+
+
 @register
 class VMFDirection(Defence):
     """Gradient Mirage's directional privatization (003), usable alone: every row of the output gradient
@@ -103,14 +112,17 @@ class VMFDirection(Defence):
 
     name = "vmf"
     split_modes = ("u-shape", "label-shielded")
-    adaptive = ("gma-sl-aware", "sipit-aware")
+    adaptive = ("gma-sl-aware",)
     adaptive_note = (
         "vMF keeps each row's norm and is centred on its direction, so the rows' norms and mean directions survive "
         "for gma-sl-aware to match; it changes no activation, which the forward-wire attacks read as undefended"
     )
 
     def adaptive_attacks(self, mode):
-        return ("gma-sl-aware",) if mode == "label-shielded" else ("sipit-aware",)
+        return ("gma-sl-aware",) if mode == "label-shielded" else ()
+
+    def adaptive_gap(self, mode):
+        return "" if mode == "label-shielded" else U_SHAPE_GAP.format(name=self.name)
 
     def __init__(self, kappa: float = 1000.0):
         self.kappa = check_number(self.name, "kappa", kappa, 0.0, lo_open=True)

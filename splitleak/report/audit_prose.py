@@ -20,6 +20,7 @@ from splitleak.audit.examples import worst_reader
 from splitleak.audit.run import AuditSetting
 from splitleak.defences import build_defence
 from splitleak.metrics import fmt_pct
+from splitleak.training.config import split_mode_of
 
 #: what each copy means for a reader of the report
 THREAT_MODELS = {
@@ -94,8 +95,12 @@ def adaptive_sentence(results: list[dict[str, Any]], cfg) -> str:
         return ""
     built = [r for r in results if r.get("built_for")]
     names = ", ".join(d.name for d in chain)
+    gaps = sorted({build_defence(d.name, d.args).adaptive_gap(split_mode_of(cfg)) for d in chain} - {""})
     if not built:
-        return f"No attack built for {names} read this traffic: the verdict rests on attacks that ignore the defence."
+        return (
+            f"No attack built for {names} read this traffic: the verdict rests on attacks that ignore the defence"
+            + (f". Why none applies here: {' '.join(gaps)}." if gaps else ".")
+        )
     parts = [text for copy in THREAT_MODELS if (text := _aware_reading(results, built, copy))]
     for r in built:
         summary = r.get("attack_summary") or {}
