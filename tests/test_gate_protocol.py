@@ -358,6 +358,9 @@ def test_an_oracle_battery_is_an_upper_bound_and_never_a_verdict(tmp_path, threa
     assert g["verdict"].startswith("ORACLE, an upper bound") and "breaks the gate in gradient" in g["verdict"]
     shadow = write_battery_result(tmp_path / "s", digest, threat="shadow")
     assert runner.invoke(app, ["protocol", "analyse", str(proto), str(shadow)]).exit_code == 1
+    # no verdict, but a detected twin is still an instrument fault, and fails the analysis
+    faulty = write_battery_result(tmp_path / "f", digest, read=0.0, twin_read=0.6, threat=threat)
+    assert runner.invoke(app, ["protocol", "analyse", str(proto), str(faulty)]).exit_code == 1
 
 
 @pytest.mark.unit

@@ -60,8 +60,8 @@ def protocol_analyse_cmd(
             console.print(f"analysis: {out.with_suffix('.json')}")
         if a.main is not None and not a.main.passes:
             raise typer.Exit(1)
-        if any(g.get("passes") is False for g in a.gate):
-            raise typer.Exit(1)
+        if any(g.get("passes") is False or g.get("instrument_fault") for g in a.gate):
+            raise typer.Exit(1)  # a failed gate, or a declared control that read above its floor
 
 
 @protocol_app.command("show")
