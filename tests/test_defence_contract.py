@@ -261,3 +261,23 @@ def test_the_defence_package_imports_nothing_above_it():
                 assert not node.module.startswith(above), f"{path.name} imports {node.module}"
             if isinstance(node, ast.Import):
                 assert not any(a.name.startswith(above) for a in node.names), f"{path.name} imports {node.names}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "defence, args, words",
+    [
+        ("replica-median", {}, "never crosses"),
+        ("clip-noise", {"where": "backward"}, "only the returned gradient"),
+    ],
+)
+def test_the_audit_says_why_no_attack_is_built_for_a_defence(defence, args, words):
+    """Where a defence names no attack built for it in the run's split, the audit's sentence says why."""
+    from splitleak.report.audit_prose import adaptive_sentence
+    from splitleak.training.config import make_train_config
+
+    cfg = make_train_config(model="tiny-gpt2", depth=1, defences=[{"name": defence, "args": args}])
+    text = adaptive_sentence([], cfg)
+    assert text.startswith(f"No attack built for {defence}") and "Why none applies here" in text and words in text
+    quiet = make_train_config(model="tiny-gpt2", depth=1, defences=[{"name": "quant8", "args": {}}])
+    assert "Why none applies" not in adaptive_sentence([], quiet)  # quant8 has its attacks: none ran here
