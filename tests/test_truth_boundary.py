@@ -62,6 +62,20 @@ def test_no_partition_attack_is_handed_the_record():
 
 
 @pytest.mark.integration
+def test_without_decoys_the_classifier_calls_every_row_real(tmp_path):
+    """The naked control sends no decoy, as its public arguments say: the attacker's own frames hold real rows
+    only, and the classifier calls every row of every frame real (exactly the record), with no fault."""
+    from splitleak.training.config import make_train_config
+    from splitleak.training.run import run_training
+
+    cfg = make_train_config(**TINY, seed=2, latent=_latent(sigma=0.0, decoys=0, gauges=False))
+    run = run_training(cfg, tmp_path / "naked", device="cpu").run_dir
+    res = run_attack(run, make_attack_config(attack="support-partition", params={"rule": "classifier"}))
+    p = res["partition"]
+    assert p["frames_exact"] == p["frames"] == 8 and p["real_row_share"] == 1.0 and p["auc"] is None
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_classifier_learns_the_open_partition_from_its_own_shadow_frames(runs, seed):
     """With the output gradient open a decoy row's gradient is exactly zero, in the attacker's own frames as

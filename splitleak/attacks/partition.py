@@ -210,10 +210,11 @@ class PartitionAttack(LatentPartition):
             )
         x = np.concatenate([row_features(f) for f in shadow.frames])
         y = np.concatenate([shadow.real[f.frame_id] for f in shadow.frames]).astype(np.float64)
-        if not 0 < y.sum() < len(y):
-            raise ConfigError("the shadow frames hold rows of one class only; the classifier has nothing to learn")
+        if not y.sum():
+            raise ConfigError("the shadow frames hold no real row; the classifier has nothing to learn")
         self.mean_, self.std_ = x.mean(0), x.std(0) + 1e-12
-        self.w_ = _logistic((x - self.mean_) / self.std_, y, seed=self.seed)
+        # no decoy in the attacker's own frames (the public arguments send none): every row is real, as it knows
+        self.w_ = None if y.all() else _logistic((x - self.mean_) / self.std_, y, seed=self.seed)
         return self
 
     def scores(self, f: LatentFrame) -> np.ndarray:
@@ -222,6 +223,8 @@ class PartitionAttack(LatentPartition):
                 raise ConfigError(
                     "call fit(shadow=the attacker's shadow frames) before partition with the classifier rule"
                 )
+            if self.w_ is None:
+                return np.ones(len(f.x))
             z = (row_features(f) - self.mean_) / self.std_
             return z @ self.w_[:-1] + self.w_[-1]
         return f.g_out.norm(dim=-1).numpy()

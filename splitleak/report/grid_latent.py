@@ -116,6 +116,7 @@ class Pooled:
     arms_pooled: int
     leave_one_out: tuple[float, float] | None
     note: str = ""
+    threat: str = "oracle"  # the battery's threat model (ProbeRun.threat)
 
 
 @dataclass
@@ -267,7 +268,7 @@ def pool_probe_runs(runs: Sequence[ProbeRun], alpha: float = 0.05) -> tuple[list
         pooled.append(
             Pooled(
                 model, arm, params, best, sorted(run.seed for run in rs),
-                re.estimate, re.low, re.high, re.tau, re.i2, j, loo,
+                re.estimate, re.low, re.high, re.tau, re.i2, j, loo, threat=rs[0].threat,
             )
         )  # fmt: skip
     return pooled, notes
@@ -495,6 +496,7 @@ def _probe_row(run: ProbeRun) -> list[str]:
     return [
         run.model,
         run.arm,
+        run.threat + (" (upper bound)" if run.threat == "oracle" else ""),
         str(run.seed),
         _pp(run.constant, signed=False),
         "n/a" if top is None else str(top["best_arm"]),
@@ -504,7 +506,7 @@ def _probe_row(run: ProbeRun) -> list[str]:
         "n/a" if top is None else _pp(top["gate_statistic"]),
         str(pv.get("verdict", "n/a")),
         _YES_NO[util.get("passes")],
-        {True: "yes", False: "no", None: "undecided"}[pv.get("passes")],
+        "no verdict" if run.threat == "oracle" else {True: "yes", False: "no", None: "undecided"}[pv.get("passes")],
         f"{v.get('best_arm', 'n/a')} {_pp(v.get('paired_effect'))} (J = {v.get('J', v.get('eligible'))})",
         twin,
     ]
@@ -512,15 +514,17 @@ def _probe_row(run: ProbeRun) -> list[str]:
 
 def _probe_table(runs: Sequence[ProbeRun]) -> Table:
     return Table(
-        ["model", "latent arm", "seed", "control (%)", "family arm of the view with the largest G", "its paired effect at α/J (pp)", "G (pp)", "verdict under the protocol", "within the utility gate", "passes", "best arm of the whole battery (pp, J)", "shuffled twin (pp)"],
+        ["model", "latent arm", "threat model", "seed", "control (%)", "family arm of the view with the largest G", "its paired effect at α/J (pp)", "G (pp)", "verdict under the protocol", "within the utility gate", "passes", "best arm of the whole battery (pp, J)", "shuffled twin (pp)"],
         [_probe_row(run) for run in runs],
         caption="Per seed, under the protocol: each view's family arms (degenerate arms, modal share > 0.99, "
         "excluded from J), the best by paired advantage over the most-frequent-token control read at α/J, "
         "and the gate statistic G; shown for the view with the largest G. A run passes when it holds the gate "
         "in every view and its held-out loss is within the utility gate. The battery-wide reading (every "
         "eligible arm of every view and model, J = their number) and the shuffled-label twin of its best "
-        "arm (labels permuted globally over probe training and evaluation, the battery retrained) are "
-        f"descriptive. The paper: naked, {PAPER['probes_naked']}; defended, {PAPER['probes_defended']}.",
+        "arm (training labels permuted globally, the battery retrained; under the oracle the evaluation labels "
+        "too) are descriptive. Threat models: shadow, the attacker's own frames of the public mechanism; "
+        "trained-codec, the same through the victim's trained codec; oracle, the client's record (an upper "
+        f"bound, no verdict). The paper: naked, {PAPER['probes_naked']}; defended, {PAPER['probes_defended']}.",
     )  # fmt: skip
 
 
@@ -548,11 +552,11 @@ def _pooled_table(pooled: Sequence[Pooled]) -> Table:
             else f"{_pp(pool.leave_one_out[0])} … {_pp(pool.leave_one_out[1])}"
         )
         rows.append(
-            [pool.model, pool.arm, pool.probe_arm, str(len(pool.seeds)), f"{_pp(pool.estimate)} [{_pp(pool.low)}, {_pp(pool.high)}]",
+            [pool.model, pool.arm, pool.threat, pool.probe_arm, str(len(pool.seeds)), f"{_pp(pool.estimate)} [{_pp(pool.low)}, {_pp(pool.high)}]",
              _pp(pool.tau, signed=False), f"{100 * pool.i2:.1f}", loo]
         )  # fmt: skip
     return Table(
-        ["model", "latent arm", "probe arm", "seeds", "pooled effect (pp)", "τ (pp)", "I² (%)", "leave-one-out means (pp)"],
+        ["model", "latent arm", "threat model", "probe arm", "seeds", "pooled effect (pp)", "τ (pp)", "I² (%)", "leave-one-out means (pp)"],
         rows,
         caption="Seed-level DerSimonian–Laird pooling of each probe arm (per-seed SE from its 95 % "
         "frame-bootstrap interval); the arm with the highest pooled mean, its interval at α/J over the "
