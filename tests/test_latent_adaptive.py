@@ -141,7 +141,7 @@ def test_given_the_decoy_identities_the_partition_is_exact_and_each_verbatim_dec
     truth = load_truth(run)
     traffic = load_latent_traffic(run, "capture")
     oracle = [(truth[f.frame_id].astype(float), truth[f.frame_id]) for f in traffic.frames]
-    got = score_partition(traffic, truth, oracle)
+    got = score_partition([f.frame_id for f in traffic.frames], truth, oracle)
     assert got["auc"] == 1.0 and got["frames_exact"] == got["frames"] == 8
     train = load_latent_traffic(run, "train")
     index = NearestIndex()

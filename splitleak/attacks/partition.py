@@ -20,8 +20,8 @@ document, is known to the server from the handshake's frame sizes):
 
 An attack reads the frames as the server holds them (``LatentTraffic``) and what its threat model
 grants: the run's public latent arguments, the frames of earlier steps, its own shadow frames. The
-truth is the client's own record (``splitleak.runs.truth.TRUTH_FILE``), which only the scorer reads
-(``splitleak.runs.truth.load_truth``, ``splitleak.metrics.partition``); no ``fit`` takes it. Every
+client's own record of real rows is read by the scorer alone (``splitleak.metrics.partition``); no ``fit``
+takes it. Every
 partition attack has the shape of ``LatentPartition``; the attacks built for the decoy mix and the
 gauges (``decoy-history``, ``gauge-key-search``) live in their own files.
 """

@@ -100,7 +100,7 @@ def run_partition_attack(
     parts = attack.partition(traffic)
     seconds = time.perf_counter() - t0
     truth = load_truth(doc_dir)  # the scorer's, read after the attack has read what it may
-    scored = score_partition(traffic, truth, parts)
+    scored = score_partition([f.frame_id for f in traffic.frames], truth, parts)
     result = _latent_result(config, attack, run_dir, manifest, len(traffic), seconds, protocol_hash) | {
         "partition": scored
     }
