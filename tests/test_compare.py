@@ -31,7 +31,12 @@ def test_compare_relates_each_defended_run_to_its_undefended_twin(audits):
         "sipit budget=32, trained copy",
     }
     # six attacks per audit, one line each; under quant4-noisy also the attacks built for it
-    built = {"sipit-aware budget=32", "sipit-aware budget=32, trained copy", "activation-aware k=32"}
+    built = {
+        "sipit-aware budget=32",
+        "sipit-aware budget=32, trained copy",
+        "activation-aware k=32",
+        "joint-aware k=32",
+    }
     assert {r[8] for r in rows if r[1] == "none"} == suite and len([r for r in rows if r[1] == "none"]) == 6
     assert {r[8] for r in rows if r[1] == "quant4-noisy"} == suite | built
     assert {r[8] for r in rows if r[-1] == "yes"} == built and all(r[1] == "quant4-noisy" for r in rows if r[-1])
@@ -43,7 +48,7 @@ def test_a_defended_audit_names_the_attacks_built_for_its_defence(audits):
     noisy = json.loads((audits["quant4-noisy"] / "report.json").read_text())
     none = json.loads((audits["none"] / "report.json").read_text())
     built = [a for a in noisy["attacks"] if a.get("built_for")]
-    assert {a["attack"] for a in built} == {"sipit-aware", "activation-aware"}
+    assert {a["attack"] for a in built} == {"sipit-aware", "activation-aware", "joint-aware"}
     assert all(a["built_for"] == ["quant4-noisy"] for a in built)
     words = noisy["verdict"]
     assert "Attacks built for quant4-noisy" in words and "than the best attack that ignores the defence" in words

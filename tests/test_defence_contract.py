@@ -181,10 +181,11 @@ def test_the_chain_names_each_adaptive_attack_once_with_the_defences_it_serves()
     assert got == {
         "sipit-aware": ("quant8", "clip-noise"),
         "activation-aware": ("quant8", "clip-noise"),
+        "joint-aware": ("quant8", "clip-noise"),
         "seed-search": ("clip-noise",),
     }
     backward_only = DefenceChain([build_defence("clip-noise", {"where": "backward"})], seed=0)
-    assert backward_only.adaptive_attacks("plain") == {}  # nothing built for noise on the returned gradient yet
+    assert backward_only.adaptive_attacks("plain") == {}  # one crossing's read-out ranks as it would unnoised
     assert DefenceChain([build_defence("mixup", {"correction": "cached"})], seed=0).adaptive_attacks("plain") == {
         "mixup-history": ("mixup",)
     }

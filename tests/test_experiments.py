@@ -345,11 +345,11 @@ def test_an_adaptive_entry_expands_into_the_attacks_built_for_each_chain(tmp_pat
         f = j.fields
         by_chain.setdefault(f["defence"], set()).add((f["attack"], f["k"], f["budget"]))
     assert by_chain["none"] == {("sipit-aware", None, "8")}  # the explicit entry only: nothing is built for none
-    assert by_chain["quant8"] == {("sipit-aware", None, "8"), ("activation-aware", 4, None)}
+    assert by_chain["quant8"] == {("sipit-aware", None, "8"), ("activation-aware", 4, None), ("joint-aware", 4, None)}
     assert by_chain["clip-noise(where=forward)"] == by_chain["quant8"] | {("seed-search", None, "8")}
     assert by_chain["mixup(correction=none)"] == {("sipit-aware", None, "8"), ("mixup-history", 4, None)}
     # the sipit-aware job that both entries name is one job
-    assert len(g.of_kind("attack")) == 1 + 2 + 3 + 2
+    assert len(g.of_kind("attack")) == 1 + 3 + 4 + 2
     assert len({j.key for j in g.of_kind("attack")}) == len(g.of_kind("attack"))
 
 

@@ -179,7 +179,7 @@ def test_tiny_tune_gate_budget_frontier_and_resume(tmp_path):
     assert none["worst_token_recovery"] > 0.9
     # strong noise: the whole suite ran, every reader near nothing, gate held, within budget -> passes
     # ... the attacks built for clip-noise included, on the trained copy
-    built = ["sipit-aware-trained", "activation-aware-trained", "seed-search-trained"]
+    built = ["sipit-aware-trained", "activation-aware-trained", "joint-aware-trained", "seed-search-trained"]
     assert s["stopped"] is None and sorted(a["name"] for a in s["arms"]) == sorted(
         ["vmi", "activation", "sipit-trained", *built]
     )

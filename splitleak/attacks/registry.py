@@ -43,6 +43,9 @@ class AttackInfo:
     needs_top: bool = False  # fits on the pretrained Top (``Knowledge.top``) as well as the client-layer copy
     #: built for defences (``Defence.adaptive`` names it): reads their public arguments (``Knowledge.defences``)
     adaptive: bool = False
+    #: for an adaptive attack, the attack it adds its knowledge of the defence to: on a positive control the two
+    #: must read differently (``tests/test_adaptive_contract.py``)
+    adapts: str | None = None
     #: its reading depends on the attack seed (a seeded draw); False: the same reading under every seed, so
     #: that the jobs of one run and copy that differ only in their seed compute it once (``audit.evaluate``;
     #: ``tests/test_registry.py`` checks the claim on every such attack)
@@ -100,6 +103,7 @@ REGISTRY: dict[str, AttackInfo] = {
             "transforms (rounding at the frame's own scale, the row clip) and ranks it by the chain's noise model",
             reads=("activations",),
             adaptive=True,
+            adapts="sipit",
             label="SipIt (defence-aware)",
         ),
         AttackInfo(
@@ -108,6 +112,7 @@ REGISTRY: dict[str, AttackInfo] = {
             "the activation attacker whose beam scores candidates as sipit-aware checks them",
             reads=("activations",),
             adaptive=True,
+            adapts="activation",
             label="activation (defence-aware)",
         ),
         AttackInfo(
@@ -117,6 +122,7 @@ REGISTRY: dict[str, AttackInfo] = {
             "noise, then reads as sipit-aware",
             reads=("activations",),
             adaptive=True,
+            adapts="sipit-aware",
         ),
         AttackInfo(
             "refit",
@@ -168,6 +174,17 @@ REGISTRY: dict[str, AttackInfo] = {
             seeded=False,
         ),
         AttackInfo(
+            "joint-aware",
+            f"{_A}.joint_aware:AwareJointBeam",
+            "as joint on the aware forward (activation-aware), with the activation candidates kept where the "
+            "return wire's declared rounding or noise left the gradient row nothing to read",
+            reads=("activations", "gradient", "output-gradient"),
+            takes_readout=True,
+            adaptive=True,
+            adapts="joint",
+            label="joint (defence-aware)",
+        ),
+        AttackInfo(
             "mixup-history",
             f"{_A}.mixup_history:MixupHistory",
             "mixup without probe rows: unmix each row against the earlier activation rows the server saw "
@@ -175,6 +192,7 @@ REGISTRY: dict[str, AttackInfo] = {
             reads=("activations",),
             modes=("plain",),
             adaptive=True,
+            adapts="activation",
         ),
         AttackInfo(
             "property",
@@ -189,6 +207,7 @@ REGISTRY: dict[str, AttackInfo] = {
             "undo mixup from its probe rows, then the activation attacker",
             reads=("activations", "probe-activations"),
             adaptive=True,
+            adapts="activation",
             seeded=False,
         ),
         AttackInfo(
@@ -256,6 +275,7 @@ REGISTRY: dict[str, AttackInfo] = {
             modes=("label-shielded",),
             needs_top=True,
             adaptive=True,
+            adapts="gma-sl",
             label="GMA-SL (defence-aware)",
         ),
         AttackInfo(

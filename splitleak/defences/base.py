@@ -299,9 +299,10 @@ def gaussian_noise_rms(g: torch.Tensor, rel_sigma: float, ctx: WireContext, dire
     return out
 
 
-#: the forward-wire attacks that know the chain: SipIt and beam search that pass each candidate's recomputed
-#: activation through the chain's public forward transforms and score it under the chain's noise model
-FORWARD_AWARE = ("sipit-aware", "activation-aware")
+#: the attacks that know the chain's forward: SipIt and beam search that pass each candidate's recomputed
+#: activation through its public forward and score it under its noise model; joint-aware also knows the
+#: rounding of the returned gradient
+FORWARD_AWARE = ("sipit-aware", "activation-aware", "joint-aware")
 
 
 def clip_rows(x: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -528,6 +529,14 @@ class DefenceChain:
         """The spacing of the values the last forward defence sends, per observed document [n], or None."""
         acting = self.forward_defences()
         return acting[-1].forward_spacing(observed) if acting else None
+
+    def backward_defences(self) -> list[Defence]:
+        """The defences acting on the returned gradient, in order."""
+        return [d for d in self.defences if "return-wire" in d.roles()]
+
+    def backward_rounds(self) -> bool:
+        """Whether a defence rounds the returned gradient (a row of zero levels then carries nothing)."""
+        return any(d.bits.get("backward") is not None for d in self.backward_defences())
 
     def backward(self, g: torch.Tensor, phase: str, step: int, doc_ids) -> torch.Tensor:
         for i, d in enumerate(self.defences):

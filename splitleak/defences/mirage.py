@@ -76,6 +76,19 @@ class SelectiveSupervision(LabelDefence):
 
     name = "sas"
     split_modes = SHIELDED
+    adaptive: ClassVar[tuple[str, ...]] = ()
+    adaptive_note: ClassVar[str] = (
+        "no attack is built for sas alone: a target it removes from the exposed loss adds nothing to the output "
+        "gradient, so no reader can read its label there, and GMA-SL's full-label model already holds every "
+        "selection (a removed target matched by the model's own prediction adds nothing either): knowing keep, "
+        "groups and last changes no optimum. GMA-SL is the reader; sas with scale-blind (mirage) has its own"
+    )
+
+    def adaptive_attacks(self, mode):
+        return ()
+
+    def adaptive_gap(self, mode):
+        return self.adaptive_note if mode == "label-shielded" else U_SHAPE_GAP.format(name=self.name)
 
     def __init__(self, keep: float = 0.3, groups: int = 3, last: int = 5):
         self.keep = check_number("sas", "keep", keep, 0.0, 1.0)

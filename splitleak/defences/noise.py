@@ -26,6 +26,14 @@ ROW_CLIP_RANGE = SearchRange(
 )
 
 
+#: why knowing Gaussian noise of a public scale on the returned gradient changes no one-crossing read-out
+GRADIENT_NOISE_NOTE = (
+    "Gaussian noise of a public scale on the returned gradient leaves the joint attacker's read-out as it is: "
+    "the likelihood of a row under 'a positive multiple of this token's direction plus that noise' ranks the "
+    "tokens by their cosine with the row whatever the scale, and the per-row clip keeps the direction. What "
+    "knowing it buys is combining a document's repeated crossings, which no one-crossing reader sees"
+)
+
 #: why the forward-wire attacks built for clipped and noised activations read them as the client's were
 FORWARD_NOTE = (
     "the clip is deterministic and the noise Gaussian with a public scale: a candidate is scored by its "
@@ -40,10 +48,7 @@ class ClipNoise(Defence):
 
     name = "clip-noise"
     adaptive = (*FORWARD_AWARE, "seed-search")
-    adaptive_note = (
-        f"{FORWARD_NOTE}. Clip and noise on the returned gradient (where=backward or both) are modelled by no "
-        "attack yet: the joint attacker reads the gradient as it crossed"
-    )
+    adaptive_note = f"{FORWARD_NOTE}. {GRADIENT_NOISE_NOTE}"
     search = {
         "clip": ROW_CLIP_RANGE,
         "sigma": SearchRange(
@@ -80,8 +85,7 @@ class ClipNoise(Defence):
             return ""
         return (
             "clip-noise with where=backward clips and noises only the returned gradient: the activations cross as "
-            "they are, which the suite's forward-wire attacks read as undefended, and no attack built for the "
-            "noise on the gradient exists yet (the joint attacker reads the gradient as it crossed)"
+            f"they are, which the suite's forward-wire attacks read as undefended. {GRADIENT_NOISE_NOTE}"
         )
 
     def forward(self, x, ctx):

@@ -15,6 +15,7 @@ from splitleak.defences.base import (
     register,
     round_at_scale,
 )
+from splitleak.defences.noise import GRADIENT_NOISE_NOTE
 
 
 @register
@@ -29,8 +30,8 @@ class Quant(Defence):
     adaptive_note = (
         "rounding is deterministic given each document's scale, which crosses with the frame (its largest "
         "level is the scale times the largest integer): a candidate's activation is rounded as the client's was. "
-        "The rounding of the returned gradient is modelled by no attack yet: the joint attacker reads the "
-        "rounded gradient as it crossed"
+        "On the returned gradient a row whose levels all round to zero carries no read-out: joint-aware keeps the "
+        "activation candidates there, where the joint attacker fills half its slots with arbitrary tokens"
     )
 
     def forward(self, x, ctx):
@@ -61,6 +62,7 @@ class Quant4Noisy(Quant4):
     is rounded to 4 bits — in that order."""
 
     name = "quant4-noisy"
+    adaptive_note = f"{Quant.adaptive_note}. {GRADIENT_NOISE_NOTE}"
     search = {
         "noise": SearchRange(0.01, 3.0, log=True, why="ours: from 1 % of the clipped gradient's RMS to 3 times it")
     }

@@ -112,17 +112,20 @@ class VMFDirection(Defence):
 
     name = "vmf"
     split_modes = ("u-shape", "label-shielded")
-    adaptive = ("gma-sl-aware",)
+    adaptive = ()
     adaptive_note = (
-        "vMF keeps each row's norm and is centred on its direction, so the rows' norms and mean directions survive "
-        "for gma-sl-aware to match; it changes no activation, which the forward-wire attacks read as undefended"
+        "no attack is built for vmf alone: it keeps each row's norm and draws its direction around the true one, "
+        "so the observed rows are likeliest under the true gradient, which GMA-SL's L2 match already seeks; the "
+        "matches built on vMF's likelihood (gma-sl-aware's row-cos, and row-l2) read fewer labels than it on "
+        "SmolLM2 (experiments/PILOTS.md). It changes no activation, which the forward-wire attacks read as "
+        "undefended"
     )
 
     def adaptive_attacks(self, mode):
-        return ("gma-sl-aware",) if mode == "label-shielded" else ()
+        return ()
 
     def adaptive_gap(self, mode):
-        return "" if mode == "label-shielded" else U_SHAPE_GAP.format(name=self.name)
+        return self.adaptive_note if mode == "label-shielded" else U_SHAPE_GAP.format(name=self.name)
 
     def __init__(self, kappa: float = 1000.0):
         self.kappa = check_number(self.name, "kappa", kappa, 0.0, lo_open=True)
