@@ -307,3 +307,115 @@ def test_the_grids_control_family_is_read_at_the_protocols_alpha(seed):
     assert 0.05 / 10 < p < 0.5 / 10, p
     assert [c["row"]["key"] for c in job_controls(rows, control_alpha(loose)[0]) if c["fault"]][-1:] == ["n9"]
     assert "n9" not in [c["row"]["key"] for c in job_controls(rows, control_alpha(gate)[0]) if c["fault"]]
+
+
+#: the label family's planted reader: the true labels from the record, behind tokens that read nothing
+PLANTED_LABELS = textwrap.dedent(
+    """
+    from pathlib import Path
+
+    import torch
+
+    from splitleak.attacks import Attack, Reconstruction
+    from splitleak.runs.truth import phase_documents
+    from splitleak.attacks.registry import AttackInfo, register
+
+
+    class ReadsTheLabels(Attack):
+        \"\"\"Planted: the labels (targets 1..T-1) of the documents the traffic is labelled with, read from every
+        run's record under ``root``; its tokens are all token 0, so only its labels cheat.\"\"\"
+
+        name = "reads-the-labels"
+
+        def __init__(self, root: str = ".", seed: int = 0):
+            self.root, self.seed = root, seed
+
+        def params(self):
+            return {"root": self.root, "seed": self.seed}
+
+        def reconstruct(self, traffic, progress=None):
+            text = {}
+            for docs in Path(self.root).rglob("documents.json"):
+                for d in phase_documents(docs.parent, "capture"):
+                    text[d.doc_id] = list(d.token_ids)
+            truth = torch.tensor([text[i] for i in traffic.doc_ids])
+            return Reconstruction(torch.zeros_like(truth), {"labels": truth[:, 1:]})
+
+
+    register(
+        AttackInfo(
+            "reads-the-labels", ReadsTheLabels, "planted: reads the labels", reads=(), modes=("label-shielded",)
+        )
+    )
+    """
+)
+
+
+@pytest.mark.e2e
+def test_a_reader_of_the_labels_is_caught_by_the_label_familys_control(plant, tmp_path, monkeypatch):
+    """The label family's mis-paired control compares the labels an attack read, not only its tokens: a planted
+    reader whose tokens read nothing but whose labels come from the record is detected, in ``attack`` and in
+    the audit's verdict; GMA-SL, which reads the traffic, is not."""
+    import splitleak.audit.plan as audit_plan
+    import splitleak.audit.run as audit_run
+    from splitleak.report.audit_prose import audit_words
+
+    plant("planted_labels", PLANTED_LABELS, "reads-the-labels")
+    out = tmp_path / "s"
+    monkeypatch.setattr(
+        audit_plan,
+        "MODE_ATTACKS",
+        {"label-shielded": (("gma-sl", {"steps": 20}, "public"), ("reads-the-labels", {"root": str(out)}, "public"))},
+    )
+    res = audit_run.run_audit(
+        out,
+        mode="label-shielded",
+        model="tiny-gpt2",
+        words=audit_words,
+        depth=1,
+        n_calib=16,
+        n_train=4,
+        n_eval=12,
+        seed=3,
+        say=lambda _: None,
+    )
+    assert res.verdict.startswith("INSTRUMENT FAULT: the mis-paired negative control of reads-the-labels"), res.verdict
+    report = json.loads((out / "report.json").read_text())
+    arms = {a["attack"]: a for a in report["attacks"]}
+    planted = arms["reads-the-labels"]
+    assert planted["label_recovery"] == 1.0 and planted["token_recovery"] < 0.5  # only the labels cheat
+    assert planted["arm"]["control_verdict"] == "detected"
+    assert arms["gma-sl"]["arm"]["control_verdict"] in ("at floor", "below floor")
+    # the same in `attack`: the control is the label family's, not the tokens'
+    direct = run_attack(
+        out / "run",
+        make_attack_config(attack="reads-the-labels", params={"root": str(out)}),
+        control_docs=8,
+    )
+    c = direct["control"]
+    assert c["verdict"] == "detected" and c["twin_token_recovery"] > 0.9 and c["floor_token_recovery"] < 0.5, c
+
+
+@pytest.mark.unit
+def test_the_grids_banner_names_a_probe_battery_whose_shuffled_twin_reads_above_floor():
+    from splitleak.report.grid_controls import _controls_table, _fault_text, control_faults, job_controls
+
+    def probe(key, detected):
+        twin = {"type": "shuffled-label", "detected_in": detected}
+        result = {"probes": {"negative_control": twin, "control_of_best_arm": 0.3 if detected else 0.0}}
+        return {"key": key, "attack": "latent-probe", "client_copy": "public", "result_json": json.dumps(result)}
+
+    token = {"per_doc_delta": [0.0] * 8, "doc_ids": list(range(8)), "effect": {"estimate": 0.0, "high": 0.01}}
+    rows = [
+        probe("p1", ["gradient", "joint"]),
+        probe("p2", []),
+        {"key": "t1", "attack": "vmi", "client_copy": "public", "result_json": json.dumps({"control": token})},
+    ]
+    controls = job_controls(rows)
+    assert [c["row"]["key"] for c in controls] == ["t1", "p1", "p2"]
+    faults = control_faults(rows)
+    assert [c["row"]["key"] for c in faults] == ["p1"]
+    assert "shuffled-label twin reads above floor in gradient, joint" in _fault_text(faults[0])
+    table = _controls_table(controls)
+    assert ["latent-probe (shuffled-label twin, best arm)", "public", "2", "1", "+15.00", "n/a"] in table.rows
+    assert ["vmi", "public", "1", "0", "0.00", "+1.00"] in table.rows

@@ -243,7 +243,9 @@ def _score_tokens(
     result.update(rec.result_fields(judge))
     # a document read at several steps (training-phase traffic) could be paired with itself: no control there
     if control_docs and len(traffic) >= 2 and len(set(traffic.doc_ids)) == len(traffic):
-        result["control"] = mispaired_control(attack, traffic, rec.tokens, docs, control_docs, config, progress)
+        result["control"] = mispaired_control(
+            attack, traffic, controlled_read(rec), docs, control_docs, config, progress
+        )
     steps = traffic.steps if traffic.steps is not None else (None,) * len(traffic)
     per_doc_rows = []
     for row, pred, step in zip(sc.per_doc(), rec.tokens.tolist(), steps):
@@ -290,6 +292,15 @@ def _score_properties(
     return [{"doc_id": int(i), "score": float(s)} for i, s in zip(traffic.doc_ids, scores)]
 
 
+def controlled_read(rec) -> torch.Tensor:
+    """What the mis-paired control compares: the tokens, or for a label attack the labels it read (targets
+    1..T−1) behind its first token, so that a reader of the labels is caught whatever tokens it returns."""
+    labels = rec.extra.get("labels")
+    if labels is None:
+        return rec.tokens
+    return torch.cat([rec.tokens[:, :1], labels.to(rec.tokens.dtype)], dim=1)
+
+
 def mispaired_control(
     attack, traffic: Traffic, arm_tokens: torch.Tensor, docs, control_docs: int, config: AttackConfig, progress
 ) -> dict[str, Any]:
@@ -307,7 +318,7 @@ def mispaired_control(
     key = ("mispaired", tuple(int(r) for r in rows), tuple(int(g) for g in given))
     twin_traffic = kn.memo(key, twinned, traffic, whole=True) if kn is not None else twinned()
     t0 = time.perf_counter()
-    twin = attack.reconstruct(twin_traffic, progress).tokens
+    twin = controlled_read(attack.reconstruct(twin_traffic, progress))
     truth = np.array([list(d.token_ids) for d in docs], dtype=np.int64)
     delta = control_delta(twin.numpy(), arm_tokens.numpy(), truth, rows, given)
     n = control_interval(delta, n_boot=CONTROL_BOOT, seed=config.attack_seed)

@@ -47,7 +47,37 @@ def job_controls(attack_rows: Sequence[dict[str, Any]], alpha: float = CONTROL_A
     out = list(seen.values())
     for c in out:
         c["fault"] = c["p"] < alpha / len(out)
-    return out
+    return out + probe_controls(attack_rows)
+
+
+def probe_controls(attack_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per probe battery job whose result holds its shuffled-label twin (002: it must read at floor):
+    ``fault`` where the twin was detected in any view, at the battery's own family level (α over its arms, from
+    the protocol the job ran under; not corrected again over the grid's batteries, which can only flag more)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for r in attack_rows:
+        if r["key"] in seen or not r.get("result_json"):
+            continue
+        probes = json.loads(r["result_json"]).get("probes") or {}
+        twin = probes.get("negative_control")
+        if twin is None:
+            continue
+        best = probes.get("control_of_best_arm")
+        seen[r["key"]] = {
+            "row": r,
+            "type": twin.get("type"),
+            "detected_in": list(twin.get("detected_in", [])),
+            "fault": bool(twin.get("detected_in")),
+            "p": None,
+            "effect": {"estimate": best, "high": None},
+        }
+    return list(seen.values())
+
+
+def _fault_text(c: dict[str, Any]) -> str:
+    if c["p"] is None:
+        return f"{_job_text(c['row'])}: its shuffled-label twin reads above floor in {', '.join(c['detected_in'])}"
+    return f"{_job_text(c['row'])}: N = {pp(c['effect']['estimate'])} pp, p = {c['p']:.2g}"
 
 
 def control_faults(attack_rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -65,8 +95,9 @@ def _job_text(r: dict[str, Any]) -> str:
 
 
 def controls_section(doc: Document, ctx: Ctx, attack_rows: Sequence[dict[str, Any]]) -> None:
-    """The mis-paired negative control of every token attack job: per attack and copy, how many jobs ran
-    one and how many read above floor; every detected job by name. A detected control is an instrument
+    """The mis-paired negative control of every token and partition attack job, and the shuffled-label twin of
+    every probe battery: per attack and copy, how many jobs ran one and how many read above floor; every
+    detected job by name. A detected control is an instrument
     fault: the protocol's tests below are not to be read until it is explained."""
     doc.add(Heading(2, "Negative controls"))
     alpha, source = control_alpha(ctx.used)
@@ -74,19 +105,25 @@ def controls_section(doc: Document, ctx: Ctx, attack_rows: Sequence[dict[str, An
     if not controls:
         doc.add(Para("Omitted: no attack job of this store ran a mis-paired negative control.", "note"))
         return
-    doc.add(
-        _controls_table(controls),
-        Para(
+    mispaired = [c for c in controls if c["p"] is not None]
+    caption = []
+    if mispaired:
+        caption.append(
             "N: each job's mis-paired twin, the same fitted attack given the traffic of other documents of its "
-            f"run ({len(controls[0]['doc_ids'])} documents, whole frames) and scored against the labels of the "
+            f"run ({len(mispaired[0]['doc_ids'])} documents, whole frames) and scored against the labels of the "
             "documents it is labelled as, minus the job's own reading of that traffic scored against the same "
             "labels. An attack that reads only the traffic reads 0; one that reaches the evaluation text by the "
             "documents' identity reads above it. Detected: a one-sided t-test of the job's per-document "
-            f"differences, p below {alpha:g} ({source}) / {len(controls):,} (Bonferroni over the jobs with a "
-            "control).",
-            "caption",
-        ),
-    )
+            f"differences, p below {alpha:g} ({source}) / {len(mispaired):,} (Bonferroni over the jobs with a "
+            "control)."
+        )
+    if len(mispaired) < len(controls):
+        caption.append(
+            "A probe battery's shuffled-label twin: the battery trained on shuffled labels and scored against the "
+            "true ones; its best arm's paired effect is shown, and it is detected where any view's family test (at "
+            "the α of the protocol the job ran under, over the battery's arms) reads it above floor."
+        )
+    doc.add(_controls_table(controls), Para(" ".join(caption), "caption"))
     faults = [c for c in controls if c["fault"]]
     if faults:
         ctx.rep.control_faults = faults
@@ -95,10 +132,7 @@ def controls_section(doc: Document, ctx: Ctx, attack_rows: Sequence[dict[str, An
                 f"**INSTRUMENT FAULT**: the negative control of {count(len(faults), 'job')} reads above its floor, "
                 "so those attacks read the evaluation text by the documents' identity rather than through the "
                 "traffic; no test of this report is to be read until that is explained: "
-                + "; ".join(
-                    f"{_job_text(c['row'])}: N = {pp(c['effect']['estimate'])} pp, p = {c['p']:.2g}"
-                    for c in faults[:20]
-                )
+                + "; ".join(_fault_text(c) for c in faults[:20])
                 + ("" if len(faults) <= 20 else f"; and {len(faults) - 20} more")
                 + ".",
                 "note",
@@ -113,15 +147,16 @@ def _controls_table(controls: Sequence[dict[str, Any]]) -> Table:
         groups.setdefault((str(c["row"].get("attack")), str(c["row"].get("client_copy"))), []).append(c)
     table = []
     for (attack, copy), cs in sorted(groups.items()):
-        est = [c["effect"]["estimate"] for c in cs]
+        est = [c["effect"]["estimate"] for c in cs if c["effect"]["estimate"] is not None]
+        high = [c["effect"]["high"] for c in cs if c["effect"]["high"] is not None]
         table.append(
             [
-                attack,
+                attack if cs[0]["p"] is not None else f"{attack} (shuffled-label twin, best arm)",
                 copy,
                 str(len(cs)),
                 str(sum(c["fault"] for c in cs)),
-                pp(float(np.mean(est))),
-                pp(max(c["effect"]["high"] for c in cs)),
+                pp(float(np.mean(est))) if est else "n/a",
+                pp(max(high)) if high else "n/a",
             ]
         )
     return Table(["attack", "copy", "jobs", "detected", "mean N (pp)", "largest upper end (pp)"], table)
