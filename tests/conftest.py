@@ -22,6 +22,21 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPLITLEAK_SHARED", REPO.parent / "shared"))
 WIKITEXT = SHARED / "data" / "wikitext-2-raw"
 GPT2_TOKENIZER = SHARED / "data" / "gpt2-tokenizer"
+#: set by .ci/run: a missing shared file fails the test instead of skipping it (CI has ../shared beside the clone)
+REQUIRE_SHARED_ENV = "SPLITLEAK_REQUIRE_SHARED"
+
+
+def need_shared(*paths: Path) -> None:
+    """Skip the calling test where a file of ``../shared`` (or ``SPLITLEAK_SHARED``) is missing, saying where it
+    was looked for; fail instead where ``SPLITLEAK_REQUIRE_SHARED=1`` (CI), so that no test is skipped silently
+    there."""
+    missing = [p for p in paths if not p.exists()]
+    if not missing:
+        return
+    why = f"{missing[0]} is not here (set SPLITLEAK_SHARED to the folder that holds data/)"
+    if os.environ.get(REQUIRE_SHARED_ENV) == "1":
+        pytest.fail(f"{why}; {REQUIRE_SHARED_ENV}=1 requires it", pytrace=False)
+    pytest.skip(why)
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +46,7 @@ def _threads():
 
 @pytest.fixture(scope="session")
 def wikitext_dir():
-    if not (WIKITEXT / "wiki.test.raw").is_file():
-        pytest.skip(f"WikiText-2 raw not found at {WIKITEXT} (set SPLITLEAK_SHARED)")
+    need_shared(WIKITEXT / "wiki.test.raw")
     return WIKITEXT
 
 

@@ -7,9 +7,11 @@ import json
 import re
 import sys
 import types
-from pathlib import Path
 
 import pytest
+from conftest import GPT2_TOKENIZER as GPT2
+from conftest import WIKITEXT as WIKI
+from conftest import need_shared
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,14 +26,12 @@ from splitleak.data import (
 )
 from splitleak.errors import DataError
 
-SHARED = Path("/work/shared/data")
-GPT2 = SHARED / "gpt2-tokenizer"
-WIKI = SHARED / "wikitext-2-raw"
 
-pytestmark = pytest.mark.skipif(
-    not (GPT2 / "tokenizer.json").exists() or not (WIKI / "wiki.test.raw").exists(),
-    reason="shared GPT-2 tokenizer or WikiText-2 files not present",
-)
+@pytest.fixture(scope="module", autouse=True)
+def _shared_data():
+    """Every test here reads the shared GPT-2 tokenizer and WikiText-2 (from ../shared or SPLITLEAK_SHARED)."""
+    need_shared(GPT2 / "tokenizer.json", WIKI / "wiki.test.raw")
+
 
 SEEDS = (0, 1, 2)
 _SOURCE = re.compile(r"^(?P<origin>.+):tokens (?P<a>\d+)-(?P<b>\d+)$")

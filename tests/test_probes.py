@@ -288,13 +288,12 @@ def test_the_injection_plants_the_codeword_on_real_rows_at_the_dose(seed):
 def test_the_paper_doses_are_the_artefacts_nineteen():
     import json
 
-    from conftest import SHARED
+    from conftest import SHARED, need_shared
 
     from splitleak.audit.dose_latent import PAPER_DOSES
 
     path = SHARED / "data/setloop-decoys/anc/paper-data/collected/diagnostic/w24_metric_sweep/w24_dose_response.json"
-    if not path.exists():
-        pytest.skip(f"{path} is not here")
+    need_shared(path)
     theirs = sorted((d["mode"], d["coverage"], d["amplitude"]) for d in json.loads(path.read_text())["doses"])
     assert sorted(PAPER_DOSES) == theirs and len(PAPER_DOSES) == 19
 

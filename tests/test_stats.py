@@ -348,15 +348,14 @@ def test_random_effects_reproduce_the_decoy_papers_pooled_figure_from_its_per_se
     [0.742, 1.090], tau 0.233, I^2 76.7 %; all twelve and each leave-one-out mean likewise."""
     import json
 
-    from conftest import SHARED
+    from conftest import SHARED, need_shared
 
     from splitleak.stats import leave_one_out
 
     path = (
         SHARED / "data/setloop-decoys/anc/paper-data/collected/diagnostic/e1_hierarchical/e1_hierarchical_estimate.json"
     )
-    if not path.exists():  # as the other artefact tests: ../shared beside the checkout (or SPLITLEAK_SHARED)
-        pytest.skip(f"{path} is not here (set SPLITLEAK_SHARED)")
+    need_shared(path)
     art = json.loads(path.read_text())
     seeds = art["seeds"]
     for group, chosen in (
