@@ -17,6 +17,7 @@ against anything the server sees that depends on it (the training order crosses 
 from __future__ import annotations
 
 import hashlib
+import os
 
 PURPOSES = ("server", "model-init")
 
@@ -35,3 +36,10 @@ def server_seed(run_seed: int) -> int:
 
 def model_init_seed(run_seed: int) -> int:
     return derive_seed(run_seed, "model-init")
+
+
+def entropy(n: int) -> bytes:
+    """``n`` bytes of OS entropy: the one source of the client's unguessable secrets (``draws="os"``, the latent
+    mode's noise and gauge keys). Callers look it up on this module, so that the test suite can make every
+    run's draws a replayable function of a printed seed (tests/conftest.py)."""
+    return os.urandom(n)

@@ -60,6 +60,67 @@ def smollm2():
     return True
 
 
+# ------------------------------------------------------------------ replayable OS draws
+
+#: the seed of every OS draw a test's runs make in this process (``splitleak.seeds.entropy``: draws="os", the
+#: latent mode's keys): drawn once per session by the controller, which pytest-xdist's workers inherit, printed in
+#: the session header and beside every failure; set it to replay a session's draws
+ENTROPY_ENV = "SPLITLEAK_TEST_ENTROPY"
+
+
+def pytest_configure(config):
+    if ENTROPY_ENV not in os.environ:  # the controller's pytest_configure runs before any worker is started
+        import secrets
+
+        os.environ[ENTROPY_ENV] = str(secrets.randbits(32))
+
+
+def pytest_report_header(config):
+    return f"{ENTROPY_ENV}={os.environ[ENTROPY_ENV]} (every test's OS draws; set it to replay them)"
+
+
+class _Entropy:
+    """``splitleak.seeds.entropy`` replaced, for one test or one shared run, by bytes from a generator keyed by
+    the session's seed and ``key`` (a test's id, a shared run's configuration): the same draws on a replay,
+    whichever worker or order runs it. Processes a test starts (a grid's workers) draw from the OS."""
+
+    def __init__(self, key: str):
+        import zlib
+
+        import numpy as np
+
+        self.rng = np.random.default_rng([int(os.environ[ENTROPY_ENV]), zlib.crc32(key.encode())])
+
+    def __call__(self, n: int) -> bytes:
+        return self.rng.bytes(n)
+
+    def __enter__(self):
+        import splitleak.seeds
+
+        self.kept = splitleak.seeds.entropy
+        splitleak.seeds.entropy = self
+        return self
+
+    def __exit__(self, *exc):
+        import splitleak.seeds
+
+        splitleak.seeds.entropy = self.kept
+
+
+@pytest.fixture(autouse=True)
+def _replayable_draws(request):
+    with _Entropy(request.node.nodeid):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(("replay", f"{ENTROPY_ENV}={os.environ[ENTROPY_ENV]} pytest '{item.nodeid}'"))
+
+
 # ------------------------------------------------------------------ test tiers
 
 TIERS = ("unit", "integration", "e2e")
@@ -136,9 +197,12 @@ def shared_run(tmp_path_factory):
         config = config if config is not None else make_train_config(**kwargs)
         key = config.hash()
         if key not in runs:
-            folder, trained = _made_once(
-                tmp_path_factory, f"shared-{key[:16]}", lambda f: run_training(config, f / "run", device="cpu")
-            )
+
+            def train(folder: Path) -> None:
+                with _Entropy(f"shared-run {key}"):  # the same draws whichever test asks first
+                    run_training(config, folder / "run", device="cpu")
+
+            folder, trained = _made_once(tmp_path_factory, f"shared-{key[:16]}", train)
             runs[key] = (folder / "run", trained)
         return runs[key][0]
 
@@ -173,9 +237,16 @@ def tiny_audit(tmp_path_factory):
         r = CliRunner().invoke(app, ["audit", "--defence", defence, "--out", str(out), "--quiet", *TINY_AUDIT])
         assert r.exit_code == 0, r.output
 
+    def made_by(defence: str):
+        def make(folder: Path) -> None:
+            with _Entropy(f"tiny-audit {defence}"):
+                audit(folder, defence)
+
+        return make
+
     def get(defence: str = "none") -> Path:
         if defence not in made:
-            folder, written = _made_once(tmp_path_factory, f"audit-{defence}", lambda f: audit(f, defence))
+            folder, written = _made_once(tmp_path_factory, f"audit-{defence}", made_by(defence))
             made[defence] = (folder / "audit", written)
         return made[defence][0]
 

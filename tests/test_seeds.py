@@ -29,3 +29,24 @@ def test_each_purpose_gets_its_own_63_bit_seed(seed):
 def test_an_unknown_purpose_is_refused():
     with pytest.raises(ValueError, match="unknown seed purpose 'order'"):
         derive_seed(1, "order")
+
+
+def test_the_os_draws_of_a_tests_run_are_replayable_from_the_sessions_printed_seed(tmp_path, request):
+    """Every OS secret (``splitleak.seeds.entropy``) a test's run draws is a function of the session's
+    SPLITLEAK_TEST_ENTROPY and the test's id (tests/conftest.py), so a failing test under draws=os replays with
+    the same draws (outside the suite the secret is ``os.urandom``'s)."""
+    from conftest import _Entropy
+
+    from splitleak.training import make_train_config, run_training
+    from splitleak.training.run import read_draws_secret
+
+    cfg = make_train_config(
+        model="tiny-gpt2", depth=1, n_calib=1, n_train=1, n_eval=2, all_local_baseline=False,
+        defences=[{"name": "clip-noise", "args": {"clip": 1.0, "sigma": 0.1}}],
+    )  # fmt: skip
+    assert cfg.draws == "os"
+    run_training(cfg, tmp_path / "a", device="cpu")
+    assert read_draws_secret(tmp_path / "a") == _Entropy(request.node.nodeid)(16)
+    with _Entropy("another test"):
+        run_training(cfg, tmp_path / "b", device="cpu")
+    assert read_draws_secret(tmp_path / "b") != read_draws_secret(tmp_path / "a")

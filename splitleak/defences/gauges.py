@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from splitleak import seeds
 from splitleak.errors import ConfigError
 
 KDF_VERSION = "splitleak/gauge-kdf/v1"
@@ -63,7 +63,7 @@ def derive_master(seed: int, phase: str, step: int, channel: str, frame: int = 0
 
 def os_master() -> bytes:
     """A master from OS entropy (the artefact's choice): not reproducible."""
-    return os.urandom(MASTER_BYTES)
+    return seeds.entropy(MASTER_BYTES)
 
 
 def stream_bytes(domain: bytes, master: bytes, n_bytes: int, start_block: int = 0) -> bytes:

@@ -35,7 +35,6 @@ is ``splitleak.training.latent_run``.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from splitleak import seeds
 from splitleak.data import Document
 from splitleak.defences.decoys import DecoyPool, derived_seed, gaussian_row_epsilon, release, torch_generator
 from splitleak.defences.gauges import Gauge, frame_gauge
@@ -170,7 +170,7 @@ class LatentClient:
 
     def __post_init__(self) -> None:
         if self.cfg.gauge_entropy == "os":
-            self.secret = os.urandom(SECRET_BYTES)
+            self.secret = seeds.entropy(SECRET_BYTES)
         hidden = self.split.model.get_input_embeddings().weight.shape[1]
         with torch.random.fork_rng(devices=[]):  # seeded init, the global generator left as it was
             torch.manual_seed(derived_seed(self.seed, "init", 0, "codec", 0))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import logging
 import math
-import os
 import shutil
 from dataclasses import dataclass, field
 from functools import partial
@@ -19,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from splitleak import seeds
 from splitleak.data import DocumentSets
 from splitleak.defences import DefenceChain
 from splitleak.errors import ConfigError
@@ -526,7 +526,7 @@ def draws_secret(config: TrainConfig, point: ResumePoint | None = None) -> bytes
                 "the checkpoint keeps no secret of the client's draws; it cannot be resumed under draws=os"
             )
         return bytes.fromhex(kept)
-    return os.urandom(16)
+    return seeds.entropy(16)
 
 
 def read_draws_secret(run_dir: str | Path) -> bytes | None:
