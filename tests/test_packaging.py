@@ -38,6 +38,8 @@ def test_the_wheel_ships_specs_frozen_protocols_and_the_cli(installed):
         assert f"splitleak/audit/protocols/{spec}.yaml" in names
         assert f"splitleak/audit/protocols/{spec}.yaml.frozen.json" in names
     assert {"splitleak/cli/__init__.py", "splitleak/cli/__main__.py"} <= names
+    claims = {f"splitleak/reproduce/claims/{p}.yaml" for p in ("000", "002", "003")}
+    assert claims | {"splitleak/reproduce/claims/CLAIMS.sha256.json"} <= names
     assert not any(n.startswith("tests/") or n.endswith(".pyc") for n in names)
 
 

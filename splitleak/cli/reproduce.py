@@ -1,0 +1,73 @@
+"""``splitleak reproduce``: parses, then calls ``splitleak.reproduce``."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from splitleak.cli.common import app, console, err, user_errors
+
+
+@app.command("reproduce")
+def reproduce_cmd(
+    papers: list[str] = typer.Argument(None, help="000, 002, 003 or all (none: only the --claims files)"),
+    profile: Optional[str] = typer.Option(
+        "quick", "--profile", help="quick (this machine) or full (the papers' counts)"
+    ),
+    plan: bool = typer.Option(False, "--plan", help="list the claims and the jobs that measure them; run nothing"),
+    out: Optional[Path] = typer.Option(None, "--out", help="folder for the stores and the report"),
+    resume: bool = typer.Option(False, "--resume", help="continue the reproduction in --out (finished jobs are kept)"),
+    claims: list[Path] = typer.Option([], "--claims", help="a claims file of one's own, besides the papers'"),
+    override: list[str] = typer.Option([], "--override", help="KEY=VALUE applied to every spec (as in experiment run)"),
+    executor: str = typer.Option("local", "--executor", help="local or ray"),
+    address: Optional[str] = typer.Option(None, "--address", help="Ray cluster to join"),
+    workers: Optional[int] = typer.Option(None, "--workers", help="jobs at once"),
+    n_boot: int = typer.Option(20_000, "--n-boot", help="bootstrap replicates per claim"),
+) -> None:
+    """Put each headline claim of the papers beside splitleak's own measurement: plan, run, report."""
+    # lazy: the grid machinery stays out of `splitleak --help`
+    from splitleak.reproduce.judge import VERDICTS
+    from splitleak.reproduce.plan import plan_reproduction
+    from splitleak.reproduce.run import check_plan, claim_files, reproduce
+
+    papers = papers or []
+    with user_errors():
+        if plan:
+            files = claim_files(papers, claims)
+            p = plan_reproduction([f for f, _ in files], profile, override)
+            for spec, g in p.grids.items():
+                c = g.counts()
+                console.print(
+                    f"{spec} (profile {profile}): {c['train']} train, {c['attack']} attack jobs", highlight=False
+                )
+            for c in p.claims:
+                state = c.why_not or f"{c.jobs} job(s) of {c.spec}"
+                console.print(f"  {c.claim_id}: {state}", highlight=False, markup=False, soft_wrap=True)
+            check_plan(p)
+            return
+        if out is None:
+            err.print("reproduce: pass --out DIR (or --plan to list what would run)", highlight=False)
+            raise typer.Exit(2)
+        rep = reproduce(
+            papers,
+            out,
+            profile=profile,
+            claims=claims,
+            overrides=override,
+            resume=resume,
+            n_boot=n_boot,
+            command="splitleak " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+            run_grid_kwargs={"executor": executor, "address": address, "workers": workers},
+            say=lambda s: console.print(s, highlight=False, markup=False),
+        )
+    for paper, js in rep.judgements.items():
+        tally = ", ".join(f"{sum(j.verdict == v for j in js)} {v}" for v in VERDICTS)
+        console.print(f"{paper}: {len(js)} claims: {tally}", highlight=False)
+    console.print(f"report: {rep.report['md']} and {rep.report['html']}", highlight=False)
+    if any(rep.failures.values()):
+        err.print(f"jobs did not finish: {rep.failures}; rerun with --resume", highlight=False)
+        raise typer.Exit(1)

@@ -1,0 +1,193 @@
+"""The papers' headline claims, one shipped YAML file per paper (``splitleak/reproduce/claims/NNN.yaml``).
+
+Each claim names one number (or a range, or only a direction) the paper reports, where it reports it, the
+setting it was measured on, the statistic that tests it in splitleak's vocabulary (the attack configurations a
+results store holds, selected as ``protocol analyse`` selects them), and what agreement means: the paper's own
+pass rule where it has one, else a rule of ours that the file says is ours.
+
+A claims file is versioned (``version``) and hashed: ``CLAIMS.sha256.json`` beside the shipped files records
+the SHA-256 of each file at each version, so a shipped file edited without a new version is refused (a reader
+comparing two reports knows they judged against the same numbers), and every report names the hash it used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from splitleak.errors import ConfigError, IntegrityError
+from splitleak.files import read_yaml
+
+SHIPPED_CLAIMS = Path(__file__).parent / "claims"
+HASHES_FILE = SHIPPED_CLAIMS / "CLAIMS.sha256.json"
+PAPERS = ("000", "002", "003")
+
+Rule = Literal["pass-mark", "same-sign-overlap", "tolerance", "range", "sign", "qualitative"]
+
+
+class PaperValue(BaseModel):
+    """What the paper reports: a point with its interval where it gives one, or a range over conditions, or
+    (``estimate`` null) only words; shares in [0, 1] where the paper wrote percentages (``unit`` says so)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    estimate: float | None
+    low: float | None = None
+    high: float | None = None
+    range: tuple[float, float] | None = None
+    unit: str
+    #: the paper's own verdict in words, where it gives one ("passes", "at floor")
+    verdict: str | None = None
+    #: further numbers the paper gives beside the headline one (counts, the other arm's level)
+    also: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "PaperValue":
+        if self.low is not None and self.high is not None and self.low > self.high:
+            raise ValueError(f"low {self.low} is above high {self.high}")
+        if self.estimate is not None and self.low is not None and self.high is not None:
+            if not self.low <= self.estimate <= self.high:
+                raise ValueError(f"estimate {self.estimate} lies outside [{self.low}, {self.high}]")
+        return self
+
+
+class Statistic(BaseModel):
+    """How splitleak measures the claim. ``difference``: treatment minus control, paired over victim seeds and
+    documents (crossed bootstrap); ``level``: the treatment's mean; ``other``: a form no reader of the store is
+    built for yet (``form`` says which), reported as not run with that reason."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: Literal["difference", "level", "other"]
+    metric: str
+    treatment: dict[str, Any] | None = None
+    control: dict[str, Any] | None = None
+    form: str = ""
+
+    @model_validator(mode="after")
+    def _arms(self) -> "Statistic":
+        if self.kind in ("difference", "level") and not self.treatment:
+            raise ValueError(f"a {self.kind} names its treatment")
+        if self.kind == "difference" and not self.control:
+            raise ValueError("a difference names its control")
+        return self
+
+
+class Agreement(BaseModel):
+    """What agreement means. ``pass-mark``: our interval's lower end above ``pass_mark`` (the paper's rule);
+    ``same-sign-overlap``: our estimate of the paper's sign and the two intervals overlapping; ``tolerance``:
+    ours within ``tolerance`` of the paper's point; ``range``: ours within the paper's range widened by
+    ``tolerance``; ``sign``: our interval excludes zero on the paper's side (``direction``);
+    ``qualitative``: ours on the paper's side (``direction``) of ``threshold``. ``ours``: the rule or its
+    numbers are splitleak's choice, not the paper's (reports say so)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    rule: Rule
+    pass_mark: float | None = None
+    tolerance: float | None = None
+    direction: Literal["above", "below"] | None = None
+    threshold: float | None = None
+    ours: bool = False
+    note: str = ""
+
+    @model_validator(mode="after")
+    def _fields(self) -> "Agreement":
+        need = {
+            "pass-mark": ("pass_mark",),
+            "tolerance": ("tolerance",),
+            "range": ("tolerance",),
+            "sign": ("direction",),
+            "qualitative": ("direction", "threshold"),
+        }.get(self.rule, ())
+        missing = [f for f in need if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"rule {self.rule} needs {', '.join(missing)}")
+        return self
+
+
+class Claim(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+    wording: str
+    where: str
+    paper: PaperValue
+    setting: dict[str, Any] = Field(default_factory=dict)
+    statistic: Statistic
+    agreement: Agreement
+    #: the shipped experiment spec whose jobs measure it (``splitleak/experiments/specs``)
+    spec: str
+    notes: str = ""
+
+
+class ClaimsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    paper: str
+    title: str
+    version: int = Field(ge=1)
+    source: str
+    claims: list[Claim]
+
+    @model_validator(mode="after")
+    def _unique(self) -> "ClaimsFile":
+        ids = [c.id for c in self.claims]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"claim ids are not unique: {', '.join(dup)}")
+        return self
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def parse_claims(path: str | Path) -> ClaimsFile:
+    path = Path(path)
+    data = read_yaml(path, "claims", "paper: '000', title: ..., version: 1, source: ..., claims: [...]")
+    try:
+        return ClaimsFile(**data)
+    except (ValidationError, TypeError) as exc:
+        raise ConfigError(f"{path} is not a valid claims file: {exc}") from None
+
+
+def recorded_hashes() -> dict[str, dict[str, str]]:
+    """file name -> {version: sha256} for the shipped claims files."""
+    return json.loads(HASHES_FILE.read_text()) if HASHES_FILE.is_file() else {}
+
+
+def load_claims(paper_or_path: str | Path) -> tuple[ClaimsFile, str]:
+    """A paper's shipped claims (``000``, ``002``, ``003``) or a claims file of one's own, with its SHA-256. A
+    shipped file must hash as recorded for its version (``CLAIMS.sha256.json``); one's own file is read as it
+    is, and the report names its hash."""
+    text = str(paper_or_path)
+    if text in PAPERS:
+        path = SHIPPED_CLAIMS / f"{text}.yaml"
+        claims, digest = parse_claims(path), file_sha256(path)
+        recorded = recorded_hashes().get(path.name, {}).get(str(claims.version))
+        if recorded != digest:
+            raise IntegrityError(
+                f"{path} (version {claims.version}) hashes to {digest}, but {HASHES_FILE.name} records "
+                f"{recorded or 'no hash'} for that version: a shipped claims file changes only with a new version "
+                "and its hash recorded (splitleak.reproduce.claims.record_hash)"
+            )
+        return claims, digest
+    path = Path(text)
+    if not path.is_file():
+        raise ConfigError(f"{text!r} is neither a paper ({', '.join(PAPERS)}) nor a claims file")
+    return parse_claims(path), file_sha256(path)
+
+
+def record_hash(paper: str) -> str:
+    """Record the SHA-256 of a shipped claims file at its version; refused where that version was recorded with
+    another hash (bump ``version`` instead)."""
+    path = SHIPPED_CLAIMS / f"{paper}.yaml"
+    claims, digest = parse_claims(path), file_sha256(path)
+    hashes = recorded_hashes()
+    kept = hashes.setdefault(path.name, {})
+    old = kept.get(str(claims.version))
+    if old is not None and old != digest:
+        raise IntegrityError(f"{path} version {claims.version} was recorded as {old}; bump its version")
+    kept[str(claims.version)] = digest
+    HASHES_FILE.write_text(json.dumps(hashes, indent=2, sort_keys=True) + "\n")
+    return digest

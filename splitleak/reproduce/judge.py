@@ -1,0 +1,205 @@
+"""One claim against one store: our number with its interval and power, and the verdict.
+
+Ours is read from the store's attack rows as ``protocol analyse`` reads them (``audit.analysis.select``,
+``score_matrix``: victim seeds x documents, attack seeds averaged): a ``difference`` by the paired crossed
+bootstrap, a ``level`` by the crossed bootstrap of the treatment's scores, at level ``ALPHA``.
+
+Verdicts: *agrees*, *disagrees*, *underpowered* (our interval straddles what would decide), *not run* (nothing
+measured it: no reader of its statistic is built yet, or the store holds none of its jobs) and *no number*
+(we measured it, but the seed text does not give the paper's number the rule compares with: 000's table
+bodies are missing from it). Power: the paired t-test on the per-document values (attack and victim seeds
+averaged; ``stats.power``): the smallest effect this run detects at 80 % power, and the documents that would
+resolve the paper's effect (a difference) or its tolerance (a level).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from splitleak.audit.analysis import ATTACK_FIELDS, METRICS, RUN_FIELDS, score_matrix, select
+from splitleak.errors import ConfigError, DataError
+from splitleak.reproduce.claims import Claim
+from splitleak.stats.bootstrap import crossed_bootstrap_ci, paired_difference_ci
+from splitleak.stats.power import detectable_effect, units_needed
+
+#: the level of every interval in a reproduction (the papers' 95 %)
+ALPHA = 0.05
+#: bootstrap replicates per claim (ours: the protocols' 100,000 cost minutes per report over 100 claims)
+N_BOOT = 20_000
+
+VERDICTS = ("agrees", "disagrees", "underpowered", "not run", "no number")
+
+
+@dataclass
+class Measured:
+    estimate: float
+    low: float
+    high: float
+    units: np.ndarray  # per document: the difference (or the level), seeds averaged
+    seeds: list[Any]
+    docs: int
+    models: list[str]
+    setting: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sd(self) -> float:
+        return float(np.std(self.units, ddof=1)) if len(self.units) > 1 else float("nan")
+
+
+@dataclass
+class Judgement:
+    claim: Claim
+    verdict: str
+    reason: str
+    ours: Measured | None = None
+    detectable: float | None = None
+    needed: int | None = None
+
+
+def measurable(claim: Claim) -> str:
+    """Why no reader of the store measures ``claim`` ("" where one does)."""
+    st = claim.statistic
+    if st.kind == "other":
+        return f"no reader of this statistic is built yet ({st.form or st.metric})"
+    if st.metric not in METRICS:
+        return f"the store's attack rows hold no {st.metric!r} (they hold {', '.join(sorted(METRICS))})"
+    for arm in (st.treatment, st.control):
+        if arm is None:
+            continue
+        unknown = sorted(set(arm) - set(ATTACK_FIELDS) - set(RUN_FIELDS))
+        if unknown:
+            return f"it selects by {', '.join(unknown)}, which the store's attack rows do not hold"
+        unset = sorted(k for k, v in arm.items() if v is None)
+        if unset:
+            return f"the paper does not give its {', '.join(unset)} and the claim picks none"
+    return ""
+
+
+def measure(claim: Claim, rows: Sequence[dict[str, Any]], n_boot: int = N_BOOT, seed: int = 0) -> Measured | str:
+    """Our reading of ``claim`` from ``rows`` (a store's attack rows), or why there is none."""
+    why = measurable(claim)
+    if why:
+        return why
+    st = claim.statistic
+    assert st.treatment is not None
+    t_rows = select(rows, st.treatment)
+    if not t_rows:
+        return "the store holds no result of its treatment " + _arm(st.treatment)
+    try:
+        mt, seeds, docs = score_matrix(t_rows, st.metric)
+        if st.kind == "level":
+            iv = crossed_bootstrap_ci(mt, n_boot=n_boot, alpha=ALPHA, seed=seed)
+            units = mt.mean(axis=0)
+        else:
+            assert st.control is not None
+            c_rows = select(rows, st.control)
+            if not c_rows:
+                return "the store holds no result of its control " + _arm(st.control)
+            mc, sc, dc = score_matrix(c_rows, st.metric)
+            common = [s for s in seeds if s in sc]
+            both = [d for d in docs if d in dc]
+            if not common or not both:
+                return "its treatment and control share no victim seed or document"
+            a = mt[np.ix_([seeds.index(s) for s in common], [docs.index(d) for d in both])]
+            b = mc[np.ix_([sc.index(s) for s in common], [dc.index(d) for d in both])]
+            iv = paired_difference_ci(a, b, n_boot=n_boot, alpha=ALPHA, seed=seed)
+            units, docs, seeds = (a - b).mean(axis=0), both, common
+    except (ConfigError, DataError) as exc:
+        return f"its rows cannot be read as one configuration: {exc}"
+    return Measured(
+        iv.estimate,
+        iv.low,
+        iv.high,
+        np.asarray(units, dtype=float),
+        list(seeds),
+        len(docs),
+        sorted({str(r.get("model")) for r in t_rows}),
+        _setting(t_rows),
+    )
+
+
+def _arm(sel: dict[str, Any]) -> str:
+    return "(" + ", ".join(f"{k}={v}" for k, v in sel.items()) + ")"
+
+
+def _setting(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in ("model", "depth", "client_copy", "k", "budget", "defence"):
+        vals = sorted({str(r.get(f)) for r in rows if r.get(f) is not None})
+        if vals:
+            out[f] = vals[0] if len(vals) == 1 else vals
+    out["victim_seeds"] = len({r.get("victim_seed") for r in rows})
+    out["attack_seeds"] = len({r.get("attack_seed") for r in rows})
+    out["documents"] = len({r.get("doc_id") for r in rows})
+    return out
+
+
+def judge(claim: Claim, ours: Measured | str) -> Judgement:
+    """The verdict on ``claim`` given our reading (or why there is none): module docstring."""
+    if isinstance(ours, str):
+        return Judgement(claim, "not run", ours)
+    verdict, reason = _rule(claim, ours)
+    j = Judgement(claim, verdict, reason, ours)
+    if len(ours.units) >= 2 and ours.sd > 0:
+        j.detectable = detectable_effect(ours.sd, len(ours.units), ALPHA)
+        target = _target(claim)
+        if target:
+            j.needed = units_needed(target, ours.sd, ALPHA)
+    return j
+
+
+def _target(claim: Claim) -> float | None:
+    """The effect a run must resolve: the paper's difference, or a level's tolerance."""
+    if claim.statistic.kind == "difference" and claim.paper.estimate:
+        return abs(claim.paper.estimate)
+    if claim.agreement.tolerance:
+        return claim.agreement.tolerance
+    return None
+
+
+def _side(low: float, high: float, threshold: float, direction: str) -> str:
+    above = low > threshold if direction == "above" else high < threshold
+    below = high < threshold if direction == "above" else low > threshold
+    return "agrees" if above else "disagrees" if below else "underpowered"
+
+
+def _rule(claim: Claim, m: Measured) -> tuple[str, str]:
+    a, p = claim.agreement, claim.paper
+    ours = f"ours {m.estimate:+.4f} [{m.low:+.4f}, {m.high:+.4f}]"
+    if a.rule == "pass-mark":
+        assert a.pass_mark is not None
+        v = _side(m.low, m.high, a.pass_mark, "above")
+        return v, f"{ours}; the paper's rule: the lower end above {a.pass_mark:g}"
+    if a.rule in ("sign", "qualitative"):
+        assert a.direction is not None
+        t = a.threshold if a.rule == "qualitative" and a.threshold is not None else 0.0
+        v = _side(m.low, m.high, t, a.direction)
+        return v, f"{ours}; the claim: {a.direction} {t:g}"
+    if a.rule == "tolerance":
+        if p.estimate is None:
+            return "no number", f"{ours}; the seed text does not give the paper's number"
+        assert a.tolerance is not None
+        lo, hi = p.estimate - a.tolerance, p.estimate + a.tolerance
+    elif a.rule == "range":
+        if p.range is None:
+            return "no number", f"{ours}; the seed text does not give the paper's range"
+        assert a.tolerance is not None
+        lo, hi = p.range[0] - a.tolerance, p.range[1] + a.tolerance
+    else:  # same-sign-overlap
+        if p.estimate is None:
+            return "no number", f"{ours}; the seed text does not give the paper's number"
+        sign = "above" if p.estimate >= 0 else "below"
+        v = _side(m.low, m.high, 0.0, sign)
+        plo = p.low if p.low is not None else p.estimate
+        phi = p.high if p.high is not None else p.estimate
+        if v == "agrees" and (m.high < plo or m.low > phi):
+            return "disagrees", f"{ours}: the paper's sign, but no overlap with [{plo:+.4f}, {phi:+.4f}]"
+        return v, f"{ours}; the paper's sign is {'+' if sign == 'above' else '-'}"
+    if lo <= m.low and m.high <= hi:
+        return "agrees", f"{ours} lies within [{lo:+.4f}, {hi:+.4f}]"
+    if m.high < lo or m.low > hi:
+        return "disagrees", f"{ours} lies outside [{lo:+.4f}, {hi:+.4f}]"
+    return "underpowered", f"{ours} straddles the edge of [{lo:+.4f}, {hi:+.4f}]"

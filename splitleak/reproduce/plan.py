@@ -1,0 +1,77 @@
+"""What a reproduction runs: the shipped experiment specs its claims name, at one profile, and which of their
+jobs measure each claim. A claim that a reader of the store could measure but that no job of its spec selects
+is an error of the claims file or the spec, found before anything runs (``splitleak reproduce --plan``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from splitleak.audit.analysis import READOUT_ATTACKS, select
+from splitleak.errors import ConfigError
+from splitleak.reproduce.claims import ClaimsFile
+from splitleak.reproduce.judge import measurable
+
+
+@dataclass
+class ClaimPlan:
+    claim_id: str
+    spec: str
+    jobs: int  # attack jobs of the spec its treatment and control select together
+    why_not: str = ""  # why no reader measures it ("" where one does)
+
+
+@dataclass
+class ReproductionPlan:
+    profile: str | None
+    grids: dict[str, Any]  # spec name -> its planned Grid
+    claims: list[ClaimPlan] = field(default_factory=list)
+
+    def missing(self) -> list[ClaimPlan]:
+        """Measurable claims no job of their spec selects."""
+        return [c for c in self.claims if not c.why_not and c.jobs == 0]
+
+
+def job_rows(grid) -> list[dict[str, Any]]:
+    """The attack and reuse jobs of a planned grid as the rows ``select`` reads (a job's fields are the store's
+    columns; a gradient attack's read-out is its default where the spec names none)."""
+    rows = []
+    for j in grid.jobs:
+        if j.kind == "train":
+            continue
+        f = dict(j.fields)
+        if f.get("readout") is None and f.get("attack") in READOUT_ATTACKS:
+            f["readout"] = "gradient"
+        rows.append(f)
+    return rows
+
+
+def plan_reproduction(
+    claim_files: Sequence[ClaimsFile], profile: str | None = "quick", overrides: Sequence[str] = ()
+) -> ReproductionPlan:
+    """Plan every spec the claims name (``experiments.plan_grid``) and count the jobs of each claim."""
+    # lazy: planning a grid imports the experiment machinery (torch-free, but heavy)
+    from splitleak.experiments import plan_grid
+
+    specs = sorted({c.spec for f in claim_files for c in f.claims})
+    grids = {}
+    for spec in specs:
+        try:
+            grids[spec] = plan_grid(spec, profile=profile, overrides=list(overrides))
+        except ConfigError as exc:
+            raise ConfigError(
+                f"the claims name spec {spec!r}, which does not plan at profile {profile!r}: {exc}"
+            ) from None
+    plan = ReproductionPlan(profile, grids)
+    rows = {spec: job_rows(g) for spec, g in grids.items()}
+    for f in claim_files:
+        for c in f.claims:
+            why = measurable(c)
+            n = 0
+            if not why:
+                st = c.statistic
+                assert st.treatment is not None
+                arms = [len(select(rows[c.spec], arm)) for arm in (st.treatment, st.control) if arm is not None]
+                n = sum(arms) if all(arms) else 0  # a difference needs jobs of both arms
+            plan.claims.append(ClaimPlan(c.id, c.spec, n, why))
+    return plan

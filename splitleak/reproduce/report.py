@@ -1,0 +1,134 @@
+"""The reproduction's report: a summary per paper on top, then per claim the paper's number beside ours with
+its interval, the setting each was measured on, the verdict and its reason, and the power of our test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from splitleak.report.document import Document, Heading, Para, Table, render_html, render_markdown
+from splitleak.reproduce.claims import ClaimsFile
+from splitleak.reproduce.judge import ALPHA, VERDICTS, Judgement
+
+
+def _share(x: float | None, signed: bool = False) -> str:
+    if x is None:
+        return "—"
+    return f"{100 * x:+.2f}" if signed else f"{100 * x:.2f}"
+
+
+def paper_cell(j: Judgement) -> str:
+    p, signed = j.claim.paper, j.claim.statistic.kind == "difference"
+    if p.estimate is not None:
+        iv = f" [{_share(p.low, signed)}, {_share(p.high, signed)}]" if p.low is not None and p.high is not None else ""
+        return _share(p.estimate, signed) + iv
+    if p.range is not None:
+        return f"{_share(p.range[0], signed)} to {_share(p.range[1], signed)}"
+    return p.verdict or "no number in the seed text"
+
+
+def ours_cell(j: Judgement) -> str:
+    if j.ours is None:
+        return "—"
+    signed = j.claim.statistic.kind == "difference"
+    m = j.ours
+    return f"{_share(m.estimate, signed)} [{_share(m.low, signed)}, {_share(m.high, signed)}]"
+
+
+def setting_cell(j: Judgement) -> str:
+    """The paper's setting and ours, in words (the fields each names)."""
+    paper = ", ".join(f"{k} {v}" for k, v in j.claim.setting.items() if not isinstance(v, (dict, list)))
+    if j.ours is None:
+        return f"paper: {paper or 'not stated'}"
+    ours = ", ".join(f"{k} {v}" for k, v in j.ours.setting.items())
+    return f"paper: {paper or 'not stated'}; ours: {ours}"
+
+
+def power_cell(j: Judgement) -> str:
+    if j.detectable is None:
+        return "—"
+    text = f"detects {_share(j.detectable)} pp at 80 % over {len(j.ours.units) if j.ours else 0} documents"
+    if j.needed is None:
+        return text
+    what = "the paper's effect" if j.claim.statistic.kind == "difference" else "its tolerance"
+    return text + f"; {j.needed:,} would resolve {what}"
+
+
+def counts(judgements: Sequence[Judgement]) -> dict[str, int]:
+    return {v: sum(j.verdict == v for j in judgements) for v in VERDICTS}
+
+
+def build_document(
+    files: Sequence[tuple[ClaimsFile, str]], judgements: dict[str, list[Judgement]], meta: dict[str, Any]
+) -> Document:
+    doc = Document("Reproducing the papers")
+    doc.add(
+        Para(
+            f"Profile {meta['profile']}; every interval is a {100 * (1 - ALPHA):.0f} % crossed-bootstrap interval "
+            f"({meta['n_boot']:,} replicates) over victim seeds and documents, attack seeds averaged; shares in %, "
+            "differences in percentage points. Regenerate with: " + f"`{meta['command']}`."
+        )
+    )
+    rows = []
+    for f, digest in files:
+        c = counts(judgements[f.paper])
+        rows.append([f.paper, str(len(f.claims)), *(str(c[v]) for v in VERDICTS), f"v{f.version} {digest[:12]}"])
+    doc.add(Table(["paper", "claims", *VERDICTS, "claims file"], rows, caption="Claims per verdict."))
+    for f, digest in files:
+        doc.add(Heading(2, f"{f.paper}: {f.title}"))
+        doc.add(Para(f"Claims file version {f.version}, sha256 {digest}; read from {f.source}.", "note"))
+        table = [
+            [
+                j.claim.id,
+                j.claim.where,
+                paper_cell(j),
+                ours_cell(j),
+                j.verdict + (" (rule ours)" if j.claim.agreement.ours else ""),
+                j.reason,
+                power_cell(j),
+                setting_cell(j),
+            ]
+            for j in judgements[f.paper]
+        ]
+        doc.add(
+            Table(
+                ["claim", "where", "paper", "ours [95 %]", "verdict", "why", "power", "setting"],
+                table,
+                numeric=[False, False, True, True, False, False, False, False],
+            )
+        )
+    return doc
+
+
+def judgement_record(j: Judgement) -> dict[str, Any]:
+    m = j.ours
+    return {
+        "id": j.claim.id,
+        "verdict": j.verdict,
+        "reason": j.reason,
+        "paper": j.claim.paper.model_dump(),
+        "ours": None
+        if m is None
+        else {"estimate": m.estimate, "low": m.low, "high": m.high, "documents": m.docs, "setting": m.setting},
+        "detectable_at_80": j.detectable,
+        "documents_to_resolve": j.needed,
+    }
+
+
+def write_report(
+    out: Path, files: Sequence[tuple[ClaimsFile, str]], judgements: dict[str, list[Judgement]], meta: dict[str, Any]
+) -> dict[str, Path]:
+    doc = build_document(files, judgements, meta)
+    paths = {"md": out / "report.md", "html": out / "report.html", "json": out / "report.json"}
+    paths["md"].write_text(render_markdown(doc, out))
+    paths["html"].write_text(render_html(doc))
+    record = {
+        "meta": meta,
+        "papers": {
+            f.paper: {"version": f.version, "sha256": d, "claims": [judgement_record(j) for j in judgements[f.paper]]}
+            for f, d in files
+        },
+    }
+    paths["json"].write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return paths

@@ -1,0 +1,115 @@
+"""``splitleak reproduce``: the claims of one or more papers, the grids that measure them, the report.
+
+The grids run into ``OUT/stores/<spec>/`` (``experiments.run_grid``: a killed run resumes there, and nothing
+measured is thrown away); ``OUT/reproduction.json`` records what was asked (papers, profile, overrides, the
+claims files' hashes), so that ``--resume`` continues the same reproduction and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from splitleak.errors import ConfigError
+from splitleak.reproduce.claims import PAPERS, ClaimsFile, load_claims
+from splitleak.reproduce.judge import N_BOOT, Judgement, judge, measure
+from splitleak.reproduce.plan import ReproductionPlan, plan_reproduction
+from splitleak.reproduce.report import write_report
+
+RECORD = "reproduction.json"
+
+
+@dataclass
+class Reproduction:
+    plan: ReproductionPlan
+    judgements: dict[str, list[Judgement]] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)  # spec -> jobs that did not finish
+    ran: dict[str, int] = field(default_factory=dict)  # spec -> jobs this call ran (0 on a finished resume)
+    report: dict[str, Path] = field(default_factory=dict)
+
+
+def claim_files(papers: Sequence[str], claims: Sequence[str | Path] = ()) -> list[tuple[ClaimsFile, str]]:
+    """The shipped claims of ``papers`` (``all``: every paper) and any claims files of one's own."""
+    names = list(PAPERS) if "all" in papers else list(papers)
+    unknown = [p for p in names if p not in PAPERS]
+    if unknown:
+        raise ConfigError(f"unknown paper(s) {', '.join(unknown)}; reproduce one of {', '.join(PAPERS)} or all")
+    if not names and not claims:
+        raise ConfigError(f"name a paper ({', '.join(PAPERS)} or all) or pass --claims FILE")
+    files = [load_claims(p) for p in names] + [load_claims(c) for c in claims]
+    seen = [f.paper for f, _ in files]
+    dup = sorted({p for p in seen if seen.count(p) > 1})
+    if dup:
+        raise ConfigError(f"two claims files speak for paper {', '.join(dup)}; pass one per paper")
+    return files
+
+
+def check_plan(plan: ReproductionPlan) -> None:
+    missing = plan.missing()
+    if missing:
+        raise ConfigError(
+            f"{len(missing)} claim(s) name jobs their spec does not plan at profile {plan.profile!r}: "
+            + "; ".join(f"{c.claim_id} (spec {c.spec})" for c in missing)
+            + ". Add the configurations to the spec, or correct the claim's treatment and control"
+        )
+
+
+def _record(out: Path, asked: dict[str, Any], resume: bool) -> None:
+    """Record what the reproduction runs (its grids: papers, profile, overrides); a resume must ask the same. The
+    claims files may change between runs (a claim corrected, a number added): they change no job, and every
+    report names the hashes it judged against."""
+    path = out / RECORD
+    if path.is_file():
+        before = json.loads(path.read_text())
+        if not resume:
+            raise ConfigError(f"{out} holds a reproduction already; pass --resume to continue it, or another --out")
+        if {k: before.get(k) for k in asked} != asked:
+            raise ConfigError(
+                f"{out} holds a reproduction of {before.get('papers')} at profile {before.get('profile')} with "
+                f"overrides {before.get('overrides')}; --resume continues the same one only (use another --out)"
+            )
+        return
+    if out.exists() and any(out.iterdir()) and not resume:
+        raise ConfigError(f"{out} exists and is not a reproduction's folder; choose an empty or new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asked, indent=2) + "\n")
+
+
+def reproduce(
+    papers: Sequence[str],
+    out: str | Path,
+    *,
+    profile: str | None = "quick",
+    claims: Sequence[str | Path] = (),
+    overrides: Sequence[str] = (),
+    resume: bool = False,
+    n_boot: int = N_BOOT,
+    command: str = "",
+    run_grid_kwargs: dict[str, Any] | None = None,
+    say: Callable[[str], None] = lambda _: None,
+) -> Reproduction:
+    """Plan, run every spec's grid into ``out``, judge every claim, write the report (module docstring)."""
+    # lazy: the grid runner imports torch
+    from splitleak.experiments import read_results, run_grid
+
+    files = claim_files(papers, claims)
+    plan = plan_reproduction([f for f, _ in files], profile, overrides)
+    check_plan(plan)
+    out = Path(out)
+    asked = {"papers": list(papers), "specs": sorted(plan.grids), "profile": profile, "overrides": list(overrides)}
+    _record(out, asked, resume)
+    rep = Reproduction(plan)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for spec in plan.grids:
+        store = out / "stores" / Path(spec).stem
+        say(f"{spec}: {len(plan.grids[spec].jobs)} jobs into {store}")
+        res = run_grid(spec, profile=profile, overrides=list(overrides), store=store, **(run_grid_kwargs or {}))
+        rep.failures[spec], rep.ran[spec] = len(res.failures), res.ran
+        rows[spec] = read_results(store, "attack", as_rows=True)
+    for f, _ in files:
+        rep.judgements[f.paper] = [judge(c, measure(c, rows[c.spec], n_boot=n_boot)) for c in f.claims]
+    meta = {"profile": profile, "n_boot": n_boot, "command": command or "splitleak reproduce", "failures": rep.failures}
+    rep.report = write_report(out, files, rep.judgements, meta)
+    return rep

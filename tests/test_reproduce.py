@@ -1,0 +1,213 @@
+"""``splitleak reproduce`` on the tiny model: claims files, plan, verdicts, power, report, resume."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import yaml
+
+from splitleak.errors import ConfigError, IntegrityError
+
+TINY_SPEC = """\
+name: tiny-reproduction
+protocol: proto.yaml
+model: tiny-gpt2
+depths: [2]
+defences: [none]
+victim_seeds: [1, 2]
+attack_seeds: [0]
+client_copies: [public]
+documents: {n_calib: 8, n_train: 4, n_eval: 12, doc_len: 8}
+steps: 2
+attacks:
+  - {attack: activation, k: [4]}
+  - {attack: joint, k: [4]}
+profiles:
+  quick: {}
+"""
+
+
+def _claims(spec, level=0.5, tolerance=0.05, k=4):
+    arm = {"k": k, "depth": 2, "client_copy": "public", "defence": "none"}
+    return {
+        "paper": "900",
+        "title": "a tiny paper",
+        "version": 1,
+        "source": "this test",
+        "claims": [
+            {
+                "id": "gain",
+                "wording": "the gradient adds tokens",
+                "where": "§1",
+                "paper": {"estimate": 0.03, "low": 0.02, "high": 0.04, "unit": "pp"},
+                "statistic": {
+                    "kind": "difference",
+                    "metric": "token_recovery",
+                    "treatment": {"attack": "joint", **arm},
+                    "control": {"attack": "activation", **arm},
+                },
+                "agreement": {"rule": "pass-mark", "pass_mark": 0.0},
+                "spec": str(spec),
+            },
+            {
+                "id": "level",
+                "wording": "activations give half the tokens",
+                "where": "§2",
+                "paper": {"estimate": level, "unit": "%"},
+                "statistic": {
+                    "kind": "level",
+                    "metric": "token_recovery",
+                    "treatment": {"attack": "activation", **arm},
+                },
+                "agreement": {"rule": "tolerance", "tolerance": tolerance, "ours": True},
+                "spec": str(spec),
+            },
+            {
+                "id": "words",
+                "wording": "a claim no reader measures",
+                "where": "§3",
+                "paper": {"estimate": None, "unit": "words"},
+                "statistic": {"kind": "other", "metric": "mood", "form": "prose"},
+                "agreement": {"rule": "sign", "direction": "above"},
+                "spec": str(spec),
+            },
+        ],
+    }
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    from splitleak.audit.protocol import SHIPPED
+
+    shutil.copy(SHIPPED / "paper_main.yaml", tmp_path / "proto.yaml")
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(TINY_SPEC)
+
+    def write(name="claims.yaml", **kw):
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(_claims(spec, **kw)))
+        return path
+
+    return tmp_path, write
+
+
+@pytest.mark.unit
+def test_the_shipped_claims_parse_and_hash_as_recorded():
+    from splitleak.reproduce.claims import PAPERS, load_claims
+
+    for paper in PAPERS:
+        f, digest = load_claims(paper)
+        assert f.paper == paper and len(f.claims) >= 20 and len(digest) == 64
+        assert all(c.spec in ("paper_main", "partial_offloading", "decoys", "mirage") for c in f.claims)
+
+
+@pytest.mark.unit
+def test_a_shipped_claims_file_edited_without_a_new_version_is_refused(tmp_path, monkeypatch):
+    import splitleak.reproduce.claims as claims
+
+    folder = tmp_path / "claims"
+    shutil.copytree(claims.SHIPPED_CLAIMS, folder)
+    monkeypatch.setattr(claims, "SHIPPED_CLAIMS", folder)
+    monkeypatch.setattr(claims, "HASHES_FILE", folder / "CLAIMS.sha256.json")
+    claims.load_claims("000")
+    text = (folder / "000.yaml").read_text().replace("estimate: 0.0317", "estimate: 0.0318", 1)
+    (folder / "000.yaml").write_text(text)
+    with pytest.raises(IntegrityError, match="000.yaml \\(version 1\\) hashes to .* records"):
+        claims.load_claims("000")
+    (folder / "000.yaml").write_text(text.replace("version: 1", "version: 2", 1))
+    claims.record_hash("000")  # a new version is recorded beside the old one
+    assert claims.load_claims("000")[0].version == 2
+    assert set(json.loads((folder / "CLAIMS.sha256.json").read_text())["000.yaml"]) == {"1", "2"}
+
+
+@pytest.mark.unit
+def test_a_bad_claim_is_refused_naming_it(tmp_path):
+    from splitleak.reproduce.claims import parse_claims
+
+    data = _claims("x")
+    data["claims"][0]["paper"] = {"estimate": 0.05, "low": 0.02, "high": 0.04, "unit": "pp"}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="estimate 0.05 lies outside"):
+        parse_claims(tmp_path / "c.yaml")
+    data = _claims("x")
+    data["claims"][1]["agreement"] = {"rule": "tolerance"}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="rule tolerance needs tolerance"):
+        parse_claims(tmp_path / "c.yaml")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("effect, sd, n", [(0.03, 0.1, 50), (0.01, 0.2, 300), (0.2, 1.0, 10), (0.0317, 0.05, 2560)])
+def test_the_power_column_equals_statsmodels(effect, sd, n):
+    from statsmodels.stats.power import TTestPower
+
+    from splitleak.stats.power import detectable_effect, paired_power, units_needed
+
+    tp = TTestPower()
+    assert paired_power(effect, sd, n) == pytest.approx(tp.power(effect_size=effect / sd, nobs=n, alpha=0.05), abs=1e-9)
+    assert detectable_effect(sd, n) == pytest.approx(tp.solve_power(nobs=n, alpha=0.05, power=0.8) * sd, rel=1e-5)
+    needed = tp.solve_power(effect_size=effect / sd, alpha=0.05, power=0.8)
+    assert units_needed(effect, sd) == int(-(-needed // 1))  # the continuous count, rounded up
+
+
+@pytest.mark.unit
+def test_a_claim_whose_jobs_are_missing_fails_at_plan(tiny):
+    from typer.testing import CliRunner
+
+    from splitleak.cli import app
+
+    folder, write = tiny
+    good = write()
+    r = CliRunner().invoke(app, ["reproduce", "--claims", str(good), "--plan"])
+    assert r.exit_code == 0, r.output
+    assert "gain: 4 job(s)" in r.output and "words: no reader of this statistic is built yet (prose)" in r.output
+    bad = write("bad.yaml", k=64)  # no job of the spec runs k = 64
+    r = CliRunner().invoke(app, ["reproduce", "--claims", str(bad), "--plan"])
+    assert r.exit_code == 2 and "2 claim(s) name jobs their spec does not plan" in " ".join(r.output.split())
+    assert "gain (spec" in r.output and "level (spec" in r.output
+
+
+@pytest.mark.e2e
+def test_a_tiny_reproduction_judges_its_claims_from_the_store_and_resumes(tiny):
+    import numpy as np
+
+    from splitleak.audit.analysis import compare, score_matrix, select
+    from splitleak.experiments import read_results
+    from splitleak.reproduce.run import reproduce
+    from splitleak.stats.bootstrap import crossed_bootstrap_ci
+
+    folder, write = tiny
+    out = folder / "out"
+    claims = write()
+    rep = reproduce([], out, profile="quick", claims=[claims], n_boot=2000, run_grid_kwargs={"workers": 1})
+    got = {j.claim.id: j for j in rep.judgements["900"]}
+    assert got["words"].verdict == "not run" and "prose" in got["words"].reason
+    rows = read_results(out / "stores" / "tiny", "attack", as_rows=True)
+    arm = {"k": 4, "depth": 2, "client_copy": "public", "defence": "none"}
+    c = compare(rows, {"attack": "joint", **arm}, {"attack": "activation", **arm}, metric="token_recovery",
+                alpha=0.05, mark=0.0, n_boot=2000, seed=0)  # fmt: skip
+    m = got["gain"].ours
+    assert m is not None and (m.estimate, m.low, m.high) == (c.estimate, c.low, c.high)  # the analysis of the store
+    level = got["level"].ours
+    mat, _, _ = score_matrix(select(rows, {"attack": "activation", **arm}), "token_recovery")
+    iv = crossed_bootstrap_ci(mat, n_boot=2000, seed=0)
+    assert (level.estimate, level.low, level.high) == (iv.estimate, iv.low, iv.high)
+    assert level.docs == 12 and len(level.seeds) == 2 and np.isclose(level.units.mean(), level.estimate)
+    assert got["gain"].detectable is not None and got["gain"].needed is not None
+    report = json.loads((out / "report.json").read_text())
+    assert {c["id"]: c["verdict"] for c in report["papers"]["900"]["claims"]} == {k: j.verdict for k, j in got.items()}
+    md = (out / "report.md").read_text()
+    assert re.search(r"\|\s+900 \|\s+3 \|", md) and "## 900: a tiny paper" in md
+    # editing the paper's number changes that row's verdict; the store is read again, nothing runs
+    near = write(level=round(level.estimate, 4), tolerance=0.5)
+    again = reproduce([], out, profile="quick", claims=[near], n_boot=2000, resume=True, run_grid_kwargs={"workers": 1})
+    assert again.ran == {str(folder / "tiny.yaml"): 0}
+    assert {j.claim.id: j.verdict for j in again.judgements["900"]}["level"] == "agrees"
+    far = write(level=min(1.0, level.high + 0.3) if level.high < 0.6 else 0.0, tolerance=0.01)
+    third = reproduce([], out, profile="quick", claims=[far], n_boot=2000, resume=True, run_grid_kwargs={"workers": 1})
+    assert {j.claim.id: j.verdict for j in third.judgements["900"]}["level"] == "disagrees"
+    with pytest.raises(ConfigError, match="holds a reproduction already; pass --resume"):
+        reproduce([], out, profile="quick", claims=[far], run_grid_kwargs={"workers": 1})
