@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 
+import numpy as np
 import pytest
 import yaml
 
@@ -112,15 +113,15 @@ def test_a_shipped_claims_file_edited_without_a_new_version_is_refused(tmp_path,
     shutil.copytree(claims.SHIPPED_CLAIMS, folder)
     monkeypatch.setattr(claims, "SHIPPED_CLAIMS", folder)
     monkeypatch.setattr(claims, "HASHES_FILE", folder / "CLAIMS.sha256.json")
-    claims.load_claims("000")
+    v = claims.load_claims("000")[0].version
     text = (folder / "000.yaml").read_text().replace("estimate: 0.0317", "estimate: 0.0318", 1)
     (folder / "000.yaml").write_text(text)
-    with pytest.raises(IntegrityError, match="000.yaml \\(version 1\\) hashes to .* records"):
+    with pytest.raises(IntegrityError, match=f"000.yaml \\(version {v}\\) hashes to .* records"):
         claims.load_claims("000")
-    (folder / "000.yaml").write_text(text.replace("version: 1", "version: 2", 1))
-    claims.record_hash("000")  # a new version is recorded beside the old one
-    assert claims.load_claims("000")[0].version == 2
-    assert set(json.loads((folder / "CLAIMS.sha256.json").read_text())["000.yaml"]) == {"1", "2"}
+    (folder / "000.yaml").write_text(text.replace(f"version: {v}", f"version: {v + 1}", 1))
+    claims.record_hash("000")  # a new version is recorded beside the old ones
+    assert claims.load_claims("000")[0].version == v + 1
+    assert set(json.loads((folder / "CLAIMS.sha256.json").read_text())["000.yaml"]) >= {str(v), str(v + 1)}
 
 
 @pytest.mark.unit
@@ -172,8 +173,6 @@ def test_a_claim_whose_jobs_are_missing_fails_at_plan(tiny):
 
 @pytest.mark.e2e
 def test_a_tiny_reproduction_judges_its_claims_from_the_store_and_resumes(tiny):
-    import numpy as np
-
     from splitleak.audit.analysis import compare, score_matrix, select
     from splitleak.experiments import read_results
     from splitleak.reproduce.run import reproduce
@@ -211,3 +210,55 @@ def test_a_tiny_reproduction_judges_its_claims_from_the_store_and_resumes(tiny):
     assert {j.claim.id: j.verdict for j in third.judgements["900"]}["level"] == "disagrees"
     with pytest.raises(ConfigError, match="holds a reproduction already; pass --resume"):
         reproduce([], out, profile="quick", claims=[far], run_grid_kwargs={"workers": 1})
+
+
+@pytest.mark.unit
+def test_metrics_recorded_once_per_job_or_run_are_read_per_victim_seed():
+    """label_recovery (a label attack's result) and heldout_ce (a run's) are paired by victim seed, with
+    Student's t over the seeds; the strongest reader is read beside the paper's."""
+    from scipy import stats
+
+    from splitleak.reproduce.claims import Claim
+    from splitleak.reproduce.run import judge_claim
+
+    got = {("gma-sl", "mirage"): [0.30, 0.34, 0.26], ("gma-sl", "none"): [0.80, 0.78, 0.82]}
+    got |= {("gma-sl-aware", "mirage"): [0.60, 0.66, 0.62], ("gma-sl-aware", "none"): [0.81, 0.79, 0.83]}
+    rows = [
+        {"key": f"{a}-{d}-{s}-{doc}", "attack": a, "defence": d, "victim_seed": s, "doc_id": doc,
+         "result_json": json.dumps({"label_recovery": v})}
+        for (a, d), vals in got.items() for s, v in zip((1, 2, 3), vals) for doc in range(4)
+    ]  # fmt: skip
+    train = [
+        {"key": f"t-{d}-{s}", "defence": d, "victim_seed": s, "heldout_ce": ce}
+        for d, ces in (("mirage", [2.2, 2.31, 2.24]), ("none", [2.0, 2.1, 2.05]))
+        for s, ce in zip((1, 2, 3), ces)
+    ]
+    claim = Claim(
+        id="b", wording="w", where="§4", spec="mirage", stronger={"attack": "gma-sl-aware"},
+        paper={"estimate": None, "unit": "share"},
+        statistic={"kind": "difference", "metric": "label_recovery", "treatment": {"attack": "gma-sl", "defence": "mirage"},
+                   "control": {"attack": "gma-sl", "defence": "none"}},
+        agreement={"rule": "qualitative", "direction": "below", "threshold": -0.1},
+    )  # fmt: skip
+    j = judge_claim(claim, rows, train)
+    diffs = [t - c for t, c in zip(got[("gma-sl", "mirage")], got[("gma-sl", "none")])]
+    half = stats.t.isf(0.025, 2) * np.std(diffs, ddof=1) / np.sqrt(3)
+    assert j.ours is not None and j.ours.unit == "victim seeds" and j.ours.seeds == [1, 2, 3]
+    assert j.ours.estimate == pytest.approx(np.mean(diffs)) and j.ours.low == pytest.approx(np.mean(diffs) - half)
+    assert j.verdict == "agrees"  # far below the threshold
+    assert j.stronger is not None and j.stronger.ours is not None
+    assert j.stronger.ours.estimate == pytest.approx(np.mean([-0.21, -0.13, -0.21]))
+    ce = claim.model_copy(
+        update={
+            "stronger": None,
+            "statistic": claim.statistic.model_copy(
+                update={"metric": "heldout_ce", "treatment": {"attack": None, "defence": "mirage"},
+                        "control": {"attack": None, "defence": "none"}}
+            ),
+            "agreement": claim.agreement.model_copy(update={"direction": "above", "threshold": 0.0}),
+        }
+    )  # fmt: skip
+    u = judge_claim(ce, rows, train)
+    assert u.ours is not None and u.ours.estimate == pytest.approx(0.2) and u.verdict == "agrees"
+    one = judge_claim(claim, [r for r in rows if r["victim_seed"] == 1], train)
+    assert one.verdict == "underpowered" and "one victim seed" in one.reason

@@ -116,9 +116,23 @@ class Claim(BaseModel):
     setting: dict[str, Any] = Field(default_factory=dict)
     statistic: Statistic
     agreement: Agreement
-    #: the shipped experiment spec whose jobs measure it (``splitleak/experiments/specs``)
+    #: the shipped experiment spec whose jobs measure it (``splitleak/experiments/specs``), or a spec's path
     spec: str
+    #: fields that turn the paper's reader into the strongest reader splitleak has for the claim (e.g.
+    #: ``{attack: gma-sl-aware}``), applied to both arms; reported in a second column beside the paper's reader
+    stronger: dict[str, Any] | None = None
     notes: str = ""
+
+    def with_stronger(self) -> "Claim | None":
+        """This claim read by the strongest reader (``stronger``), or None."""
+        if not self.stronger:
+            return None
+        st = self.statistic
+        arms = {
+            k: None if a is None else {**a, **self.stronger}
+            for k, a in (("treatment", st.treatment), ("control", st.control))
+        }
+        return self.model_copy(update={"statistic": st.model_copy(update=arms), "stronger": None})
 
 
 class ClaimsFile(BaseModel):

@@ -14,10 +14,13 @@ resolve the paper's effect (a difference) or its tolerance (a level).
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
+from scipy import stats
 
 from splitleak.audit.analysis import ATTACK_FIELDS, METRICS, RUN_FIELDS, score_matrix, select
 from splitleak.errors import ConfigError, DataError
@@ -43,6 +46,7 @@ class Measured:
     docs: int
     models: list[str]
     setting: dict[str, Any] = field(default_factory=dict)
+    unit: str = "documents"  # what the power's paired test counts
 
     @property
     def sd(self) -> float:
@@ -57,6 +61,13 @@ class Judgement:
     ours: Measured | None = None
     detectable: float | None = None
     needed: int | None = None
+    stronger: "Judgement | None" = None  # the same claim read by the strongest reader (``Claim.stronger``)
+
+
+#: metrics a label attack's job records once over its documents (``result_json``), read per job
+JOB_METRICS = ("label_recovery", "answer_label_recovery", "rougeL_f", "rouge1_f", "rouge2_f", "meteor")
+#: metrics of a trained run (the store's train rows), read per run; their claims name no attack
+TRAIN_METRICS = ("heldout_ce", "perplexity", "delta_u")
 
 
 def measurable(claim: Claim) -> str:
@@ -64,27 +75,36 @@ def measurable(claim: Claim) -> str:
     st = claim.statistic
     if st.kind == "other":
         return f"no reader of this statistic is built yet ({st.form or st.metric})"
-    if st.metric not in METRICS:
-        return f"the store's attack rows hold no {st.metric!r} (they hold {', '.join(sorted(METRICS))})"
+    known = (*METRICS, *JOB_METRICS, *TRAIN_METRICS)
+    if st.metric not in known:
+        return f"the store holds no {st.metric!r} (it holds {', '.join(sorted(known))})"
     for arm in (st.treatment, st.control):
         if arm is None:
             continue
         unknown = sorted(set(arm) - set(ATTACK_FIELDS) - set(RUN_FIELDS))
         if unknown:
-            return f"it selects by {', '.join(unknown)}, which the store's attack rows do not hold"
-        unset = sorted(k for k, v in arm.items() if v is None)
+            return f"it selects by {', '.join(unknown)}, which the store's rows do not hold"
+        unset = sorted(k for k, v in arm.items() if v is None and not (k == "attack" and st.metric in TRAIN_METRICS))
         if unset:
             return f"the paper does not give its {', '.join(unset)} and the claim picks none"
     return ""
 
 
-def measure(claim: Claim, rows: Sequence[dict[str, Any]], n_boot: int = N_BOOT, seed: int = 0) -> Measured | str:
-    """Our reading of ``claim`` from ``rows`` (a store's attack rows), or why there is none."""
+def measure(
+    claim: Claim,
+    rows: Sequence[dict[str, Any]],
+    n_boot: int = N_BOOT,
+    seed: int = 0,
+    train_rows: Sequence[dict[str, Any]] = (),
+) -> Measured | str:
+    """Our reading of ``claim`` from a store's attack ``rows`` (and ``train_rows``), or why there is none."""
     why = measurable(claim)
     if why:
         return why
     st = claim.statistic
     assert st.treatment is not None
+    if st.metric in JOB_METRICS or st.metric in TRAIN_METRICS:
+        return measure_per_seed(claim, rows if st.metric in JOB_METRICS else train_rows)
     t_rows = select(rows, st.treatment)
     if not t_rows:
         return "the store holds no result of its treatment " + _arm(st.treatment)
@@ -121,6 +141,48 @@ def measure(claim: Claim, rows: Sequence[dict[str, Any]], n_boot: int = N_BOOT, 
     )
 
 
+def _per_seed(rows: Sequence[dict[str, Any]], metric: str) -> dict[Any, float]:
+    """Victim seed -> the metric, averaged over the seed's jobs (attack seeds): a job-level metric from its
+    result, a run's from its train row."""
+    by_job: dict[str, tuple[Any, float]] = {}
+    for r in rows:
+        if r["key"] in by_job:
+            continue
+        value = json.loads(r["result_json"]).get(metric) if metric in JOB_METRICS else r.get(metric)
+        if value is not None:
+            by_job[r["key"]] = (r.get("victim_seed"), float(value))
+    seeds: dict[Any, list[float]] = {}
+    for s, v in by_job.values():
+        seeds.setdefault(s, []).append(v)
+    return {s: float(np.mean(v)) for s, v in seeds.items()}
+
+
+def measure_per_seed(claim: Claim, rows: Sequence[dict[str, Any]]) -> Measured | str:
+    """A metric recorded once per job or run: one value per victim seed (a difference paired by seed), the
+    interval Student's t over the seeds (none from one seed: the verdict is then underpowered)."""
+    st = claim.statistic
+    arms = []
+    for arm in (st.treatment, st.control):
+        if arm is None:
+            continue
+        sel = {k: v for k, v in arm.items() if not (k == "attack" and v is None)}
+        picked = select(rows, sel)
+        if not picked:
+            return "the store holds no result of " + _arm(arm)
+        arms.append((picked, _per_seed(picked, st.metric)))
+    seeds = sorted(set.intersection(*(set(v) for _, v in arms)), key=str)
+    if not seeds:
+        return "its treatment and control share no victim seed"
+    units = np.array([arms[0][1][s] - (arms[1][1][s] if len(arms) > 1 else 0.0) for s in seeds])
+    est = float(units.mean())
+    if len(units) >= 2:
+        half = float(stats.t.isf(ALPHA / 2, len(units) - 1) * units.std(ddof=1) / np.sqrt(len(units)))
+    else:
+        half = float("nan")
+    models = sorted({str(r.get("model")) for r in arms[0][0]})
+    return Measured(est, est - half, est + half, units, seeds, 0, models, _setting(arms[0][0]), "victim seeds")
+
+
 def _arm(sel: dict[str, Any]) -> str:
     return "(" + ", ".join(f"{k}={v}" for k, v in sel.items()) + ")"
 
@@ -133,7 +195,9 @@ def _setting(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             out[f] = vals[0] if len(vals) == 1 else vals
     out["victim_seeds"] = len({r.get("victim_seed") for r in rows})
     out["attack_seeds"] = len({r.get("attack_seed") for r in rows})
-    out["documents"] = len({r.get("doc_id") for r in rows})
+    docs = {r.get("doc_id") for r in rows} - {None}
+    if docs:
+        out["documents"] = len(docs)
     return out
 
 
@@ -168,6 +232,8 @@ def _side(low: float, high: float, threshold: float, direction: str) -> str:
 
 def _rule(claim: Claim, m: Measured) -> tuple[str, str]:
     a, p = claim.agreement, claim.paper
+    if math.isnan(m.low) or math.isnan(m.high):
+        return "underpowered", f"ours {m.estimate:+.4f} from one victim seed: no interval"
     ours = f"ours {m.estimate:+.4f} [{m.low:+.4f}, {m.high:+.4f}]"
     if a.rule == "pass-mark":
         assert a.pass_mark is not None

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from splitleak.audit.analysis import READOUT_ATTACKS, select
 from splitleak.errors import ConfigError
 from splitleak.reproduce.claims import ClaimsFile
-from splitleak.reproduce.judge import measurable
+from splitleak.reproduce.judge import TRAIN_METRICS, measurable
 
 
 @dataclass
@@ -32,12 +32,13 @@ class ReproductionPlan:
         return [c for c in self.claims if not c.why_not and c.jobs == 0]
 
 
-def job_rows(grid) -> list[dict[str, Any]]:
-    """The attack and reuse jobs of a planned grid as the rows ``select`` reads (a job's fields are the store's
-    columns; a gradient attack's read-out is its default where the spec names none)."""
+def job_rows(grid, kind: str = "attack") -> list[dict[str, Any]]:
+    """The attack and reuse jobs (or with ``kind="train"`` the train jobs) of a planned grid as the rows
+    ``select`` reads (a job's fields are the store's columns; a gradient attack's read-out is its default where
+    the spec names none)."""
     rows = []
     for j in grid.jobs:
-        if j.kind == "train":
+        if (j.kind == "train") != (kind == "train"):
             continue
         f = dict(j.fields)
         if f.get("readout") is None and f.get("attack") in READOUT_ATTACKS:
@@ -64,6 +65,7 @@ def plan_reproduction(
             ) from None
     plan = ReproductionPlan(profile, grids)
     rows = {spec: job_rows(g) for spec, g in grids.items()}
+    trains = {spec: job_rows(g, "train") for spec, g in grids.items()}
     for f in claim_files:
         for c in f.claims:
             why = measurable(c)
@@ -71,7 +73,12 @@ def plan_reproduction(
             if not why:
                 st = c.statistic
                 assert st.treatment is not None
-                arms = [len(select(rows[c.spec], arm)) for arm in (st.treatment, st.control) if arm is not None]
+                source = trains[c.spec] if st.metric in TRAIN_METRICS else rows[c.spec]
+                arms = [
+                    len(select(source, {k: v for k, v in arm.items() if v is not None}))
+                    for arm in (st.treatment, st.control)
+                    if arm is not None
+                ]
                 n = sum(arms) if all(arms) else 0  # a difference needs jobs of both arms
             plan.claims.append(ClaimPlan(c.id, c.spec, n, why))
     return plan

@@ -45,14 +45,25 @@ def setting_cell(j: Judgement) -> str:
     return f"paper: {paper or 'not stated'}; ours: {ours}"
 
 
+def stronger_cell(j: Judgement) -> str:
+    """The claim read by the strongest reader splitleak has for it, where that is not the paper's."""
+    s = j.stronger
+    if s is None:
+        return "—"
+    reader = (j.claim.stronger or {}).get("attack", "the stronger reader")
+    return f"{reader}: {ours_cell(s)} {s.verdict}" if s.ours is not None else f"{reader}: {s.verdict} ({s.reason})"
+
+
 def power_cell(j: Judgement) -> str:
     if j.detectable is None:
         return "—"
-    text = f"detects {_share(j.detectable)} pp at 80 % over {len(j.ours.units) if j.ours else 0} documents"
+    m = j.ours
+    assert m is not None  # a power is computed from our units
+    text = f"detects {_share(j.detectable)} pp at 80 % over {len(m.units)} {m.unit}"
     if j.needed is None:
         return text
     what = "the paper's effect" if j.claim.statistic.kind == "difference" else "its tolerance"
-    return text + f"; {j.needed:,} would resolve {what}"
+    return text + f"; {j.needed:,} {m.unit} would resolve {what}"
 
 
 def counts(judgements: Sequence[Judgement]) -> dict[str, int]:
@@ -86,6 +97,7 @@ def build_document(
                 ours_cell(j),
                 j.verdict + (" (rule ours)" if j.claim.agreement.ours else ""),
                 j.reason,
+                stronger_cell(j),
                 power_cell(j),
                 setting_cell(j),
             ]
@@ -93,9 +105,9 @@ def build_document(
         ]
         doc.add(
             Table(
-                ["claim", "where", "paper", "ours [95 %]", "verdict", "why", "power", "setting"],
+                ["claim", "where", "paper", "ours [95 %]", "verdict", "why", "strongest reader", "power", "setting"],
                 table,
-                numeric=[False, False, True, True, False, False, False, False],
+                numeric=[False, False, True, True, False, False, False, False, False],
             )
         )
     return doc
@@ -112,7 +124,9 @@ def judgement_record(j: Judgement) -> dict[str, Any]:
         if m is None
         else {"estimate": m.estimate, "low": m.low, "high": m.high, "documents": m.docs, "setting": m.setting},
         "detectable_at_80": j.detectable,
-        "documents_to_resolve": j.needed,
+        "units_to_resolve": j.needed,
+        "unit": None if m is None else m.unit,
+        "stronger": None if j.stronger is None else judgement_record(j.stronger),
     }
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from splitleak.errors import ConfigError
-from splitleak.reproduce.claims import PAPERS, ClaimsFile, load_claims
+from splitleak.reproduce.claims import PAPERS, Claim, ClaimsFile, load_claims
 from splitleak.reproduce.judge import N_BOOT, Judgement, judge, measure
 from splitleak.reproduce.plan import ReproductionPlan, plan_reproduction
 from splitleak.reproduce.report import write_report
@@ -44,6 +44,17 @@ def claim_files(papers: Sequence[str], claims: Sequence[str | Path] = ()) -> lis
     if dup:
         raise ConfigError(f"two claims files speak for paper {', '.join(dup)}; pass one per paper")
     return files
+
+
+def judge_claim(
+    claim: Claim, rows: Sequence[dict[str, Any]], train: Sequence[dict[str, Any]], n_boot: int = N_BOOT
+) -> Judgement:
+    """The verdict on ``claim`` from a store's rows, and on the same claim read by its strongest reader."""
+    j = judge(claim, measure(claim, rows, n_boot=n_boot, train_rows=train))
+    strong = claim.with_stronger()
+    if strong is not None:
+        j.stronger = judge(strong, measure(strong, rows, n_boot=n_boot, train_rows=train))
+    return j
 
 
 def check_plan(plan: ReproductionPlan) -> None:
@@ -102,14 +113,16 @@ def reproduce(
     _record(out, asked, resume)
     rep = Reproduction(plan)
     rows: dict[str, list[dict[str, Any]]] = {}
+    train: dict[str, list[dict[str, Any]]] = {}
     for spec in plan.grids:
         store = out / "stores" / Path(spec).stem
         say(f"{spec}: {len(plan.grids[spec].jobs)} jobs into {store}")
         res = run_grid(spec, profile=profile, overrides=list(overrides), store=store, **(run_grid_kwargs or {}))
         rep.failures[spec], rep.ran[spec] = len(res.failures), res.ran
         rows[spec] = read_results(store, "attack", as_rows=True)
+        train[spec] = read_results(store, "train", as_rows=True)
     for f, _ in files:
-        rep.judgements[f.paper] = [judge(c, measure(c, rows[c.spec], n_boot=n_boot)) for c in f.claims]
+        rep.judgements[f.paper] = [judge_claim(c, rows[c.spec], train[c.spec], n_boot) for c in f.claims]
     meta = {"profile": profile, "n_boot": n_boot, "command": command or "splitleak reproduce", "failures": rep.failures}
     rep.report = write_report(out, files, rep.judgements, meta)
     return rep
