@@ -262,3 +262,64 @@ def test_metrics_recorded_once_per_job_or_run_are_read_per_victim_seed():
     assert u.ours is not None and u.ours.estimate == pytest.approx(0.2) and u.verdict == "agrees"
     one = judge_claim(claim, [r for r in rows if r["victim_seed"] == 1], train)
     assert one.verdict == "underpowered" and "one victim seed" in one.reason
+
+
+@pytest.mark.unit
+def test_the_decoy_claims_are_read_from_the_grid_reports_latent_summary():
+    """002's claims read the grid report's own summary: a partition's row agreement with its Wilson interval
+    over the rows, a probe's best non-degenerate arm of the named view per seed, the mean over seeds with
+    Student's t; a claim the reader cannot read says why."""
+    from types import SimpleNamespace
+
+    from scipy import stats
+
+    from splitleak.report.grid_latent import PartitionCell, ProbeRun
+    from splitleak.reproduce.claims import Claim
+    from splitleak.reproduce.run import judge_claim
+    from splitleak.stats.binomial import wilson_interval
+
+    def run(seed, arm, threat, effects):
+        arms = [
+            {"arm": name, "paired_effect": e, "paired_low": e - 0.01, "paired_high": e + 0.01, "degenerate": d}
+            for name, e, d in effects
+        ]
+        return ProbeRun("smollm2-135m", arm, "defaults", seed, {}, None, None, 0.04, arms, None, threat)
+
+    summary = SimpleNamespace(
+        partition=[PartitionCell("smollm2-135m", "fix", "rule=support", [1, 2], 64, 0, 0.4, [None], rows=2048)],
+        probes=[
+            run(1, "open", "oracle", [("gradient/mlp/0", 0.010, False), ("gradient/deep/0", 0.5, True),
+                                      ("forward/mlp/0", 0.3, False)]),
+            run(2, "open", "oracle", [("gradient/mlp/0", 0.014, False), ("gradient/deep/0", 0.012, False)]),
+            run(1, "open", "shadow", [("gradient/mlp/0", -0.02, False)]),
+        ],
+    )  # fmt: skip
+
+    def claim(kind, treatment, control=None, rule=None):
+        return Claim(
+            id="c", wording="w", where="§5", spec="decoys", paper={"estimate": 0.0092, "low": 0.0074, "high": 0.0109,
+            "unit": "pp"}, statistic={"kind": kind, "metric": "m", "treatment": treatment, "control": control},
+            agreement=rule or {"rule": "same-sign-overlap"},
+        )  # fmt: skip
+
+    part = judge_claim(
+        claim("level", {"attack": "support-partition", "rule": "support", "arm": "fix"}), [], [], latent=summary
+    )
+    iv = wilson_interval(round(0.4 * 2048), 2048)
+    assert part.ours is not None and (part.ours.estimate, part.ours.low, part.ours.high) == (0.4, iv.low, iv.high)
+    constant = {"predictor": "most-frequent-token constant baseline"}
+    grad = judge_claim(
+        claim("difference", {"attack": "latent-probe", "view": "gradient", "arm": "open", "threat": "oracle"}, constant),
+        [], [], latent=summary,
+    )  # fmt: skip
+    half = stats.t.isf(0.025, 1) * np.std([0.010, 0.014], ddof=1) / np.sqrt(2)
+    assert grad.ours is not None and grad.ours.estimate == pytest.approx(0.012)  # the degenerate 0.5 is left out
+    assert grad.ours.low == pytest.approx(0.012 - half) and grad.verdict == "underpowered"  # two seeds, wide
+    shadow = judge_claim(
+        claim("difference", {"attack": "latent-probe", "view": "gradient", "arm": "open", "threat": "shadow"}, constant),
+        [], [], latent=summary,
+    )  # fmt: skip
+    assert shadow.ours is not None and (shadow.ours.low, shadow.ours.high) == (-0.03, -0.01)  # one seed: its own
+    assert shadow.verdict == "disagrees"
+    split = judge_claim(claim("level", {"attack": "support-partition", "split": "mitigation"}), [], [], latent=summary)
+    assert split.verdict == "not run" and "split" in split.reason

@@ -74,6 +74,7 @@ class PartitionCell:
     agreement: float  # row agreement over every frame of every seed
     aucs: list[float | None]
     attack: str = "support-partition"
+    rows: int = 0  # the rows the agreement is over
 
     @property
     def auc(self) -> float | None:
@@ -176,6 +177,7 @@ def _partition(rows: Sequence[dict[str, Any]]) -> tuple[list[PartitionCell], lis
                 float(agreement),
                 [p.get("auc") for p in parts],
                 order[k],
+                int(rows_total),
             )
         )
     notes = [

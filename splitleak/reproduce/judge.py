@@ -25,6 +25,7 @@ from scipy import stats
 from splitleak.audit.analysis import ATTACK_FIELDS, METRICS, RUN_FIELDS, score_matrix, select
 from splitleak.errors import ConfigError, DataError
 from splitleak.reproduce.claims import Claim
+from splitleak.reproduce.latent import is_latent, measure_latent, why_not_latent
 from splitleak.stats.bootstrap import crossed_bootstrap_ci, paired_difference_ci
 from splitleak.stats.power import detectable_effect, units_needed
 
@@ -73,6 +74,8 @@ TRAIN_METRICS = ("heldout_ce", "perplexity", "delta_u")
 def measurable(claim: Claim) -> str:
     """Why no reader of the store measures ``claim`` ("" where one does)."""
     st = claim.statistic
+    if is_latent(claim):
+        return why_not_latent(claim)
     if st.kind == "other":
         return f"no reader of this statistic is built yet ({st.form or st.metric})"
     known = (*METRICS, *JOB_METRICS, *TRAIN_METRICS)
@@ -96,13 +99,23 @@ def measure(
     n_boot: int = N_BOOT,
     seed: int = 0,
     train_rows: Sequence[dict[str, Any]] = (),
+    latent: Any = None,
 ) -> Measured | str:
-    """Our reading of ``claim`` from a store's attack ``rows`` (and ``train_rows``), or why there is none."""
+    """Our reading of ``claim`` from a store's attack ``rows`` (and ``train_rows``; ``latent``: the store's
+    ``LatentSummary`` where it holds latent rows), or why there is none."""
     why = measurable(claim)
     if why:
         return why
     st = claim.statistic
     assert st.treatment is not None
+    if is_latent(claim):
+        if latent is None:
+            return "the store holds no latent rows"
+        got = measure_latent(claim, latent)
+        if isinstance(got, str):
+            return got
+        est, low, high, values, seeds, setting = got
+        return Measured(est, low, high, values, seeds, 0, [str(setting.get("model"))], setting, "victim seeds")
     if st.metric in JOB_METRICS or st.metric in TRAIN_METRICS:
         return measure_per_seed(claim, rows if st.metric in JOB_METRICS else train_rows)
     t_rows = select(rows, st.treatment)

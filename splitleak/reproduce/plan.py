@@ -11,6 +11,7 @@ from splitleak.audit.analysis import READOUT_ATTACKS, select
 from splitleak.errors import ConfigError
 from splitleak.reproduce.claims import ClaimsFile
 from splitleak.reproduce.judge import TRAIN_METRICS, measurable
+from splitleak.reproduce.latent import is_latent, plan_jobs
 
 
 @dataclass
@@ -70,7 +71,9 @@ def plan_reproduction(
         for c in f.claims:
             why = measurable(c)
             n = 0
-            if not why:
+            if not why and is_latent(c):
+                n = plan_jobs(c, rows[c.spec])
+            elif not why:
                 st = c.statistic
                 assert st.treatment is not None
                 source = trains[c.spec] if st.metric in TRAIN_METRICS else rows[c.spec]

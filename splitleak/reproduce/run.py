@@ -47,14 +47,26 @@ def claim_files(papers: Sequence[str], claims: Sequence[str | Path] = ()) -> lis
 
 
 def judge_claim(
-    claim: Claim, rows: Sequence[dict[str, Any]], train: Sequence[dict[str, Any]], n_boot: int = N_BOOT
+    claim: Claim,
+    rows: Sequence[dict[str, Any]],
+    train: Sequence[dict[str, Any]],
+    n_boot: int = N_BOOT,
+    latent: Any = None,
 ) -> Judgement:
     """The verdict on ``claim`` from a store's rows, and on the same claim read by its strongest reader."""
-    j = judge(claim, measure(claim, rows, n_boot=n_boot, train_rows=train))
+    j = judge(claim, measure(claim, rows, n_boot=n_boot, train_rows=train, latent=latent))
     strong = claim.with_stronger()
     if strong is not None:
-        j.stronger = judge(strong, measure(strong, rows, n_boot=n_boot, train_rows=train))
+        j.stronger = judge(strong, measure(strong, rows, n_boot=n_boot, train_rows=train, latent=latent))
     return j
+
+
+def latent_of(rows: Sequence[dict[str, Any]], train: Sequence[dict[str, Any]]) -> Any:
+    """The grid report's latent summary of a store, or None where it holds no latent rows."""
+    # lazy: the grid report's latent section imports the gate's statistics, needed only for a latent store
+    from splitleak.report.grid_latent import is_latent, latent_summary
+
+    return latent_summary(rows, train) if any(is_latent(r) for r in rows) else None
 
 
 def check_plan(plan: ReproductionPlan) -> None:
@@ -121,8 +133,11 @@ def reproduce(
         rep.failures[spec], rep.ran[spec] = len(res.failures), res.ran
         rows[spec] = read_results(store, "attack", as_rows=True)
         train[spec] = read_results(store, "train", as_rows=True)
+    latent = {spec: latent_of(rows[spec], train[spec]) for spec in rows}
     for f, _ in files:
-        rep.judgements[f.paper] = [judge_claim(c, rows[c.spec], train[c.spec], n_boot) for c in f.claims]
+        rep.judgements[f.paper] = [
+            judge_claim(c, rows[c.spec], train[c.spec], n_boot, latent[c.spec]) for c in f.claims
+        ]
     meta = {"profile": profile, "n_boot": n_boot, "command": command or "splitleak reproduce", "failures": rep.failures}
     rep.report = write_report(out, files, rep.judgements, meta)
     return rep

@@ -34,7 +34,14 @@ def paired_power(effect: float, sd: float, n: float, alpha: float = 0.05) -> flo
     df = n - 1
     nc = effect / sd * math.sqrt(n)
     crit = stats.t.isf(alpha / 2, df)
-    return float(stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc))
+    return _upper(crit, df, nc) + _upper(crit, df, -nc)  # P(T > crit) + P(T < -crit) = P(-T > crit)
+
+
+def _upper(x: float, df: float, nc: float) -> float:
+    """P(T > x) for T noncentral t; scipy returns NaN for the far tail of few degrees of freedom (a
+    noncentrality far below x), where the probability is below double precision's reach: 0 there."""
+    p = float(stats.nct.sf(x, df, nc))
+    return 0.0 if math.isnan(p) else p
 
 
 def detectable_effect(sd: float, n: float, alpha: float = 0.05, power: float = POWER) -> float:

@@ -1,0 +1,128 @@
+"""The decoy system's claims (002) read from a store's latent rows, through the grid report's own summary
+(``report.grid_latent.latent_summary``), so that a reproduction and ``experiment report`` read one number.
+
+A claim's arms name, in the latent vocabulary: ``attack`` (``support-partition`` or ``latent-probe``), the
+latent ``arm`` (the spec's label: open, fix, naked), and for a partition its ``rule``, for a probe battery its
+``view`` (forward, real-rows, gradient, joint, cross-gram), ``probe`` model and ``threat`` model.
+
+- A partition's row agreement: over every row of every seed's frames, with its Wilson interval over the rows.
+- A probe's paired effect over the most-frequent-token control: per seed the best non-degenerate arm of the
+  named view (and probe model), its frame-bootstrap interval at α unadjusted (one seed), or the mean over seeds
+  with Student's t over them (several).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+from scipy import stats
+
+from splitleak.reproduce.claims import Claim
+from splitleak.stats.binomial import wilson_interval
+
+LATENT_ATTACKS = ("support-partition", "latent-probe")
+KEYS = {"support-partition": {"attack", "arm", "rule"}, "latent-probe": {"attack", "arm", "view", "probe", "threat"}}
+CONSTANT = "most-frequent-token constant baseline"
+
+
+def is_latent(claim: Claim) -> bool:
+    t = claim.statistic.treatment or {}
+    return t.get("attack") in LATENT_ATTACKS
+
+
+def why_not_latent(claim: Claim) -> str:
+    """Why the latent reader does not measure ``claim`` ("" where it does)."""
+    st = claim.statistic
+    if st.kind == "other":
+        return f"no reader of this statistic is built yet ({st.form or st.metric})"
+    t = st.treatment or {}
+    unknown = sorted(set(t) - KEYS[t["attack"]])
+    if unknown:
+        return f"it selects by {', '.join(unknown)}, which the latent reader does not read"
+    if st.kind == "difference" and (st.control or {}).get("predictor") != CONSTANT:
+        return "its control is not the most-frequent-token control the probe battery measures against"
+    if st.kind == "level" and t["attack"] != "support-partition":
+        return "a probe battery's level is read against its control (a difference)"
+    return ""
+
+
+def _params(row: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(row["params"]) if row.get("params") else {}
+
+
+def plan_jobs(claim: Claim, job_rows: Sequence[dict[str, Any]]) -> int:
+    """The spec's attack jobs that read the claim's treatment (its attack, arm, rule and threat)."""
+    t = claim.statistic.treatment or {}
+    n = 0
+    for f in job_rows:
+        p = _params(f)
+        if f.get("attack") != t["attack"] or ("arm" in t and f.get("defence") != t["arm"]):
+            continue
+        if all(p.get(k, default) == t[k] for k, default in (("rule", "support"), ("threat", "shadow")) if k in t):
+            n += 1
+    return n
+
+
+def measure_latent(claim: Claim, summary: Any) -> tuple[float, float, float, np.ndarray, list[int], dict] | str:
+    """(estimate, low, high, per-seed values, seeds, setting) of ``claim`` from a ``LatentSummary``, or why none."""
+    why = why_not_latent(claim)
+    if why:
+        return why
+    t = claim.statistic.treatment or {}
+    if t["attack"] == "support-partition":
+        return _partition(t, summary)
+    return _probe(t, summary)
+
+
+def _partition(t: dict[str, Any], summary: Any):
+    rule = t.get("rule", "support")
+    cells = [
+        c
+        for c in summary.partition
+        if c.attack == "support-partition" and c.arm == t.get("arm", c.arm) and f"rule={rule}" in c.params
+    ]
+    if not cells:
+        return f"the store holds no {rule} partition of arm {t.get('arm')}"
+    c = cells[0]
+    if c.rows:
+        iv = wilson_interval(int(round(c.agreement * c.rows)), c.rows)
+        low, high = iv.low, iv.high
+    else:
+        low = high = c.agreement
+    setting = {"arm": c.arm, "rule": rule, "model": c.model, "victim_seeds": len(c.seeds), "frames": c.frames}
+    return c.agreement, low, high, np.array([c.agreement]), c.seeds, setting
+
+
+def _probe(t: dict[str, Any], summary: Any):
+    view, probe, threat = t.get("view"), t.get("probe"), t.get("threat", "shadow")
+    runs = [r for r in summary.probes if r.arm == t.get("arm", r.arm) and r.threat == threat]
+    if not runs:
+        return f"the store holds no probe battery of arm {t.get('arm')} under threat model {threat}"
+    per_seed: dict[int, dict[str, Any]] = {}
+    for r in runs:
+        arms = [
+            a
+            for a in r.arms
+            if not a.get("degenerate")
+            and (view is None or a["arm"].split("/")[0] == view)
+            and (probe is None or a["arm"].split("/")[1] == probe)
+        ]
+        if arms:
+            best = max(arms, key=lambda a: a["paired_effect"])
+            per_seed[r.seed] = best
+    if not per_seed:
+        return f"no battery of arm {t.get('arm')} ran a non-degenerate {view or ''} {probe or ''} arm".replace(
+            "  ", " "
+        )
+    seeds = sorted(per_seed)
+    values = np.array([per_seed[s]["paired_effect"] for s in seeds])
+    if len(seeds) == 1:
+        low, high = per_seed[seeds[0]]["paired_low"], per_seed[seeds[0]]["paired_high"]
+    else:
+        half = float(stats.t.isf(0.025, len(seeds) - 1) * values.std(ddof=1) / np.sqrt(len(seeds)))
+        low, high = float(values.mean()) - half, float(values.mean()) + half
+    setting = {"arm": t.get("arm"), "threat": threat, "model": runs[0].model, "victim_seeds": len(seeds)}
+    setting["best arms"] = sorted({per_seed[s]["arm"] for s in seeds})
+    return float(values.mean()), float(low), float(high), values, seeds, setting
