@@ -419,3 +419,39 @@ def test_the_grids_banner_names_a_probe_battery_whose_shuffled_twin_reads_above_
     table = _controls_table(controls)
     assert ["latent-probe (shuffled-label twin, best arm)", "public", "2", "1", "+15.00", "n/a"] in table.rows
     assert ["vmi", "public", "1", "0", "0.00", "+1.00"] in table.rows
+
+
+TINY_LABEL_GRID = """\
+name: planted-labels
+protocol: proto.yaml
+models: [tiny-gpt2]
+shielded:
+  - {label: none, bottom: 1, top: 1}
+victim_seeds: [1]
+attack_seeds: [0]
+documents: {n_calib: 8, n_train: 4, n_eval: 20, doc_len: 32}
+steps: 2
+lr: 1.0e-3
+data: {source: instructions}
+attacks:
+  - {attack: reads-the-labels, params: {root: STORE}}
+"""
+
+
+@pytest.mark.e2e
+def test_a_grid_report_names_the_fault_of_a_reader_of_the_labels(plant, tmp_path):
+    """The label family in a grid: the planted reader of the labels is the grid's instrument fault."""
+    from splitleak.audit.protocol import SHIPPED
+    from splitleak.experiments import run_grid
+    from splitleak.report.grid import grid_report
+
+    plant("planted_labels", PLANTED_LABELS, "reads-the-labels")
+    store = tmp_path / "store"
+    shutil.copy(SHIPPED / "mirage_003.yaml", tmp_path / "proto.yaml")
+    spec = tmp_path / "planted.yaml"
+    spec.write_text(TINY_LABEL_GRID.replace("STORE", str(store)))
+    res = run_grid(spec, store=store, workers=1, threads=1, device="cpu")  # a spawned worker: the plug-in loads there
+    assert not res.failures, res.failures
+    rep = grid_report(spec, out=tmp_path / "rep", store=store)
+    assert [c["row"]["attack"] for c in rep.control_faults] == ["reads-the-labels"]
+    assert "**INSTRUMENT FAULT**: the negative control of 1 job" in " ".join(rep.markdown.read_text().split())
