@@ -169,6 +169,15 @@ def test_a_claim_whose_jobs_are_missing_fails_at_plan(tiny):
     r = CliRunner().invoke(app, ["reproduce", "--claims", str(bad), "--plan"])
     assert r.exit_code == 2 and "2 claim(s) name jobs their spec does not plan" in " ".join(r.output.split())
     assert "gain (spec" in r.output and "level (spec" in r.output
+    # a spec whose claims no reader measures is planned, not run
+    from splitleak.reproduce.claims import parse_claims
+    from splitleak.reproduce.plan import plan_reproduction
+
+    only = yaml.safe_load(good.read_text())
+    only["claims"] = [c for c in only["claims"] if c["id"] == "words"]
+    (folder / "words.yaml").write_text(yaml.safe_dump(only))
+    p = plan_reproduction([parse_claims(folder / "words.yaml")], "quick")
+    assert list(p.grids) == [str(folder / "tiny.yaml")] and p.needed() == []
 
 
 @pytest.mark.e2e

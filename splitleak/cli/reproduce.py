@@ -41,8 +41,9 @@ def reproduce_cmd(
             p = plan_reproduction([f for f, _ in files], profile, override)
             for spec, g in p.grids.items():
                 c = g.counts()
+                runs = "" if spec in p.needed() else " (not run: no claim it measures has a reader yet)"
                 console.print(
-                    f"{spec} (profile {profile}): {c['train']} train, {c['attack']} attack jobs", highlight=False
+                    f"{spec} (profile {profile}): {c['train']} train, {c['attack']} attack jobs{runs}", highlight=False
                 )
             for c in p.claims:
                 state = c.why_not or f"{c.jobs} job(s) of {c.spec}"

@@ -32,6 +32,11 @@ class ReproductionPlan:
         """Measurable claims no job of their spec selects."""
         return [c for c in self.claims if not c.why_not and c.jobs == 0]
 
+    def needed(self) -> list[str]:
+        """The specs at least one measurable claim reads: the others' grids are planned, not run (no reader of
+        their claims is built yet, so their jobs would measure nothing the report shows)."""
+        return sorted({c.spec for c in self.claims if not c.why_not})
+
 
 def job_rows(grid, kind: str = "attack") -> list[dict[str, Any]]:
     """The attack and reuse jobs (or with ``kind="train"`` the train jobs) of a planned grid as the rows

@@ -125,8 +125,12 @@ def reproduce(
     _record(out, asked, resume)
     rep = Reproduction(plan)
     rows: dict[str, list[dict[str, Any]]] = {}
-    train: dict[str, list[dict[str, Any]]] = {}
+    train: dict[str, list[dict[str, Any]]] = {}  # a spec not run reads as an empty store
     for spec in plan.grids:
+        rows[spec], train[spec] = [], []
+        if spec not in plan.needed():
+            say(f"{spec}: not run (no claim it measures has a reader yet)")
+            continue
         store = out / "stores" / Path(spec).stem
         say(f"{spec}: {len(plan.grids[spec].jobs)} jobs into {store}")
         res = run_grid(spec, profile=profile, overrides=list(overrides), store=store, **(run_grid_kwargs or {}))
