@@ -71,3 +71,32 @@ def test_every_token_attack_reads_the_same_with_permuted_evaluation_tokens(share
         assert [r["predicted"] for r in a["per_doc"]] == [r["predicted"] for r in b["per_doc"]], name
         moved.append(a["token_recovery"] != b["token_recovery"])
     assert sum(moved) >= len(names) - 2, dict(zip(names, moved))  # the majority guess may score alike
+
+
+SHIELDED = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=6, doc_len=32, lr=1e-3, data="instructions")
+#: the label-shielded attacks at small settings
+SHIELDED_PARAMS = {
+    "gma-sl": {"steps": 20},
+    "gma-sl-aware": {"steps": 20},
+    "bisr-b": {"sip_epochs": 1, "b_steps": 2},
+    "bisr": {"sip_epochs": 1, "b_steps": 2, "f_steps": 2},
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_label_attack_reads_the_same_with_permuted_evaluation_tokens(shared_run, tmp_path, seed):
+    """The label family's truth boundary: the attacks of a label-shielded run (GMA-SL, its aware variant, BiSR)
+    read the same labels and tokens when the evaluation documents' tokens are permuted, and the scores move."""
+    names = [n for n, a in REGISTRY.items() if "label-shielded" in a.modes and "plain" not in a.modes]
+    assert set(names) == set(SHIELDED_PARAMS), names
+    run = shared_run(**SHIELDED, shielded={"bottom": 1, "top": 1}, seed=seed, data_seed=seed, capture_batch=3)
+    permuted = _permuted(run, tmp_path / "p", seed)
+    moved = []
+    for name in names:
+        cfg = make_attack_config(attack=name, attack_seed=seed, params=SHIELDED_PARAMS[name])
+        a = run_attack(run, cfg, verify=False)
+        b = run_attack(permuted, cfg, verify=False)
+        assert [r["predicted"] for r in a["per_doc"]] == [r["predicted"] for r in b["per_doc"]], name
+        moved.append(a["token_recovery"] != b["token_recovery"])
+    assert all(moved), dict(zip(names, moved))
