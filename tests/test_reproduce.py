@@ -332,3 +332,34 @@ def test_the_decoy_claims_are_read_from_the_grid_reports_latent_summary():
     assert shadow.verdict == "disagrees"
     split = judge_claim(claim("level", {"attack": "support-partition", "split": "mitigation"}), [], [], latent=summary)
     assert split.verdict == "not run" and "split" in split.reason
+
+
+@pytest.mark.unit
+def test_an_interval_of_no_width_is_not_read_as_certainty():
+    """Eight documents none of which is rebuilt give a bootstrap interval [0, 0]; the level is read with its
+    Wilson interval over the documents instead, and a difference no document moves is underpowered."""
+    from splitleak.reproduce.claims import Claim
+    from splitleak.reproduce.run import judge_claim
+    from splitleak.stats.binomial import wilson_interval
+
+    base = {"model": "m", "depth": 6, "client_copy": "public", "defence": "none", "victim_seed": 1, "data_seed": 0}
+    rows = [
+        {**base, "key": f"{a}", "attack": a, "k": 32, "doc_id": d, "exact": False, "token_correct": 5,
+         "token_counted": 8, "readout": "gradient" if a == "joint" else None}
+        for a in ("activation", "joint") for d in range(8)
+    ]  # fmt: skip
+    arm = {"k": 32, "depth": 6, "client_copy": "public", "defence": "none"}
+    level = Claim(
+        id="l", wording="w", where="§4", spec="s", paper={"estimate": 0.1371, "unit": "%"},
+        statistic={"kind": "level", "metric": "doc_recovery", "treatment": {"attack": "activation", **arm}},
+        agreement={"rule": "tolerance", "tolerance": 0.05},
+    )  # fmt: skip
+    j = judge_claim(level, rows, [], n_boot=200)
+    w = wilson_interval(0, 8)
+    assert j.ours is not None and (j.ours.low, j.ours.high) == (w.low, w.high) and j.verdict == "underpowered"
+    diff = level.model_copy(
+        update={"statistic": level.statistic.model_copy(update={"kind": "difference", "treatment": {"attack": "joint",
+                **arm}, "control": {"attack": "activation", **arm}})}
+    )  # fmt: skip
+    d = judge_claim(diff, rows, [], n_boot=200)
+    assert d.verdict == "underpowered" and "no unit differs" in d.reason

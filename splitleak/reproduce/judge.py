@@ -2,13 +2,15 @@
 
 Ours is read from the store's attack rows as ``protocol analyse`` reads them (``audit.analysis.select``,
 ``score_matrix``: victim seeds x documents, attack seeds averaged): a ``difference`` by the paired crossed
-bootstrap, a ``level`` by the crossed bootstrap of the treatment's scores, at level ``ALPHA``.
+bootstrap, a ``level`` by the crossed bootstrap of the treatment's scores, at level ``ALPHA``. A metric recorded
+once per job or run (label recovery, ROUGE, held-out loss) is read per victim seed (``measure_per_seed``), and
+the decoy system's claims through the grid report's latent summary (``reproduce.latent``).
 
 Verdicts: *agrees*, *disagrees*, *underpowered* (our interval straddles what would decide), *not run* (nothing
 measured it: no reader of its statistic is built yet, or the store holds none of its jobs) and *no number*
 (we measured it, but the seed text does not give the paper's number the rule compares with: 000's table
-bodies are missing from it). Power: the paired t-test on the per-document values (attack and victim seeds
-averaged; ``stats.power``): the smallest effect this run detects at 80 % power, and the documents that would
+bodies are missing from it). Power: the paired t-test on the per-unit values (documents, seeds averaged; or
+victim seeds; ``stats.power``): the smallest effect this run detects at 80 % power, and the units that would
 resolve the paper's effect (a difference) or its tolerance (a level).
 """
 
@@ -26,7 +28,8 @@ from splitleak.audit.analysis import ATTACK_FIELDS, METRICS, RUN_FIELDS, score_m
 from splitleak.errors import ConfigError, DataError
 from splitleak.reproduce.claims import Claim
 from splitleak.reproduce.latent import is_latent, measure_latent, why_not_latent
-from splitleak.stats.bootstrap import crossed_bootstrap_ci, paired_difference_ci
+from splitleak.stats.binomial import wilson_interval
+from splitleak.stats.bootstrap import Interval, crossed_bootstrap_ci, paired_difference_ci
 from splitleak.stats.power import detectable_effect, units_needed
 
 #: the level of every interval in a reproduction (the papers' 95 %)
@@ -125,6 +128,8 @@ def measure(
         mt, seeds, docs = score_matrix(t_rows, st.metric)
         if st.kind == "level":
             iv = crossed_bootstrap_ci(mt, n_boot=n_boot, alpha=ALPHA, seed=seed)
+            if iv.high == iv.low:  # every cell alike (no document rebuilt, every token right): see _counted
+                iv = _counted(t_rows, st.metric, iv)
             units = mt.mean(axis=0)
         else:
             assert st.control is not None
@@ -152,6 +157,17 @@ def measure(
         sorted({str(r.get("model")) for r in t_rows}),
         _setting(t_rows),
     )
+
+
+def _counted(rows: Sequence[dict[str, Any]], metric: str, iv: Interval) -> Interval:
+    """A level whose cells are all alike has a bootstrap interval of width 0, which claims a certainty eight
+    documents do not give: its Wilson interval over what was counted (the tokens, or the documents) instead."""
+    if metric == "token_recovery":
+        k, n = sum(int(r["token_correct"]) for r in rows), sum(int(r["token_counted"]) for r in rows)
+    else:
+        k, n = sum(bool(r["exact"]) for r in rows), len(rows)
+    w = wilson_interval(k, n, ALPHA)
+    return Interval(iv.estimate, w.low, w.high, iv.n_boot, iv.alpha)
 
 
 def _per_seed(rows: Sequence[dict[str, Any]], metric: str) -> dict[Any, float]:
@@ -247,6 +263,8 @@ def _rule(claim: Claim, m: Measured) -> tuple[str, str]:
     a, p = claim.agreement, claim.paper
     if math.isnan(m.low) or math.isnan(m.high):
         return "underpowered", f"ours {m.estimate:+.4f} from one victim seed: no interval"
+    if claim.statistic.kind == "difference" and m.low == m.high:
+        return "underpowered", f"ours {m.estimate:+.4f}: no unit differs between the arms, so the interval has no width"
     ours = f"ours {m.estimate:+.4f} [{m.low:+.4f}, {m.high:+.4f}]"
     if a.rule == "pass-mark":
         assert a.pass_mark is not None

@@ -75,11 +75,20 @@ def build_document(
 ) -> Document:
     doc = Document("Reproducing the papers")
     doc.add(
+        Heading(1, "Reproducing the papers"),
         Para(
             f"Profile {meta['profile']}; every interval is a {100 * (1 - ALPHA):.0f} % crossed-bootstrap interval "
             f"({meta['n_boot']:,} replicates) over victim seeds and documents, attack seeds averaged; shares in %, "
             "differences in percentage points. Regenerate with: " + f"`{meta['command']}`."
-        )
+        ),
+        Para(
+            "Verdicts: agrees / disagrees by the claim's rule (the paper's own where it has one; '(rule ours)' "
+            "where the rule or its tolerance is splitleak's); underpowered where our interval straddles what would "
+            "decide; not run where no reader of the claim's statistic is built yet or no job measured it; no number "
+            "where the seed text gives no number to compare with. Power: the paired t-test on the per-unit values "
+            "(the smallest effect this run detects at 80 %, and the units that would resolve the paper's effect).",
+            "note",
+        ),
     )
     rows = []
     for f, digest in files:
