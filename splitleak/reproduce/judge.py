@@ -38,6 +38,8 @@ ALPHA = 0.05
 N_BOOT = 20_000
 
 VERDICTS = ("agrees", "disagrees", "underpowered", "not run", "no number")
+#: the slack of the comparisons with a rule's bounds (float rounding only)
+EPS = 1e-9
 
 
 @dataclass
@@ -295,6 +297,7 @@ def _rule(claim: Claim, m: Measured) -> tuple[str, str]:
         if v == "agrees" and (m.high < plo or m.low > phi):
             return "disagrees", f"{ours}: the paper's sign, but no overlap with [{plo:+.4f}, {phi:+.4f}]"
         return v, f"{ours}; the paper's sign is {'+' if sign == 'above' else '-'}"
+    lo, hi = lo - EPS, hi + EPS  # an interval's float ends (a Wilson bound of 1 - 1e-16) are not outside
     if lo <= m.low and m.high <= hi:
         return "agrees", f"{ours} lies within [{lo:+.4f}, {hi:+.4f}]"
     if m.high < lo or m.low > hi:
