@@ -621,22 +621,30 @@ def test_sigkill_then_resume_gives_each_job_once_and_the_clean_results(tiny_grid
                 assert proc.poll() is None, "the run ended before it could be killed"
                 assert time.monotonic() - t0 < timeout
                 time.sleep(0.02)
-            claims = (
-                [json.loads(p.read_text()) for p in (store / "claims").glob("*.json")]
-                if (store / "claims").is_dir()
-                else []
-            )
             proc.send_signal(signal.SIGKILL)  # the driver only: its workers must not outlive it
             proc.wait()
-            for c in claims:  # PR_SET_PDEATHSIG takes the workers down with the driver
-                for _ in range(200):
-                    try:
-                        os.kill(c["pid"], 0)
-                    except ProcessLookupError:
-                        break
-                    time.sleep(0.05)
-                else:
-                    pytest.fail(f"worker {c['pid']} outlived the killed driver")
+            # every claim, read after the kill and again until no new one appears: a worker may claim a job
+            # between the readiness check and the kill, or before PR_SET_PDEATHSIG reaches it
+            seen: set[int] = set()
+            while True:
+                claims = (
+                    [json.loads(p.read_text()) for p in (store / "claims").glob("*.json")]
+                    if (store / "claims").is_dir()
+                    else []
+                )
+                fresh = [c for c in claims if c["pid"] not in seen]
+                if not fresh:
+                    break
+                seen.update(c["pid"] for c in fresh)
+                for c in fresh:  # PR_SET_PDEATHSIG takes the workers down with the driver
+                    for _ in range(200):
+                        try:
+                            os.kill(c["pid"], 0)
+                        except ProcessLookupError:
+                            break
+                        time.sleep(0.05)
+                    else:
+                        pytest.fail(f"worker {c['pid']} outlived the killed driver")
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
