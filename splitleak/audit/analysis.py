@@ -328,6 +328,27 @@ def score_matrix(rows: Sequence[dict[str, Any]], metric: str) -> tuple[np.ndarra
     return m, seeds, docs
 
 
+def paired_matrices(
+    rows: Sequence[dict[str, Any]], treatment: dict[str, Any], control: dict[str, Any], metric: str
+) -> tuple[np.ndarray, np.ndarray, list[Any], list[int]] | str:
+    """Treatment's and control's (victim seeds x documents) matrices on the seeds and documents both have, with
+    those seeds and documents; or why there are none."""
+    t_rows, c_rows = select(rows, treatment), select(rows, control)
+    if not (t_rows and c_rows):
+        return "no results for the " + " and ".join(n for n, r in (("treatment", t_rows), ("control", c_rows)) if not r)
+    mt, st, dt = score_matrix(t_rows, metric)
+    mc, sc, dc = score_matrix(c_rows, metric)
+    seeds = [s for s in st if s in sc]
+    docs = [d for d in dt if d in dc]
+    if not seeds or not docs:
+        return "treatment and control share no victim seed or document"
+    a = mt[np.ix_([st.index(s) for s in seeds], [dt.index(d) for d in docs])]
+    b = mc[np.ix_([sc.index(s) for s in seeds], [dc.index(d) for d in docs])]
+    if np.isnan(a).any() or np.isnan(b).any():
+        raise DataError("some (victim seed, document) cells lack a score; every model must be scored on every document")
+    return a, b, seeds, docs
+
+
 def compare(
     rows: Sequence[dict[str, Any]],
     treatment: dict[str, Any],
@@ -341,37 +362,10 @@ def compare(
 ) -> ComparisonResult:
     """Paired crossed-bootstrap interval of treatment minus control on the models and documents both
     have; passes when its lower end is above ``mark``."""
-    t_rows, c_rows = select(rows, treatment), select(rows, control)
-    missing = (
-        None
-        if t_rows and c_rows
-        else ("no results for the " + " and ".join(n for n, r in (("treatment", t_rows), ("control", c_rows)) if not r))
-    )
-    if missing:
-        return ComparisonResult(treatment, control, metric, None, None, None, alpha, mark, False, 0, 0, missing)
-    mt, st, dt = score_matrix(t_rows, metric)
-    mc, sc, dc = score_matrix(c_rows, metric)
-    seeds = [s for s in st if s in sc]
-    docs = [d for d in dt if d in dc]
-    if not seeds or not docs:
-        return ComparisonResult(
-            treatment,
-            control,
-            metric,
-            None,
-            None,
-            None,
-            alpha,
-            mark,
-            False,
-            0,
-            0,
-            "treatment and control share no victim seed or document",
-        )
-    a = mt[np.ix_([st.index(s) for s in seeds], [dt.index(d) for d in docs])]
-    b = mc[np.ix_([sc.index(s) for s in seeds], [dc.index(d) for d in docs])]
-    if np.isnan(a).any() or np.isnan(b).any():
-        raise DataError("some (victim seed, document) cells lack a score; every model must be scored on every document")
+    paired = paired_matrices(rows, treatment, control, metric)
+    if isinstance(paired, str):
+        return ComparisonResult(treatment, control, metric, None, None, None, alpha, mark, False, 0, 0, paired)
+    a, b, seeds, docs = paired
     iv = paired_difference_ci(a, b, n_boot=n_boot, alpha=alpha, seed=seed)
     return ComparisonResult(
         treatment,

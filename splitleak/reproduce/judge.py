@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 from scipy import stats
 
-from splitleak.audit.analysis import ATTACK_FIELDS, METRICS, RUN_FIELDS, score_matrix, select
+from splitleak.audit.analysis import ATTACK_FIELDS, METRICS, RUN_FIELDS, paired_matrices, score_matrix, select
 from splitleak.errors import ConfigError, DataError
 from splitleak.reproduce.claims import Claim
 from splitleak.reproduce.latent import is_latent, measure_latent, why_not_latent
@@ -127,26 +127,20 @@ def measure(
     if not t_rows:
         return "the store holds no result of its treatment " + _arm(st.treatment)
     try:
-        mt, seeds, docs = score_matrix(t_rows, st.metric)
         if st.kind == "level":
+            mt, seeds, docs = score_matrix(t_rows, st.metric)
             iv = crossed_bootstrap_ci(mt, n_boot=n_boot, alpha=ALPHA, seed=seed)
             if iv.high == iv.low:  # every cell alike (no document rebuilt, every token right): see _counted
                 iv = _counted(t_rows, st.metric, iv)
             units = mt.mean(axis=0)
         else:
             assert st.control is not None
-            c_rows = select(rows, st.control)
-            if not c_rows:
-                return "the store holds no result of its control " + _arm(st.control)
-            mc, sc, dc = score_matrix(c_rows, st.metric)
-            common = [s for s in seeds if s in sc]
-            both = [d for d in docs if d in dc]
-            if not common or not both:
-                return "its treatment and control share no victim seed or document"
-            a = mt[np.ix_([seeds.index(s) for s in common], [docs.index(d) for d in both])]
-            b = mc[np.ix_([sc.index(s) for s in common], [dc.index(d) for d in both])]
+            paired = paired_matrices(rows, st.treatment, st.control, st.metric)  # as protocol analyse pairs them
+            if isinstance(paired, str):
+                return paired
+            a, b, seeds, docs = paired
             iv = paired_difference_ci(a, b, n_boot=n_boot, alpha=ALPHA, seed=seed)
-            units, docs, seeds = (a - b).mean(axis=0), both, common
+            units = (a - b).mean(axis=0)
     except (ConfigError, DataError) as exc:
         return f"its rows cannot be read as one configuration: {exc}"
     return Measured(
