@@ -8,21 +8,19 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from splitleak.report.document import Document, Heading, Para, Table, render_html, render_markdown
+from splitleak.report.grid_common import interval, pct, pp
 from splitleak.reproduce.claims import ClaimsFile
 from splitleak.reproduce.judge import ALPHA, VERDICTS, Judgement
 
 
 def _share(x: float | None, signed: bool = False) -> str:
-    if x is None:
-        return "—"
-    return f"{100 * x:+.2f}" if signed else f"{100 * x:.2f}"
+    return pp(x) if signed else pct(x)
 
 
 def paper_cell(j: Judgement) -> str:
     p, signed = j.claim.paper, j.claim.statistic.kind == "difference"
     if p.estimate is not None:
-        iv = f" [{_share(p.low, signed)}, {_share(p.high, signed)}]" if p.low is not None and p.high is not None else ""
-        return _share(p.estimate, signed) + iv
+        return interval(p.estimate, p.low, p.high if p.low is not None else None, signed)
     if p.range is not None:
         return f"{_share(p.range[0], signed)} to {_share(p.range[1], signed)}"
     return p.verdict or "no number in the seed text"
@@ -33,7 +31,7 @@ def ours_cell(j: Judgement) -> str:
         return "—"
     signed = j.claim.statistic.kind == "difference"
     m = j.ours
-    return f"{_share(m.estimate, signed)} [{_share(m.low, signed)}, {_share(m.high, signed)}]"
+    return interval(m.estimate, m.low, m.high, signed)
 
 
 def setting_cell(j: Judgement) -> str:
