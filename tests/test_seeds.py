@@ -50,3 +50,18 @@ def test_the_os_draws_of_a_tests_run_are_replayable_from_the_sessions_printed_se
     with _Entropy("another test"):
         run_training(cfg, tmp_path / "b", device="cpu")
     assert read_draws_secret(tmp_path / "b") != read_draws_secret(tmp_path / "a")
+
+
+def test_a_missing_shared_file_skips_here_and_fails_where_ci_requires_it(tmp_path, monkeypatch):
+    """conftest.need_shared: silent on a file that is there; a missing one skips naming where it was looked
+    for, and fails instead under SPLITLEAK_REQUIRE_SHARED=1 (set by .ci/run)."""
+    from conftest import REQUIRE_SHARED_ENV, need_shared
+
+    (tmp_path / "here").write_text("x")
+    need_shared(tmp_path / "here")
+    monkeypatch.delenv(REQUIRE_SHARED_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="gone is not here"):
+        need_shared(tmp_path / "here", tmp_path / "gone")
+    monkeypatch.setenv(REQUIRE_SHARED_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="gone is not here.*SPLITLEAK_REQUIRE_SHARED=1 requires it"):
+        need_shared(tmp_path / "gone")
