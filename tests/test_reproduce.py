@@ -219,6 +219,42 @@ def test_a_tiny_reproduction_judges_its_claims_from_the_store_and_resumes(tiny):
     assert {j.claim.id: j.verdict for j in third.judgements["900"]}["level"] == "disagrees"
     with pytest.raises(ConfigError, match="holds a reproduction already; pass --resume"):
         reproduce([], out, profile="quick", claims=[far], run_grid_kwargs={"workers": 1})
+    _families_and_ratios_read_the_same_store(rows, got["gain"], arm)
+
+
+def _families_and_ratios_read_the_same_store(rows, gain, arm):
+    """A family's member is the plain claim's reading; a member the store lacks keeps the family from agreeing;
+    Bonferroni widens each member's interval; a ratio is the ratio of the paired means, resampled together."""
+    from splitleak.audit.analysis import paired_matrices
+    from splitleak.reproduce.claims import Claim
+    from splitleak.reproduce.run import judge_claim
+    from splitleak.stats.bootstrap import crossed_replicates
+
+    base = gain.claim.model_dump()
+    fixed = {k: v for k, v in arm.items() if k != "k"}
+    fam = {"kind": "family", "member": "difference", "metric": "token_recovery", "over": {"k": [4, 8]},
+           "treatment": {"attack": "joint", **fixed}, "control": {"attack": "activation"}}  # fmt: skip
+    loose = {"rule": "sign", "direction": "above"} if gain.ours.low > 0 else {"rule": "sign", "direction": "below"}
+    j = judge_claim(Claim(**{**base, "statistic": fam, "agreement": loose}), rows, [], 2000)
+    first, missing = j.members
+    assert (first.ours.estimate, first.ours.low, first.ours.high) == (gain.ours.estimate, gain.ours.low, gain.ours.high)
+    assert missing.verdict == "not run" and first.verdict in ("agrees", "underpowered")
+    assert j.verdict == "underpowered" and "1 not run of 2 configurations" in j.reason  # never agrees on half
+    only = judge_claim(Claim(**{**base, "statistic": {**fam, "over": {"k": [4]}}, "agreement": loose}), rows, [], 2000)
+    assert only.verdict == first.verdict  # the same member alone decides
+    wide = judge_claim(Claim(**{**base, "statistic": {**fam, "over": {"k": [4]}, "bonferroni": 20}}), rows, [], 2000)
+    w = wide.members[0].ours
+    assert (
+        w.low <= first.ours.low and w.high >= first.ours.high and (w.high - w.low) > (first.ours.high - first.ours.low)
+    )
+    assert "alpha 0.0025: Bonferroni over 20" in wide.reason
+    ratio = {**gain.claim.statistic.model_dump(), "kind": "ratio"}
+    r = judge_claim(Claim(**{**base, "statistic": ratio, "agreement": {"rule": "tolerance", "tolerance": 0.1}}),
+                    rows, [], 2000).ours  # fmt: skip
+    a, b, _, _ = paired_matrices(rows, ratio["treatment"], ratio["control"], "token_recovery")
+    reps = crossed_replicates(a, 2000, 0) / crossed_replicates(b, 2000, 0)
+    assert r.estimate == pytest.approx(a.mean() / b.mean(), rel=1e-12)
+    assert (r.low, r.high) == pytest.approx(tuple(np.quantile(reps, [0.025, 0.975])), rel=1e-12)
 
 
 @pytest.mark.unit
@@ -363,3 +399,77 @@ def test_an_interval_of_no_width_is_not_read_as_certainty():
     )  # fmt: skip
     d = judge_claim(diff, rows, [], n_boot=200)
     assert d.verdict == "underpowered" and "no unit differs" in d.reason
+
+
+@pytest.mark.unit
+def test_a_resume_may_add_papers_but_never_change_the_profile_overrides_or_data(tmp_path):
+    from splitleak.reproduce.run import RECORD, _record, recorded_papers
+
+    out = tmp_path / "out"
+    first = {"papers": ["000"], "specs": ["paper_main"], "profile": "quick", "overrides": [], "data": "/d"}
+    _record(out, first, resume=False)
+    assert recorded_papers(out) == ["000"] and recorded_papers(tmp_path / "none") == []
+    with pytest.raises(ConfigError, match="pass --resume"):
+        _record(out, first, resume=False)
+    _record(out, {**first, "papers": ["003"], "specs": ["mirage"]}, resume=True)  # 003 added
+    rec = json.loads((out / RECORD).read_text())
+    assert rec["papers"] == ["000", "003"] and rec["specs"] == ["mirage", "paper_main"]
+    for key, value in (("profile", "full"), ("overrides", ["steps=4"]), ("data", "/elsewhere")):
+        with pytest.raises(ConfigError, match="same profile, overrides and data only"):
+            _record(out, {**first, key: value}, resume=True)
+    assert json.loads((out / RECORD).read_text()) == rec  # a refused resume writes nothing
+
+
+@pytest.mark.unit
+def test_data_reaches_only_the_specs_that_read_a_folder(tmp_path):
+    from splitleak.reproduce.plan import spec_overrides
+
+    data = tmp_path / "wiki"
+    data.mkdir()
+    assert spec_overrides("paper_main", "quick", [], str(data)) == [f"data.path={data.resolve()}"]
+    assert spec_overrides("mirage", "quick", [], str(data)) == []  # it generates its instruction texts
+    assert spec_overrides("paper_main", "quick", ["steps=4"], None) == ["steps=4"]
+
+
+@pytest.mark.unit
+def test_a_family_expands_to_the_papers_configurations():
+    from splitleak.reproduce.claims import load_claims
+
+    claims = {c.id: c.statistic for c in load_claims("000")[0].claims}
+    fam = claims["family-47"].members()
+    assert len(fam) == 47 and len({m.model_dump_json() for m in fam}) == 47  # 4 x 3 x 4 less the main test
+    main = {"attack": "activation", "depth": 6, "client_copy": "public", "k": 32}
+    assert not any(m.control and all(m.control.get(k) == v for k, v in main.items()) for m in fam)
+    back = [m for m in fam if m.control["attack"] == "backward-only"]
+    assert len(back) == 12 and all(m.control["k"] is None and m.treatment["attack"] == "joint" for m in back)
+    assert sorted(m.treatment["k"] for m in back) == [8] * 4 + [16] * 4 + [32] * 4  # joint at each k against it
+    assert all(m.treatment["depth"] == m.control["depth"] and m.kind == "difference" for m in fam)
+    mix = claims["mixup-token-range"].members()
+    assert len(mix) == 24 and all(m.control is None and m.treatment["defence"] == "mixup" for m in mix)
+    rep = claims["replica-median-token"].members()
+    assert len(rep) == 24
+    for m in rep:  # each condition against itself undefended
+        assert {**m.treatment, "defence": "none"} == m.control
+
+
+@pytest.mark.unit
+def test_equivalence_agrees_inside_its_tolerance_and_disagrees_outside():
+    from splitleak.reproduce.claims import Claim
+    from splitleak.reproduce.judge import Measured, judge
+
+    claim = Claim(
+        id="flat", wording="w", where="§", paper={"estimate": None, "unit": "nats"}, spec="x",
+        statistic={"kind": "difference", "metric": "heldout_ce", "treatment": {"defence": "a"},
+                   "control": {"defence": "b"}},
+        agreement={"rule": "equivalence", "tolerance": 0.25, "ours": True},
+    )  # fmt: skip
+
+    def m(est, lo, hi):
+        return Measured(est, lo, hi, np.array([lo, hi]), [1, 2], 0, ["m"])
+
+    assert judge(claim, m(0.05, -0.1, 0.2)).verdict == "agrees"
+    assert judge(claim, m(0.4, 0.3, 0.5)).verdict == "disagrees"
+    assert judge(claim, m(-0.3, -0.27, -0.26)).verdict == "disagrees"
+    assert judge(claim, m(0.1, -0.1, 0.3)).verdict == "underpowered"
+    assert judge(claim, m(0.0, 0.0, 0.0)).verdict == "agrees"  # the arms read alike on every unit
+    assert judge(claim, m(0.3, 0.3, 0.3)).verdict == "disagrees"  # alike, but outside

@@ -23,6 +23,12 @@ def reproduce_cmd(
     resume: bool = typer.Option(False, "--resume", help="continue the reproduction in --out (finished jobs are kept)"),
     claims: list[Path] = typer.Option([], "--claims", help="a claims file of one's own, besides the papers'"),
     override: list[str] = typer.Option([], "--override", help="KEY=VALUE applied to every spec (as in experiment run)"),
+    data: Optional[Path] = typer.Option(
+        None,
+        "--data",
+        help="folder of WikiText-2's wiki.*.raw files for the specs that read WikiText-2 "
+        "(none: the datasets library fetches it); the specs that generate their texts ignore it",
+    ),
     executor: str = typer.Option("local", "--executor", help="local or ray"),
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster to join"),
     workers: Optional[int] = typer.Option(None, "--workers", help="jobs at once"),
@@ -38,7 +44,7 @@ def reproduce_cmd(
     with user_errors():
         if plan:
             files = claim_files(papers, claims)
-            p = plan_reproduction([f for f, _ in files], profile, override)
+            p = plan_reproduction([f for f, _ in files], profile, override, data)
             for spec, g in p.grids.items():
                 c = g.counts()
                 runs = "" if spec in p.needed() else " (not run: no claim it measures has a reader yet)"
@@ -60,6 +66,7 @@ def reproduce_cmd(
             claims=claims,
             overrides=override,
             resume=resume,
+            data=data,
             n_boot=n_boot,
             command="splitleak " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             run_grid_kwargs={"executor": executor, "address": address, "workers": workers},

@@ -13,6 +13,7 @@ comparing two reports knows they judged against the same numbers), and every rep
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +27,7 @@ SHIPPED_CLAIMS = Path(__file__).parent / "claims"
 HASHES_FILE = SHIPPED_CLAIMS / "CLAIMS.sha256.json"
 PAPERS = ("000", "002", "003")
 
-Rule = Literal["pass-mark", "same-sign-overlap", "tolerance", "range", "sign", "qualitative"]
+Rule = Literal["pass-mark", "same-sign-overlap", "tolerance", "range", "sign", "qualitative", "equivalence"]
 
 
 class PaperValue(BaseModel):
@@ -54,25 +55,86 @@ class PaperValue(BaseModel):
         return self
 
 
+Kind = Literal["difference", "level", "ratio", "family", "other"]
+
+
 class Statistic(BaseModel):
     """How splitleak measures the claim. ``difference``: treatment minus control, paired over victim seeds and
-    documents (crossed bootstrap); ``level``: the treatment's mean; ``other``: a form no reader of the store is
-    built for yet (``form`` says which), reported as not run with that reason."""
+    documents (crossed bootstrap); ``level``: the treatment's mean; ``ratio``: the treatment's mean over the
+    control's (the same resampled units in both); ``family``: several configurations, each measured as a
+    ``member`` (difference, level or ratio) and judged by the claim's rule, the claim agreeing only where every
+    member does (``members``); ``other``: a form no reader of the store is built for yet (``form`` says which),
+    reported as not run with that reason."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    kind: Literal["difference", "level", "other"]
+    kind: Kind
     metric: str
     treatment: dict[str, Any] | None = None
     control: dict[str, Any] | None = None
     form: str = ""
+    #: family: the kind of each member, the treatments and controls it pairs (besides ``treatment`` and
+    #: ``control``), the fields it varies, the members it leaves out, and the family size the paper's
+    #: Bonferroni correction divides alpha by (each member's interval at alpha / size; none: uncorrected)
+    member: Literal["difference", "level", "ratio"] | None = None
+    treatments: list[dict[str, Any]] = Field(default_factory=list)
+    controls: list[dict[str, Any]] = Field(default_factory=list)
+    over: dict[str, list[Any]] = Field(default_factory=dict)
+    exclude: list[dict[str, dict[str, Any]]] = Field(default_factory=list)
+    bonferroni: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _arms(self) -> "Statistic":
-        if self.kind in ("difference", "level") and not self.treatment:
+        if self.kind in ("difference", "level", "ratio") and not self.treatment:
             raise ValueError(f"a {self.kind} names its treatment")
-        if self.kind == "difference" and not self.control:
-            raise ValueError("a difference names its control")
+        if self.kind in ("difference", "ratio") and not self.control:
+            raise ValueError(f"a {self.kind} names its control")
+        if self.kind == "family":
+            if self.member is None:
+                raise ValueError("a family names the kind of its members (member: difference, level or ratio)")
+            if not (self.treatment or self.treatments):
+                raise ValueError("a family names its treatment (or treatments)")
+            if self.member != "level" and not (self.control or self.controls):
+                raise ValueError(f"a family of {self.member}s names its control (or controls)")
+            if not self.members():
+                raise ValueError("the family has no member left once its exclusions are applied")
+        elif (
+            self.member or self.treatments or self.controls or self.over or self.exclude or self.bonferroni is not None
+        ):
+            raise ValueError("member, treatments, controls, over, exclude and bonferroni belong to a family")
         return self
+
+    def members(self) -> list["Statistic"]:
+        """A family's members, in order: each treatment against each control at every combination of ``over``'s
+        values. ``treatments`` are variants of ``treatment`` (its fields, theirs in place), ``controls`` of
+        ``control``; without variants the one arm is the member's. A combination's value is set on a treatment unless it names the key itself; a member's control is
+        its treatment with the control's fields in place (a control names what differs), so a control that names
+        only ``defence: none`` pairs each treatment with itself undefended. Identical members are kept once. A member whose treatment and
+        control contain the fields of an ``exclude`` entry's ``treatment`` and ``control`` is left out."""
+        if self.kind != "family":
+            return []
+        assert self.member is not None
+        base_t, base_c = self.treatment or {}, self.control or {}
+        treatments = [{**base_t, **t} for t in self.treatments] or [base_t]
+        controls: list[dict[str, Any] | None] = [{**base_c, **c} for c in self.controls] or [base_c or None]
+        keys = list(self.over)
+        out = []
+        for values in itertools.product(*(self.over[k] for k in keys)):
+            cond = dict(zip(keys, values))
+            for t in treatments:
+                arm_t = {**cond, **t}
+                for c in controls:
+                    arm_c = None if c is None or self.member == "level" else {**arm_t, **c}
+                    if any(_contains(arm_t, e.get("treatment", {})) and _contains(arm_c or {}, e.get("control", {}))
+                           for e in self.exclude):  # fmt: skip
+                        continue
+                    m = Statistic(kind=self.member, metric=self.metric, treatment=arm_t, control=arm_c)
+                    if m not in out:  # a control without the varied key (k: null) pairs once per other combination
+                        out.append(m)
+        return out
+
+
+def _contains(arm: dict[str, Any], part: dict[str, Any]) -> bool:
+    return all(k in arm and arm[k] == v for k, v in part.items())
 
 
 class Agreement(BaseModel):
@@ -80,7 +142,8 @@ class Agreement(BaseModel):
     ``same-sign-overlap``: our estimate of the paper's sign and the two intervals overlapping; ``tolerance``:
     ours within ``tolerance`` of the paper's point; ``range``: ours within the paper's range widened by
     ``tolerance``; ``sign``: our interval excludes zero on the paper's side (``direction``);
-    ``qualitative``: ours on the paper's side (``direction``) of ``threshold``. ``ours``: the rule or its
+    ``qualitative``: ours on the paper's side (``direction``) of ``threshold``; ``equivalence``: ours within
+    ``tolerance`` of zero (a claim that something does not change, which gives no number). ``ours``: the rule or its
     numbers are splitleak's choice, not the paper's (reports say so)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -98,6 +161,7 @@ class Agreement(BaseModel):
             "pass-mark": ("pass_mark",),
             "tolerance": ("tolerance",),
             "range": ("tolerance",),
+            "equivalence": ("tolerance",),
             "sign": ("direction",),
             "qualitative": ("direction", "threshold"),
         }.get(self.rule, ())
@@ -127,11 +191,13 @@ class Claim(BaseModel):
         """This claim read by the strongest reader (``stronger``), or None."""
         if not self.stronger:
             return None
-        st = self.statistic
-        arms = {
-            k: None if a is None else {**a, **self.stronger}
-            for k, a in (("treatment", st.treatment), ("control", st.control))
+        st, strong = self.statistic, self.stronger
+        arms: dict[str, Any] = {
+            k: None if a is None else {**a, **strong} for k, a in (("treatment", st.treatment), ("control", st.control))
         }
+        arms.update(
+            treatments=[{**a, **strong} for a in st.treatments], controls=[{**a, **strong} for a in st.controls]
+        )
         return self.model_copy(update={"statistic": st.model_copy(update=arms), "stronger": None})
 
 

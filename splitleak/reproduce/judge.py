@@ -29,7 +29,7 @@ from splitleak.errors import ConfigError, DataError
 from splitleak.reproduce.claims import Claim
 from splitleak.reproduce.latent import is_latent, measure_latent, why_not_latent
 from splitleak.stats.binomial import wilson_interval
-from splitleak.stats.bootstrap import Interval, crossed_bootstrap_ci, paired_difference_ci
+from splitleak.stats.bootstrap import Interval, crossed_bootstrap_ci, paired_difference_ci, paired_ratio_ci
 from splitleak.stats.power import detectable_effect, units_needed
 
 #: the level of every interval in a reproduction (the papers' 95 %)
@@ -68,6 +68,7 @@ class Judgement:
     detectable: float | None = None
     needed: int | None = None
     stronger: "Judgement | None" = None  # the same claim read by the strongest reader (``Claim.stronger``)
+    members: list["Judgement"] = field(default_factory=list)  # a family's members, each judged by the rule
 
 
 #: metrics a label attack's job records once over its documents (``result_json``), read per job
@@ -76,9 +77,19 @@ JOB_METRICS = ("label_recovery", "answer_label_recovery", "rougeL_f", "rouge1_f"
 TRAIN_METRICS = ("heldout_ce", "perplexity", "delta_u")
 
 
-def measurable(claim: Claim) -> str:
-    """Why no reader of the store measures ``claim`` ("" where one does)."""
+def member_claim(claim: Claim, statistic: Any) -> Claim:
+    """One member of a family claim: the claim with the member's statistic (its rule, paper and spec kept)."""
+    return claim.model_copy(update={"statistic": statistic})
+
+
+def measurable(claim: Claim, member: bool = False) -> str:
+    """Why no reader of the store measures ``claim`` ("" where one does); a family is measurable where one of its
+    members is. A ``member`` of a family may select a field as null (``k: null``: an attack without a candidate
+    budget), which elsewhere means the paper does not give it."""
     st = claim.statistic
+    if st.kind == "family":
+        whys = [measurable(member_claim(claim, m), member=True) for m in st.members()]
+        return "" if not all(whys) else whys[0]
     if is_latent(claim):
         return why_not_latent(claim)
     if st.kind == "other":
@@ -93,7 +104,7 @@ def measurable(claim: Claim) -> str:
         if unknown:
             return f"it selects by {', '.join(unknown)}, which the store's rows do not hold"
         unset = sorted(k for k, v in arm.items() if v is None and not (k == "attack" and st.metric in TRAIN_METRICS))
-        if unset:
+        if unset and not member:
             return f"the paper does not give its {', '.join(unset)} and the claim picks none"
     return ""
 
@@ -105,10 +116,15 @@ def measure(
     seed: int = 0,
     train_rows: Sequence[dict[str, Any]] = (),
     latent: Any = None,
+    alpha: float = ALPHA,
+    member: bool = False,
 ) -> Measured | str:
     """Our reading of ``claim`` from a store's attack ``rows`` (and ``train_rows``; ``latent``: the store's
-    ``LatentSummary`` where it holds latent rows), or why there is none."""
-    why = measurable(claim)
+    ``LatentSummary`` where it holds latent rows) at level ``alpha``, or why there is none. A family is read
+    member by member (``judge_family``), not here."""
+    if claim.statistic.kind == "family":
+        raise ConfigError(f"claim {claim.id} is a family: judge it with judge_family")
+    why = measurable(claim, member)
     if why:
         return why
     st = claim.statistic
@@ -122,14 +138,14 @@ def measure(
         est, low, high, values, seeds, setting = got
         return Measured(est, low, high, values, seeds, 0, [str(setting.get("model"))], setting, "victim seeds")
     if st.metric in JOB_METRICS or st.metric in TRAIN_METRICS:
-        return measure_per_seed(claim, rows if st.metric in JOB_METRICS else train_rows)
+        return measure_per_seed(claim, rows if st.metric in JOB_METRICS else train_rows, alpha)
     t_rows = select(rows, st.treatment)
     if not t_rows:
         return "the store holds no result of its treatment " + _arm(st.treatment)
     try:
         if st.kind == "level":
             mt, seeds, docs = score_matrix(t_rows, st.metric)
-            iv = crossed_bootstrap_ci(mt, n_boot=n_boot, alpha=ALPHA, seed=seed)
+            iv = crossed_bootstrap_ci(mt, n_boot=n_boot, alpha=alpha, seed=seed)
             if iv.high == iv.low:  # every cell alike (no document rebuilt, every token right): see _counted
                 iv = _counted(t_rows, st.metric, iv)
             units = mt.mean(axis=0)
@@ -139,8 +155,13 @@ def measure(
             if isinstance(paired, str):
                 return paired
             a, b, seeds, docs = paired
-            iv = paired_difference_ci(a, b, n_boot=n_boot, alpha=ALPHA, seed=seed)
-            units = (a - b).mean(axis=0)
+            if st.kind == "ratio" and b.mean() == 0:
+                return "its control reads 0: the ratio is undefined"
+            if st.kind == "ratio":  # no paired t-test for a ratio: no power column
+                iv, units = paired_ratio_ci(a, b, n_boot=n_boot, alpha=alpha, seed=seed), np.array([])
+            else:
+                iv = paired_difference_ci(a, b, n_boot=n_boot, alpha=alpha, seed=seed)
+                units = (a - b).mean(axis=0)
     except (ConfigError, DataError) as exc:
         return f"its rows cannot be read as one configuration: {exc}"
     return Measured(
@@ -155,7 +176,7 @@ def measure(
     )
 
 
-def _counted(rows: Sequence[dict[str, Any]], metric: str, iv: Interval) -> Interval:
+def _counted(rows: Sequence[dict[str, Any]], metric: str, iv: Interval) -> Interval:  # at ALPHA
     """A level whose cells are all alike has a bootstrap interval of width 0, which claims a certainty eight
     documents do not give: its Wilson interval over what was counted (the tokens, or the documents) instead."""
     if metric == "token_recovery":
@@ -182,9 +203,9 @@ def _per_seed(rows: Sequence[dict[str, Any]], metric: str) -> dict[Any, float]:
     return {s: float(np.mean(v)) for s, v in seeds.items()}
 
 
-def measure_per_seed(claim: Claim, rows: Sequence[dict[str, Any]]) -> Measured | str:
-    """A metric recorded once per job or run: one value per victim seed (a difference paired by seed), the
-    interval Student's t over the seeds (none from one seed: the verdict is then underpowered)."""
+def measure_per_seed(claim: Claim, rows: Sequence[dict[str, Any]], alpha: float = ALPHA) -> Measured | str:
+    """A metric recorded once per job or run: one value per victim seed (a difference or a ratio paired by seed),
+    the interval Student's t over the seeds (none from one seed: the verdict is then underpowered)."""
     st = claim.statistic
     arms = []
     for arm in (st.treatment, st.control):
@@ -198,10 +219,15 @@ def measure_per_seed(claim: Claim, rows: Sequence[dict[str, Any]]) -> Measured |
     seeds = sorted(set.intersection(*(set(v) for _, v in arms)), key=str)
     if not seeds:
         return "its treatment and control share no victim seed"
-    units = np.array([arms[0][1][s] - (arms[1][1][s] if len(arms) > 1 else 0.0) for s in seeds])
+    if st.kind == "ratio":
+        if any(arms[1][1][s] == 0 for s in seeds):
+            return "its control reads 0 on a victim seed: the ratio is undefined"
+        units = np.array([arms[0][1][s] / arms[1][1][s] for s in seeds])
+    else:
+        units = np.array([arms[0][1][s] - (arms[1][1][s] if len(arms) > 1 else 0.0) for s in seeds])
     est = float(units.mean())
     if len(units) >= 2:
-        half = float(stats.t.isf(ALPHA / 2, len(units) - 1) * units.std(ddof=1) / np.sqrt(len(units)))
+        half = float(stats.t.isf(alpha / 2, len(units) - 1) * units.std(ddof=1) / np.sqrt(len(units)))
     else:
         half = float("nan")
     models = sorted({str(r.get("model")) for r in arms[0][0]})
@@ -240,6 +266,68 @@ def judge(claim: Claim, ours: Measured | str) -> Judgement:
     return j
 
 
+def judge_family(
+    claim: Claim,
+    rows: Sequence[dict[str, Any]],
+    n_boot: int = N_BOOT,
+    train_rows: Sequence[dict[str, Any]] = (),
+    latent: Any = None,
+) -> Judgement:
+    """A family claim: every member measured (at alpha / ``bonferroni`` where the paper corrects) and judged by the
+    claim's rule. It disagrees where a member disagrees, agrees where every member agrees, is not run where no
+    member was measured, and is underpowered otherwise (a member underpowered, or not run at this profile). Its
+    number is the deciding member's: the first that disagrees, else the first short of agreeing, else the
+    first."""
+    st = claim.statistic
+    alpha = ALPHA / (st.bonferroni or 1)
+    members = st.members()
+    js = []
+    for i, m in enumerate(members):
+        mc = member_claim(claim, m)
+        js.append(
+            judge(mc, measure(mc, rows, n_boot, i, train_rows, latent, alpha=alpha, member=True))
+        )  # fmt: skip
+    tally = ", ".join(f"{n} {v}" for v in VERDICTS if (n := sum(j.verdict == v for j in js)))
+    where = f" (each at alpha {alpha:.3g}: Bonferroni over {st.bonferroni})" if st.bonferroni else ""
+    if all(j.verdict == "not run" for j in js):
+        return Judgement(claim, "not run", f"none of its {len(js)} configurations was measured: {js[0].reason}",
+                         members=js)  # fmt: skip
+    order = ("disagrees", "underpowered", "not run", "no number", "agrees")
+    pick = min(js, key=lambda j: order.index(j.verdict))
+    if pick.verdict in ("disagrees", "agrees"):
+        verdict = pick.verdict
+    else:
+        verdict = "no number" if pick.verdict == "no number" else "underpowered"
+    reason = f"{tally} of {len(js)} configurations{where}; {_varied(pick, members)}: {pick.reason}"
+    return Judgement(claim, verdict, reason, pick.ours, pick.detectable, pick.needed, members=js)
+
+
+def _varied(j: Judgement, members: Sequence[Any]) -> str:
+    """The fields of ``j``'s member that vary across the family, in words."""
+    st = j.claim.statistic
+    parts = []
+    for arm, name in ((st.treatment, "treatment"), (st.control, "control")):
+        if arm is None:
+            continue
+        keys = [k for k in arm if len({repr((getattr(m, name) or {}).get(k)) for m in members}) > 1]
+        if keys:
+            parts.append(name + " " + _arm({k: arm[k] for k in keys}))
+    return ", ".join(parts) or "its one configuration"
+
+
+def assess(
+    claim: Claim,
+    rows: Sequence[dict[str, Any]],
+    train_rows: Sequence[dict[str, Any]] = (),
+    n_boot: int = N_BOOT,
+    latent: Any = None,
+) -> Judgement:
+    """The verdict on any claim (a family member by member) from a store's rows."""
+    if claim.statistic.kind == "family":
+        return judge_family(claim, rows, n_boot, train_rows, latent)
+    return judge(claim, measure(claim, rows, n_boot=n_boot, train_rows=train_rows, latent=latent))
+
+
 def _target(claim: Claim) -> float | None:
     """The effect a run must resolve: the paper's difference, or a level's tolerance."""
     if claim.statistic.kind == "difference" and claim.paper.estimate:
@@ -259,7 +347,14 @@ def _rule(claim: Claim, m: Measured) -> tuple[str, str]:
     a, p = claim.agreement, claim.paper
     if math.isnan(m.low) or math.isnan(m.high):
         return "underpowered", f"ours {m.estimate:+.4f} from one victim seed: no interval"
-    if claim.statistic.kind == "difference" and m.low == m.high:
+    if claim.statistic.kind == "difference" and m.low == m.high and a.rule == "equivalence":
+        assert a.tolerance is not None
+        # every unit differs by the same amount (0: the arms read alike): no resampling can move it
+        inside = abs(m.estimate) <= a.tolerance + EPS
+        return ("agrees" if inside else "disagrees"), (
+            f"ours {m.estimate:+.4f} on every unit, {'within' if inside else 'outside'} +-{a.tolerance:g}"
+        )
+    if claim.statistic.kind in ("difference", "ratio") and m.low == m.high:
         return "underpowered", f"ours {m.estimate:+.4f}: no unit differs between the arms, so the interval has no width"
     ours = f"ours {m.estimate:+.4f} [{m.low:+.4f}, {m.high:+.4f}]"
     if a.rule == "pass-mark":
@@ -276,6 +371,9 @@ def _rule(claim: Claim, m: Measured) -> tuple[str, str]:
             return "no number", f"{ours}; the seed text does not give the paper's number"
         assert a.tolerance is not None
         lo, hi = p.estimate - a.tolerance, p.estimate + a.tolerance
+    elif a.rule == "equivalence":
+        assert a.tolerance is not None
+        lo, hi = -a.tolerance, a.tolerance
     elif a.rule == "range":
         if p.range is None:
             return "no number", f"{ours}; the seed text does not give the paper's range"

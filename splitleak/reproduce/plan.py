@@ -5,6 +5,7 @@ is an error of the claims file or the spec, found before anything runs (``splitl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 from splitleak.audit.analysis import READOUT_ATTACKS, select
@@ -27,6 +28,7 @@ class ReproductionPlan:
     profile: str | None
     grids: dict[str, Any]  # spec name -> its planned Grid
     claims: list[ClaimPlan] = field(default_factory=list)
+    overrides: dict[str, list[str]] = field(default_factory=dict)  # spec name -> the overrides it runs with
 
     def missing(self) -> list[ClaimPlan]:
         """Measurable claims no job of their spec selects."""
@@ -53,23 +55,57 @@ def job_rows(grid, kind: str = "attack") -> list[dict[str, Any]]:
     return rows
 
 
+DATA_SOURCES = ("wikitext2", "text")  # the sources that read a folder or file (the others generate their texts)
+
+
+def spec_overrides(spec: str, profile: str | None, overrides: Sequence[str], data: str | None) -> list[str]:
+    """``overrides``, and ``data.path=DATA`` where ``data`` is given and the spec reads its documents from a
+    path it does not name itself (WikiText-2 offline; the specs that generate their texts take none)."""
+    # lazy: the spec loader imports pydantic models of the whole experiment machinery
+    from splitleak.experiments.spec_loading import load_spec
+
+    out = list(overrides)
+    if data is None:
+        return out
+    loaded = load_spec(spec, profile=profile, overrides=out)
+    if loaded.spec.data.source in DATA_SOURCES and loaded.spec.data.path is None:
+        out.append(f"data.path={Path(data).resolve()}")
+    return out
+
+
+def _jobs(st: Any, rows: list[dict[str, Any]]) -> int:
+    """The jobs that measure one statistic: those of its arms, where every arm has some (a difference needs
+    both)."""
+    arms = [
+        len(select(rows, {k: v for k, v in arm.items() if v is not None}))
+        for arm in (st.treatment, st.control)
+        if arm is not None
+    ]
+    return sum(arms) if all(arms) else 0
+
+
 def plan_reproduction(
-    claim_files: Sequence[ClaimsFile], profile: str | None = "quick", overrides: Sequence[str] = ()
+    claim_files: Sequence[ClaimsFile],
+    profile: str | None = "quick",
+    overrides: Sequence[str] = (),
+    data: str | Path | None = None,
 ) -> ReproductionPlan:
-    """Plan every spec the claims name (``experiments.plan_grid``) and count the jobs of each claim."""
+    """Plan every spec the claims name (``experiments.plan_grid``) and count the jobs of each claim;
+    ``data`` is the documents' folder for the specs that read one (``spec_overrides``)."""
     # lazy: planning a grid imports the experiment machinery (torch-free, but heavy)
     from splitleak.experiments import plan_grid
 
     specs = sorted({c.spec for f in claim_files for c in f.claims})
-    grids = {}
+    grids, per_spec = {}, {}
     for spec in specs:
         try:
-            grids[spec] = plan_grid(spec, profile=profile, overrides=list(overrides))
+            per_spec[spec] = spec_overrides(spec, profile, overrides, None if data is None else str(data))
+            grids[spec] = plan_grid(spec, profile=profile, overrides=per_spec[spec])
         except ConfigError as exc:
             raise ConfigError(
                 f"the claims name spec {spec!r}, which does not plan at profile {profile!r}: {exc}"
             ) from None
-    plan = ReproductionPlan(profile, grids)
+    plan = ReproductionPlan(profile, grids, overrides=per_spec)
     rows = {spec: job_rows(g) for spec, g in grids.items()}
     trains = {spec: job_rows(g, "train") for spec, g in grids.items()}
     for f in claim_files:
@@ -79,14 +115,7 @@ def plan_reproduction(
             if not why and is_latent(c):
                 n = plan_jobs(c, rows[c.spec])
             elif not why:
-                st = c.statistic
-                assert st.treatment is not None
-                source = trains[c.spec] if st.metric in TRAIN_METRICS else rows[c.spec]
-                arms = [
-                    len(select(source, {k: v for k, v in arm.items() if v is not None}))
-                    for arm in (st.treatment, st.control)
-                    if arm is not None
-                ]
-                n = sum(arms) if all(arms) else 0  # a difference needs jobs of both arms
+                stats = c.statistic.members() if c.statistic.kind == "family" else [c.statistic]
+                n = sum(_jobs(st, trains[c.spec] if st.metric in TRAIN_METRICS else rows[c.spec]) for st in stats)
             plan.claims.append(ClaimPlan(c.id, c.spec, n, why))
     return plan

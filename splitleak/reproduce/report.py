@@ -4,34 +4,56 @@ its interval, the setting each was measured on, the verdict and its reason, and 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from splitleak.report.document import Document, Heading, Para, Table, render_html, render_markdown
-from splitleak.report.grid_common import interval, pct, pp
+from splitleak.report.grid_common import pct, pp
 from splitleak.reproduce.claims import ClaimsFile
-from splitleak.reproduce.judge import ALPHA, VERDICTS, Judgement
+from splitleak.reproduce.judge import ALPHA, TRAIN_METRICS, VERDICTS, Judgement
 
 
 def _share(x: float | None, signed: bool = False) -> str:
     return pp(x) if signed else pct(x)
 
 
+def _number(j: Judgement) -> Callable[[float | None], str]:
+    """How a claim's numbers read: a ratio as a plain factor, a trained run's metric (nats, perplexity) in its
+    own unit, a share in % and a difference of shares in percentage points."""
+    st = j.claim.statistic
+    kind = st.member if st.kind == "family" else st.kind
+    if kind == "ratio":
+        return lambda x: "n/a" if x is None or math.isnan(x) else f"{x:.3f}"
+    if st.metric in TRAIN_METRICS:
+        form = "{:+.4f}" if kind == "difference" else "{:.4f}"
+        return lambda x: "n/a" if x is None or math.isnan(x) else form.format(x)
+    return lambda x: _share(x, kind == "difference")
+
+
+def _interval(j: Judgement, est: float | None, low: float | None, high: float | None) -> str:
+    f = _number(j)
+    if est is None:
+        return "n/a"
+    if low is None or high is None or math.isnan(low) or math.isnan(high):
+        return f(est)
+    return f"{f(est)} [{f(low)}, {f(high)}]"
+
+
 def paper_cell(j: Judgement) -> str:
-    p, signed = j.claim.paper, j.claim.statistic.kind == "difference"
+    p = j.claim.paper
     if p.estimate is not None:
-        return interval(p.estimate, p.low, p.high if p.low is not None else None, signed)
+        return _interval(j, p.estimate, p.low, p.high if p.low is not None else None)
     if p.range is not None:
-        return f"{_share(p.range[0], signed)} to {_share(p.range[1], signed)}"
+        return f"{_number(j)(p.range[0])} to {_number(j)(p.range[1])}"
     return p.verdict or "no number in the seed text"
 
 
 def ours_cell(j: Judgement) -> str:
     if j.ours is None:
         return "—"
-    signed = j.claim.statistic.kind == "difference"
     m = j.ours
-    return interval(m.estimate, m.low, m.high, signed)
+    return _interval(j, m.estimate, m.low, m.high)
 
 
 def setting_cell(j: Judgement) -> str:
@@ -57,10 +79,13 @@ def power_cell(j: Judgement) -> str:
         return "—"
     m = j.ours
     assert m is not None  # a power is computed from our units
-    text = f"detects {_share(j.detectable)} pp at 80 % over {len(m.units)} {m.unit}"
+    size = _number(j)(j.detectable).lstrip("+") + ("" if j.claim.statistic.metric in TRAIN_METRICS else " pp")
+    text = f"detects {size} at 80 % over {len(m.units)} {m.unit}"
     if j.needed is None:
         return text
-    what = "the paper's effect" if j.claim.statistic.kind == "difference" else "its tolerance"
+    what = (
+        "the paper's effect" if "difference" in (j.claim.statistic.kind, j.claim.statistic.member) else "its tolerance"
+    )
     return text + f"; {j.needed:,} {m.unit} would resolve {what}"
 
 
@@ -134,6 +159,18 @@ def judgement_record(j: Judgement) -> dict[str, Any]:
         "units_to_resolve": j.needed,
         "unit": None if m is None else m.unit,
         "stronger": None if j.stronger is None else judgement_record(j.stronger),
+        "members": [
+            {
+                "treatment": m.claim.statistic.treatment,
+                "control": m.claim.statistic.control,
+                "verdict": m.verdict,
+                "reason": m.reason,
+                "ours": None
+                if m.ours is None
+                else {"estimate": m.ours.estimate, "low": m.ours.low, "high": m.ours.high},
+            }
+            for m in j.members
+        ],
     }
 
 

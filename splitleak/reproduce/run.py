@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from splitleak.errors import ConfigError
 from splitleak.reproduce.claims import PAPERS, Claim, ClaimsFile, load_claims
-from splitleak.reproduce.judge import N_BOOT, Judgement, judge, measure
+from splitleak.reproduce.judge import N_BOOT, Judgement, assess
 from splitleak.reproduce.plan import ReproductionPlan, plan_reproduction
 from splitleak.reproduce.report import write_report
 
@@ -54,10 +54,10 @@ def judge_claim(
     latent: Any = None,
 ) -> Judgement:
     """The verdict on ``claim`` from a store's rows, and on the same claim read by its strongest reader."""
-    j = judge(claim, measure(claim, rows, n_boot=n_boot, train_rows=train, latent=latent))
+    j = assess(claim, rows, train, n_boot, latent)
     strong = claim.with_stronger()
     if strong is not None:
-        j.stronger = judge(strong, measure(strong, rows, n_boot=n_boot, train_rows=train, latent=latent))
+        j.stronger = assess(strong, rows, train, n_boot, latent)
     return j
 
 
@@ -79,20 +79,37 @@ def check_plan(plan: ReproductionPlan) -> None:
         )
 
 
+def recorded_papers(out: Path) -> list[str]:
+    """The papers the reproduction in ``out`` was asked for before (none where it holds none)."""
+    path = out / RECORD
+    return list(json.loads(path.read_text()).get("papers", [])) if path.is_file() else []
+
+
 def _record(out: Path, asked: dict[str, Any], resume: bool) -> None:
-    """Record what the reproduction runs (its grids: papers, profile, overrides); a resume must ask the same. The
-    claims files may change between runs (a claim corrected, a number added): they change no job, and every
-    report names the hashes it judged against."""
+    """Record what the reproduction runs (its grids: papers, profile, overrides). A resume must ask the same
+    profile and overrides; it may add papers (their specs' grids run into stores of their own, and a grid
+    already finished reruns nothing), and the record then names the union. The claims files may change between
+    runs (a claim corrected, a number added): they change no job, and every report names the hashes it judged
+    against."""
     path = out / RECORD
     if path.is_file():
         before = json.loads(path.read_text())
         if not resume:
             raise ConfigError(f"{out} holds a reproduction already; pass --resume to continue it, or another --out")
-        if {k: before.get(k) for k in asked} != asked:
+        fixed = ("profile", "overrides", "data")
+        if {k: before.get(k) for k in fixed} != {k: asked[k] for k in fixed}:
             raise ConfigError(
                 f"{out} holds a reproduction of {before.get('papers')} at profile {before.get('profile')} with "
-                f"overrides {before.get('overrides')}; --resume continues the same one only (use another --out)"
+                f"overrides {before.get('overrides')} and data {before.get('data')}; --resume continues it at the "
+                "same profile, overrides and data only (use another --out)"
             )
+        merged = {
+            **asked,
+            "papers": sorted({*before.get("papers", []), *asked["papers"]}),
+            "specs": sorted({*before.get("specs", []), *asked["specs"]}),
+        }
+        if merged != before:
+            path.write_text(json.dumps(merged, indent=2) + "\n")
         return
     if out.exists() and any(out.iterdir()) and not resume:
         raise ConfigError(f"{out} exists and is not a reproduction's folder; choose an empty or new --out")
@@ -108,6 +125,7 @@ def reproduce(
     claims: Sequence[str | Path] = (),
     overrides: Sequence[str] = (),
     resume: bool = False,
+    data: str | Path | None = None,
     n_boot: int = N_BOOT,
     command: str = "",
     run_grid_kwargs: dict[str, Any] | None = None,
@@ -117,11 +135,20 @@ def reproduce(
     # lazy: the grid runner imports torch
     from splitleak.experiments import read_results, run_grid
 
-    files = claim_files(papers, claims)
-    plan = plan_reproduction([f for f, _ in files], profile, overrides)
-    check_plan(plan)
     out = Path(out)
-    asked = {"papers": list(papers), "specs": sorted(plan.grids), "profile": profile, "overrides": list(overrides)}
+    files = claim_files(papers, claims)
+    if resume:  # the papers a reproduction judged before are judged again: a resume never shrinks its report
+        asked_now = {f.paper for f, _ in files}
+        files += [load_claims(p) for p in recorded_papers(out) if p in PAPERS and p not in asked_now]
+    plan = plan_reproduction([f for f, _ in files], profile, overrides, data)
+    check_plan(plan)
+    asked = {
+        "papers": sorted(f.paper for f, _ in files),
+        "specs": sorted(plan.grids),
+        "profile": profile,
+        "overrides": list(overrides),
+        "data": None if data is None else str(Path(data).resolve()),
+    }
     _record(out, asked, resume)
     rep = Reproduction(plan)
     rows: dict[str, list[dict[str, Any]]] = {}
@@ -133,7 +160,7 @@ def reproduce(
             continue
         store = out / "stores" / Path(spec).stem
         say(f"{spec}: {len(plan.grids[spec].jobs)} jobs into {store}")
-        res = run_grid(spec, profile=profile, overrides=list(overrides), store=store, **(run_grid_kwargs or {}))
+        res = run_grid(spec, profile=profile, overrides=plan.overrides[spec], store=store, **(run_grid_kwargs or {}))
         rep.failures[spec], rep.ran[spec] = len(res.failures), res.ran
         rows[spec] = read_results(store, "attack", as_rows=True)
         train[spec] = read_results(store, "train", as_rows=True)

@@ -83,6 +83,24 @@ def paired_difference_ci(a: Any, b: Any, n_boot: int = 100_000, alpha: float = 0
     return crossed_bootstrap_ci(x - y, n_boot=n_boot, alpha=alpha, seed=seed)
 
 
+def paired_ratio_ci(a: Any, b: Any, n_boot: int = 100_000, alpha: float = 0.05, seed: Any = 0) -> Interval:
+    """Crossed-bootstrap interval for mean(a) / mean(b), two (models x documents) matrices paired cell by cell:
+    each replicate draws the same models and documents for both (one seed, one shape, the same draws). A
+    replicate whose denominator is 0 (it drew only documents b reads 0 on) is left out."""
+    alpha = check_alpha(alpha)
+    x = finite_array(a, "a", ndim=2)
+    y = finite_array(b, "b", ndim=2)
+    if x.shape != y.shape:
+        raise DataError(f"a has shape {x.shape} and b {y.shape}; pass two matrices paired cell by cell")
+    if y.mean() == 0:
+        raise DataError("b's mean is 0: the ratio is undefined (the control read nothing)")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        reps = crossed_replicates(x, n_boot, seed) / crossed_replicates(y, n_boot, seed)
+    reps = reps[np.isfinite(reps)]
+    low, high = percentile_bounds(reps, alpha)
+    return Interval(float(x.mean() / y.mean()), low, high, int(n_boot), alpha)
+
+
 def hierarchical_replicates(values_by_seed: Sequence[Any], n_boot: int, seed: Any = 0) -> np.ndarray:
     """Replicates of the mean over seeds of per-seed frame means, seeds resampled (outer)
     and then frames resampled within each drawn seed (inner, independently per copy).
