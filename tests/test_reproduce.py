@@ -16,7 +16,7 @@ TINY_SPEC = """\
 name: tiny-reproduction
 protocol: proto.yaml
 model: tiny-gpt2
-depths: [2]
+depths: [2, 3]
 defences: [none]
 victim_seeds: [1, 2]
 attack_seeds: [0]
@@ -38,6 +38,7 @@ def _claims(spec, level=0.5, tolerance=0.05, k=4):
         "title": "a tiny paper",
         "version": 1,
         "source": "this test",
+        "analogues": [{"name": "deeper", "base": str(spec), "spec": str(spec), "map": {"depth": {2: 3}}}],
         "claims": [
             {
                 "id": "gain",
@@ -220,6 +221,25 @@ def test_a_tiny_reproduction_judges_its_claims_from_the_store_and_resumes(tiny):
     with pytest.raises(ConfigError, match="holds a reproduction already; pass --resume"):
         reproduce([], out, profile="quick", claims=[far], run_grid_kwargs={"workers": 1})
     _families_and_ratios_read_the_same_store(rows, got["gain"], arm)
+    # the analogue column is the same claim read at the mapped depth, from the same store
+    from splitleak.reproduce.claims import Claim
+    from splitleak.reproduce.run import judge_claim
+
+    deeper = got["gain"].analogues["deeper"]
+    st = got["gain"].claim.statistic
+    at3 = Claim(**{**got["gain"].claim.model_dump(), "statistic": {**st.model_dump(), "treatment": {**st.treatment, "depth": 3},
+                                                                   "control": {**st.control, "depth": 3}}})  # fmt: skip
+    direct = judge_claim(at3, rows, [], 2000)
+    assert (deeper.ours.estimate, deeper.ours.low, deeper.verdict) == (
+        direct.ours.estimate,
+        direct.ours.low,
+        direct.verdict,
+    )
+    assert "words" not in {k for j in rep.judgements["900"] for k in j.analogues if j.claim.id == "words"}
+    assert (
+        "| deeper |" in " ".join(md.split())
+        or "deeper" in md.splitlines()[md.splitlines().index("## 900: a tiny paper") + 4]
+    )
 
 
 def _families_and_ratios_read_the_same_store(rows, gain, arm):
@@ -473,3 +493,23 @@ def test_equivalence_agrees_inside_its_tolerance_and_disagrees_outside():
     assert judge(claim, m(0.1, -0.1, 0.3)).verdict == "underpowered"
     assert judge(claim, m(0.0, 0.0, 0.0)).verdict == "agrees"  # the arms read alike on every unit
     assert judge(claim, m(0.3, 0.3, 0.3)).verdict == "disagrees"  # alike, but outside
+
+
+@pytest.mark.unit
+def test_an_analogue_translates_every_selected_field_and_leaves_other_specs_alone():
+    from splitleak.reproduce.claims import Analogue, load_claims
+
+    files = load_claims("000")[0]
+    a = files.analogues[0]
+    assert (a.base, a.spec, a.map) == ("paper_main", "paper_main_server", {"depth": {3: 21, 6: 24}})
+    claims = {c.id: c for c in files.claims}
+    main = a.of(claims["main-test"])
+    assert main.spec == "paper_main_server" and main.statistic.treatment["depth"] == 24
+    assert main.statistic.control["depth"] == 24 and main.statistic.treatment["k"] == 32
+    fam = a.of(claims["family-47"]).statistic
+    assert fam.over["depth"] == [21, 24] and fam.exclude[0]["treatment"]["depth"] == 24
+    assert {m.treatment["depth"] for m in fam.members()} == {21, 24} and len(fam.members()) == 47
+    other = Analogue(name="x", base="decoys", spec="decoys", map={"depth": {3: 21}})
+    assert other.of(claims["main-test"]) is None  # not its base
+    none = Analogue(name="y", base="paper_main", spec="paper_main_server", map={"steps": {1: 2}})
+    assert none.of(claims["main-test"]) is None  # it selects nothing the map translates

@@ -51,9 +51,10 @@ def reproduce_cmd(
                 console.print(
                     f"{spec} (profile {profile}): {c['train']} train, {c['attack']} attack jobs{runs}", highlight=False
                 )
-            for c in p.claims:
+            for c in [*p.claims, *p.analogues]:
                 state = c.why_not or f"{c.jobs} job(s) of {c.spec}"
-                console.print(f"  {c.claim_id}: {state}", highlight=False, markup=False, soft_wrap=True)
+                on = f" on {c.analogue}" if c.analogue else ""
+                console.print(f"  {c.claim_id}{on}: {state}", highlight=False, markup=False, soft_wrap=True)
             check_plan(p)
             return
         if out is None:

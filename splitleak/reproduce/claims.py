@@ -201,6 +201,54 @@ class Claim(BaseModel):
         return self.model_copy(update={"statistic": st.model_copy(update=arms), "stronger": None})
 
 
+class Analogue(BaseModel):
+    """A second setting every claim of ``base`` (a spec) is read on besides its own: the same selection with the
+    fields of ``map`` translated (``depth: {3: 21, 6: 24}``: 000's client depths to the SmolLM2 cuts that leave
+    the server as many blocks as GPT-2's), measured by ``spec``. Reported in a column of its own; a claim no job
+    of ``spec`` measures reads "—" there, and is no error of the plan."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    base: str
+    spec: str
+    map: dict[str, dict[Any, Any]]
+    note: str = ""
+
+    def _value(self, field: str, v: Any) -> tuple[Any, bool]:
+        table = self.map.get(field)
+        if table is None:
+            return v, False
+        if isinstance(v, list):
+            got = [self._value(field, x) for x in v]
+            return [x for x, _ in got], any(m for _, m in got)
+        return (table[v], True) if v in table else (v, False)
+
+    def _arm(self, arm: dict[str, Any] | None, hits: list[bool]) -> dict[str, Any] | None:
+        if arm is None:
+            return None
+        out = {}
+        for k, v in arm.items():
+            out[k], hit = self._value(k, v)
+            hits.append(hit)
+        return out
+
+    def of(self, claim: "Claim") -> "Claim | None":
+        """``claim`` on this analogue, or None where it is not ``base``'s or selects no field the map translates."""
+        if claim.spec != self.base:
+            return None
+        st = claim.statistic
+        hits: list[bool] = []
+        update: dict[str, Any] = {"treatment": self._arm(st.treatment, hits), "control": self._arm(st.control, hits)}
+        update["treatments"] = [self._arm(a, hits) for a in st.treatments]
+        update["controls"] = [self._arm(a, hits) for a in st.controls]
+        update["over"] = {k: self._value(k, v)[0] for k, v in st.over.items()}
+        hits.extend(self._value(k, v)[1] for k, v in st.over.items())
+        update["exclude"] = [{side: self._arm(a, hits) for side, a in e.items()} for e in st.exclude]
+        if not any(hits):
+            return None
+        return claim.model_copy(update={"statistic": st.model_copy(update=update), "spec": self.spec})
+
+
 class ClaimsFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     paper: str
@@ -208,6 +256,7 @@ class ClaimsFile(BaseModel):
     version: int = Field(ge=1)
     source: str
     claims: list[Claim]
+    analogues: list[Analogue] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _unique(self) -> "ClaimsFile":

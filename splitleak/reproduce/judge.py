@@ -69,6 +69,7 @@ class Judgement:
     needed: int | None = None
     stronger: "Judgement | None" = None  # the same claim read by the strongest reader (``Claim.stronger``)
     members: list["Judgement"] = field(default_factory=list)  # a family's members, each judged by the rule
+    analogues: dict[str, "Judgement"] = field(default_factory=dict)  # the claim read on its file's analogues
 
 
 #: metrics a label attack's job records once over its documents (``result_json``), read per job

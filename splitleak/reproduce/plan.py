@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from splitleak.audit.analysis import READOUT_ATTACKS, select
 from splitleak.errors import ConfigError
-from splitleak.reproduce.claims import ClaimsFile
+from splitleak.reproduce.claims import Claim, ClaimsFile
 from splitleak.reproduce.judge import TRAIN_METRICS, measurable
 from splitleak.reproduce.latent import is_latent, plan_jobs
 
@@ -21,6 +21,7 @@ class ClaimPlan:
     spec: str
     jobs: int  # attack jobs of the spec its treatment and control select together
     why_not: str = ""  # why no reader measures it ("" where one does)
+    analogue: str = ""  # the analogue it is read on ("": the claim's own setting)
 
 
 @dataclass
@@ -29,15 +30,18 @@ class ReproductionPlan:
     grids: dict[str, Any]  # spec name -> its planned Grid
     claims: list[ClaimPlan] = field(default_factory=list)
     overrides: dict[str, list[str]] = field(default_factory=dict)  # spec name -> the overrides it runs with
+    analogues: list[ClaimPlan] = field(default_factory=list)  # the claims read on their files' analogues
 
     def missing(self) -> list[ClaimPlan]:
         """Measurable claims no job of their spec selects."""
         return [c for c in self.claims if not c.why_not and c.jobs == 0]
 
     def needed(self) -> list[str]:
-        """The specs at least one measurable claim reads: the others' grids are planned, not run (no reader of
-        their claims is built yet, so their jobs would measure nothing the report shows)."""
-        return sorted({c.spec for c in self.claims if not c.why_not})
+        """The specs at least one measurable claim reads (an analogue's where one of its jobs measures a claim):
+        the others' grids are planned, not run (no reader of their claims is built yet, so their jobs would
+        measure nothing the report shows)."""
+        own = {c.spec for c in self.claims if not c.why_not}
+        return sorted(own | {c.spec for c in self.analogues if not c.why_not and c.jobs})
 
 
 def job_rows(grid, kind: str = "attack") -> list[dict[str, Any]]:
@@ -95,7 +99,10 @@ def plan_reproduction(
     # lazy: planning a grid imports the experiment machinery (torch-free, but heavy)
     from splitleak.experiments import plan_grid
 
-    specs = sorted({c.spec for f in claim_files for c in f.claims})
+    specs = sorted(
+        {c.spec for f in claim_files for c in f.claims}
+        | {a.spec for f in claim_files for a in f.analogues if any(a.of(c) for c in f.claims)}
+    )
     grids, per_spec = {}, {}
     for spec in specs:
         try:
@@ -110,12 +117,20 @@ def plan_reproduction(
     trains = {spec: job_rows(g, "train") for spec, g in grids.items()}
     for f in claim_files:
         for c in f.claims:
-            why = measurable(c)
-            n = 0
-            if not why and is_latent(c):
-                n = plan_jobs(c, rows[c.spec])
-            elif not why:
-                stats = c.statistic.members() if c.statistic.kind == "family" else [c.statistic]
-                n = sum(_jobs(st, trains[c.spec] if st.metric in TRAIN_METRICS else rows[c.spec]) for st in stats)
-            plan.claims.append(ClaimPlan(c.id, c.spec, n, why))
+            plan.claims.append(_claim_plan(c, rows, trains))
+            for a in f.analogues:
+                ac = a.of(c)
+                if ac is not None:
+                    plan.analogues.append(_claim_plan(ac, rows, trains, a.name))
     return plan
+
+
+def _claim_plan(c: Claim, rows: dict[str, Any], trains: dict[str, Any], analogue: str = "") -> ClaimPlan:
+    why = measurable(c)
+    n = 0
+    if not why and is_latent(c):
+        n = plan_jobs(c, rows[c.spec])
+    elif not why:
+        stats = c.statistic.members() if c.statistic.kind == "family" else [c.statistic]
+        n = sum(_jobs(st, trains[c.spec] if st.metric in TRAIN_METRICS else rows[c.spec]) for st in stats)
+    return ClaimPlan(c.id, c.spec, n, why, analogue)

@@ -74,6 +74,14 @@ def stronger_cell(j: Judgement) -> str:
     return f"{reader}: {ours_cell(s)} {s.verdict}" if s.ours is not None else f"{reader}: {s.verdict} ({s.reason})"
 
 
+def analogue_cell(j: Judgement, name: str) -> str:
+    """The claim read on an analogue setting (the claims file's ``analogues``), where the analogue reads it."""
+    a = j.analogues.get(name)
+    if a is None:
+        return "—"
+    return f"{ours_cell(a)} {a.verdict}" if a.ours is not None else f"{a.verdict} ({a.reason})"
+
+
 def power_cell(j: Judgement) -> str:
     if j.detectable is None:
         return "—"
@@ -121,6 +129,9 @@ def build_document(
     for f, digest in files:
         doc.add(Heading(2, f"{f.paper}: {f.title}"))
         doc.add(Para(f"Claims file version {f.version}, sha256 {digest}; read from {f.source}.", "note"))
+        for a in f.analogues:
+            doc.add(Para(f"Analogue '{a.name}' (spec {a.spec}): {a.note}", "note"))
+        names = [a.name for a in f.analogues]
         table = [
             [
                 j.claim.id,
@@ -129,19 +140,15 @@ def build_document(
                 ours_cell(j),
                 j.verdict + (" (rule ours)" if j.claim.agreement.ours else ""),
                 j.reason,
+                *(analogue_cell(j, n) for n in names),
                 stronger_cell(j),
                 power_cell(j),
                 setting_cell(j),
             ]
             for j in judgements[f.paper]
         ]
-        doc.add(
-            Table(
-                ["claim", "where", "paper", "ours [95 %]", "verdict", "why", "strongest reader", "power", "setting"],
-                table,
-                numeric=[False, False, True, True, False, False, False, False, False],
-            )
-        )
+        head = ["claim", "where", "paper", "ours [95 %]", "verdict", "why", *names, "strongest reader", "power"]
+        doc.add(Table([*head, "setting"], table, numeric=[False, False, True, True] + [False] * (len(head) - 3)))
     return doc
 
 
@@ -159,6 +166,7 @@ def judgement_record(j: Judgement) -> dict[str, Any]:
         "units_to_resolve": j.needed,
         "unit": None if m is None else m.unit,
         "stronger": None if j.stronger is None else judgement_record(j.stronger),
+        "analogues": {name: judgement_record(a) for name, a in j.analogues.items()},
         "members": [
             {
                 "treatment": m.claim.statistic.treatment,

@@ -166,9 +166,14 @@ def reproduce(
         train[spec] = read_results(store, "train", as_rows=True)
     latent = {spec: latent_of(rows[spec], train[spec]) for spec in rows}
     for f, _ in files:
-        rep.judgements[f.paper] = [
-            judge_claim(c, rows[c.spec], train[c.spec], n_boot, latent[c.spec]) for c in f.claims
-        ]
+        rep.judgements[f.paper] = []
+        for c in f.claims:
+            j = judge_claim(c, rows[c.spec], train[c.spec], n_boot, latent[c.spec])
+            for a in f.analogues:
+                ac = a.of(c)
+                if ac is not None:
+                    j.analogues[a.name] = judge_claim(ac, rows[a.spec], train[a.spec], n_boot, latent[a.spec])
+            rep.judgements[f.paper].append(j)
     meta = {"profile": profile, "n_boot": n_boot, "command": command or "splitleak reproduce", "failures": rep.failures}
     rep.report = write_report(out, files, rep.judgements, meta)
     return rep
