@@ -28,6 +28,7 @@ attacks:
   - {attack: joint, k: [4]}
 profiles:
   quick: {}
+  full: {}
 """
 
 
@@ -221,6 +222,7 @@ def test_a_tiny_reproduction_judges_its_claims_from_the_store_and_resumes(tiny):
     with pytest.raises(ConfigError, match="holds a reproduction already; pass --resume"):
         reproduce([], out, profile="quick", claims=[far], run_grid_kwargs={"workers": 1})
     _families_and_ratios_read_the_same_store(rows, got["gain"], arm)
+    _priced_from_the_measured_seconds(out, rep.plan)
     # the analogue column is the same claim read at the mapped depth, from the same store
     from splitleak.reproduce.claims import Claim
     from splitleak.reproduce.run import judge_claim
@@ -240,6 +242,28 @@ def test_a_tiny_reproduction_judges_its_claims_from_the_store_and_resumes(tiny):
         "| deeper |" in " ".join(md.split())
         or "deeper" in md.splitlines()[md.splitlines().index("## 900: a tiny paper") + 4]
     )
+
+
+def _priced_from_the_measured_seconds(out, plan):
+    """The full profile priced from the quick run: the projection of the store's measured job seconds
+    (experiments.cost.project; here the same jobs, so each configuration's measured seconds stand for both victim
+    seeds' jobs), times the threads each job ran with."""
+    from splitleak.experiments import read_results
+    from splitleak.experiments.cost import project
+    from splitleak.reproduce.plan import price
+
+    (spec,) = plan.needed()
+    threads = json.loads((out / "reproduction.json").read_text())["execution"]["threads"]
+    store = out / "stores" / "tiny"
+    proj = project(spec, "quick", plan.overrides[spec], store)
+    assert proj["missing"] == 0 and proj["doc_ratio"] == 1 and proj["step_ratio"] == 1
+    train = sorted(r["seconds"] for r in read_results(store, "train", as_rows=True))
+    assert min(train) * len(train) <= proj["train_s"] <= max(train) * len(train)  # one run's seconds per seed
+    (row,) = price(plan, out)
+    assert row.spec == spec and row.unmeasured == 0 and row.unit == "core-hours" and row.threads == threads
+    assert row.hours == pytest.approx((proj["attack_s"] + proj["train_s"]) * threads / 3600, rel=1e-12)
+    with pytest.raises(ConfigError, match="holds no reproduction"):
+        price(plan, out / "stores")
 
 
 def _families_and_ratios_read_the_same_store(rows, gain, arm):

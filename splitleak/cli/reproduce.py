@@ -33,6 +33,12 @@ def reproduce_cmd(
     address: Optional[str] = typer.Option(None, "--address", help="Ray cluster to join"),
     workers: Optional[int] = typer.Option(None, "--workers", help="jobs at once"),
     n_boot: int = typer.Option(20_000, "--n-boot", help="bootstrap replicates per claim"),
+    price_from: Optional[Path] = typer.Option(
+        None,
+        "--price-from",
+        help="with --plan --profile full: price each grid in core-hours from the quick reproduction in this "
+        "folder (its measured job seconds, projected job by job)",
+    ),
 ) -> None:
     """Put each headline claim of the papers beside splitleak's own measurement: plan, run, report."""
     # lazy: the grid machinery stays out of `splitleak --help`
@@ -56,6 +62,8 @@ def reproduce_cmd(
                 on = f" on {c.analogue}" if c.analogue else ""
                 console.print(f"  {c.claim_id}{on}: {state}", highlight=False, markup=False, soft_wrap=True)
             check_plan(p)
+            if price_from is not None:
+                _print_prices(p, price_from, profile)
             return
         if out is None:
             err.print("reproduce: pass --out DIR (or --plan to list what would run)", highlight=False)
@@ -80,3 +88,26 @@ def reproduce_cmd(
     if any(rep.failures.values()):
         err.print(f"jobs did not finish: {rep.failures}; rerun with --resume", highlight=False)
         raise typer.Exit(1)
+
+
+def _print_prices(p, measured: Path, profile: Optional[str]) -> None:
+    from splitleak.reproduce.plan import price
+
+    if profile != "full":
+        err.print("--price-from prices the full profile: pass --profile full", highlight=False)
+        raise typer.Exit(2)
+    total: dict[str, float] = {}
+    for row in price(p, measured):
+        jobs = f"{row.jobs.get('train', 0)} train + {row.jobs.get('attack', 0)} attack jobs"
+        if row.hours is None:
+            console.print(f"{row.spec}: {jobs}; unpriced: {row.why}", highlight=False)
+            continue
+        total[row.unit] = total.get(row.unit, 0.0) + row.hours
+        gap = f" ({row.unmeasured} jobs the quick profile did not measure are left out)" if row.unmeasured else ""
+        at = f" at {row.threads} thread(s) per job" if row.unit == "core-hours" else ""
+        console.print(f"{row.spec}: {jobs}; {row.hours:,.1f} {row.unit}{at}{gap}", highlight=False)
+    sums = ", ".join(f"{h:,.1f} {unit}" for unit, h in total.items()) or "nothing priced"
+    console.print(
+        f"total {sums}, from the job seconds measured in {measured} (a quick run on a GPU prices in GPU-hours)",
+        highlight=False,
+    )

@@ -134,3 +134,59 @@ def _claim_plan(c: Claim, rows: dict[str, Any], trains: dict[str, Any], analogue
         stats = c.statistic.members() if c.statistic.kind == "family" else [c.statistic]
         n = sum(_jobs(st, trains[c.spec] if st.metric in TRAIN_METRICS else rows[c.spec]) for st in stats)
     return ClaimPlan(c.id, c.spec, n, why, analogue)
+
+
+@dataclass
+class Price:
+    spec: str
+    hours: float | None  # None: unpriced (``why``)
+    jobs: dict[str, int]
+    unmeasured: int = 0
+    why: str = ""
+    unit: str = "core-hours"  # or GPU-hours, where the measured jobs ran on a GPU
+    threads: int = 1  # per job, as the measured jobs ran
+
+
+def price(plan: ReproductionPlan, measured: str | Path) -> list[Price]:
+    """What each spec the plan runs costs at its ``full`` profile, projected job by job from the quick
+    reproduction in ``measured`` (``experiments.cost.project``: its stores' measured job seconds, at the threads
+    its record says each job ran with; GPU-hours where its jobs ran on a GPU, workers at a time). A spec whose quick store is missing, or whose full jobs the quick profile
+    did not measure, is priced as far as it can be and says what is missing."""
+    # lazy: the projection reads Parquet stores (pyarrow)
+    import json
+
+    from splitleak.experiments.cost import project
+
+    measured = Path(measured)
+    record_path = measured / "reproduction.json"
+    if not record_path.is_file():
+        raise ConfigError(f"{measured} holds no reproduction (no reproduction.json); price from a quick run's --out")
+    record = json.loads(record_path.read_text())
+    execution = record.get("execution") or {}
+    threads = execution.get("threads")
+    gpu = str(execution.get("device", "cpu")).startswith("cuda")
+    if not threads:
+        raise ConfigError(f"{record_path} does not say how many threads each job ran with; rerun it with --resume")
+    out = []
+    for spec in plan.needed():
+        store = measured / "stores" / Path(spec).stem
+        overrides = spec_overrides(spec, record["profile"], record.get("overrides", []), record.get("data"))
+        full = plan_grid_counts(spec, overrides)
+        if not store.is_dir():
+            out.append(Price(spec, None, full, why=f"no store of {spec} in {measured}"))
+            continue
+        proj = project(spec, record["profile"], overrides, store)
+        seconds = proj["attack_s"] + proj["train_s"]
+        if gpu:  # the jobs shared the one GPU, workers at a time
+            out.append(Price(spec, seconds / (execution.get("workers") or 1) / 3600, proj["counts"], proj["missing"],
+                             unit="GPU-hours"))  # fmt: skip
+        else:
+            out.append(Price(spec, seconds * threads / 3600, proj["counts"], proj["missing"], threads=threads))
+    return out
+
+
+def plan_grid_counts(spec: str, overrides: list[str]) -> dict[str, int]:
+    # lazy: as in plan_reproduction
+    from splitleak.experiments import plan_grid
+
+    return plan_grid(spec, profile="full", overrides=overrides).counts()

@@ -104,6 +104,7 @@ def _record(out: Path, asked: dict[str, Any], resume: bool) -> None:
                 "same profile, overrides and data only (use another --out)"
             )
         merged = {
+            **before,
             **asked,
             "papers": sorted({*before.get("papers", []), *asked["papers"]}),
             "specs": sorted({*before.get("specs", []), *asked["specs"]}),
@@ -115,6 +116,26 @@ def _record(out: Path, asked: dict[str, Any], resume: bool) -> None:
         raise ConfigError(f"{out} exists and is not a reproduction's folder; choose an empty or new --out")
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asked, indent=2) + "\n")
+
+
+def _record_execution(out: Path, kwargs: dict[str, Any]) -> None:
+    """How this call runs its jobs (executor, workers, threads per job, device), for pricing a full profile from
+    the jobs' measured seconds (``plan.price``); a resume with other settings replaces it and says so."""
+    # lazy: the executors import the torch-free planning helpers only
+    from splitleak.experiments.executors import plan_workers
+
+    executor = kwargs.get("executor") or "local"
+    workers, threads = kwargs.get("workers"), kwargs.get("threads")
+    if executor == "local":
+        workers, threads = plan_workers(workers, threads)
+    now = {"executor": executor, "workers": workers, "threads": threads or 1, "device": kwargs.get("device", "cpu")}
+    path = out / RECORD
+    record = json.loads(path.read_text())
+    before = record.get("execution")
+    if before not in (None, now):
+        now["note"] = f"earlier jobs ran with {before}"
+    record["execution"] = now
+    path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def reproduce(
@@ -150,6 +171,7 @@ def reproduce(
         "data": None if data is None else str(Path(data).resolve()),
     }
     _record(out, asked, resume)
+    _record_execution(out, run_grid_kwargs or {})
     rep = Reproduction(plan)
     rows: dict[str, list[dict[str, Any]]] = {}
     train: dict[str, list[dict[str, Any]]] = {}  # a spec not run reads as an empty store
