@@ -164,7 +164,8 @@ def test_audit_on_tiny_model(tmp_path):
     assert len(shown) == 3 and all(len(d["readings"]) == 5 for d in shown)  # every reader but the control
     md = (out / "report.md").read_text()
     assert re.search(r"^\| activation k=32 +\|", md, re.M) and all(p in md for p in report["verdict_parts"])
-    assert " ".join(report["verdict_parts"]) == report["verdict"] and len(report["verdict_parts"]) == 4
+    assert " ".join(report["verdict_parts"]) == report["verdict"] and len(report["verdict_parts"]) == 5
+    assert report["verdict_parts"][1].startswith("Upper side: no formal bound (no defence of the chain adds noise")
     # verdict words: the activation arms are detected, every mis-paired control reads at floor, the gate breaks
     arms = {a["attack"]: a["arm"] for a in report["attacks"]}
     assert arms["activation"]["verdict"] == "detected" and arms["activation"]["effect"]["low"] > 0.3
@@ -211,7 +212,7 @@ def test_audit_on_tiny_model(tmp_path):
     assert "<script" not in page and "<link" not in page and "url(" not in page and 'src="http' not in page
     assert all(s.startswith("data:image/png;base64,") for s in re.findall(r'<img [^>]*src="([^"]+)"', page))
     sections = ["Who reads what", "Channels (Politis &amp; Pappas 2026, §3)", "Your text coming back",
-                "Recovery by span class", "Verdict words (Politis &amp; Pappas 2026, §3)",
+                "Recovery by span class", "Verdict words (Politis &amp; Pappas 2026, §3)", "What no reader can read",
                 "Instrument calibration (Politis &amp; Pappas 2026, §4)", "Utility"]  # fmt: skip
     assert re.findall(r"<h2 [^>]*>(.*?)</h2>", page) == sections
     assert page.count('<table class="recon">') == 3 and page.index("Worst-case reader") < page.index("Who reads")

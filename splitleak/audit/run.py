@@ -28,6 +28,7 @@ import torch
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
 from splitleak.audit.analysis import read_result
+from splitleak.audit.bounds import audit_bound
 from splitleak.audit.calibrate import CalibrationResult, calibrate, read_calibration
 from splitleak.audit.channels import channel_table, run_declaration
 from splitleak.audit.defaults import AUDIT_N_EVAL, AUDIT_N_TRAIN
@@ -311,6 +312,9 @@ def _audit_stages(a: _Audit, lm) -> AuditResult:
     th = shipped_thresholds()  # the audit runs on embedded defaults: the shipped gate_002's gate, α and utility gate
     results, predictions, controls = _attack_stages(a, knowledges, seen, th)
     truth = eval_token_ids(out / "run", seen.traffic.doc_ids)
+    bound = audit_bound(
+        seen.folder, a.cfg.defences, a.mode, a.cfg.draws, seen.traffic.doc_ids, truth, a.pristine.model
+    )  # the upper side: what no reader of this traffic can read
     examples = example_documents(out / "run", seen.traffic.doc_ids, results, predictions, knowledges["public"])
     base, arms = arm_effects(predictions, truth, controls=controls, n_boot=ARM_BOOT, alpha=th.alpha, seed=a.seed)
     weights = frame_weights(len(truth), ARM_BOOT, np.random.default_rng([a.seed, 0x9EC]))
@@ -349,6 +353,7 @@ def _audit_stages(a: _Audit, lm) -> AuditResult:
         "verify": ver.message,
         "attacks": results,
         "verdicts": verdicts,
+        "bound": bound,
         "cost": cost,
         "utility_baseline": baseline,
         "channels": channel_table(out / "run", results, calibrated=CALIBRATED_CHANNELS),

@@ -91,6 +91,7 @@ def reproduce_cmd(
 
 
 def _print_prices(p, measured: Path, profile: Optional[str]) -> None:
+    # lazy: as in reproduce_cmd, the grid machinery stays out of `splitleak --help`
     from splitleak.reproduce.plan import price
 
     if profile != "full":

@@ -38,6 +38,7 @@ import torch
 from splitleak.defences.base import Defence, WireContext, check_bool, check_integer, check_number, register
 from splitleak.defences.noise import gaussian_mechanism_epsilon
 from splitleak.defences.vmf import U_SHAPE_GAP, VMFDirection
+from splitleak.privacy.guarantee import NoiseGuarantee
 
 SHIELDED = ("label-shielded",)
 GRADIENT_MODES = ("u-shape", "label-shielded")
@@ -251,3 +252,7 @@ class SequenceDP(LabelDefence):
 
     def privacy(self, releases: int = 1) -> dict[str, Any]:
         return gaussian_mechanism_epsilon(self.noise_multiplier, self.delta, releases)
+
+    def noise_guarantees(self) -> list[NoiseGuarantee]:
+        """Each document's output gradient clipped to ``clip`` as a whole, noise ``noise_multiplier`` x ``clip``."""
+        return [NoiseGuarantee(self.name, "output-gradient", self.clip, self.noise_multiplier * self.clip, "document")]

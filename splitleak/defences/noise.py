@@ -16,6 +16,7 @@ from splitleak.defences.base import (
     register,
 )
 from splitleak.errors import ConfigError
+from splitleak.privacy.guarantee import NoiseGuarantee
 
 #: the searchable per-row L2 clip norm, shared by the defences that clip activation or gradient rows
 ROW_CLIP_RANGE = SearchRange(
@@ -97,6 +98,11 @@ class ClipNoise(Defence):
     def public_forward(self, h, observed):
         return clip_rows(h, self.clip) if self.where in ("forward", "both") else h
 
+    def noise_guarantees(self) -> list[NoiseGuarantee]:
+        """Each noised row clipped to ``clip`` with noise ``sigma`` x ``clip`` (``splitleak.privacy``)."""
+        channels = {"forward": ["activations"], "backward": ["gradient"], "both": ["activations", "gradient"]}
+        return [NoiseGuarantee(self.name, c, self.clip, self.sigma * self.clip) for c in channels[self.where]]
+
     def forward_noise_std(self):
         return self.sigma * self.clip if self.where in ("forward", "both") else 0.0
 
@@ -134,6 +140,10 @@ class DPForward(Defence):
 
     def public_forward(self, h, observed):
         return clip_rows(h, self.clip)
+
+    def noise_guarantees(self) -> list[NoiseGuarantee]:
+        """Each activation row clipped to ``clip`` with noise ``noise_multiplier`` x ``clip``."""
+        return [NoiseGuarantee(self.name, "activations", self.clip, self.noise_multiplier * self.clip)]
 
     def forward_noise_std(self):
         return self.noise_multiplier * self.clip

@@ -63,6 +63,11 @@ class Quant4Noisy(Quant4):
 
     name = "quant4-noisy"
     adaptive_note = f"{Quant.adaptive_note}. {GRADIENT_NOISE_NOTE}"
+    #: why ``splitleak.privacy`` credits its noise with no bound
+    no_guarantee_note = (
+        "its noise is a multiple of the clipped gradient's own RMS, so its scale depends on the data and it is no "
+        "Gaussian mechanism of a public scale; the activations cross rounded, without noise: no formal bound"
+    )
     search = {
         "noise": SearchRange(0.01, 3.0, log=True, why="ours: from 1 % of the clipped gradient's RMS to 3 times it")
     }

@@ -194,6 +194,7 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
         Contents(),
         *reader_blocks(report),
         *arm_blocks(report),
+        *bound_blocks(report.get("bound")),
         *calibration_blocks(report["verdicts"]),
     )
     if calibration_figure is not None:
@@ -262,6 +263,28 @@ def arm_blocks(report: dict[str, Any]) -> list[Block]:
             + ")."
         ),
     ]
+
+
+def bound_blocks(bound: dict[str, Any] | None) -> list[Block]:
+    """The upper side of the verdict (``splitleak.audit.bounds``): what no reader can read, and what it assumes."""
+    if bound is None:
+        return []
+    blocks: list[Block] = [Heading(2, "What no reader can read")]
+    if bound.get("token_bound") is None:
+        blocks.append(Para(f"No formal bound: {bound['why']}. A stronger reader may read up to 100 % of tokens."))
+    else:
+        rows = [
+            ["tokens any reader recovers, at most (mean over documents)", f"{100 * bound['token_bound']:.2f} %"],
+            ["whole documents any reader recovers, at most", f"{100 * bound['doc_bound']:.2f} %"],
+            ["prior success κ per token / per document", f"{100 * bound['token_kappa']:.2f} % / {bound['doc_kappa']:.3g}"],
+            ["ε per document, at δ", f"{bound['epsilon_doc_max']:.4g} at {bound['delta']:g} ({', '.join(bound['accountant'])})"],
+            ["crossings composed (most of one document)", str(bound["crossings_max"])],
+            ["documents bounded", f"{bound['documents_bounded']} of {bound['documents']}"],
+        ]  # fmt: skip
+        blocks.append(Table(["bound", "value"], rows))
+    blocks.append(Para(f"Against {bound['view']}. Neighbouring relation: {bound['relation']}.", "note"))
+    blocks.extend(Para(n, "note") for n in bound.get("notes", []))
+    return blocks
 
 
 def calibration_blocks(v: dict[str, Any]) -> list[Block]:

@@ -38,6 +38,7 @@ def audit_words(record: dict[str, Any], setting: AuditSetting) -> dict[str, Any]
     results, channels = record["attacks"], record["channels"]
     parts = [
         verdict_line(results, record["verdicts"]),
+        bound_sentence(results, record.get("bound")),
         record["verdicts"]["utility_gate"]["sentence"],
         server_sentence(channels, results, record["mode"]),
         readers_sentence(results),
@@ -292,4 +293,38 @@ def _certificate(results: list[dict[str, Any]]) -> str:
             + ("" if budget == "exhaustive" else ", or a true token the order ranks beyond the bound")
             + ")."
         )
+    )
+
+
+def bound_sentence(results: list[dict[str, Any]], bound: dict[str, Any] | None) -> str:
+    """The verdict's upper side (``splitleak.audit.bounds``): what no reader can read, beside what the strongest
+    reader read; an INSTRUMENT FAULT where a reading's lower end lies above the bound (a bug in the defence, the
+    accountant or the scorer)."""
+    if bound is None:  # a report written before the bound existed
+        return ""
+    scored = [r for r in results if r["attack"] != "majority" and r.get("intervals")]
+    if not bound.get("bounded") and bound.get("token_bound") is None:
+        return f"Upper side: no formal bound ({bound['why']}): a stronger reader may read up to 100 % of tokens."
+    best = max(scored, key=lambda r: r["intervals"]["tokens"]["estimate"]) if scored else None
+    read = ""
+    if best is not None:
+        t = best["intervals"]["tokens"]
+        read = f"the strongest reader ({attack_label(best)}) read {fmt_pct(t['estimate'])} % of tokens [{fmt_pct(t['low'])}, {fmt_pct(t['high'])}]; "
+        if t["low"] > bound["token_bound"] + 1e-9:
+            return (
+                f"INSTRUMENT FAULT: {attack_label(best)} reads {fmt_pct(t['low'])} % of tokens at the lower end of "
+                f"its interval, above the {fmt_pct(bound['token_bound'])} % no reader can read under the chain's "
+                "declared noise: the defence adds less noise than it declares, or the accountant or the scorer "
+                "is wrong; no verdict on the upper side."
+            )
+    eps = bound.get("epsilon_doc_max")
+    eps_words = f"ε ≤ {eps:.3g} at δ = {bound['delta']:g} per document, " if eps is not None else ""
+    partial = (
+        "" if bound["bounded"] else f" ({bound['documents_bounded']} of {bound['documents']} documents: {bound['why']})"
+    )
+    return (
+        f"Upper side: {read}no reader can read more than {fmt_pct(bound['token_bound'])} % of tokens or "
+        f"{fmt_pct(bound['doc_bound'])} % of whole documents ({eps_words}over up to {bound['crossings_max']} "
+        f"recorded crossings; informed adversary, replace-one; prior κ {fmt_pct(bound['token_kappa'])} % per token, "
+        f"{fmt_pct(bound['doc_kappa'])} % per document) against {bound['view']}{partial}."
     )

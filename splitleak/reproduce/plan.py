@@ -4,6 +4,7 @@ is an error of the claims file or the spec, found before anything runs (``splitl
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -150,11 +151,10 @@ class Price:
 def price(plan: ReproductionPlan, measured: str | Path) -> list[Price]:
     """What each spec the plan runs costs at its ``full`` profile, projected job by job from the quick
     reproduction in ``measured`` (``experiments.cost.project``: its stores' measured job seconds, at the threads
-    its record says each job ran with; GPU-hours where its jobs ran on a GPU, workers at a time). A spec whose quick store is missing, or whose full jobs the quick profile
-    did not measure, is priced as far as it can be and says what is missing."""
+    its record says each job ran with; GPU-hours where its jobs ran on a GPU, workers at a time). A spec whose
+    quick store is missing, or whose full jobs the quick profile did not measure, is priced as far as it can be
+    and says what is missing."""
     # lazy: the projection reads Parquet stores (pyarrow)
-    import json
-
     from splitleak.experiments.cost import project
 
     measured = Path(measured)
