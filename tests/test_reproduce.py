@@ -237,11 +237,11 @@ def test_a_tiny_reproduction_judges_its_claims_from_the_store_and_resumes(tiny):
         direct.ours.low,
         direct.verdict,
     )
-    assert "words" not in {k for j in rep.judgements["900"] for k in j.analogues if j.claim.id == "words"}
-    assert (
-        "| deeper |" in " ".join(md.split())
-        or "deeper" in md.splitlines()[md.splitlines().index("## 900: a tiny paper") + 4]
-    )
+    words = next(j for j in rep.judgements["900"] if j.claim.id == "words")
+    assert words.analogues == {} and set(got["level"].analogues) == {"deeper"}  # no arm to translate: none
+    header = next(line for line in md.splitlines() if line.startswith("| claim "))
+    assert [c.strip() for c in header.strip("|").split("|")][6] == "deeper"  # its column, after the verdict's why
+    assert "Analogue 'deeper'" in md
 
 
 def _priced_from_the_measured_seconds(out, plan):

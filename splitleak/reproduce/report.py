@@ -77,7 +77,7 @@ def stronger_cell(j: Judgement) -> str:
 def analogue_cell(j: Judgement, name: str) -> str:
     """The claim read on an analogue setting (the claims file's ``analogues``), where the analogue reads it."""
     a = j.analogues.get(name)
-    if a is None:
+    if a is None or a.verdict == "not run":  # the analogue's jobs do not measure it (its own column says why)
         return "—"
     return f"{ours_cell(a)} {a.verdict}" if a.ours is not None else f"{a.verdict} ({a.reason})"
 
