@@ -22,6 +22,19 @@ cases are those of issue 33:
   threads for 300 s); at most ``--max-concurrent`` (4) are admitted, the rest told the server is busy;
 - ``silent-before-hello``: eight clients connect and send nothing; admitted ones end at the hello timeout.
 
+Before the handshake (anyone who can reach the port, no certificate; the defaults ``--max-pending 64
+--max-pending-per-address 8 --handshake-timeout 10``), each while a legitimate client from 127.0.0.1 trains a
+step, whose returned gradient must have the same bits as the same step on the quiet server (taken first):
+
+- ``silent-tcp-flood``: 10,000 TCP connections that never send a byte, from 4 loopback addresses
+  (127.0.0.2-5), 500 open at a time (before: a thread per socket for 30 s, 301 threads from 300 sockets);
+- ``slow-loris``: 48 peers from 6 addresses send a TLS record header and then a byte every 0.5 s;
+- ``failed-handshake-flood``: 2,000 plaintext connections from one address (each a failed TLS handshake).
+
+The hostile addresses hold at most 8 pending places each, so they leave room under the 64 for the legitimate
+client. A flood from more than 64 / 8 addresses fills every place: the server stays bounded, but a newcomer is
+then refused until a place frees (availability under a distributed flood is the network's to defend).
+
 With --record it adds the rows to benchmarks/RESULTS.md's section "Memory of `serve` under hostile clients".
 """
 
@@ -55,6 +68,9 @@ CASES = (
     "oversized-messages",
     "silent-after-hello",
     "silent-before-hello",
+    "silent-tcp-flood",
+    "slow-loris",
+    "failed-handshake-flood",
 )
 SECTION = "## Memory of `serve` under hostile clients (`benchmarks/serve_memory.py`)"
 
@@ -181,6 +197,80 @@ def send_frame(conn, frame: Frame, seq: int, session: str | None):
     return unpack(conn.recv(timeout=60))[0]
 
 
+def _step_bits(port: int, tls: Path) -> str:
+    """A legitimate client's hello and one training step: the sha256 of the returned gradient's bits."""
+    import hashlib
+
+    conn = connect(port, tls)
+    w = say_hello(conn, hello())
+    header, payload = unpack(_send_raw(conn, forward(0, 1), 1, w.get("session")))
+    conn.send(pack({"type": "close", "seq": 2, "nonce": new_nonce(), "session": w.get("session")}))
+    conn.close()
+    return f"{header.get('kind')} " + hashlib.sha256(bytes(payload or b"")).hexdigest()[:16]
+
+
+def _send_raw(conn, frame: Frame, seq: int, session: str | None) -> bytes:
+    blob = encode(frame)
+    conn.send(pack({**frame_header(frame, blob, seq), "session": session}, blob))
+    return conn.recv(timeout=120)
+
+
+def _raw(port: int, address: str):
+    import socket
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.bind((address, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def _flood(port: int, case: str, stop: threading.Event, counts: dict) -> None:
+    """The hostile side of a pre-handshake case, until ``stop``."""
+    if case == "silent-tcp-flood":
+        wave: list = []
+        for i in range(10_000):
+            try:
+                wave.append(_raw(port, f"127.0.0.{2 + i % 4}"))
+                counts["opened"] = counts.get("opened", 0) + 1
+            except OSError:
+                counts["failed"] = counts.get("failed", 0) + 1
+            if len(wave) >= 500:
+                for s in wave:
+                    s.close()
+                wave = []
+        for s in wave:
+            s.close()
+    elif case == "slow-loris":
+        peers = [_raw(port, f"127.0.0.{2 + i % 6}") for i in range(48)]
+        for s in peers:
+            s.sendall(bytes([0x16, 0x03, 0x01, 0x02, 0x00]))
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 15:
+            alive = 0
+            for s in peers:
+                try:
+                    s.sendall(b"\x00")
+                    alive += 1
+                except OSError:
+                    pass
+            if alive:
+                counts["open at s"] = int(time.monotonic() - t0)
+            time.sleep(0.5)
+        for s in peers:
+            s.close()
+    else:  # failed-handshake-flood
+        for _ in range(2000):
+            try:
+                with _raw(port, "127.0.0.2") as s:
+                    s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                    while s.recv(64):
+                        pass
+            except OSError:
+                pass
+            counts["sent"] = counts.get("sent", 0) + 1
+
+
 def run_case(case: str, tls: Path) -> dict:
     srv = Server(tls)
     notes: list[str] = []
@@ -274,6 +364,20 @@ def run_case(case: str, tls: Path) -> dict:
             time.sleep(12.0)  # past the hello timeout (10 s), well before the idle timeout (300 s)
             for conn in conns:
                 conn.close()
+        elif case in ("silent-tcp-flood", "slow-loris", "failed-handshake-flood"):
+            quiet = _step_bits(srv.port, tls)
+            stop, counts = threading.Event(), {}
+            hostile = threading.Thread(target=_flood, args=(srv.port, case, stop, counts))
+            t0 = time.monotonic()
+            hostile.start()
+            time.sleep(2.0)
+            during = _step_bits(srv.port, tls)  # a legitimate client in the middle of it
+            took = time.monotonic() - t0
+            hostile.join(timeout=600)
+            notes.append(
+                f"legitimate step {'the same bits' if during == quiet else 'DIFFERENT bits'} as on the quiet server "
+                f"(answered {took:.1f} s into the flood); {counts}"
+            )
         else:
             raise SystemExit(f"unknown case {case!r}; one of {', '.join(CASES)}")
         time.sleep(0.5)
@@ -281,6 +385,8 @@ def run_case(case: str, tls: Path) -> dict:
         out = srv.finish()
     log = "\n".join(line for line in out["log"].splitlines() if line.startswith("serve: "))  # the log, not the report
     counts = {
+        "log lines": len(log.splitlines()),
+        "refused before the handshake": log.count("before its handshake"),
         "no hello": log.count("no hello within"),
         "busy": log.count("the server is busy"),
         "idle": log.count("idle timeout"),

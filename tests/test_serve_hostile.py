@@ -446,3 +446,100 @@ def test_a_client_gone_before_its_session_starts_is_recorded_without_an_address(
 
     assert peer_address(Gone()) == "?" and peer_address(object()) == "?"
     assert peer_address(Here()) == "('127.0.0.1', 5000)"
+
+
+# ------------------------------------------------------------------ 7. bounded before the handshake
+
+
+def _raw_connections(port: int, n: int, addresses: int) -> list:
+    """``n`` TCP connections to the server that never send a byte, from ``addresses`` loopback addresses other
+    than 127.0.0.1 (Linux routes all of 127/8 to lo); a connect the backlog drops is left out."""
+    import socket
+
+    socks = []
+    for i in range(n):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.bind((f"127.0.0.{2 + i % addresses}", 0))
+        try:
+            s.connect(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            continue
+        socks.append(s)
+    return socks
+
+
+def _until(check, timeout: float = 60.0) -> None:
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < timeout, "the server did not settle"
+        time.sleep(0.05)
+
+
+def test_silent_connections_are_capped_before_the_handshake_and_a_client_is_served(tls, caplog):
+    """300 silent TCP connections from ten addresses: at most two per address wait in their handshake (20
+    in all), every other is closed at once, the server's threads stay bounded by the cap, each address's
+    refusals are logged once, and a client from another address trains through the flood."""
+    import threading
+
+    caplog.set_level(logging.WARNING, logger="splitleak.serve")
+    cfg = make_train_config(**SMALL, seed=4, depth=2)
+    with Served(tls, max_pending=32, max_pending_per_address=2, handshake_seconds=120) as srv:
+        base = threading.active_count()
+        socks = _raw_connections(srv.port, 300, addresses=10)
+        try:
+            gate = srv.node.gate
+            _until(lambda: gate.pending() + gate.refused >= len(socks))
+            assert len(socks) >= 250 and gate.pending() == 20 and gate.refused == len(socks) - 20
+            assert threading.active_count() - base <= 20 + 3  # one thread per pending socket, none per refused
+            refusals = [r for r in caplog.records if "before its handshake" in r.getMessage()]
+            assert len(refusals) == 10 and all("--max-pending-per-address" in r.getMessage() for r in refusals)
+            remote = RemoteServer("127.0.0.1", srv.port, tls, _hello(cfg))  # another address: served
+            assert remote.session_id and gate.pending() == 20
+            remote.close()
+        finally:
+            for s in socks:
+                s.close()
+        _until(lambda: srv.node.gate.pending() == 0)
+
+
+def test_a_slow_handshake_is_closed_at_its_deadline_and_failures_are_logged_once(tls, caplog):
+    """A slow-loris peer that sends a TLS record one byte at a time, each well within the deadline, is closed
+    at the handshake deadline (it is the whole handshake's, not each read's); a silent one too; and of a flood
+    of failed handshakes from one address, one line is logged per reason and window."""
+    caplog.set_level(logging.WARNING, logger="splitleak.serve")
+    with Served(tls, handshake_seconds=2.0) as srv:
+        (silent,) = _raw_connections(srv.port, 1, addresses=1)
+        (slow,) = _raw_connections(srv.port, 1, addresses=1)
+        try:
+            slow.sendall(b"\x16\x03\x01\x02\x00")  # a handshake record of 512 bytes is coming
+            t0, closed = time.monotonic(), False
+            while time.monotonic() - t0 < 30 and not closed:
+                try:
+                    slow.sendall(b"\x00")  # a byte every 0.2 s: no single read waits long
+                except OSError:
+                    closed = True
+                time.sleep(0.2)
+            assert closed and time.monotonic() - t0 < 15, "the slow handshake outlived its deadline"
+            silent.settimeout(15)
+            assert silent.recv(1) == b""  # closed too
+            _until(lambda: srv.node.gate.pending() == 0)
+        finally:
+            silent.close()
+            slow.close()
+        for _ in range(20):  # plaintext: twenty failed TLS handshakes from one address
+            (s,) = _raw_connections(srv.port, 1, addresses=1)
+            with s:
+                s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                s.settimeout(15)
+                try:
+                    while s.recv(64):  # the server closes it (a TLS alert first, or nothing)
+                        pass
+                except ConnectionResetError:  # or resets it
+                    pass
+        _until(lambda: srv.node.gate.pending() == 0)
+    failed = [r.getMessage() for r in caplog.records if "TLS handshake with 127.0.0.2" in r.getMessage()]
+    plain = [m for m in failed if "not TLS 1.3" in m]
+    assert len(plain) == 1, failed  # twenty alike from one address: one line in the window, the rest counted
+    assert len(failed) <= 3, failed  # the slow and the silent ones: a line per reason, not per connection

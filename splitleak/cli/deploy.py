@@ -10,10 +10,13 @@ import typer
 
 from splitleak.cli.common import ThreadsOpt, app, console, err, user_errors
 from splitleak.deploy.limits import (
+    HANDSHAKE_SECONDS,
     HELLO_SECONDS,
     MAX_CONCURRENT,
     MAX_FRAME_MIB,
     MAX_FRAME_TOKENS,
+    MAX_PENDING,
+    MAX_PENDING_PER_ADDRESS,
     MAX_ROWS,
     MAX_TOKENS,
 )
@@ -65,6 +68,19 @@ def serve_cmd(
     hello_timeout: float = typer.Option(
         HELLO_SECONDS, "--hello-timeout", help="seconds a new connection has to send its hello (no model before it)"
     ),
+    max_pending: int = typer.Option(
+        MAX_PENDING,
+        "--max-pending",
+        help="connections in their TLS and WebSocket handshakes at once; one over it is closed at once",
+    ),
+    max_pending_per_address: int = typer.Option(
+        MAX_PENDING_PER_ADDRESS, "--max-pending-per-address", help="connections in their handshakes from one address"
+    ),
+    handshake_timeout: float = typer.Option(
+        HANDSHAKE_SECONDS,
+        "--handshake-timeout",
+        help="seconds a connection has for its TLS and WebSocket handshakes, in all (a slow one is closed)",
+    ),
     max_rows: int = typer.Option(
         MAX_ROWS,
         "--max-rows",
@@ -93,7 +109,9 @@ def serve_cmd(
     A client holding a valid certificate cannot take it down: a hello that asks for more rows, tokens
     or frame bytes than the --max-* flags allow is refused naming the flag, before a model loads; at
     most --max-concurrent sessions run at once, each must say hello within --hello-timeout, and each
-    holds at most one unanswered forward. The defaults cover the study's settings (32-token documents,
+    holds at most one unanswered forward. Anyone who can reach the port, certificate or not, is bounded
+    before the handshake: at most --max-pending connections (--max-pending-per-address from one address)
+    in their TLS and WebSocket handshakes, each within --handshake-timeout in all. The defaults cover the study's settings (32-token documents,
     capture batches of 16, 48 decoys) with room to spare and bound the server's memory to about
     --max-concurrent x (model + one forward of --max-frame-tokens rows x tokens, whose logits over the
     vocabulary are what costs; measured in benchmarks/RESULTS.md); raise them for longer documents or
@@ -125,6 +143,9 @@ def serve_cmd(
             idle_seconds=idle,
             max_concurrent=max_concurrent,
             hello_seconds=hello_timeout,
+            max_pending=max_pending,
+            max_pending_per_address=max_pending_per_address,
+            handshake_seconds=handshake_timeout,
             max_rows=max_rows,
             max_tokens=max_tokens,
             max_frame_tokens=max_frame_tokens,

@@ -13,3 +13,9 @@ MAX_FRAME_TOKENS = 2048  # rows x tokens of one frame (the study's 32 x 32 is 10
 MAX_FRAME_MIB = 64  # bytes of one frame (the WebSocket cap is this plus the envelope)
 MAX_CONCURRENT = 4  # sessions at once, each with its own model copy
 HELLO_SECONDS = 10.0  # the first message (the hello) must arrive this soon after the connection opens
+# Before the handshake (splitleak.deploy.gate; ours): connections in their TLS and WebSocket opening handshakes
+# at once, from one address, and the whole handshake's deadline (over loopback it takes milliseconds, over a
+# slow link well under a second). The threads waiting on peers are at most MAX_PENDING.
+MAX_PENDING = 64
+MAX_PENDING_PER_ADDRESS = 8
+HANDSHAKE_SECONDS = 10.0

@@ -26,7 +26,13 @@ welcome); at most ``PENDING_WINDOW`` forwards await their backward-top per sessi
 for it); the hello must arrive within ``hello_seconds``, and the model loads only after a valid hello;
 a phase only goes forward (train, then capture); every message after the welcome carries the session id
 the welcome gave, so a message recorded in one session is refused in another; a failed TLS handshake is
-logged with the peer's address and the reason. Whatever raises, a session's capture ends closed
+logged with the peer's address and the reason.
+
+**Anyone who can reach the port** (no certificate needed) cannot exhaust it either: at most ``max_pending``
+connections are in their TLS and WebSocket handshakes at once, at most ``max_pending_per_address`` from one
+address, each within ``handshake_seconds`` in all (``splitleak.deploy.gate``: a socket over a cap is closed at
+once, a slow handshake ends at its deadline; refusals and failed handshakes are logged once per address,
+reason and minute). Whatever raises, a session's capture ends closed
 (complete, or failed with the reason and the last step).
 """
 
@@ -42,7 +48,18 @@ from typing import Callable
 
 from websockets.sync.server import Server, serve
 
-from splitleak.deploy.limits import HELLO_SECONDS, MAX_CONCURRENT, MAX_FRAME_MIB, MAX_FRAME_TOKENS, MAX_ROWS, MAX_TOKENS
+from splitleak.deploy.gate import HandshakeGate
+from splitleak.deploy.limits import (
+    HANDSHAKE_SECONDS,
+    HELLO_SECONDS,
+    MAX_CONCURRENT,
+    MAX_FRAME_MIB,
+    MAX_FRAME_TOKENS,
+    MAX_PENDING,
+    MAX_PENDING_PER_ADDRESS,
+    MAX_ROWS,
+    MAX_TOKENS,
+)
 from splitleak.deploy.session import Session, SessionRecord, peer_address
 from splitleak.errors import ConfigError
 from splitleak.wire.client import cap_messages
@@ -55,12 +72,14 @@ from splitleak.wire.transport import (
 )
 
 log = logging.getLogger("splitleak.serve")
-OPEN_TIMEOUT_S = 30.0  # the server's limit on a connection's TLS and WebSocket opening handshakes
 IDLE_SECONDS = 300.0
 
 
 class _LoggedSSLSocket(ssl.SSLSocket):
-    """The server's TLS sockets: a handshake that fails is logged with the peer's address and why."""
+    """The server's TLS sockets: a handshake that fails is logged with the peer's address and why, once per
+    address, reason and window (``gate``: the node's ``HandshakeGate``, set on the node's own subclass)."""
+
+    gate: HandshakeGate | None = None
 
     def do_handshake(self, block: bool = False) -> None:
         try:
@@ -70,7 +89,11 @@ class _LoggedSSLSocket(ssl.SSLSocket):
         try:
             super().do_handshake(block)
         except Exception as exc:
-            log.warning("TLS handshake with %s failed: %s", peer, _tls_reason(exc))
+            if self.gate is None:
+                log.warning("TLS handshake with %s failed: %s", peer, _tls_reason(exc))
+            else:
+                why = _tls_reason(exc)
+                self.gate.log_once((peer.rsplit(":", 1)[0], why), "TLS handshake with %s failed: %s", peer, why)
             raise
 
 
@@ -87,7 +110,7 @@ def _tls_reason(exc: BaseException) -> str:
     if "ALERT" in str(reason):
         return f"the client refused this server's certificate ({reason}): it trusts another CA"
     if isinstance(exc, TimeoutError):
-        return f"no TLS handshake within {OPEN_TIMEOUT_S:g} s"
+        return "no TLS handshake within the server's --handshake-timeout"
     if reason in ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "UNSUPPORTED_PROTOCOL"):
         return f"not TLS 1.3 ({reason}): plaintext or an older TLS version"
     return f"{reason} ({exc})"
@@ -114,6 +137,9 @@ class ServerNode:
     max_frame_bytes: int = MAX_FRAME_MIB << 20
     max_concurrent: int = MAX_CONCURRENT
     hello_seconds: float = HELLO_SECONDS
+    max_pending: int = MAX_PENDING
+    max_pending_per_address: int = MAX_PENDING_PER_ADDRESS
+    handshake_seconds: float = HANDSHAKE_SECONDS
     sessions: list[SessionRecord] = field(default_factory=list)
     on_session: Callable[[SessionRecord], None] | None = None
 
@@ -132,11 +158,16 @@ class ServerNode:
             ("--max-frame-tokens", self.max_frame_tokens),
             ("--max-frame-mib", self.max_frame_bytes),
             ("--max-concurrent", self.max_concurrent),
+            ("--max-pending", self.max_pending),
+            ("--max-pending-per-address", self.max_pending_per_address),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{flag} must be a positive integer, not {value!r}")
         if not self.hello_seconds > 0:
             raise ConfigError(f"--hello-timeout must be positive, not {self.hello_seconds!r}")
+        if not self.handshake_seconds > 0:
+            raise ConfigError(f"--handshake-timeout must be positive, not {self.handshake_seconds!r}")
+        self.gate = HandshakeGate(self.max_pending, self.max_pending_per_address, self.handshake_seconds)
         self._lock = threading.Lock()
         self._active = 0  # sessions running now
         self._server: Server | None = None
@@ -151,6 +182,7 @@ class ServerNode:
         return self.max_frame_bytes + ENVELOPE_BYTES
 
     def _handler(self, conn) -> None:
+        self.gate.opened(conn.socket)  # its handshakes are done: from here the hello deadline and the caps hold
         cap_messages(conn, HANDSHAKE_MESSAGE_BYTES)
         with self._lock:
             if self.max_sessions is not None and self._started >= self.max_sessions:
@@ -201,7 +233,8 @@ class ServerNode:
     def start(self) -> int:
         """Bind and return the port (an ephemeral one when ``port`` is 0); serve with ``serve_forever``."""
         ctx = server_context(self.tls_dir)
-        ctx.sslsocket_class = _LoggedSSLSocket  # a failed TLS handshake is logged (websockets drops it silently)
+        # a failed TLS handshake is logged (websockets drops it silently), once per address and window
+        ctx.sslsocket_class = type("_NodeSSLSocket", (_LoggedSSLSocket,), {"gate": self.gate})
         self._server = serve(
             self._handler,
             self.host,
@@ -211,8 +244,9 @@ class ServerNode:
             max_size=self.max_message_bytes(),
             ping_interval=None,
             server_header=None,
-            open_timeout=OPEN_TIMEOUT_S,
+            open_timeout=self.handshake_seconds,
         )
+        self._server.handler = self.gate.wrap(self._server.handler, self._server)  # bounded before the handshake
         self.port = int(self._server.socket.getsockname()[1])
         return self.port
 
