@@ -239,6 +239,12 @@ def test_a_tiny_reproduction_judges_its_claims_from_the_store_and_resumes(tiny):
     )
     words = next(j for j in rep.judgements["900"] if j.claim.id == "words")
     assert words.analogues == {} and set(got["level"].analogues) == {"deeper"}  # no arm to translate: none
+    assert (out / "claims-900.png").is_file() and "claims-900.png" in md  # the paper's number beside ours
+    from splitleak.reproduce.report import figure_points
+
+    placed = figure_points(rep.judgements["900"])
+    assert [p[0] for p in placed["differences (pp)"]] == ["gain"] and [p[0] for p in placed["levels (%)"]] == ["level"]
+    assert placed["differences (pp)"][0][3] == pytest.approx((100 * m.estimate, 100 * m.low, 100 * m.high))
     header = next(line for line in md.splitlines() if line.startswith("| claim "))
     assert [c.strip() for c in header.strip("|").split("|")][6] == "deeper"  # its column, after the verdict's why
     assert "Analogue 'deeper'" in md

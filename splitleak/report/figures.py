@@ -73,3 +73,40 @@ def recovery_cost_figure(
         ax.set_ylim(-3, 103)
         ax.grid(alpha=0.3)
     return save_png_svg(fig, out_stem, dpi=dpi)
+
+
+#: one claim on a claims figure: (label, the paper's point or None, the paper's range or None, ours: estimate,
+#: low, high or None, verdict)
+ClaimPoint = tuple[str, float | None, tuple[float, float] | None, tuple[float, float, float] | None, str]
+VERDICT_COLOURS = {"agrees": "C2", "disagrees": "C3", "underpowered": "C1", "no number": "C7"}
+
+
+def claims_figure(panels: dict[str, list[ClaimPoint]], out_stem: str | Path, dpi: int = 150) -> list[Path]:
+    """One panel per unit (levels in %, differences in pp), stacked, a row per claim at one spacing: per claim, the
+    paper's number (a black cross, or a black bar for a range) beside ours with its 95 % interval, coloured by
+    the verdict. Writes OUT.png/.svg."""
+    plt = pyplot()
+    rows = [len(p) for p in panels.values()]
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(8.0, 0.34 * sum(rows) + 1.0 * len(rows) + 0.6), constrained_layout=True,
+        squeeze=False, gridspec_kw={"height_ratios": [r + 1.5 for r in rows]},
+    )  # fmt: skip
+    for ax, (title, points) in zip(axes[:, 0], panels.items()):
+        for i, (_label, paper, span, ours, verdict) in enumerate(points):
+            y = len(points) - 1 - i
+            if span is not None:
+                ax.plot(span, [y + 0.15] * 2, color="black", lw=3, solid_capstyle="butt")
+            if paper is not None:
+                ax.scatter([paper], [y + 0.15], marker="x", color="black", s=36, zorder=3)
+            if ours is not None:
+                est, low, high = ours
+                colour = VERDICT_COLOURS.get(verdict, "C0")
+                if low == low and high == high:  # not NaN: an interval
+                    ax.plot([low, high], [y - 0.15] * 2, color=colour, lw=2)
+                ax.scatter([est], [y - 0.15], color=colour, s=24, zorder=3)
+        ax.set_ylim(-0.8, len(points) - 0.2)
+        ax.set_yticks(range(len(points)))
+        ax.set_yticklabels([p[0] for p in reversed(points)], fontsize=8)
+        ax.set_title(title)
+        ax.grid(axis="x", alpha=0.3)
+    return save_png_svg(fig, out_stem, dpi=dpi)

@@ -8,7 +8,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from splitleak.report.document import Document, Heading, Para, Table, render_html, render_markdown
+from splitleak.report.document import Document, Figure, Heading, Para, Table, render_html, render_markdown
+from splitleak.report.figures import claims_figure
 from splitleak.report.grid_common import pct, pp
 from splitleak.reproduce.claims import ClaimsFile
 from splitleak.reproduce.judge import ALPHA, TRAIN_METRICS, VERDICTS, Judgement
@@ -101,8 +102,33 @@ def counts(judgements: Sequence[Judgement]) -> dict[str, int]:
     return {v: sum(j.verdict == v for j in judgements) for v in VERDICTS}
 
 
+def figure_points(judgements: Sequence[Judgement]) -> dict[str, list[Any]]:
+    """The claims a figure can place: a share's level (%) or a difference of shares (pp) that we measured and
+    the paper gives a number or a range for; ratios and a run's own metrics (nats, perplexity) are left to the
+    table."""
+    panels: dict[str, list[Any]] = {"levels (%)": [], "differences (pp)": []}
+    for j in judgements:
+        st, p, m = j.claim.statistic, j.claim.paper, j.ours
+        kind = st.member if st.kind == "family" else st.kind
+        if m is None or st.metric in TRAIN_METRICS or kind not in ("level", "difference"):
+            continue
+        if p.estimate is None and p.range is None:
+            continue
+        scale = 100.0
+        point = None if p.estimate is None else p.estimate * scale
+        span = None if p.range is None else (p.range[0] * scale, p.range[1] * scale)
+        ours = (m.estimate * scale, m.low * scale, m.high * scale)
+        panels["levels (%)" if kind == "level" else "differences (pp)"].append(
+            (j.claim.id, point, span, ours, j.verdict)
+        )
+    return {k: v for k, v in panels.items() if v}
+
+
 def build_document(
-    files: Sequence[tuple[ClaimsFile, str]], judgements: dict[str, list[Judgement]], meta: dict[str, Any]
+    files: Sequence[tuple[ClaimsFile, str]],
+    judgements: dict[str, list[Judgement]],
+    meta: dict[str, Any],
+    figures: dict[str, Path] | None = None,
 ) -> Document:
     doc = Document("Reproducing the papers")
     doc.add(
@@ -129,6 +155,15 @@ def build_document(
     for f, digest in files:
         doc.add(Heading(2, f"{f.paper}: {f.title}"))
         doc.add(Para(f"Claims file version {f.version}, sha256 {digest}; read from {f.source}.", "note"))
+        if figures and f.paper in figures:
+            doc.add(
+                Figure(
+                    figures[f.paper],
+                    f"{f.paper}: the paper's number (black cross; a bar for a range) and ours with its 95 % "
+                    "interval, coloured by the verdict (green agrees, red disagrees, orange underpowered); the "
+                    "claims in % or pp that both give a number for.",
+                )
+            )
         for a in f.analogues:
             doc.add(Para(f"Analogue '{a.name}' (spec {a.spec}): {a.note}", "note"))
         names = [a.name for a in f.analogues]
@@ -185,7 +220,12 @@ def judgement_record(j: Judgement) -> dict[str, Any]:
 def write_report(
     out: Path, files: Sequence[tuple[ClaimsFile, str]], judgements: dict[str, list[Judgement]], meta: dict[str, Any]
 ) -> dict[str, Path]:
-    doc = build_document(files, judgements, meta)
+    figures = {}
+    for f, _ in files:
+        panels = figure_points(judgements[f.paper])
+        if panels:
+            figures[f.paper] = claims_figure(panels, out / f"claims-{f.paper}")[0]
+    doc = build_document(files, judgements, meta, figures)
     paths = {"md": out / "report.md", "html": out / "report.html", "json": out / "report.json"}
     paths["md"].write_text(render_markdown(doc, out))
     paths["html"].write_text(render_html(doc))
