@@ -309,7 +309,10 @@ def bound_sentence(results: list[dict[str, Any]], bound: dict[str, Any] | None) 
     read = ""
     if best is not None:
         t = best["intervals"]["tokens"]
-        read = f"the strongest reader ({attack_label(best)}) read {fmt_pct(t['estimate'])} % of tokens [{fmt_pct(t['low'])}, {fmt_pct(t['high'])}]; "
+        read = (
+            f"the strongest reader ({attack_label(best)}) read {fmt_pct(t['estimate'])} % of tokens "
+            f"[{fmt_pct(t['low'])}, {fmt_pct(t['high'])}]; "
+        )
         if t["low"] > bound["token_bound"] + 1e-9:
             return (
                 f"INSTRUMENT FAULT: {attack_label(best)} reads {fmt_pct(t['low'])} % of tokens at the lower end of "

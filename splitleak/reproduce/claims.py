@@ -106,10 +106,11 @@ class Statistic(BaseModel):
     def members(self) -> list["Statistic"]:
         """A family's members, in order: each treatment against each control at every combination of ``over``'s
         values. ``treatments`` are variants of ``treatment`` (its fields, theirs in place), ``controls`` of
-        ``control``; without variants the one arm is the member's. A combination's value is set on a treatment unless it names the key itself; a member's control is
-        its treatment with the control's fields in place (a control names what differs), so a control that names
-        only ``defence: none`` pairs each treatment with itself undefended. Identical members are kept once. A member whose treatment and
-        control contain the fields of an ``exclude`` entry's ``treatment`` and ``control`` is left out."""
+        ``control``; without variants the one arm is the member's. A combination's value is set on a treatment
+        unless it names the key itself; a member's control is its treatment with the control's fields in place
+        (a control names what differs), so a control that names only ``defence: none`` pairs each treatment with
+        itself undefended. Identical members are kept once. A member whose treatment and control contain the
+        fields of an ``exclude`` entry's ``treatment`` and ``control`` is left out."""
         if self.kind != "family":
             return []
         assert self.member is not None
