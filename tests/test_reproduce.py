@@ -265,6 +265,16 @@ def _priced_from_the_measured_seconds(out, plan):
     assert proj["missing"] == 0 and proj["doc_ratio"] == 1 and proj["step_ratio"] == 1
     train = sorted(r["seconds"] for r in read_results(store, "train", as_rows=True))
     assert min(train) * len(train) <= proj["train_s"] <= max(train) * len(train)  # one run's seconds per seed
+    # each attack job stands on a measured job of its configuration: its seconds and its twin's
+    from splitleak.experiments.cost import signature
+
+    by_sig: dict = {}
+    for r in {r["key"]: r for r in read_results(store, "attack", as_rows=True)}.values():
+        twin = (json.loads(r["result_json"]).get("control") or {}).get("seconds", 0.0)
+        by_sig.setdefault(signature(r), []).append(r["seconds"] + twin)
+    low = sum(len(v) * min(v) for v in by_sig.values())
+    high = sum(len(v) * max(v) for v in by_sig.values())
+    assert low - 1e-9 <= proj["attack_s"] <= high + 1e-9 and proj["attack_measured"] == sum(map(len, by_sig.values()))
     (row,) = price(plan, out)
     assert row.spec == spec and row.unmeasured == 0 and row.unit == "core-hours" and row.threads == threads
     assert row.hours == pytest.approx((proj["attack_s"] + proj["train_s"]) * threads / 3600, rel=1e-12)
