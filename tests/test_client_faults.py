@@ -300,6 +300,39 @@ def test_a_client_killed_mid_training_resumes_to_the_result_of_an_uninterrupted_
     }
     for name in ("capture-00000.safetensors", "capture-ledger.json"):
         assert (new / "wire" / name).read_bytes() == (ref / "wire" / name).read_bytes(), name
+    _assert_chain_read_whole(ref, new, tmp_path / "old", cap)
+
+
+def _assert_chain_read_whole(ref: Path, new: Path, old: Path, cap: Path) -> None:
+    """The resumed run's training traffic read whole on both sides, equal to the uninterrupted run's: the
+    client killed by SIGKILL had flushed its frames before the checkpoint it resumed from; and a chain with
+    its earlier run missing or changed is refused, naming it."""
+    from splitleak.errors import IntegrityError
+    from splitleak.report.compare import load_summary
+    from splitleak.runs.captures import load_capture
+
+    assert load_capture(new, "train", whole=False).steps.tolist() == [2, 3, 4, 5]
+    r = runner.invoke(app, ["verify", str(new)])
+    assert r.exit_code == 0 and "the training traffic reads whole, 6 steps each once" in " ".join(r.output.split())
+    for a, b in [(ref, new), (cap / "session-0000", cap / "session-0002")]:
+        x, y = load_capture(a, "train"), load_capture(b, "train")
+        assert x.steps.tolist() == y.steps.tolist() == list(range(6))
+        assert torch.equal(x.doc_ids, y.doc_ids)
+        for name in ("activations", "gradients", "trunk_output", "output_gradients"):
+            t, u = getattr(x, name), getattr(y, name)
+            assert t is not None and u is not None and torch.equal(t, u), name
+    moved = old.with_name("moved")
+    old.rename(moved)
+    with pytest.raises(IntegrityError, match=r"continues a run that is not found \(looked in .*old"):
+        load_capture(new, "train")
+    moved.rename(old)
+    shard = sorted((old / "wire").glob("train-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1] + b"x")
+    with pytest.raises(IntegrityError, match="continues .*old, which does not verify: .*content differs"):
+        load_capture(new, "train")
+    r = runner.invoke(app, ["verify", str(new)])
+    assert r.exit_code == 1 and "which does not verify" in " ".join(r.output.split())
+    assert "which does not verify" in (load_summary(new).unverified or "")
 
 
 @pytest.mark.integration

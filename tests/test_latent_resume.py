@@ -27,9 +27,10 @@ from served import REPO, Served, ServeProcess, child_env, sessions_ended
 from typer.testing import CliRunner
 
 from splitleak.attacks.gauge_keysearch import GaugeKeySearch
-from splitleak.attacks.partition import LatentTraffic, load_latent_traffic
+from splitleak.attacks.partition import LatentTraffic, latent_traffic, load_latent_traffic
 from splitleak.cli import app
 from splitleak.errors import ConfigError
+from splitleak.runs.chain import read_wire_whole
 from splitleak.runs.journal import journal_entries
 from splitleak.runs.store import RunStore
 from splitleak.runs.verify import verify_run
@@ -213,8 +214,20 @@ def _same_as_reference(new: Path, session: Path, reference: tuple[Path, Path], a
     assert ref_m["privacy"]["max_releases_of_a_row"] > 1 and ref_m["heldout_ce"] > 0
     for name in ("capture-00000.safetensors", "capture-ledger.json"):
         assert (new / "wire" / name).read_bytes() == (ref / "wire" / name).read_bytes(), name
-    # the train-phase capture holds the frames from the resumed step on, as the manifest says
-    assert sorted({f.step for f in load_latent_traffic(new, "train").frames}) == list(range(after, 6))
+    # the train-phase capture holds the frames from the resumed step on, as the manifest says; read whole
+    # (with those of the run it continues, on both sides), the training traffic is the uninterrupted run's
+    assert sorted({f.step for f in load_latent_traffic(new, "train", whole=False).frames}) == list(range(after, 6))
+
+    def frames(run: Path) -> list:  # a server session has no client manifest: its frames joined as the reader does
+        return latent_traffic("train", [r.frame for r in read_wire_whole(run, "train")], 1).frames
+
+    for a, b in [(ref, new), (ref_session, session)]:
+        x, y = frames(a), frames(b)
+        assert sorted({f.step for f in y}) == list(range(6)) and len(x) == len(y)
+        for f, g in zip(x, y):
+            assert (f.frame_id, f.step) == (g.frame_id, g.step) and all(
+                torch.equal(getattr(f, w), getattr(g, w)) for w in ("x", "ret", "g_out", "g_in")
+            )
     assert json.loads((new / "manifest.json").read_text())["resumed_from"]["after_steps"] == after
     assert not checkpoint_folder(new).exists()
 
@@ -287,7 +300,7 @@ def test_a_latent_client_killed_under_os_entropy_resumes_keyed_by_its_checkpoint
     assert json.loads((new / "latent" / "secret.json").read_text())["noise_and_decoy_key"] == secret.hex()
     public = manifest["config"]["latent"]
     train, capture = load_latent_traffic(new, "train"), load_latent_traffic(new, "capture")
-    assert sorted({f.step for f in train.frames}) == [2, 3, 4, 5] and len(capture.frames) == 4
+    assert sorted({f.step for f in train.frames}) == list(range(6)) and len(capture.frames) == 4  # read whole
     for traffic in (train, capture):
         assert all(_keyed_by(traffic, secret, public))
         assert not any(_keyed_by(traffic, os.urandom(16), public))  # the check can fail: another key

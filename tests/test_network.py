@@ -643,11 +643,35 @@ def test_train_resumes_after_a_killed_server_with_the_same_final_weights(tls, tm
     # the capture pass ran whole after the resume: the same frames; the train phase holds steps 4-6
     ref_wire, new_wire = _files(ref.run_dir), _files(new.run_dir)
     assert new_wire["capture-00000.safetensors"] == ref_wire["capture-00000.safetensors"]
-    steps = load_capture(new.run_dir, "train").steps
+    steps = load_capture(new.run_dir, "train", whole=False).steps
     assert steps is not None and steps.tolist() == [4, 5, 6]
+    _assert_read_whole(ref.run_dir, new.run_dir, ref_session, cap / "session-0001", cap / "session-0000")
     assert not checkpoint_folder(new.run_dir).exists() and not any(ck.iterdir())
     with pytest.raises(ConfigError, match="is complete; there is nothing to resume"):
         run_training(cfg, tmp_path / "again", device="cpu", connect="127.0.0.1:1", tls_dir=tls, resume=new.run_dir)
+
+
+def _assert_read_whole(ref: Path, new: Path, ref_session: Path, session: Path, before: Path) -> None:
+    """Both sides of a resumed training read whole: the training frames of the runs it continues joined to
+    its own, equal to the uninterrupted run's, frame for frame; an attack on them reads what it reads there."""
+    from splitleak.attacks import make_attack_config
+    from splitleak.audit.evaluate import run_attack
+    from splitleak.privacy.bound import count_crossings
+
+    for a, b in [(ref, new), (ref_session, session)]:
+        x, y = load_capture(a, "train"), load_capture(b, "train")
+        assert y.steps is not None and y.steps.tolist() == x.steps.tolist() == sorted(x.steps.tolist())
+        assert torch.equal(x.doc_ids, y.doc_ids) and torch.equal(x.activations, y.activations)
+        assert x.gradients is not None and y.gradients is not None and torch.equal(x.gradients, y.gradients)
+    # the server session killed mid-run holds the frames its checkpoint vouched for: it flushed them there
+    assert set(load_capture(before, "train", whole=False).steps.tolist()) >= {0, 1, 2, 3}
+    # every crossing counts toward the privacy bound, the steps sent again after the resume included
+    assert sum(c["activations"] for c in count_crossings(new, ["train"]).values()) > sum(
+        c["activations"] for c in count_crossings(ref, ["train"]).values()
+    )
+    cfg = make_attack_config(attack="activation", params={"k": 8}, phase="train")
+    got, want = run_attack(new, cfg)["per_doc"], run_attack(ref, cfg)["per_doc"]
+    assert len(got) == len(load_capture(ref, "train").doc_ids) and got == want
 
 
 @pytest.mark.integration

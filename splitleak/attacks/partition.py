@@ -38,6 +38,7 @@ from pydantic import NonNegativeFloat
 from scipy.optimize import minimize
 
 from splitleak.errors import ConfigError, IntegrityError
+from splitleak.runs.chain import read_wire_whole
 from splitleak.runs.manifest import read_manifest
 from splitleak.runs.wire import read_wire
 from splitleak.training.config import LatentConfig
@@ -70,13 +71,17 @@ class LatentTraffic:
         return len(self.frames)
 
 
-def load_latent_traffic(run_dir: str | Path, phase: str) -> LatentTraffic:
-    """The frames of one phase of a latent run's capture, joined per frame id across the four wires."""
+def load_latent_traffic(run_dir: str | Path, phase: str, whole: bool = True) -> LatentTraffic:
+    """The frames of one phase of a latent run's capture, joined per frame id across the four wires; with
+    ``whole``, a resumed run's training phase with the frames of the runs it continues."""
     manifest = read_manifest(run_dir)
     if manifest.get("mode") != "latent" and (manifest.get("config") or {}).get("latent") is None:
         raise ConfigError(f"{run_dir} is not a latent-mode run; partition attacks read the decoy system's frames")
     return latent_traffic(
-        phase, [rec.frame for rec in read_wire(run_dir, phase)], int(manifest["config"]["doc_len"]), where=run_dir
+        phase,
+        [rec.frame for rec in (read_wire_whole(run_dir, phase) if whole else read_wire(run_dir, phase))],
+        int(manifest["config"]["doc_len"]),
+        where=run_dir,
     )
 
 

@@ -356,6 +356,7 @@ def verify_cmd(run_dir: Path = typer.Argument(..., help="a run directory")) -> N
     """Re-hash every file of a run against its hash-chained journal and, for a complete run, re-encode
     every recorded frame against the channels' ledgers of what crossed. Exit 0 when intact."""
     # lazy: torch stays out of `splitleak --help`
+    from splitleak.runs.chain import verify_chain
     from splitleak.runs.verify import verify_run
     from splitleak.runs.wire import verify_wire
 
@@ -364,6 +365,11 @@ def verify_cmd(run_dir: Path = typer.Argument(..., help="a run directory")) -> N
     if res.ok and res.status == "complete":
         try:
             message += "; " + verify_wire(run_dir)
+        except IntegrityError as exc:
+            res.ok, message = False, f"{message}, but {exc}"
+    if res.ok:  # a resumed run: the runs it continues, each verified, and every training step once
+        try:
+            message += "".join(f"; {line}" for line in [verify_chain(run_dir)] if line)
         except IntegrityError as exc:
             res.ok, message = False, f"{message}, but {exc}"
     if res.ok:

@@ -17,6 +17,7 @@ from websockets.exceptions import ConnectionClosed
 
 from splitleak.defences import DefenceChain
 from splitleak.models import SplitModel, load_model
+from splitleak.runs.chain import resumed_record
 from splitleak.runs.store import RunStore
 from splitleak.runtime import package_versions
 from splitleak.training.checkpoint import CheckpointDir, mode_of, restore_state, state_tensors
@@ -126,6 +127,7 @@ class Session:
         self.token: str | None = None  # names this training's checkpoints, for a later resume
         self.checkpoint_every: int | None = None
         self.resumed: int | None = None
+        self.resumed_capture: str | None = None
 
     # ------------------------------------------------------------ messages
     def _envelope(self, header: dict[str, Any], payload: bytes = b"") -> bytes:
@@ -342,22 +344,26 @@ class Session:
                 )
             restore_state(self.role.params, self.role.opt, tensors, record)
             self.token, self.resumed, self.last_step = token, got, got - 1
+            self.resumed_capture = record.get("capture")  # the session capture holding the steps before
         elif folder is not None and every is not None:
             self.token = new_nonce()
         self.checkpoint_every = every if folder is not None else None
 
-    def _checkpoint(self, frame: Frame) -> None:
+    def _checkpoint(self, frame: Frame) -> bool:
         """After the frame that completes a training step (the forward in a plain split, the trunk's
         backward in a U-shape, the surrogate's in the latent mode), every ``checkpoint_every`` steps: write
         the server's checkpoint, before the reply, so the client's newest checkpoint is never ahead of the
-        server's."""
-        assert self.role is not None and self.node.checkpoints is not None and self.token is not None
+        server's. Whether it wrote one (the reply's frames are then flushed to the capture)."""
         done = frame.step + 1
         if self.checkpoint_every is None or done % self.checkpoint_every:
-            return
+            return False
+        assert self.role is not None and self.node.checkpoints is not None and self.token is not None
         tensors, record = state_tensors(self.role.params, self.role.opt)
         record.update(config_hash=self.config.hash(), mode=mode_of(self.config.latent))
+        if self.store is not None:
+            record["capture"] = str(self.store.root.resolve())
         CheckpointDir(Path(self.node.checkpoints) / self.token).save(done, tensors, record)
+        return True
 
     def _open_store(self) -> None:
         assert self.node.capture is not None
@@ -386,8 +392,15 @@ class Session:
                 "checkpoints": {"every": self.checkpoint_every, "token": self.token},
                 "released_client_side_elements": self.freed,
                 "resumed_after_steps": self.resumed,
+                **self._resumed_from(root),
             },
         )
+
+    def _resumed_from(self, root: Path) -> dict[str, Any]:
+        """A resumed session's record of the session capture that holds its steps before the resume."""
+        if self.resumed is None or self.resumed_capture is None:
+            return {}
+        return {"resumed_from": resumed_record(self.resumed_capture, self.resumed, root, token=self.token)}
 
     # ------------------------------------------------------------ frames
     def _switch_phase(self, phase: str) -> None:
@@ -434,10 +447,11 @@ class Session:
             )
         if frame.phase == "train" and frame.kind == "forward":
             self.last_step = frame.step
-        if frame.phase == "train" and frame.kind == self.completes and self.checkpoint_every is not None:
-            self._checkpoint(frame)
+        saved = frame.phase == "train" and frame.kind == self.completes and self._checkpoint(frame)
         blob = encode(reply)
         self.ledger.record(decode(blob), blob)
+        if saved and self.recorder is not None:
+            self.recorder.flush()  # every frame before the checkpoint in the capture: a resume reads them there
         self._send(frame_header(reply, blob, self.send_seq), blob)
         self.rec.frames += 1
 

@@ -54,13 +54,15 @@ def reconstruction_bound(mu: float, kappa: float) -> float:
 
 def count_crossings(run_dir: str | Path, phases: Sequence[str] | None = None) -> dict[int, dict[str, int]]:
     """Document id -> content channel -> how many times its rows crossed, from the run's recorded wire (every
-    phase the tap recorded, or ``phases``)."""
+    phase the tap recorded, or ``phases``); for a resumed run with the runs it continues, counting too the
+    steps sent before a kill and again after the resume (each crossed)."""
     # lazy: reading the wire imports torch and safetensors
-    from splitleak.runs.wire import read_wire, wire_phases
+    from splitleak.runs.chain import read_wire_whole
+    from splitleak.runs.wire import wire_phases
 
     out: dict[int, dict[str, int]] = {}
     for phase in phases or wire_phases(run_dir):
-        for rec in read_wire(run_dir, phase):
+        for rec in read_wire_whole(run_dir, phase, redone=True):
             channels = [c for c in rec.header["channels"] if c in CONTENT_CHANNELS]
             for doc in rec.frame.doc_ids:
                 per = out.setdefault(int(doc), {})

@@ -21,9 +21,10 @@ from splitleak.audit.evaluate import attack_label as _label
 from splitleak.audit.run import utility_baseline
 from splitleak.audit.stages import STAGES, audit_state
 from splitleak.data import LABELS
-from splitleak.errors import SplitleakError
+from splitleak.errors import IntegrityError, SplitleakError
 from splitleak.metrics import fmt_pct
 from splitleak.report.figures import recovery_cost_figure
+from splitleak.runs.chain import verify_chain
 from splitleak.runs.journal import read_run_json
 from splitleak.runs.verify import verify_run
 from splitleak.training.config import TrainConfig, config_from_record
@@ -94,6 +95,11 @@ def load_summary(path: str | Path) -> RunSummary:
     manifest, metrics = read_run_json(run, "manifest.json"), read_run_json(run, "metrics.json")
     v = verify_run(run)  # metrics.json edited (a held-out CE of 0.123, NaN) is not what the run measured
     unverified = None if v.ok and v.status == "complete" else (v.message if not v.ok else f"the run {v.status}")
+    if unverified is None:  # a resumed run: what it trained on is whole only with the runs it continues
+        try:
+            verify_chain(run)
+        except IntegrityError as exc:
+            unverified = str(exc)
     if run != path and unverified is None:  # an audit: ΔU as it derives it, from its verified runs only
         metrics, twin_problem = _audit_delta_u(path, manifest, metrics)
         unverified = twin_problem

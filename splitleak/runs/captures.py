@@ -14,6 +14,10 @@ one link, groups its frames into exchanges (a forward frame and the frames that 
 - ``steps``: the training step of each document's frame (-1 in the capture pass); the client
   weights that produced it are those after that many steps.
 
+The training phase of a resumed run is read whole by default: the frames of the runs it continues
+before the step it resumed from, then its own (``splitleak.runs.chain``); ``whole=False`` reads only
+the run's own frames.
+
 Run directories written before the tap recorded whole frames (journal kind ``captures``) still read,
 with the forward and backward document rows only.
 """
@@ -27,6 +31,7 @@ from pathlib import Path
 import torch
 
 from splitleak.errors import IntegrityError, NonFiniteError
+from splitleak.runs.chain import read_wire_whole
 from splitleak.runs.journal import journal_entries, read_tensors
 from splitleak.runs.wire import WireRecord, read_wire, wire_phases
 
@@ -70,9 +75,10 @@ def _declares_gradient(run_dir: str | Path) -> bool:
     return any(c.get("name") == "gradient" for c in channels)
 
 
-def load_capture(run_dir: str | Path, phase: str = "capture", link: str | None = None) -> Capture:
+def load_capture(run_dir: str | Path, phase: str = "capture", link: str | None = None, whole: bool = True) -> Capture:
     """One phase of a run's recorded wire on one link (default: ``main``, or the first replica),
-    every shard checked against its journal hash."""
+    every shard checked against its journal hash; with ``whole``, a resumed run's training phase with the
+    frames of the runs it continues (``read_wire_whole``)."""
     phases = wire_phases(run_dir)
     if not phases:
         legacy = capture_shards(run_dir)
@@ -83,7 +89,7 @@ def load_capture(run_dir: str | Path, phase: str = "capture", link: str | None =
         raise IntegrityError(f"{run_dir} holds no recorded traffic; the run failed or was stopped before capture")
     if phase not in phases:
         raise IntegrityError(f"{run_dir} recorded no {phase!r} traffic (it has: {', '.join(phases)})")
-    records = read_wire(run_dir, phase)
+    records = read_wire_whole(run_dir, phase) if whole else read_wire(run_dir, phase)
     links = links_of(records)
     link = link or ("main" if "main" in links else links[0])
     if link not in links:

@@ -32,6 +32,7 @@ from safetensors.torch import load, save
 
 from splitleak.errors import ConfigError, IntegrityError
 from splitleak.files import canonical_json, sha256_bytes, sha256_file, write_atomic
+from splitleak.runs.chain import resumed_record
 from splitleak.runs.journal import JOURNAL, read_run_json
 from splitleak.runs.verify import verify_run
 from splitleak.wire.transport import TransportError
@@ -145,10 +146,16 @@ class CheckpointDir:
         return done, tensors, record, sha256_bytes(data)
 
 
-def save_recorded(folder: CheckpointDir, store: Any, done: int, tensors: dict, record: dict[str, Any]) -> None:
+def save_recorded(
+    folder: CheckpointDir, store: Any, done: int, tensors: dict, record: dict[str, Any], tap: Any = None
+) -> None:
     """The client's checkpoint after ``done`` steps: written whole, recorded in its run's journal (``store``)
     with the file's SHA-256, and only then the previous one deleted, so that a kill at any point leaves a
-    checkpoint the journal vouches for (what ``resume_point`` trusts)."""
+    checkpoint the journal vouches for (what ``resume_point`` trusts). ``tap``: the training phase's tap,
+    flushed first, so that the journal holds every frame before a checkpoint it records (a run resumed from
+    it is read whole with this one's frames, ``splitleak.runs.chain``)."""
+    if tap is not None:
+        tap.flush()
     path, sha = folder.save(done, tensors, record, prune=False)
     store.add("checkpoint", None, {"done": done, "file": path.name, "sha256": sha})
     folder.prune()
@@ -174,15 +181,16 @@ def welcomed(remote: Any, point: ResumePoint | None, every: int | None) -> tuple
     return every, None
 
 
-def resumed_from(resume: str | Path, point: ResumePoint) -> dict[str, Any]:
-    """The manifest's record of the run a resumed run continues."""
-    return {
-        "run": str(resume),
-        "after_steps": point.done,
-        "checkpoint_sha256": point.sha256,
-        "note": "the train-phase capture holds the frames from the resumed step on; the frames before it are "
-        "in the capture of the run named here",
-    }
+def resumed_from(resume: str | Path, point: ResumePoint, out: str | Path) -> dict[str, Any]:
+    """The manifest's record of the run a resumed run (in ``out``) continues."""
+    return resumed_record(
+        resume,
+        point.done,
+        out,
+        checkpoint_sha256=point.sha256,
+        note="the train-phase capture holds the frames from the resumed step on; the frames before it are in the "
+        "capture of the run named here, and readers join them (splitleak.runs.chain)",
+    )
 
 
 def mode_of(latent: Any) -> str:

@@ -126,7 +126,7 @@ def _truth(tensors: dict[str, torch.Tensor]) -> list[FrameTruth]:
 
 
 def latent_checkpointer(
-    out: str | Path, store: RunStore, config: TrainConfig, token: str, every: int, log: LatentLog
+    out: str | Path, store: RunStore, config: TrainConfig, token: str, every: int, log: LatentLog, tap: Any = None
 ) -> Callable[[int, LatentClient], None]:
     """What the client does after each training step: every ``every`` steps (not after the last), its
     checkpoint into ``OUT.checkpoints/``, recorded in the run's journal before the previous one goes."""
@@ -137,6 +137,6 @@ def latent_checkpointer(
             return
         tensors, record = latent_state(client, log)
         record.update(config_hash=config.hash(), token=token)
-        save_recorded(folder, store, done, tensors, record)
+        save_recorded(folder, store, done, tensors, record, tap=tap)
 
     return on_step

@@ -242,7 +242,7 @@ def _manifest(run: LatentRun) -> dict[str, Any]:
         manifest["checkpoints"] = {"every": run.checkpoint_every, "not_resumable": run.not_resumable}
         if run.point is not None:
             assert run.resume is not None
-            manifest["resumed_from"] = resumed_from(run.resume, run.point)
+            manifest["resumed_from"] = resumed_from(run.resume, run.point, run.out)
     return manifest
 
 
@@ -269,7 +269,7 @@ def _train(run: LatentRun) -> None:
     on_step = None
     if run.checkpoint_every is not None:
         token = run.remote.welcome["token"]
-        on_step = latent_checkpointer(run.out, run.store, config, token, run.checkpoint_every, run.log)
+        on_step = latent_checkpointer(run.out, run.store, config, token, run.checkpoint_every, run.log, tap=train_tap)
     train_latent(
         run.client, run.docs.train, seed=config.seed, steps=config.n_steps, progress=run.progress, log=run.log,
         start=start, on_step=on_step,

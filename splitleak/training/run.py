@@ -288,7 +288,7 @@ def _write_manifest(run: SplitRun) -> None:
         manifest["checkpoints"] = {"every": run.checkpoint_every, "not_resumable": run.not_resumable}
         if point is not None:
             assert run.resume is not None
-            manifest["resumed_from"] = resumed_from(run.resume, point)
+            manifest["resumed_from"] = resumed_from(run.resume, point, run.out)
     run.store.add_json("manifest", "manifest.json", manifest)
     run.store.add_json("documents", "documents.json", run.docs.to_json())
     if run.secret is not None:
@@ -354,7 +354,7 @@ def _checkpointer(run: SplitRun) -> Callable[[int, Any], None] | None:
         record.update(config_hash=config.hash(), token=token, losses=log.losses, doc_ids=log.doc_ids)
         if secret is not None:
             record["draws_secret"] = secret.hex()
-        save_recorded(folder, store, done, tensors, record)
+        save_recorded(folder, store, done, tensors, record, tap=run.end.train_tap)
 
     return on_step
 
