@@ -45,11 +45,15 @@ PARAMS = {
     "mixup-unmix": {"k": 32},
     "mixup-history": {"k": 32},
     "gma-sl-aware": {"steps": 150},
+    "crossings-aware": {"k": 32},
     "sipit": {"budget": 32},
     "activation": {"k": 32},
     "joint": {"k": 32},
     "gma-sl": {"steps": 150},
 }
+
+#: the readers of a document's repeated crossings, and the passes their positive control trains
+PASSES = {"crossings-aware": 3}
 
 
 def _pairs():
@@ -107,10 +111,12 @@ def test_knowing_the_defence_changes_what_its_adaptive_attack_reads(shared_run, 
         run = shared_run(**SHIELDED, shielded={"bottom": 1, "top": 1}, defences=spec, seed=0, data_seed=0)
     elif setting == "loud":
         run = shared_run(**PLAIN, seed=0, data_seed=0)  # clean traffic, rounded here at a loud row's scale
+    elif attack in PASSES:  # a reader of every crossing: its control is the training traffic of several passes
+        run = shared_run(**{**PLAIN, "steps": PASSES[attack] * PLAIN["n_train"]}, defences=spec, seed=0, data_seed=0)
     else:
         run = shared_run(**PLAIN, defences=spec, seed=0, data_seed=0)
     known = load_knowledge(run, "public", with_top=setting == "shielded")
-    traffic = load_traffic(run)
+    traffic = load_traffic(run, phase="train" if attack in PASSES else "capture")
     if setting == "loud":
         known = dataclasses.replace(known, defences=tuple(spec))
         traffic = _loud(traffic, known)

@@ -183,6 +183,7 @@ def test_the_chain_names_each_adaptive_attack_once_with_the_defences_it_serves()
         "activation-aware": ("quant8", "clip-noise"),
         "joint-aware": ("quant8", "clip-noise"),
         "seed-search": ("clip-noise",),
+        "crossings-aware": ("clip-noise",),
     }
     backward_only = DefenceChain([build_defence("clip-noise", {"where": "backward"})], seed=0)
     assert backward_only.adaptive_attacks("plain") == {}  # one crossing's read-out ranks as it would unnoised

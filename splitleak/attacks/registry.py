@@ -50,6 +50,9 @@ class AttackInfo:
     #: that the jobs of one run and copy that differ only in their seed compute it once (``audit.evaluate``;
     #: ``tests/test_registry.py`` checks the claim on every such attack)
     seeded: bool = True
+    #: it reads every crossing of a document at once (the training passes): on traffic where each document
+    #: crossed once it is the attack it adapts, so the audit and the grids run it on the training traffic only
+    passes: bool = False
 
     @property
     def display(self) -> str:
@@ -114,6 +117,17 @@ REGISTRY: dict[str, AttackInfo] = {
             adaptive=True,
             adapts="activation",
             label="activation (defence-aware)",
+        ),
+        AttackInfo(
+            "crossings-aware",
+            f"{_A}.crossings:CrossingsAware",
+            "activation-aware on the mean of every crossing of each document (the training passes, which the frame "
+            "headers name), whose noise the mean divides by the square root of their count; read it with --phase train",
+            reads=("activations",),
+            adaptive=True,
+            adapts="activation-aware",
+            label="activation (defence-aware, all crossings)",
+            passes=True,
         ),
         AttackInfo(
             "seed-search",

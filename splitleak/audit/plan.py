@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from splitleak.attacks.registry import attack_info
 from splitleak.errors import ConfigError
 from splitleak.models import preset_available
 
@@ -81,7 +82,8 @@ def audit_attacks(
 ) -> list[tuple[str, dict[str, Any], str]]:
     """``AUDIT_ATTACKS`` with the exact-inversion check's bound (``certify``: checks per position, or
     ``exhaustive``), plus each defence-aware attack whose channel the traffic carries, plus the attacks built
-    for the run's defences (``adaptive``: name -> the defences it is built for) on the public copy, and
+    for the run's defences (``adaptive``: name -> the defences it is built for) on the public copy (but the
+    readers of every crossing, ``AttackInfo.passes``, which read the training traffic), and
     ``sipit-aware`` on the trained copy too, where it is the exact-inversion check through the defence."""
     check_certify(certify)
     base = [
@@ -93,6 +95,8 @@ def audit_attacks(
     ] + list(MODE_ATTACKS.get(mode, ()))
     built = []
     for name in adaptive or {}:
+        if attack_info(name).passes:  # read on the training traffic (splitleak.audit.passes)
+            continue
         built.append((name, dict(ADAPTIVE_PARAMS.get(name, {})), "public"))
         if name == "sipit-aware":
             built.append((name, {**ADAPTIVE_PARAMS[name], "budget": certify}, "trained"))

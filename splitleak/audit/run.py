@@ -27,17 +27,16 @@ import numpy as np
 import torch
 
 from splitleak.attacks import load_knowledge, load_traffic, make_attack_config
-from splitleak.audit.analysis import read_result
 from splitleak.audit.bounds import audit_bound
 from splitleak.audit.calibrate import CalibrationResult, calibrate, read_calibration
 from splitleak.audit.channels import channel_table, run_declaration
-from splitleak.audit.defaults import AUDIT_N_EVAL, AUDIT_N_TRAIN
+from splitleak.audit.defaults import AUDIT_EPOCHS, AUDIT_N_EVAL, AUDIT_N_TRAIN
 from splitleak.audit.evaluate import attack_label, run_attack
 from splitleak.audit.examples import example_documents
 from splitleak.audit.gate import GateThresholds, audit_utility, gate_record, shipped_thresholds
+from splitleak.audit.passes import whole_traffic_stage
 from splitleak.audit.plan import AUDIT_MODES, CERTIFY_CHECKS, DEFAULT_DEPTH, audit_attacks, check_certify, split_fields
-from splitleak.audit.predictions import read_predictions
-from splitleak.audit.stages import START_AGAIN, AuditStages
+from splitleak.audit.stages import START_AGAIN, AuditStages, finished_attack
 from splitleak.audit.verdicts import CONTROL_DOCS, arm_effects, arm_gate, recovery_intervals
 from splitleak.data import N_CALIB
 from splitleak.errors import ConfigError, SplitleakError
@@ -152,6 +151,7 @@ def run_audit(
     data_path: str | None = None,
     seed: int = 0,
     steps: int | None = None,
+    epochs: int | None = None,
     draws: str = "os",
     n_calib: int = N_CALIB,
     n_train: int = AUDIT_N_TRAIN,
@@ -176,6 +176,9 @@ def run_audit(
     ``control_docs``: documents of each arm's mis-paired negative control (``splitleak.audit.verdicts``;
     0 runs none, and the verdict then says the controls were not run).
 
+    ``epochs``: passes over the ``n_train`` training documents (default ``AUDIT_EPOCHS``), or ``steps`` (not
+    both). Under a noise defence the training traffic of every pass is read too (``splitleak.audit.passes``).
+
     ``mode``: the split (``AUDIT_MODES``): ``plain`` (the labels cross to the server for its loss),
     ``u-shape`` (the server runs blocks ``depth`` … n−2, the client keeps the last block, the head, the
     labels and the loss) or ``label-shielded`` (003: Bottom of ``depth`` blocks and Top of up to
@@ -194,6 +197,7 @@ def run_audit(
     # the stages a stopped audit finished, their files checked against its record, before anything is loaded
     prior = AuditStages.prior(out) if resume and out.is_dir() and any(out.iterdir()) else None
     check_options(certify, mode, control_docs, server_capture, connect)  # before anything is trained or written
+    steps = audit_steps(steps, epochs, n_train)
     lm = load_model(model, seed=model_init_seed(seed), model_path=model_path)
     depth = _audit_depth(depth, lm.info["n_blocks"], model, say)
     defended = any(d["name"] != "none" for d in defences or [])
@@ -241,6 +245,15 @@ def check_options(
         raise ConfigError(f"--control-docs takes 0 (no controls) or at least 2 documents, got {control_docs}")
     if server_capture is not None and connect is None:
         raise ConfigError("--server-capture is the capture folder of the server that --connect names; pass both")
+
+
+def audit_steps(steps: int | None, epochs: int | None, n_train: int) -> int:
+    """The audit's training steps: ``steps``, or ``epochs`` passes (default ``AUDIT_EPOCHS``) over the documents."""
+    if steps is not None and epochs is not None:
+        raise ConfigError("--steps and --epochs both set the training steps; pass one")
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+        raise ConfigError(f"--epochs takes a number of passes over the training documents (>= 1), got {epochs!r}")
+    return steps if steps is not None else n_train * (epochs or AUDIT_EPOCHS)
 
 
 def _audit_depth(depth: int | None, n_blocks: int, model: str, say: Callable[[str], None]) -> int:
@@ -311,6 +324,7 @@ def _audit_stages(a: _Audit, lm) -> AuditResult:
     seen = _traffic(a)
     th = shipped_thresholds()  # the audit runs on embedded defaults: the shipped gate_002's gate, α and utility gate
     results, predictions, controls = _attack_stages(a, knowledges, seen, th)
+    whole = whole_traffic_stage(a, knowledges["public"], seen, adaptive_attacks_of(a.cfg))  # every pass, at once
     truth = eval_token_ids(out / "run", seen.traffic.doc_ids)
     bound = audit_bound(
         seen.folder, a.cfg.defences, a.mode, a.cfg.draws, seen.traffic.doc_ids, truth, a.pristine.model
@@ -354,6 +368,7 @@ def _audit_stages(a: _Audit, lm) -> AuditResult:
         "attacks": results,
         "verdicts": verdicts,
         "bound": bound,
+        "whole_traffic": whole,
         "cost": cost,
         "utility_baseline": baseline,
         "channels": channel_table(out / "run", results, calibrated=CALIBRATED_CHANNELS),
@@ -449,7 +464,7 @@ def _attack_stage(
     path = a.out / "attacks" / f"{stem}.json"
     a.stages.data["current"] = f"attack {stem}"
     if a.stages.done(f"attack:{stem}"):
-        res = _finished_attack(path, acfg, a.cfg.hash())
+        res = finished_attack(path, acfg, a.cfg.hash())
         a.say(f"resume: attack {stem} ({path.name} as recorded)")
         return res
     a.stages.clear_files(f"attacks/{stem}.json", f"attacks/{stem}.parquet")
@@ -468,7 +483,7 @@ def _attack_stage(
         protocol_hash=th.protocol_hash,  # `protocol analyse gate_002.yaml OUT/attacks` reads them
     )
     a.stages.finish(f"attack:{stem}", [f"attacks/{stem}.json", f"attacks/{stem}.parquet"])
-    return _finished_attack(path, acfg, a.cfg.hash())
+    return finished_attack(path, acfg, a.cfg.hash())
 
 
 def _calibration_stage(a: _Audit, knowledges: dict[str, Any], traffic, th: GateThresholds) -> CalibrationResult:
@@ -521,22 +536,6 @@ def _twin_stage(a: _Audit, m: dict[str, Any]) -> dict[str, Any]:
         "rel_ppl_change": m["perplexity"] / tm["perplexity"] - 1.0 if measured else None,
         "ce_change": m["heldout_ce"] - tm["heldout_ce"] if measured else None,
     }
-
-
-def _finished_attack(path: Path, acfg, run_config_hash: str) -> dict[str, Any]:
-    """An attack result the audit wrote (``path``: RESULT.json, its predictions beside it), read back and
-    checked: its hashes (``read_result``), the predictions' digest, and that it is this attack on this run.
-    The dictionary ``run_attack`` returned, with ``per_doc`` holding the predictions."""
-    res = read_result(path)
-    if res is None or res.get("config_hash") != acfg.hash() or res["run"].get("config_hash") != run_config_hash:
-        raise SplitleakError(
-            f"{path} is not the result of the audit's attack {acfg.attack} on its run (another attack or run wrote "
-            f"it); {START_AGAIN}"
-        )
-    res["per_doc"] = read_predictions(path, res, ["doc_id", "predicted"])
-    res.pop("predictions", None)
-    res.pop("predictions_sha256", None)
-    return res
 
 
 def _stage_to_train(stages, out: Path, name: str, cfg, what: str, say) -> bool:

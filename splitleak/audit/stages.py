@@ -18,7 +18,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from splitleak.audit.analysis import read_result
 from splitleak.audit.evaluate import attack_label
+from splitleak.audit.predictions import read_predictions
 from splitleak.errors import IntegrityError, SplitleakError
 from splitleak.files import config_hash, json_default, read_json, sha256_file, write_atomic
 from splitleak.runs.journal import path_problem, read_run_json
@@ -232,3 +234,19 @@ def audit_state(out: str | Path) -> dict[str, Any] | None:
         if f"attack:{p['stem']}" not in data["stages"]
     ]  # fmt: skip
     return {"why": why, "missing": missing}
+
+
+def finished_attack(path: Path, acfg, run_config_hash: str) -> dict[str, Any]:
+    """An attack result the audit wrote (``path``: RESULT.json, its predictions beside it), read back and
+    checked: its hashes (``read_result``), the predictions' digest, and that it is this attack on this run.
+    The dictionary ``run_attack`` returned, with ``per_doc`` holding the predictions."""
+    res = read_result(path)
+    if res is None or res.get("config_hash") != acfg.hash() or res["run"].get("config_hash") != run_config_hash:
+        raise SplitleakError(
+            f"{path} is not the result of the audit's attack {acfg.attack} on its run (another attack or run wrote "
+            f"it); {START_AGAIN}"
+        )
+    res["per_doc"] = read_predictions(path, res, ["doc_id", "predicted"])
+    res.pop("predictions", None)
+    res.pop("predictions_sha256", None)
+    return res

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from splitleak.audit.defaults import AUDIT_N_EVAL, AUDIT_N_TRAIN, CONTROL_DOCS, DEFAULT_COVERAGES
+from splitleak.audit.defaults import AUDIT_EPOCHS, AUDIT_N_EVAL, AUDIT_N_TRAIN, CONTROL_DOCS, DEFAULT_COVERAGES
 from splitleak.cli.common import (
     DeviceOpt,
     DrawsOpt,
@@ -196,11 +196,17 @@ def audit_cmd(
     data: str = typer.Option("synthetic-pii", "--data"),
     data_path: Optional[Path] = typer.Option(None, "--data-path"),
     seed: int = typer.Option(0, "--seed"),
-    steps: Optional[int] = typer.Option(None, "--steps"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="training steps (instead of --epochs)"),
+    epochs: Optional[int] = typer.Option(
+        None,
+        "--epochs",
+        help=f"passes over the training documents [default: {AUDIT_EPOCHS}, transformers' Trainer's]; under a noise "
+        "defence the training traffic of every pass is read too, one crossing at a time and all at once",
+    ),
     draws: str = DrawsOpt,
     n_calib: int = typer.Option(N_CALIB, "--n-calib"),
     n_train: int = typer.Option(
-        AUDIT_N_TRAIN, "--n-train", help=f"training documents, one step each (the study's: {N_TRAIN})"
+        AUDIT_N_TRAIN, "--n-train", help=f"training documents, one step each per pass (the study's: {N_TRAIN})"
     ),
     n_eval: int = typer.Option(
         AUDIT_N_EVAL, "--n-eval", help=f"evaluation documents the attacks read (the study's: {N_EVAL})"
@@ -279,6 +285,7 @@ def audit_cmd(
                 data_path=str(data_path) if data_path else None,
                 seed=seed,
                 steps=steps,
+                epochs=epochs,
                 draws=draws,
                 n_calib=n_calib,
                 n_train=n_train,

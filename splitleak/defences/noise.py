@@ -41,6 +41,12 @@ FORWARD_NOTE = (
     "likelihood after the clip; noise keyed by a guessable run seed is found and removed (seed-search)"
 )
 
+#: why a reader of every crossing of a document is built for noise drawn fresh per release
+CROSSINGS_NOTE = (
+    "fresh noise per crossing averages out over a document's passes: crossings-aware reads the mean of a "
+    "training document's crossings (the frame headers name them), whose noise is σ/√R"
+)
+
 
 @register
 class ClipNoise(Defence):
@@ -48,8 +54,8 @@ class ClipNoise(Defence):
     the returned gradient, or both (``where``)."""
 
     name = "clip-noise"
-    adaptive = (*FORWARD_AWARE, "seed-search")
-    adaptive_note = f"{FORWARD_NOTE}. {GRADIENT_NOISE_NOTE}"
+    adaptive = (*FORWARD_AWARE, "seed-search", "crossings-aware")
+    adaptive_note = f"{FORWARD_NOTE}. {GRADIENT_NOISE_NOTE}. {CROSSINGS_NOTE}"
     search = {
         "clip": ROW_CLIP_RANGE,
         "sigma": SearchRange(
@@ -115,8 +121,8 @@ class DPForward(Defence):
     and that of one whole document (``tokens`` releases composed), from Opacus's RDP accountant."""
 
     name = "dp-forward"
-    adaptive = (*FORWARD_AWARE, "seed-search")
-    adaptive_note = FORWARD_NOTE
+    adaptive = (*FORWARD_AWARE, "seed-search", "crossings-aware")
+    adaptive_note = f"{FORWARD_NOTE}. {CROSSINGS_NOTE}"
     search = {
         "clip": ROW_CLIP_RANGE,
         "noise_multiplier": SearchRange(

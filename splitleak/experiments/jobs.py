@@ -405,7 +405,13 @@ class _Expansion:
                 continue
             if entry.attack == ADAPTIVE_ENTRY:
                 self.used[i] = True
-                built = [a for a in adaptive_attacks_of(run_cfg) if not (top_only and attack_info(a).needs_top)]
+                # a grid reads the capture pass, where each document crossed once: a reader of every crossing
+                # (AttackInfo.passes) is the attack it adapts there, so it is left to the audit's training readers
+                built = [
+                    a
+                    for a in adaptive_attacks_of(run_cfg)
+                    if not (top_only and attack_info(a).needs_top) and not attack_info(a).passes
+                ]
                 per_attack = [self.adaptive_configs(i, entry, a) for a in built]
             else:
                 if mode not in attack_info(entry.attack).modes:

@@ -195,6 +195,7 @@ def audit_document(report: dict[str, Any], calibration_figure: Path | None = Non
         *reader_blocks(report),
         *arm_blocks(report),
         *bound_blocks(report.get("bound")),
+        *whole_traffic_blocks(report.get("whole_traffic")),
         *calibration_blocks(report["verdicts"]),
     )
     if calibration_figure is not None:
@@ -285,6 +286,37 @@ def bound_blocks(bound: dict[str, Any] | None) -> list[Block]:
     blocks.append(Para(f"Against {bound['view']}. Neighbouring relation: {bound['relation']}.", "note"))
     blocks.extend(Para(n, "note") for n in bound.get("notes", []))
     return blocks
+
+
+def whole_traffic_blocks(whole: dict[str, Any] | None) -> list[Block]:
+    """Every pass of the training traffic (``splitleak.audit.passes``): each reader's reading of the training
+    documents, the combining reader's gain and the bound over the same crossings."""
+    if not whole:
+        return []
+    rows = [
+        [r["label"], f"{100 * r['tokens']['estimate']:.2f} % [{100 * r['tokens']['low']:.2f}, "
+         f"{100 * r['tokens']['high']:.2f}]"]
+        for r in whole["readers"]
+    ]  # fmt: skip
+    g, b = whole["gain"], whole["bound"]
+    rows.append(
+        [
+            "all crossings minus one at a time",
+            f"{100 * g['estimate']:+.2f} pp [{100 * g['low']:+.2f}, {100 * g['high']:+.2f}]",
+        ]
+    )
+    top = b.get("token_bound")
+    rows.append(["no reader can read more than", "no formal bound" if top is None else f"{100 * top:.2f} % of tokens"])
+    return [
+        Heading(2, "The whole training traffic"),
+        Para(
+            f"The {whole['documents']} training documents crossed {whole['crossings']['min']}–"
+            f"{whole['crossings']['max']} times over {whole['epochs']:g} pass(es) ({whole['steps']} steps), each "
+            "time under fresh noise. Token recovery of the training documents (a document's reading is the mean over "
+            "its crossings; intervals resample documents):"
+        ),
+        Table(["reader", "tokens"], rows),
+    ]
 
 
 def calibration_blocks(v: dict[str, Any]) -> list[Block]:

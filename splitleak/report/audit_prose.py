@@ -39,6 +39,7 @@ def audit_words(record: dict[str, Any], setting: AuditSetting) -> dict[str, Any]
     parts = [
         verdict_line(results, record["verdicts"]),
         bound_sentence(results, record.get("bound")),
+        whole_traffic_sentence(record.get("whole_traffic")),
         record["verdicts"]["utility_gate"]["sentence"],
         server_sentence(channels, results, record["mode"]),
         readers_sentence(results),
@@ -331,3 +332,32 @@ def bound_sentence(results: list[dict[str, Any]], bound: dict[str, Any] | None) 
         f"recorded crossings; informed adversary, replace-one; prior κ {fmt_pct(bound['token_kappa'])} % per token, "
         f"{fmt_pct(bound['doc_kappa'])} % per document) against {bound['view']}{partial}."
     )
+
+
+def whole_traffic_sentence(whole: dict[str, Any] | None) -> str:
+    """The verdict over every pass of the training traffic (``splitleak.audit.passes``): the reader of every
+    crossing beside the one-crossing reader and the bound on the same documents; an INSTRUMENT FAULT where a
+    reading's lower end lies above that bound."""
+    if not whole:
+        return ""
+    one, every = whole["readers"][0], whole["readers"][-1]
+    t, o, gain, bound = every["tokens"], one["tokens"], whole["gain"], whole["bound"]
+    passes = f"{whole['epochs']:g} pass{'es' if whole['epochs'] != 1 else ''}"
+    head = (
+        f"Over the whole training traffic ({passes}, {whole['documents']} documents crossing "
+        f"{whole['crossings']['min']}–{whole['crossings']['max']} times): {every['label']} read "
+        f"{fmt_pct(t['estimate'])} % of tokens [{fmt_pct(t['low'])}, {fmt_pct(t['high'])}], against "
+        f"{fmt_pct(o['estimate'])} % [{fmt_pct(o['low'])}, {fmt_pct(o['high'])}] one crossing at a time "
+        f"({100 * gain['estimate']:+.2f} pp [{100 * gain['low']:+.2f}, {100 * gain['high']:+.2f}])"
+    )
+    if bound.get("token_bound") is None:
+        return f"{head}; no formal bound over them ({bound.get('why', 'none declared')})."
+    if whole["fault"]:
+        return (
+            f"INSTRUMENT FAULT: {head}, above the {fmt_pct(bound['token_bound'])} % no reader can read over those "
+            "crossings under the chain's declared noise: the defence adds less noise than it declares, or the "
+            "accountant or the scorer is wrong."
+        )
+    eps = bound.get("epsilon_doc_max")
+    eps_words = f"; ε ≤ {eps:.3g} at δ = {bound['delta']:g} per document" if eps is not None else ""
+    return f"{head}; no reader can read more than {fmt_pct(bound['token_bound'])} % of their tokens{eps_words}."
