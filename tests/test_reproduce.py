@@ -370,6 +370,43 @@ def test_metrics_recorded_once_per_job_or_run_are_read_per_victim_seed():
 
 
 @pytest.mark.unit
+def test_label_recovery_recorded_per_document_is_read_over_documents_with_an_interval_from_one_seed():
+    """A label attack that records each document's label recovery (``label_recovery_per_doc``) is read as token
+    recovery is: (victim seeds x documents), the paired difference by the crossed bootstrap, so one victim seed
+    has an interval; a store whose rows lack it falls back to the per-seed reading (none from one seed)."""
+    from splitleak.reproduce.claims import Claim
+    from splitleak.reproduce.run import judge_claim
+    from splitleak.stats import paired_difference_ci
+
+    rng = np.random.default_rng(5)
+    per = {("gma-sl", "mirage"): rng.uniform(0.1, 0.4, 8), ("gma-sl", "none"): rng.uniform(0.7, 0.95, 8)}
+    rows = [
+        {"key": f"{a}-{d}-1", "attack": a, "defence": d, "victim_seed": 1, "doc_id": doc, "attack_seed": 0,
+         "data_seed": 0, "result_json": json.dumps({"label_recovery": float(v.mean()),
+                                                    "label_recovery_per_doc": [[i, float(x)] for i, x in enumerate(v)]})}
+        for (a, d), v in per.items() for doc in range(8)
+    ]  # fmt: skip
+    claim = Claim(
+        id="b", wording="w", where="§4", spec="mirage", paper={"estimate": None, "unit": "share"},
+        statistic={"kind": "difference", "metric": "label_recovery", "treatment": {"attack": "gma-sl", "defence": "mirage"},
+                   "control": {"attack": "gma-sl", "defence": "none"}},
+        agreement={"rule": "qualitative", "direction": "below", "threshold": -0.1},
+    )  # fmt: skip
+    j = judge_claim(claim, rows, [])
+    a, b = per[("gma-sl", "mirage")][None, :], per[("gma-sl", "none")][None, :]
+    want = paired_difference_ci(a, b, n_boot=10_000, seed=0)
+    assert j.ours is not None and j.ours.seeds == [1] and j.ours.estimate == pytest.approx(float((a - b).mean()))
+    assert j.ours.low < j.ours.estimate < j.ours.high and j.ours.high < -0.1
+    assert (j.ours.low, j.ours.high) == pytest.approx((want.low, want.high), abs=0.02)
+    assert j.verdict == "agrees"
+    old = [
+        {**r, "result_json": json.dumps({"label_recovery": json.loads(r["result_json"])["label_recovery"]})}
+        for r in rows
+    ]
+    assert judge_claim(claim, old, []).verdict == "underpowered"
+
+
+@pytest.mark.unit
 def test_the_decoy_claims_are_read_from_the_grid_reports_latent_summary():
     """002's claims read the grid report's own summary: a partition's row agreement with its Wilson interval
     over the rows, a probe's best non-degenerate arm of the named view per seed, the mean over seeds with

@@ -27,6 +27,7 @@ the experiment store yields the same records.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -75,9 +76,29 @@ def effective_readout(r: dict[str, Any]) -> str | None:
     return r.get("readout") or "pseudo-map"
 
 
+def _per_doc_labels(result_json: str) -> dict[int, float]:
+    """A label attack's per-document label recovery from its job's result (``audit.extras.label_scores``)."""
+    return {int(d): float(v) for d, v in json.loads(result_json).get("label_recovery_per_doc") or []}
+
+
+_LABELS_CACHE: dict[str, dict[int, float]] = {}
+
+
+def document_label_recovery(r: dict[str, Any]) -> float:
+    """The share of one document's labels a label attack recovered (NaN where its result has none per document:
+    a store written before they were recorded)."""
+    key = r.get("result_json") or ""
+    if key not in _LABELS_CACHE:
+        if len(_LABELS_CACHE) > 4096:
+            _LABELS_CACHE.clear()
+        _LABELS_CACHE[key] = _per_doc_labels(key) if key else {}
+    return _LABELS_CACHE[key].get(int(r["doc_id"]), np.nan)
+
+
 METRICS = {
     "token_recovery": lambda r: r["token_correct"] / r["token_counted"] if r["token_counted"] else np.nan,
     "doc_recovery": lambda r: float(bool(r["exact"])),
+    "label_recovery": document_label_recovery,
 }
 
 

@@ -75,12 +75,14 @@ def probe_scores(run_dir: Path, traffic: Traffic, probe_tokens: torch.Tensor, ro
 
 
 def label_scores(labels: torch.Tensor, docs, tokenizer) -> dict[str, Any]:
-    """How much of the labels (tokens 1 … T-1) a label attack recovered: the share of label tokens, the
-    share of the answer's labels (instruction documents), and ROUGE-1/2/L F and METEOR of the label text
+    """How much of the labels (tokens 1 … T-1) a label attack recovered: the share of label tokens (and of each
+    document's, ``label_recovery_per_doc``), the share of the answer's labels (instruction documents), and ROUGE-1/2/L F and METEOR of the label text
     (``splitleak.metrics.text_overlap``; METEOR only where nltk's WordNet is installed)."""
     truth = torch.tensor([list(d.token_ids) for d in docs])[:, 1:]
     hit = labels.cpu() == truth
     out: dict[str, Any] = {"label_recovery": float(hit.float().mean())}
+    # per document (doc id, share of its labels), so that a reading over documents has an interval
+    out["label_recovery_per_doc"] = [[int(d.doc_id), float(h)] for d, h in zip(docs, hit.float().mean(1).tolist())]
     if all(d.answer_start is not None for d in docs):
         answer = (
             torch.arange(1, truth.shape[1] + 1).unsqueeze(0) >= torch.tensor([d.answer_start for d in docs])[:, None]

@@ -138,8 +138,10 @@ def measure(
             return got
         est, low, high, values, seeds, setting = got
         return Measured(est, low, high, values, seeds, 0, [str(setting.get("model"))], setting, "victim seeds")
-    if st.metric in JOB_METRICS or st.metric in TRAIN_METRICS:
-        return measure_per_seed(claim, rows if st.metric in JOB_METRICS else train_rows, alpha)
+    if st.metric in JOB_METRICS and not per_document(rows, st):
+        return measure_per_seed(claim, rows, alpha)
+    if st.metric in TRAIN_METRICS:
+        return measure_per_seed(claim, train_rows, alpha)
     t_rows = select(rows, st.treatment)
     if not t_rows:
         return "the store holds no result of its treatment " + _arm(st.treatment)
@@ -202,6 +204,17 @@ def _per_seed(rows: Sequence[dict[str, Any]], metric: str) -> dict[Any, float]:
     for s, v in by_job.values():
         seeds.setdefault(s, []).append(v)
     return {s: float(np.mean(v)) for s, v in seeds.items()}
+
+
+def per_document(rows: Sequence[dict[str, Any]], st: Any) -> bool:
+    """Whether a job-level metric is recorded per document in every row of the claim's arms (the label
+    attacks' ``label_recovery``, ``audit.analysis.METRICS``): then it is read over documents and seeds, as
+    token recovery is, and has an interval from one victim seed."""
+    if st.metric not in METRICS:
+        return False
+    arms = [a for a in (st.treatment, st.control) if a is not None]
+    picked = [r for a in arms for r in select(rows, a)]
+    return bool(picked) and not any(np.isnan(METRICS[st.metric](r)) for r in picked)
 
 
 def measure_per_seed(claim: Claim, rows: Sequence[dict[str, Any]], alpha: float = ALPHA) -> Measured | str:
