@@ -389,6 +389,7 @@ def test_registry_names_match_cli_contract():
         "gauge-key-search",
         "sipit-aware",
         "activation-aware",
+        "crossings-aware",
         "seed-search",
         "joint-aware",
         "mixup-history",
