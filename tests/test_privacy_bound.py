@@ -168,7 +168,7 @@ def test_a_defence_that_declares_more_noise_than_it_adds_is_an_instrument_fault(
     from splitleak.audit.evaluate import run_attack
     from splitleak.defences.noise import ClipNoise
     from splitleak.models.presets import load_model
-    from splitleak.report.audit_prose import bound_sentence
+    from splitleak.report.audit_prose import bound_sentence, mechanism_fault
     from splitleak.runs.truth import eval_token_ids
 
     defences = [{"name": "clip-noise", "args": {"sigma": 0.001}}]  # both directions: no channel crosses bare
@@ -193,6 +193,13 @@ def test_a_defence_that_declares_more_noise_than_it_adds_is_an_instrument_fault(
     planted = audit_bound(run, defences, "plain", "os", doc_ids, truth, model)
     assert planted["token_bound"] < est - half, (planted["token_bound"], est)
     assert bound_sentence(reading, planted).startswith("INSTRUMENT FAULT: activation reads")
+    # check (2) fails on the same planted defence, and holds on the honest one: the mechanism's own game
+    assert [m["fault"] for m in honest["mechanism_audit"]] == [False, False]
+    assert [m["fault"] for m in planted["mechanism_audit"]] == [True, True]
+    assert bound_sentence([], planted).startswith("INSTRUMENT FAULT: clip-noise's activations release tells")
+    keyed = audit_bound(run, defences, "plain", "derived", doc_ids, truth, model)
+    assert mechanism_fault(keyed).startswith("INSTRUMENT FAULT")  # the game holds without a bound, too
+    monkeypatch.undo()  # declared honestly again
     keyed = audit_bound(run, defences, "plain", "derived", doc_ids, truth, model)
     assert not keyed["bounded"] and "keyed by the run seed" in keyed["why"]
     assert "no formal bound" in bound_sentence(reading, keyed)
@@ -215,3 +222,45 @@ def test_the_audit_names_its_upper_side(tiny_audit):
     rows = dict(blocks[1].rows)
     assert rows["tokens any reader recovers, at most (mean over documents)"] == "25.00 %"
     assert rows["ε per document, at δ"] == "3.2 at 1e-05 (dp-accounting PLD)"
+
+
+@pytest.mark.unit
+def test_the_epsilon_lower_bound_reads_the_error_counts_as_dp_auditing_does():
+    """Clopper-Pearson upper ends of both error rates: no error in 2,000 trials per world bounds ε below by
+    log((1 - δ - p)/p), p the upper end of 0 of 2,000; errors at chance bound it by nothing."""
+    from scipy.stats import binomtest
+
+    from splitleak.privacy.dp_audit import epsilon_lower_bound
+
+    p = binomtest(0, 2000).proportion_ci(0.95, method="exact").high
+    assert epsilon_lower_bound(0, 0, 2000) == pytest.approx(math.log((1 - 1e-5 - p) / p))
+    assert 6.0 < epsilon_lower_bound(0, 0, 2000) < 6.5
+    assert epsilon_lower_bound(1000, 1000, 2000) == 0.0
+    assert epsilon_lower_bound(100, 700, 2000) > epsilon_lower_bound(300, 700, 2000) > 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name, args", [("clip-noise", {}), ("dp-forward", {"noise_multiplier": 0.5}), ("seq-dp", {})])
+def test_the_mechanism_game_holds_an_honest_defence_and_catches_one_that_adds_less_noise(name, args, seed):
+    """Check (2): each declared channel's release, played on two canaries at μ = 1 under the declared noise. An
+    honest defence's releases are told apart at the optimal test's rate (Φ(-1/2) ≈ 0.31 each way), far under the
+    claim; the same defence adding a tenth, or a ten-thousandth, of the noise it declares is caught."""
+    from dataclasses import replace
+
+    from splitleak.defences import DEFENCES, build_defence
+    from splitleak.privacy.dp_audit import audit_chain
+
+    honest = audit_chain([build_defence(name, args)], seed=seed)
+    assert honest and not any(a.fault for a in honest)
+    for a in honest:
+        assert a.mu_claimed == pytest.approx(1.0) and 4.0 < a.epsilon_claimed < 4.8
+        assert 0.27 < a.fpr < 0.35 and 0.27 < a.fnr < 0.35 and a.epsilon_lower < 1.2
+    cls = DEFENCES[name]
+    for factor in (10.0, 1e4):
+        planted = build_defence(name, args)
+        planted.noise_guarantees = lambda d=planted, f=factor: [
+            replace(g, sigma=g.sigma * f) for g in cls.noise_guarantees(d)
+        ]
+        caught = audit_chain([planted], seed=seed)
+        assert caught and all(a.fault for a in caught), [(a.epsilon_lower, a.epsilon_claimed) for a in caught]

@@ -3,7 +3,8 @@ its strongest reader read.
 
 Every crossing of each evaluation document the tap recorded is composed (``privacy.bound.count_crossings``),
 under the chain's noise guarantees, the informed adversary and replace-one neighbours; κ from the public model
-(``privacy.prior``). No bound holds where a channel of the document crosses without noise, where the noise is
+(``privacy.prior``), and each noised channel's mechanism is played against its declaration (``privacy.dp_audit``:
+an empirical lower bound on ε that must not exceed the claim). No bound holds where a channel of the document crosses without noise, where the noise is
 keyed by the run seed (``--draws derived``: a reader that finds the seed removes it), or, against the server
 of a plain split, where the labels cross in clear: the bound is then stated for an observer of the activations
 and gradients (What Gradients Add's view), and the server's reading of the labels is said beside it.
@@ -18,6 +19,7 @@ import torch
 
 from splitleak.defences import build_defence
 from splitleak.privacy.bound import count_crossings, document_bound, summarise
+from splitleak.privacy.dp_audit import audit_chain
 from splitleak.privacy.guarantee import chain_guarantees
 from splitleak.privacy.prior import document_priors, token_priors
 
@@ -54,6 +56,8 @@ def audit_bound(
     if not guarantees.by_channel:
         out.update(bounded=False, why="no defence of the chain adds noise with a formal guarantee")
         return out
+    # check (2): the defence's own mechanism played against its declaration (the auditor's key, not the run's)
+    out["mechanism_audit"] = [a.as_dict() for a in audit_chain(chain)]
     if draws != "os":
         out.update(
             bounded=False,

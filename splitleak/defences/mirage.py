@@ -253,6 +253,10 @@ class SequenceDP(LabelDefence):
     def privacy(self, releases: int = 1) -> dict[str, Any]:
         return gaussian_mechanism_epsilon(self.noise_multiplier, self.delta, releases)
 
+    def noise_release(self, channel: str, x, ctx):
+        """One release of the output gradient as the wire sends it (``splitleak.privacy.dp_audit``)."""
+        return self.top_gradient(x, ctx)
+
     def noise_guarantees(self) -> list[NoiseGuarantee]:
         """Each document's output gradient clipped to ``clip`` as a whole, noise ``noise_multiplier`` x ``clip``."""
         return [NoiseGuarantee(self.name, "output-gradient", self.clip, self.noise_multiplier * self.clip, "document")]

@@ -112,6 +112,10 @@ class ClipNoise(Defence):
     def forward_noise_std(self):
         return self.sigma * self.clip if self.where in ("forward", "both") else 0.0
 
+    def noise_release(self, channel: str, x, ctx):
+        """One release of ``channel`` as the wire sends it (``splitleak.privacy.dp_audit``)."""
+        return self.forward(x, ctx) if channel == "activations" else self.backward(x, ctx)
+
 
 @register
 class DPForward(Defence):
@@ -153,6 +157,10 @@ class DPForward(Defence):
 
     def forward_noise_std(self):
         return self.noise_multiplier * self.clip
+
+    def noise_release(self, channel: str, x, ctx):
+        """One release of the activations as the wire sends them (``splitleak.privacy.dp_audit``)."""
+        return self.forward(x, ctx)
 
     def privacy(self, tokens: int = 1) -> dict[str, Any]:
         return gaussian_mechanism_epsilon(self.noise_multiplier, self.delta, releases=tokens)

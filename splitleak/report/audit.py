@@ -285,6 +285,20 @@ def bound_blocks(bound: dict[str, Any] | None) -> list[Block]:
         blocks.append(Table(["bound", "value"], rows))
     blocks.append(Para(f"Against {bound['view']}. Neighbouring relation: {bound['relation']}.", "note"))
     blocks.extend(Para(n, "note") for n in bound.get("notes", []))
+    games = bound.get("mechanism_audit") or []
+    if games:
+        blocks.append(
+            Para(
+                "Each noised channel's mechanism, played on two canaries inside its clip (DP auditing): the ε its "
+                "releases show at least (Clopper–Pearson, 95 %), beside the ε its declared noise claims for them."
+            )
+        )
+        rows = [
+            [f"{m['defence']} {m['channel']}", f"{m['epsilon_lower']:.3g}", f"{m['epsilon_claimed']:.3g}",
+             f"{m['fpr']:.3f} / {m['fnr']:.3f}", "FAULT" if m["fault"] else "holds"]
+            for m in games
+        ]  # fmt: skip
+        blocks.append(Table(["mechanism", "ε measured ≥", "ε claimed", "FPR / FNR", "claim"], rows))
     return blocks
 
 

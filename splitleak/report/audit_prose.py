@@ -305,6 +305,8 @@ def bound_sentence(results: list[dict[str, Any]], bound: dict[str, Any] | None) 
         return ""
     scored = [r for r in results if r["attack"] != "majority" and r.get("intervals")]
     if not bound.get("bounded") and bound.get("token_bound") is None:
+        if caught := mechanism_fault(bound):
+            return caught
         return f"Upper side: no formal bound ({bound['why']}): a stronger reader may read up to 100 % of tokens."
     best = max(scored, key=lambda r: r["intervals"]["tokens"]["estimate"]) if scored else None
     read = ""
@@ -321,6 +323,8 @@ def bound_sentence(results: list[dict[str, Any]], bound: dict[str, Any] | None) 
                 "declared noise: the defence adds less noise than it declares, or the accountant or the scorer "
                 "is wrong; no verdict on the upper side."
             )
+    if caught := mechanism_fault(bound):
+        return caught
     eps = bound.get("epsilon_doc_max")
     eps_words = f"ε ≤ {eps:.3g} at δ = {bound['delta']:g} per document, " if eps is not None else ""
     partial = (
@@ -331,6 +335,21 @@ def bound_sentence(results: list[dict[str, Any]], bound: dict[str, Any] | None) 
         f"{fmt_pct(bound['doc_bound'])} % of whole documents ({eps_words}over up to {bound['crossings_max']} "
         f"recorded crossings; informed adversary, replace-one; prior κ {fmt_pct(bound['token_kappa'])} % per token, "
         f"{fmt_pct(bound['doc_kappa'])} % per document) against {bound['view']}{partial}."
+    )
+
+
+def mechanism_fault(bound: dict[str, Any]) -> str:
+    """INSTRUMENT FAULT where the mechanism's game (``privacy.dp_audit``) measured an ε above what the declared
+    noise claims for its canaries; empty otherwise."""
+    bad = [m for m in bound.get("mechanism_audit") or [] if m["fault"]]
+    if not bad:
+        return ""
+    m = bad[0]
+    return (
+        f"INSTRUMENT FAULT: {m['defence']}'s {m['channel']} release tells its two canaries apart with ε ≥ "
+        f"{m['epsilon_lower']:.3g} ({100 * (1 - m['alpha']):g} % confidence, {m['trials']} trials per world), above "
+        f"the ε {m['epsilon_claimed']:.3g} its declared noise claims for them: the mechanism adds less noise than it "
+        "declares; no verdict on the upper side."
     )
 
 
