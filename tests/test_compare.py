@@ -107,6 +107,10 @@ def test_compare_cli_writes_png_and_svg(audits, tmp_path):
     png, svg = tmp_path / "f.png", tmp_path / "f.svg"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "quant4-noisy, depth 2" in svg.read_text()
+    # both sides: each audit's upper side as its verdict says it (no guarantee under either chain here)
+    said = " ".join(r.output.split())
+    for name in ("none", "quant4-noisy"):
+        assert f"upper side: {audits[name]}: Upper side: no formal bound" in said
 
 
 def test_compare_without_a_baseline_cannot_plot(audits, tmp_path):

@@ -3,6 +3,7 @@ accountant against dp-accounting's PLD, the chain's guarantees, and the composit
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -264,3 +265,31 @@ def test_the_mechanism_game_holds_an_honest_defence_and_catches_one_that_adds_le
         ]
         caught = audit_chain([planted], seed=seed)
         assert caught and all(a.fault for a in caught), [(a.epsilon_lower, a.epsilon_claimed) for a in caught]
+
+
+@pytest.mark.integration
+def test_compare_gives_a_run_its_epsilon_over_every_recorded_crossing(shared_run):
+    """A run compared on its own (no audit, so no κ): the largest ε per document over its recorded crossings, the
+    same the bound's accountant gives for the most-crossed document; keyed noise and a bare channel get none."""
+    from splitleak.defences import build_defence
+    from splitleak.privacy.accounting import compose, epsilon
+    from splitleak.privacy.bound import count_crossings
+    from splitleak.privacy.guarantee import chain_guarantees
+    from splitleak.report.compare import load_summary
+
+    spec = [{"name": "clip-noise", "args": {"sigma": 2.0}}]
+    small = dict(model="tiny-gpt2", depth=2, n_calib=2, n_train=3, n_eval=4, steps=6, seed=0, all_local_baseline=False)
+    run = shared_run(**small, draws="os", defences=spec)
+    said = load_summary(run).upper
+    g = chain_guarantees([build_defence("clip-noise", {"sigma": 2.0})])
+    doc_len = json.loads((run / "manifest.json").read_text())["config"]["doc_len"]
+    worst = max(
+        epsilon(compose([m for c, k in per.items() if c != "labels" for gg in g.of(c) for m in [gg.mu(doc_len)] * k]))[
+            0
+        ]
+        for per in count_crossings(run).values()
+    )
+    assert said is not None and said.startswith(f"ε ≤ {worst:.3g} per document at δ = 1e-05")
+    assert "keyed by the run seed" in load_summary(shared_run(**small, draws="derived", defences=spec)).upper
+    bare = shared_run(**small, draws="os", defences=[{"name": "clip-noise", "args": {"where": "forward"}}])
+    assert load_summary(bare).upper == "no formal bound: the gradient cross without a noise guarantee"

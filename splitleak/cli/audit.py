@@ -163,6 +163,9 @@ def compare_cmd(
                     highlight=False,
                 )
         for r in summaries:
+            if r.upper is not None:
+                console.print(f"upper side: {r.path}: {r.upper}", highlight=False, soft_wrap=True)
+        for r in summaries:
             if r.incomplete is not None:
                 missing = r.incomplete["missing"]
                 console.print(

@@ -140,6 +140,23 @@ def document_bound(
     return b
 
 
+def run_epsilon(
+    crossed: dict[int, dict[str, int]], guarantees: ChainGuarantee, length: int, exclude: Iterable[str] = ()
+) -> tuple[float | None, str]:
+    """The largest ε per document at ``DELTA`` over a run's recorded crossings (``count_crossings``) under the
+    chain's guarantees, without the token bound (which needs the public model's κ), and what gave it; None
+    with the reason where a document's channel crosses without noise, or none crossed."""
+    worst, how = None, ""
+    for per in crossed.values():
+        seen = {c: n for c, n in per.items() if n and c not in set(exclude)}
+        bare = sorted(c for c in seen if not guarantees.of(c))
+        if bare:
+            return None, f"the {', '.join(bare)} cross without a noise guarantee"
+        eps, how = epsilon(compose(_mus(guarantees, seen, length)), DELTA)
+        worst = eps if worst is None else max(worst, eps)
+    return worst, how if worst is not None else "no document crossed"
+
+
 def summarise(bounds: Sequence[DocumentBound]) -> dict[str, Any]:
     """The mean token bound and the whole-document bound over documents, with the κ and ε they rest on."""
     held = [b for b in bounds if not b.why_none]

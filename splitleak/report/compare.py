@@ -21,8 +21,12 @@ from splitleak.audit.evaluate import attack_label as _label
 from splitleak.audit.run import utility_baseline
 from splitleak.audit.stages import STAGES, audit_state
 from splitleak.data import LABELS
+from splitleak.defences import build_defence
 from splitleak.errors import IntegrityError, SplitleakError
 from splitleak.metrics import fmt_pct
+from splitleak.privacy.accounting import DELTA
+from splitleak.privacy.bound import count_crossings, run_epsilon
+from splitleak.privacy.guarantee import chain_guarantees
 from splitleak.report.figures import recovery_cost_figure
 from splitleak.runs.chain import verify_chain
 from splitleak.runs.journal import read_run_json
@@ -44,6 +48,8 @@ class RunSummary:
     #: an audit folder whose audit did not finish (``splitleak.audit.stages.audit_state``: why, and the
     #: labels of the attacks it is missing, None when unknown), or None for a finished audit or a run
     incomplete: dict[str, Any] | None = None
+    #: the upper side of the verdict (``_upper_side``), or None for an unverified run
+    upper: str | None = None
 
     @property
     def defence(self) -> str:
@@ -109,7 +115,36 @@ def load_summary(path: str | Path) -> RunSummary:
         for f in sorted(adir.glob("*.json")):
             attacks.append(json.loads(f.read_text()))
     incomplete = audit_state(path) if run != path else None  # killed or failed: some attacks never ran
-    return RunSummary(path, manifest["config"], metrics, attacks, unverified=unverified, incomplete=incomplete)
+    upper = _upper_side(path, run, manifest["config"]) if unverified is None else None
+    return RunSummary(
+        path, manifest["config"], metrics, attacks, unverified=unverified, incomplete=incomplete, upper=upper
+    )
+
+
+#: the verdict's parts that say the upper side (``report.audit_prose``)
+UPPER_PARTS = ("Upper side:", "INSTRUMENT FAULT", "Over the whole training traffic")
+
+
+def _upper_side(path: Path, run: Path, config: dict[str, Any]) -> str:
+    """The other side of the verdict: an audit's, as its report says it (the bound, the mechanism's game, the
+    whole training traffic); for a run, the largest ε per document over its recorded crossings under the chain's
+    declared noise (the token bound needs the public model's κ: the audit gives it)."""
+    report = path / "report.json"
+    if run != path and report.is_file():
+        parts = json.loads(report.read_text()).get("verdict_parts") or []
+        said = [p for p in parts if p.startswith(UPPER_PARTS)]
+        return " ".join(said) or "the audit's report names no upper side (written before it was measured)"
+    chain = [build_defence(d["name"], dict(d.get("args") or {})) for d in config["defences"] if d["name"] != "none"]
+    guarantees = chain_guarantees(chain)
+    if not guarantees.by_channel:
+        return "no formal bound: no defence of the chain adds noise with a guarantee; a stronger reader may read up to 100 %"
+    if config.get("draws") != "os":
+        return f"no formal bound: the noise is keyed by the run seed (draws {config.get('draws')})"
+    exclude = ["labels"] if not config.get("offload_start") and config.get("shielded") is None else []
+    eps, how = run_epsilon(count_crossings(run), guarantees, int(config["doc_len"]), exclude)
+    if eps is None:
+        return f"no formal bound: {how}"
+    return f"ε ≤ {eps:.3g} per document at δ = {DELTA:g} over every recorded crossing ({how}); the audit gives the token bound"
 
 
 def _audit_delta_u(path: Path, manifest: dict[str, Any], metrics: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
