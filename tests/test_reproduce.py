@@ -465,6 +465,33 @@ def test_the_decoy_claims_are_read_from_the_grid_reports_latent_summary():
     assert shadow.verdict == "disagrees"
     split = judge_claim(claim("level", {"attack": "support-partition", "split": "mitigation"}), [], [], latent=summary)
     assert split.verdict == "not run" and "split" in split.reason
+    # the shuffled-label twin of the best gradient arm of each seed (not the twin's own best arm)
+    for r, twins in zip(
+        summary.probes[:2],
+        [
+            [("gradient/mlp/0", 0.0004), ("gradient/deep/0", 0.3)],
+            [("gradient/mlp/0", -0.0006), ("gradient/deep/0", 0.0002)],
+        ],
+    ):
+        r.twin_arms = [
+            {"arm": a, "paired_effect": e, "paired_low": e - 0.01, "paired_high": e + 0.01} for a, e in twins
+        ]
+    twin = {
+        "attack": "latent-probe",
+        "view": "gradient",
+        "arm": "open",
+        "threat": "oracle",
+        "control": "shuffled-label",
+    }
+    tol = {"rule": "tolerance", "tolerance": 0.0008}
+    got = judge_claim(claim("level", twin, rule=tol), [], [], latent=summary)
+    assert got.ours is not None and list(got.ours.units) == pytest.approx([0.0004, -0.0006])
+    assert got.ours.estimate == pytest.approx(-0.0001)
+    summary.probes[1].twin_arms = None  # a seed whose battery ran no twin is left out
+    one = judge_claim(claim("level", twin, rule=tol), [], [], latent=summary)
+    assert one.ours is not None and list(one.ours.units) == pytest.approx([0.0004])
+    bad = judge_claim(claim("level", {**twin, "control": "mis-paired"}, rule=tol), [], [], latent=summary)
+    assert bad.verdict == "not run" and "not the shuffled-label twin" in bad.reason
 
 
 @pytest.mark.unit

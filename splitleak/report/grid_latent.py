@@ -97,6 +97,8 @@ class ProbeRun:
     protocol: dict[str, Any] | None = None
     #: the battery's threat model; "oracle" (and every battery run before threat models) gives no verdict
     threat: str = "oracle"
+    #: every arm of its shuffled-label twin (name, paired effect and interval), or None where it ran none
+    twin_arms: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -229,6 +231,7 @@ def _probes(
                 probes["arms"],
                 protocol,
                 (res.get("attack_params") or {}).get("threat", "oracle"),
+                None if twin is None else twin.get("arms"),
             )
         )
     return out

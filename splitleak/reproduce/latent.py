@@ -7,7 +7,7 @@ latent ``arm`` (the spec's label: open, fix, naked), and for a partition its ``r
 
 - A partition's row agreement: over every row of every seed's frames, with its Wilson interval over the rows.
 - A probe's paired effect over the most-frequent-token control: per seed the best non-degenerate arm of the
-  named view (and probe model), its frame-bootstrap interval at α unadjusted (one seed), or the mean over seeds
+  named view (and probe model) — or, with ``control: shuffled-label``, its shuffled-label twin's arm — its frame-bootstrap interval at α unadjusted (one seed), or the mean over seeds
   with Student's t over them (several).
 """
 
@@ -23,7 +23,12 @@ from splitleak.reproduce.claims import Claim
 from splitleak.stats.binomial import wilson_interval
 
 LATENT_ATTACKS = ("support-partition", "latent-probe")
-KEYS = {"support-partition": {"attack", "arm", "rule"}, "latent-probe": {"attack", "arm", "view", "probe", "threat"}}
+KEYS = {
+    "support-partition": {"attack", "arm", "rule"},
+    "latent-probe": {"attack", "arm", "view", "probe", "threat", "control"},
+}
+#: a probe claim's ``control: shuffled-label`` reads the battery's shuffled-label twin (its negative control)
+TWIN = "shuffled-label"
 CONSTANT = "most-frequent-token constant baseline"
 
 
@@ -43,8 +48,10 @@ def why_not_latent(claim: Claim) -> str:
         return f"it selects by {', '.join(unknown)}, which the latent reader does not read"
     if st.kind == "difference" and (st.control or {}).get("predictor") != CONSTANT:
         return "its control is not the most-frequent-token control the probe battery measures against"
-    if st.kind == "level" and t["attack"] != "support-partition":
-        return "a probe battery's level is read against its control (a difference)"
+    if t.get("control") not in (None, TWIN):
+        return f"its twin {t['control']!r} is not the shuffled-label twin the probe battery runs"
+    if st.kind == "level" and t["attack"] != "support-partition" and t.get("control") != TWIN:
+        return "a probe battery's level is read against its control (a difference), or of its shuffled-label twin"
     return ""
 
 
@@ -111,9 +118,14 @@ def _probe(t: dict[str, Any], summary: Any):
         ]
         if arms:
             best = max(arms, key=lambda a: a["paired_effect"])
+            if t.get("control") == TWIN:  # the twin of the same arm: fitted and scored on shuffled labels
+                best = next((a for a in r.twin_arms or [] if a["arm"] == best["arm"]), None)
+                if best is None:
+                    continue
             per_seed[r.seed] = best
     if not per_seed:
-        return f"no battery of arm {t.get('arm')} ran a non-degenerate {view or ''} {probe or ''} arm".replace(
+        twin = " with its shuffled-label twin" if t.get("control") == TWIN else ""
+        return f"no battery of arm {t.get('arm')} ran a non-degenerate {view or ''} {probe or ''} arm{twin}".replace(
             "  ", " "
         )
     seeds = sorted(per_seed)
