@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,6 +261,11 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
+#: held while a model is built without initialisation (``no_init_weights`` patches torch's init functions for the
+#: whole process): two threads' loads (a server's sessions) do not interleave their patching
+_NO_INIT = threading.Lock()
+
+
 def _read_gguf_cache(cache: Path) -> tuple[Any, Any] | None:
     record_path = cache / _CACHE_RECORD
     if not record_path.is_file():
@@ -267,11 +273,17 @@ def _read_gguf_cache(cache: Path) -> tuple[Any, Any] | None:
     try:
         # lazy: transformers only when a model loads: `splitleak models` lists the presets without it
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers.initialization import no_init_weights
 
         record = json.loads(record_path.read_text())
         tok = AutoTokenizer.from_pretrained(str(cache), local_files_only=True)
         config = AutoConfig.from_pretrained(str(cache), local_files_only=True)
-        model = AutoModelForCausalLM.from_config(config, dtype=PRECISIONS[record["dtype"]])
+        # every weight is read from the cache next: its random initialisation (most of a load's time) is skipped,
+        # as from_pretrained skips it; the tying that initialisation does is done here, and the fingerprint below
+        # checks that every weight is the one recorded
+        with _NO_INIT, no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=PRECISIONS[record["dtype"]])
+        model.tie_weights()
         load_weights(model, str(cache / "model.safetensors"))
         same = (
             model_fingerprint(model) == record["fingerprint"]
