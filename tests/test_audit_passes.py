@@ -31,11 +31,17 @@ def test_a_noise_audit_reads_every_pass_beside_the_bound_over_them(tmp_path):
     from splitleak.report.audit_prose import audit_words
 
     out = tmp_path / "audit"
-    run_audit(
-        out, model="tiny-gpt2", words=audit_words, defences=NOISE, n_calib=4, n_train=4, n_eval=8, epochs=3,
-        seed=0, draws="os", device="cpu", threads=1, certify=8, control_docs=2, twin=False, say=lambda _: None,
+    options = dict(
+        model="tiny-gpt2", words=audit_words, defences=NOISE, n_calib=4, n_train=4, n_eval=8, epochs=3, seed=0,
+        draws="os", device="cpu", threads=1, certify=8, control_docs=2, twin=False, say=lambda _: None,
     )  # fmt: skip
+    run_audit(out, **options)
     report = json.loads((out / "report.json").read_text())
+    # a resume reuses the whole-traffic readings as written (passes/ is the audit's own), and a changed one is refused
+    written = {p.name: p.stat().st_mtime_ns for p in (out / "passes").iterdir()}
+    run_audit(out, resume=True, **options)
+    assert json.loads((out / "report.json").read_text())["whole_traffic"] == report["whole_traffic"]
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "passes").iterdir()} == written  # nothing ran again
     whole = report["whole_traffic"]
     assert whole["epochs"] == 3 and whole["steps"] == 12 and whole["documents"] == 4
     assert whole["crossings"] == {"min": 3, "max": 3}

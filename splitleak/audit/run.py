@@ -109,7 +109,7 @@ def capture_summary(run_dir: Path) -> dict[str, Any]:
 
 #: what an audit writes into its folder (``run_audit``); ``--force`` deletes a folder that holds only these
 AUDIT_ENTRIES = frozenset(
-    {"run", "twin", "attacks", "calibration", "report.json", "report.md", "report.html", "stages.json"}
+    {"run", "twin", "attacks", "passes", "calibration", "report.json", "report.md", "report.html", "stages.json"}
 )
 
 
