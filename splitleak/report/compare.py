@@ -140,7 +140,7 @@ def _upper_side(path: Path, run: Path, config: dict[str, Any]) -> str:
         return "no formal bound: no defence of the chain adds noise with a guarantee; a stronger reader may read up to 100 %"
     if config.get("draws") != "os":
         return f"no formal bound: the noise is keyed by the run seed (draws {config.get('draws')})"
-    exclude = ["labels"] if not config.get("offload_start") and config.get("shielded") is None else []
+    exclude = ["labels"] if config.get("offload_start") is None and config.get("shielded") is None else []
     eps, how = run_epsilon(count_crossings(run), guarantees, int(config["doc_len"]), exclude)
     if eps is None:
         return f"no formal bound: {how}"
