@@ -231,7 +231,7 @@ def test_the_epsilon_lower_bound_reads_the_error_counts_as_dp_auditing_does():
     log((1 - δ - p)/p), p the upper end of 0 of 2,000; errors at chance bound it by nothing."""
     from scipy.stats import binomtest
 
-    from splitleak.privacy.dp_audit import epsilon_lower_bound
+    from splitleak.audit.dp_audit import epsilon_lower_bound
 
     p = binomtest(0, 2000).proportion_ci(0.95, method="exact").high
     assert epsilon_lower_bound(0, 0, 2000) == pytest.approx(math.log((1 - 1e-5 - p) / p))
@@ -249,8 +249,8 @@ def test_the_mechanism_game_holds_an_honest_defence_and_catches_one_that_adds_le
     claim; the same defence adding a tenth, or a ten-thousandth, of the noise it declares is caught."""
     from dataclasses import replace
 
+    from splitleak.audit.dp_audit import audit_chain
     from splitleak.defences import DEFENCES, build_defence
-    from splitleak.privacy.dp_audit import audit_chain
 
     honest = audit_chain([build_defence(name, args)], seed=seed)
     assert honest and not any(a.fault for a in honest)

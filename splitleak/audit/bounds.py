@@ -3,7 +3,7 @@ its strongest reader read.
 
 Every crossing of each evaluation document the tap recorded is composed (``privacy.bound.count_crossings``),
 under the chain's noise guarantees, the informed adversary and replace-one neighbours; κ from the public model
-(``privacy.prior``), and each noised channel's mechanism is played against its declaration (``privacy.dp_audit``:
+(``privacy.prior``), and each noised channel's mechanism is played against its declaration (``audit.dp_audit``:
 an empirical lower bound on ε that must not exceed the claim). No bound holds where a channel of the document crosses without noise, where the noise is
 keyed by the run seed (``--draws derived``: a reader that finds the seed removes it), or, against the server
 of a plain split, where the labels cross in clear: the bound is then stated for an observer of the activations
@@ -17,9 +17,9 @@ from typing import Any, Sequence
 
 import torch
 
+from splitleak.audit.dp_audit import audit_chain
 from splitleak.defences import build_defence
 from splitleak.privacy.bound import count_crossings, document_bound, summarise
-from splitleak.privacy.dp_audit import audit_chain
 from splitleak.privacy.guarantee import chain_guarantees
 from splitleak.privacy.prior import document_priors, token_priors
 

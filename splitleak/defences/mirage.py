@@ -254,7 +254,7 @@ class SequenceDP(LabelDefence):
         return gaussian_mechanism_epsilon(self.noise_multiplier, self.delta, releases)
 
     def noise_release(self, channel: str, x, ctx):
-        """One release of the output gradient as the wire sends it (``splitleak.privacy.dp_audit``)."""
+        """One release of the output gradient as the wire sends it (``splitleak.audit.dp_audit``)."""
         return self.top_gradient(x, ctx)
 
     def noise_guarantees(self) -> list[NoiseGuarantee]:

@@ -113,7 +113,7 @@ class ClipNoise(Defence):
         return self.sigma * self.clip if self.where in ("forward", "both") else 0.0
 
     def noise_release(self, channel: str, x, ctx):
-        """One release of ``channel`` as the wire sends it (``splitleak.privacy.dp_audit``)."""
+        """One release of ``channel`` as the wire sends it (``splitleak.audit.dp_audit``)."""
         return self.forward(x, ctx) if channel == "activations" else self.backward(x, ctx)
 
 
@@ -159,7 +159,7 @@ class DPForward(Defence):
         return self.noise_multiplier * self.clip
 
     def noise_release(self, channel: str, x, ctx):
-        """One release of the activations as the wire sends them (``splitleak.privacy.dp_audit``)."""
+        """One release of the activations as the wire sends them (``splitleak.audit.dp_audit``)."""
         return self.forward(x, ctx)
 
     def privacy(self, tokens: int = 1) -> dict[str, Any]:

@@ -339,7 +339,7 @@ def bound_sentence(results: list[dict[str, Any]], bound: dict[str, Any] | None) 
 
 
 def mechanism_fault(bound: dict[str, Any]) -> str:
-    """INSTRUMENT FAULT where the mechanism's game (``privacy.dp_audit``) measured an ε above what the declared
+    """INSTRUMENT FAULT where the mechanism's game (``audit.dp_audit``) measured an ε above what the declared
     noise claims for its canaries; empty otherwise."""
     bad = [m for m in bound.get("mechanism_audit") or [] if m["fault"]]
     if not bad:
