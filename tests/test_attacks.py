@@ -390,6 +390,7 @@ def test_registry_names_match_cli_contract():
         "sipit-aware",
         "activation-aware",
         "crossings-aware",
+        "gma-sl-crossings",
         "seed-search",
         "joint-aware",
         "mixup-history",

@@ -70,3 +70,37 @@ def test_reading_every_pass_reads_more_than_one_crossing_at_a_time(shared_run, s
         assert all(torch.equal(every.tokens[rows[0]], every.tokens[r]) for r in rows)
     assert every.extra["summary"]["crossings"] == {"documents": 8, "rows": 32, "min": 4, "max": 4, "mean": 4.0}
     assert every.extra["candidates"].shape[0] == 32
+
+
+@pytest.mark.unit
+def test_a_reading_of_the_mean_crossings_goes_back_to_every_crossing_row():
+    """read_every_crossing hands the reader one row per document (the mean of the trunk outputs and output
+    gradients too, one frame each) and gives its per-document outputs back to each crossing row: tensors, and
+    GMA-SL's per-document distances; where each document crossed once the reader reads the traffic as it is."""
+    from splitleak.attacks.base import Reconstruction
+    from splitleak.attacks.crossings import read_every_crossing
+
+    g = torch.Generator().manual_seed(1)
+    t = lambda: torch.randn(5, 3, 4, generator=g)  # noqa: E731
+    tr = Traffic((4, 8, 4, 8, 4), t(), t(), trunk_output=t(), output_gradients=t(), steps=(0, 1, 2, 3, 4),
+                 phase="train", frames=(0, 1, 2, 3, 4))  # fmt: skip
+    seen = []
+
+    def read(x):
+        seen.append(x)
+        n = len(x)
+        return Reconstruction(
+            torch.arange(n).view(n, 1).repeat(1, 3),
+            {"labels": torch.arange(n).view(n, 1), "distance": [float(i) for i in range(n)], "steps": [7]},
+        )
+
+    rec = read_every_crossing(read, tr)
+    (x,) = seen
+    assert x.doc_ids == (4, 8) and x.frames is None and x.steps == (4, 3)
+    assert torch.allclose(x.trunk_output[0], tr.trunk_output[[0, 2, 4]].mean(0))
+    assert torch.allclose(x.output_gradients[1], tr.output_gradients[[1, 3]].mean(0))
+    assert rec.tokens[:, 0].tolist() == [0, 1, 0, 1, 0] and rec.extra["labels"][:, 0].tolist() == [0, 1, 0, 1, 0]
+    assert rec.extra["distance"] == [0.0, 1.0, 0.0, 1.0, 0.0] and rec.extra["steps"] == [7]
+    assert rec.extra["summary"]["crossings"] == {"documents": 2, "rows": 5, "min": 2, "max": 3, "mean": 2.5}
+    once = tr.subset([0, 1])
+    assert read_every_crossing(read, once).tokens.tolist() == read(once).tokens.tolist() and seen[-2] is once

@@ -78,6 +78,7 @@ SHIELDED = dict(model="tiny-gpt2", n_calib=4, n_train=6, n_eval=6, doc_len=32, l
 SHIELDED_PARAMS = {
     "gma-sl": {"steps": 20},
     "gma-sl-aware": {"steps": 20},
+    "gma-sl-crossings": {"steps": 20},
     "bisr-b": {"sip_epochs": 1, "b_steps": 2},
     "bisr": {"sip_epochs": 1, "b_steps": 2, "f_steps": 2},
 }

@@ -11,6 +11,10 @@ public forward and its Gaussian likelihood). Each crossing row is then given its
 that its result pairs row for row with a one-crossing reader's on the same traffic; a report of documents
 averages a document's rows (one reading, repeated).
 
+``gma-sl-crossings`` does the same for label-shielded fine-tuning: ``gma-sl-aware`` on the mean of a
+document's trunk outputs and of the output gradients its client returned for them (seq-dp draws its noise
+fresh for each).
+
 It reads only what the threat model grants: the frame headers (which rows are one document's, public to
 the server), the public copy and the chain's declared arguments. On traffic where each document crossed once
 (the capture pass) it is ``activation-aware``, bit for bit. Read it on the training traffic
@@ -19,12 +23,13 @@ the server), the public copy and the chain's declared arguments. On traffic wher
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from splitleak.attacks.aware import AwareActivationBeam
 from splitleak.attacks.base import Reconstruction
+from splitleak.attacks.gma_aware import AwareGMASL
 from splitleak.attacks.knowledge import Traffic
 
 
@@ -37,8 +42,9 @@ def crossing_groups(doc_ids: tuple[int, ...]) -> tuple[tuple[int, ...], list[lis
 
 
 def combine_crossings(traffic: Traffic) -> tuple[Traffic, list[list[int]]]:
-    """One row per document: the mean of its activation rows (and of its returned gradients, where they
-    cross), in float64 and back to the traffic's dtype; the rows of each document in the input."""
+    """One row per document: the mean of its activation rows (and of its returned gradients, and of a U-shape's
+    trunk output and output gradient, where they cross), in float64 and back to the traffic's dtype; one frame
+    per document (a training step's frame holds one document); the rows of each document in the input."""
     docs, groups = crossing_groups(traffic.doc_ids)
 
     def mean(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -49,12 +55,50 @@ def combine_crossings(traffic: Traffic) -> tuple[Traffic, list[list[int]]]:
     steps = None if traffic.steps is None else tuple(max(traffic.steps[i] for i in g) for g in groups)
     act = mean(traffic.activations)
     assert act is not None
-    return Traffic(docs, act, mean(traffic.gradients), steps=steps, phase=traffic.phase), groups
+    combined = Traffic(
+        docs, act, mean(traffic.gradients), trunk_output=mean(traffic.trunk_output),
+        output_gradients=mean(traffic.output_gradients), steps=steps, phase=traffic.phase,
+    )  # fmt: skip
+    return combined, groups
 
 
-def _spread(value: Any, index: torch.Tensor) -> Any:
-    """A per-document output back on the crossing rows (tensors whose first axis is the documents)."""
-    return value[index] if isinstance(value, torch.Tensor) and value.dim() >= 1 else value
+#: list-valued outputs that hold one value per document (GMA-SL's final distances)
+PER_DOCUMENT_LISTS = ("distance",)
+
+
+def _spread(key: str, value: Any, index: torch.Tensor) -> Any:
+    """A per-document output back on the crossing rows: tensors whose first axis is the documents, and the
+    lists ``PER_DOCUMENT_LISTS`` names; anything else (a summary, steps per chunk) as it is."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+        return value[index]
+    if key in PER_DOCUMENT_LISTS and isinstance(value, list):
+        return [value[int(i)] for i in index]
+    return value
+
+
+def read_every_crossing(read: Callable[[Traffic], Reconstruction], traffic: Traffic) -> Reconstruction:
+    """``read`` (a one-crossing reader's reconstruct) on the mean of each document's crossings, its reading given
+    back to every crossing row; ``read(traffic)`` itself where every document crossed once."""
+    combined, groups = combine_crossings(traffic)
+    if len(groups) == len(traffic):  # every document crossed once: the one-crossing reading, as it is
+        return read(traffic)
+    rec = read(combined)
+    index = torch.empty(len(traffic), dtype=torch.long)
+    for j, g in enumerate(groups):
+        index[g] = j
+    counts = [len(g) for g in groups]
+    extra = {k: _spread(k, v, index) for k, v in rec.extra.items()}
+    summary = dict(extra.get("summary") or {})
+    summary["crossings"] = {
+        "documents": len(groups),
+        "rows": len(traffic),
+        "min": min(counts),
+        "max": max(counts),
+        "mean": sum(counts) / len(counts),
+    }
+    extra["summary"] = summary
+    assert rec.tokens is not None
+    return Reconstruction(rec.tokens[index], extra)
 
 
 class CrossingsAware(AwareActivationBeam):
@@ -64,23 +108,14 @@ class CrossingsAware(AwareActivationBeam):
 
     def reconstruct(self, traffic, progress=None):
         self._check(traffic)
-        combined, groups = combine_crossings(traffic)
-        if len(groups) == len(traffic):  # every document crossed once: the plain aware reading, as it is
-            return super().reconstruct(traffic, progress)
-        rec = super().reconstruct(combined, progress)
-        index = torch.empty(len(traffic), dtype=torch.long)
-        for j, g in enumerate(groups):
-            index[g] = j
-        counts = [len(g) for g in groups]
-        extra = {k: _spread(v, index) for k, v in rec.extra.items()}
-        summary = dict(extra.get("summary") or {})
-        summary["crossings"] = {
-            "documents": len(groups),
-            "rows": len(traffic),
-            "min": min(counts),
-            "max": max(counts),
-            "mean": sum(counts) / len(counts),
-        }
-        extra["summary"] = summary
-        assert rec.tokens is not None
-        return Reconstruction(rec.tokens[index], extra)
+        return read_every_crossing(lambda t: AwareActivationBeam.reconstruct(self, t, progress), traffic)
+
+
+class CrossingsGMASL(AwareGMASL):
+    """``gma-sl-aware`` on the mean of each document's crossings: the trunk outputs and the output gradients
+    of its passes (seq-dp's fresh noise on each divided by √R), matched as one frame of one document."""
+
+    name = "gma-sl-crossings"
+
+    def reconstruct(self, traffic, progress=None):
+        return read_every_crossing(lambda t: AwareGMASL.reconstruct(self, t, progress), traffic)

@@ -293,6 +293,20 @@ REGISTRY: dict[str, AttackInfo] = {
             label="GMA-SL (defence-aware)",
         ),
         AttackInfo(
+            "gma-sl-crossings",
+            f"{_A}.crossings:CrossingsGMASL",
+            "label-shielded: gma-sl-aware on the mean of every crossing of each document (its trunk outputs and "
+            "output gradients over the training passes), whose fresh noise the mean divides; read it with --phase train",
+            reads=("trunk-output", "output-gradient"),
+            output="labels",
+            modes=("label-shielded",),
+            needs_top=True,
+            adaptive=True,
+            adapts="gma-sl-aware",
+            label="GMA-SL (defence-aware, all crossings)",
+            passes=True,
+        ),
+        AttackInfo(
             "bisr-b",
             f"{_A}.bisr:BiSRBackward",
             "label-shielded: SIP's reading, then GMA-SL's gradient matching from it (BiSR(b))",

@@ -3,8 +3,9 @@
 Fine-tuning sends each training document once per pass (``--epochs``), each time with fresh noise, and the
 audit's other readers read the capture pass (each evaluation document once). Where the chain adds noise
 that a reader of every crossing is built for (``Defence.adaptive`` names ``crossings-aware``), the audit
-also reads the training traffic as the server received it: ``activation-aware`` one crossing at a time,
-and ``crossings-aware`` on the mean of each document's crossings, both on the public copy. A document's
+also reads the training traffic as the server received it: the reader of one crossing at a time and the
+reader of every crossing built on it (``activation-aware`` and ``crossings-aware``; in label-shielded
+fine-tuning ``gma-sl-aware`` and ``gma-sl-crossings``), on the public copy. A document's
 reading is the mean over its crossing rows (the combining reader gives each the same). Beside them, the
 bound over the same crossings (``splitleak.audit.bounds``, each training document composed over every pass
 the tap recorded): a combining reader whose lower end lies above it is an INSTRUMENT FAULT.
@@ -24,14 +25,12 @@ from splitleak.attacks import load_traffic, make_attack_config
 from splitleak.attacks.registry import attack_info
 from splitleak.audit.bounds import audit_bound
 from splitleak.audit.evaluate import attack_label, run_attack
+from splitleak.audit.plan import ADAPTIVE_PARAMS
 from splitleak.audit.stages import finished_attack
+from splitleak.errors import ConfigError
 from splitleak.runs.truth import eval_token_ids
 from splitleak.stats import crossed_bootstrap_ci, paired_difference_ci
 
-#: the one-crossing reader they are set beside (the strongest reader of one noised crossing)
-ONE_CROSSING = "activation-aware"
-#: the settings of both: the audit's suite's (k = 32)
-PASS_PARAMS: dict[str, Any] = {"k": 32}
 #: bootstrap replicates of the whole-traffic intervals
 PASS_BOOT = 10_000
 
@@ -50,12 +49,16 @@ def whole_traffic_stage(a: Any, knowledge: Any, seen: Any, adaptive: dict[str, A
         return None
     traffic = load_traffic(seen.folder, phase="train")
     (a.out / "passes").mkdir(exist_ok=True)
+    # each reader of every crossing beside the reader of one crossing it adapts (AttackInfo.adapts)
+    if any(attack_info(r).adapts is None for r in readers):
+        raise ConfigError(f"a reader of every crossing names no reader of one crossing it adapts: {readers}")
+    names = list(dict.fromkeys(n for r in readers for n in (str(attack_info(r).adapts), r)))
     results = []
-    for name in (ONE_CROSSING, *readers):
+    for name in names:
         stem = f"train-{name}"
         path = a.out / "passes" / f"{stem}.json"
         acfg = make_attack_config(
-            attack=name, client_copy="public", attack_seed=a.seed, params=PASS_PARAMS, phase="train"
+            attack=name, client_copy="public", attack_seed=a.seed, params=ADAPTIVE_PARAMS.get(name, {}), phase="train"
         )
         if not a.stages.done(f"passes:{stem}"):
             a.stages.data["current"] = f"passes {stem}"
@@ -68,19 +71,22 @@ def whole_traffic_stage(a: Any, knowledge: Any, seen: Any, adaptive: dict[str, A
         results.append(finished_attack(path, acfg, a.cfg.hash()))
     docs = list(dict.fromkeys(int(d) for d in traffic.doc_ids))
     truth = eval_token_ids(a.out / "run", docs, phase="train")
-    scores = [document_scores(res["per_doc"], docs, truth) for res in results]
+    scores = [document_scores(res["per_doc"], docs, truth, attack_info(res["attack"]).output) for res in results]
     bound = audit_bound(seen.folder, a.cfg.defences, a.mode, a.cfg.draws, docs, truth, a.pristine.model)
-    return whole_traffic_record(a.cfg.n_steps, a.cfg.n_train, traffic.doc_ids, results, scores, bound, a.seed)
+    pairs = [(names.index(str(attack_info(r).adapts)), names.index(r)) for r in readers]  # every pass reader adapts one
+    return whole_traffic_record(a.cfg.n_steps, a.cfg.n_train, traffic.doc_ids, results, scores, bound, a.seed, pairs)
 
 
-def document_scores(per_row: list[dict[str, Any]], docs: list[int], truth: np.ndarray) -> np.ndarray:
-    """[documents, T]: per token, the share of a document's crossing rows whose reading is right."""
-    sums = np.zeros(truth.shape, dtype=np.float64)
+def document_scores(per_row: list[dict[str, Any]], docs: list[int], truth: np.ndarray, output: str) -> np.ndarray:
+    """[documents, positions]: per position, the share of a document's crossing rows whose reading is right
+    (a label attack's from token 1 on: token 0 is no label)."""
+    first = 1 if output == "labels" else 0
+    sums = np.zeros((len(docs), truth.shape[1] - first), dtype=np.float64)
     counts = np.zeros(len(docs), dtype=np.int64)
     where = {d: i for i, d in enumerate(docs)}
     for row in per_row:
         i = where[int(row["doc_id"])]
-        sums[i] += np.asarray(row["predicted"], dtype=np.int64) == truth[i]
+        sums[i] += np.asarray(row["predicted"], dtype=np.int64)[first:] == truth[i, first:]
         counts[i] += 1
     return sums / counts[:, None]
 
@@ -93,10 +99,12 @@ def whole_traffic_record(
     scores: list[np.ndarray],
     bound: dict[str, Any],
     seed: int,
+    pairs: list[tuple[int, int]],
 ) -> dict[str, Any]:
-    """The report's ``whole_traffic``: the readings with their intervals (documents resampled),
-    the combining reader's paired gain over the one-crossing reader, the bound, and whether a reading's lower
-    end lies above the bound (``fault``)."""
+    """The report's ``whole_traffic``: the readings with their intervals (documents resampled), each combining
+    reader's paired gain over the one-crossing reader it adapts (``pairs``: indices into ``results``; ``gain``
+    is the first's, ``gains`` all), the bound, and whether a reading's lower end lies above the bound
+    (``fault``)."""
     counts = Counter(int(d) for d in doc_ids)
     readers = []
     for res, sc in zip(results, scores):
@@ -107,12 +115,18 @@ def whole_traffic_record(
             {"attack": res["attack"], "label": attack_label(res),
              "tokens": {"estimate": ci.estimate, "low": ci.low, "high": ci.high}}
         )  # fmt: skip
-    gain = paired_difference_ci(
-        scores[-1].mean(1)[None, :],
-        scores[0].mean(1)[None, :],
-        n_boot=PASS_BOOT,
-        seed=np.random.default_rng([seed, 0x6A1]),
-    )
+    gains = []
+    for one, every in pairs:
+        g = paired_difference_ci(
+            scores[every].mean(1)[None, :],
+            scores[one].mean(1)[None, :],
+            n_boot=PASS_BOOT,
+            seed=np.random.default_rng([seed, 0x6A1]),
+        )
+        gains.append(
+            {"reader": readers[every]["label"], "against": readers[one]["label"],
+             "estimate": g.estimate, "low": g.low, "high": g.high}
+        )  # fmt: skip
     top = bound.get("token_bound")
     fault = top is not None and any(r["tokens"]["low"] > top + 1e-9 for r in readers)
     return {
@@ -121,7 +135,8 @@ def whole_traffic_record(
         "documents": len(counts),
         "crossings": {"min": min(counts.values()), "max": max(counts.values())},
         "readers": readers,
-        "gain": {"estimate": gain.estimate, "low": gain.low, "high": gain.high},
+        "gain": gains[0],
+        "gains": gains,
         "bound": bound,
         "fault": fault,
     }

@@ -44,6 +44,7 @@ ADAPTIVE_PARAMS: dict[str, dict[str, Any]] = {
     "mixup-unmix": {"k": 32},
     "mixup-history": {"k": 32},
     "joint-aware": {"k": 32},
+    "crossings-aware": {"k": 32},
 }
 #: the splits the audit runs in (``--mode``): where the labels go is what changes the server's reading
 AUDIT_MODES = ("plain", "u-shape", "label-shielded")

@@ -222,6 +222,11 @@ class SequenceDP(LabelDefence):
 
     name = "seq-dp"
     split_modes = GRADIENT_MODES
+    adaptive: ClassVar[tuple[str, ...]] = ("gma-sl-aware", "gma-sl-crossings")
+
+    def adaptive_attacks(self, mode):
+        """Beside gma-sl-aware, the reader of every training pass: seq-dp draws its noise fresh per crossing."""
+        return self.adaptive if mode == "label-shielded" else ()
 
     def __init__(self, clip: float = 1.0, noise_multiplier: float = 1.0, delta: float = 1e-5):
         self.clip = check_number("seq-dp", "clip", clip, 0.0, lo_open=True)

@@ -359,8 +359,10 @@ def whole_traffic_sentence(whole: dict[str, Any] | None) -> str:
     reading's lower end lies above that bound."""
     if not whole:
         return ""
-    one, every = whole["readers"][0], whole["readers"][-1]
-    t, o, gain, bound = every["tokens"], one["tokens"], whole["gain"], whole["bound"]
+    gain, bound = whole["gain"], whole["bound"]
+    by_label = {r["label"]: r for r in whole["readers"]}
+    every, one = by_label[gain["reader"]], by_label[gain["against"]]
+    t, o = every["tokens"], one["tokens"]
     passes = f"{whole['epochs']:g} pass{'es' if whole['epochs'] != 1 else ''}"
     head = (
         f"Over the whole training traffic ({passes}, {whole['documents']} documents crossing "
