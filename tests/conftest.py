@@ -218,6 +218,7 @@ def shared_run(tmp_path_factory):
 TINY_AUDIT = [
     "--model", "tiny-gpt2", "--n-calib", "8", "--n-train", "8", "--n-eval", "12", "--device", "cpu",
     "--draws", "derived", "--threads", "1",  # the float sums of training depend on the number of threads
+    "--epochs", "1",  # one pass: these audits are not about the training passes (tests/test_audit_passes.py is)
 ]  # fmt: skip
 
 

@@ -35,7 +35,15 @@ REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 #: the shared audit's options (conftest.TINY_AUDIT), in run_audit's words
 OPTIONS = dict(
-    words=audit_words, model="tiny-gpt2", n_calib=8, n_train=8, n_eval=12, device="cpu", draws="derived", threads=1
+    words=audit_words,
+    model="tiny-gpt2",
+    n_calib=8,
+    n_train=8,
+    n_eval=12,
+    device="cpu",
+    draws="derived",
+    threads=1,
+    epochs=1,  # as TINY_AUDIT
 )
 CLI = [*TINY_AUDIT, "--quiet"]
 #: what differs between two audits of the same settings: timings, and the folder each lives in

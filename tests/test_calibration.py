@@ -259,6 +259,8 @@ def test_audit_under_heavy_noise_reads_at_floor_with_a_calibrated_metric(tmp_pat
             "16",
             "--n-train",
             "6",
+            "--epochs",
+            "1",
             "--n-eval",
             "32",
             "--defence",
@@ -276,6 +278,8 @@ def test_audit_under_heavy_noise_reads_at_floor_with_a_calibrated_metric(tmp_pat
     assert not rep["verdicts"]["gate"]["breaks"]
     assert all(a["arm"]["verdict"] != "detected" and a["arm"]["control_verdict"] != "detected" for a in rep["attacks"])
     assert (out / "calibration" / "calibration.json").is_file()
+    # one pass (--epochs 1): every training document crossed once, so no whole-traffic stage runs
+    assert rep["whole_traffic"] is None and not (out / "passes").exists()
     md = (out / "report.md").read_text()
     assert "## Instrument calibration" in md and "relative perplexity change against the twin" in md
     assert "(calibration/calibration.png)" in md and (out / "calibration" / "calibration.png").is_file()

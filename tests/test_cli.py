@@ -143,7 +143,7 @@ def test_defence_argument_forms():
 @pytest.mark.e2e
 def test_audit_on_tiny_model(tmp_path):
     out = tmp_path / "audit"
-    r = runner.invoke(app, ["audit", "--model", "tiny-gpt2", "--out", str(out), "--quiet", *SMALL])
+    r = runner.invoke(app, ["audit", "--model", "tiny-gpt2", "--out", str(out), "--quiet", "--epochs", "1", *SMALL])
     assert r.exit_code == 0, r.output
     assert "depth: 2" in r.output and "verified" in r.output and "LEAKS" in r.output
     report = json.loads((out / "report.json").read_text())
@@ -258,7 +258,20 @@ def test_audit_certify_runs_the_whole_exact_inversion_check_and_refuses_a_bad_bo
     assert bad.exit_code == 2 and "--certify" in bad.output and not (tmp_path / "bad").exists()
     out = tmp_path / "audit"
     r = runner.invoke(
-        app, ["audit", "--model", "tiny-gpt2", "--out", str(out), "--quiet", "--certify", "exhaustive", *SMALL]
+        app,
+        [
+            "audit",
+            "--model",
+            "tiny-gpt2",
+            "--out",
+            str(out),
+            "--quiet",
+            "--certify",
+            "exhaustive",
+            "--epochs",
+            "1",
+            *SMALL,
+        ],
     )
     assert r.exit_code == 0, r.output
     report = json.loads((out / "report.json").read_text())

@@ -99,7 +99,16 @@ def test_the_audit_refuses_a_verdict_when_an_arm_reads_the_text(planted, tmp_pat
         (("majority", {}, "public"), ("vmi", {}, "public"), ("reads-the-text", {"root": str(out)}, "public")),
     )
     res = audit_run.run_audit(
-        out, model="tiny-gpt2", words=audit_words, depth=2, n_calib=16, n_train=6, n_eval=24, seed=1, say=lambda _: None
+        out,
+        model="tiny-gpt2",
+        words=audit_words,
+        depth=2,
+        n_calib=16,
+        n_train=6,
+        n_eval=24,
+        seed=1,
+        epochs=1,
+        say=lambda _: None,
     )
     assert res.verdict.startswith("INSTRUMENT FAULT: the mis-paired negative control of reads-the-text reads"), (
         res.verdict
@@ -170,7 +179,15 @@ def test_the_audit_names_the_server_as_a_reader_and_runs_where_the_labels_stay_h
     from splitleak.report.audit_prose import audit_words
 
     small = dict(
-        model="tiny-gpt2", words=audit_words, depth=1, n_calib=16, n_train=4, n_eval=12, seed=2, say=lambda _: None
+        model="tiny-gpt2",
+        words=audit_words,
+        depth=1,
+        n_calib=16,
+        n_train=4,
+        n_eval=12,
+        seed=2,
+        epochs=1,
+        say=lambda _: None,
     )
     u = run_audit(tmp_path / "u", mode="u-shape", **small)
     report = json.loads((tmp_path / "u" / "report.json").read_text())
@@ -208,6 +225,7 @@ def test_a_label_shielded_audit_adds_the_reader_of_the_labels(tmp_path, monkeypa
         n_train=4,
         n_eval=12,
         seed=3,
+        epochs=1,
         say=lambda _: None,
     )
     report = json.loads((tmp_path / "s" / "report.json").read_text())
@@ -377,6 +395,7 @@ def test_a_reader_of_the_labels_is_caught_by_the_label_familys_control(plant, tm
         n_train=4,
         n_eval=12,
         seed=3,
+        epochs=1,
         say=lambda _: None,
     )
     assert res.verdict.startswith("INSTRUMENT FAULT: the mis-paired negative control of reads-the-labels"), res.verdict

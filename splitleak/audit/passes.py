@@ -42,12 +42,14 @@ def pass_readers(adaptive: dict[str, Any]) -> list[str]:
 
 def whole_traffic_stage(a: Any, knowledge: Any, seen: Any, adaptive: dict[str, Any]) -> dict[str, Any] | None:
     """The whole-traffic readings and their bound (module docstring), or None where no defence of the chain
-    names a reader of every crossing. ``a``: the audit (``splitleak.audit.run._Audit``); ``knowledge``: the
+    names a reader of every crossing or no training document crossed twice (one pass). ``a``: the audit (``splitleak.audit.run._Audit``); ``knowledge``: the
     public copy's; ``seen``: where the traffic is read (the client's run or the server's session)."""
     readers = pass_readers(adaptive)
     if not readers:
         return None
     traffic = load_traffic(seen.folder, phase="train")
+    if max(Counter(traffic.doc_ids).values()) < 2:  # one pass: the training traffic reads as the capture does
+        return None
     (a.out / "passes").mkdir(exist_ok=True)
     # each reader of every crossing beside the reader of one crossing it adapts (AttackInfo.adapts)
     if any(attack_info(r).adapts is None for r in readers):
