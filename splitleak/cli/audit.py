@@ -203,7 +203,7 @@ def audit_cmd(
     epochs: Optional[int] = typer.Option(
         None,
         "--epochs",
-        help=f"passes over the training documents [default: {AUDIT_EPOCHS}, transformers' Trainer's]; under a noise "
+        help=f"passes over the training documents (default {AUDIT_EPOCHS}, as transformers' Trainer); under a noise "
         "defence the training traffic of every pass is read too, one crossing at a time and all at once",
     ),
     draws: str = DrawsOpt,
