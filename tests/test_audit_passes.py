@@ -59,6 +59,8 @@ def test_a_noise_audit_reads_every_pass_beside_the_bound_over_them(tmp_path):
     assert bound["crossings_max"] == 3 * report["bound"]["crossings_max"]  # each channel of a document, per pass
     assert bound["epsilon_doc_max"] > report["bound"]["epsilon_doc_max"]  # (both token bounds are 100 % here)
     assert every["low"] <= bound["token_bound"] and not whole["fault"]
+    # the mechanism's game reads no document: played once, in the audit's own bound, where it holds
+    assert "mechanism_audit" not in bound and [m["fault"] for m in report["bound"]["mechanism_audit"]] == [False, False]
     said = " ".join(report["verdict_parts"])
     assert "Over the whole training traffic (3 passes, 4 documents crossing 3–3 times)" in said
     assert f"no reader can read more than {100 * bound['token_bound']:.2f}"[:40] in said

@@ -27,6 +27,7 @@ the experiment store yields the same records.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,23 +77,18 @@ def effective_readout(r: dict[str, Any]) -> str | None:
     return r.get("readout") or "pseudo-map"
 
 
+@functools.lru_cache(maxsize=4096)
 def _per_doc_labels(result_json: str) -> dict[int, float]:
-    """A label attack's per-document label recovery from its job's result (``audit.extras.label_scores``)."""
+    """A label attack's per-document label recovery from its job's result (``audit.extras.label_scores``), parsed
+    once per job (every document row of a job carries the same result; the dict is only read)."""
     return {int(d): float(v) for d, v in json.loads(result_json).get("label_recovery_per_doc") or []}
-
-
-_LABELS_CACHE: dict[str, dict[int, float]] = {}
 
 
 def document_label_recovery(r: dict[str, Any]) -> float:
     """The share of one document's labels a label attack recovered (NaN where its result has none per document:
     a store written before they were recorded)."""
     key = r.get("result_json") or ""
-    if key not in _LABELS_CACHE:
-        if len(_LABELS_CACHE) > 4096:
-            _LABELS_CACHE.clear()
-        _LABELS_CACHE[key] = _per_doc_labels(key) if key else {}
-    return _LABELS_CACHE[key].get(int(r["doc_id"]), np.nan)
+    return (_per_doc_labels(key) if key else {}).get(int(r["doc_id"]), np.nan)
 
 
 METRICS = {

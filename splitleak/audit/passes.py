@@ -74,7 +74,10 @@ def whole_traffic_stage(a: Any, knowledge: Any, seen: Any, adaptive: dict[str, A
     docs = list(dict.fromkeys(int(d) for d in traffic.doc_ids))
     truth = eval_token_ids(a.out / "run", docs, phase="train")
     scores = [document_scores(res["per_doc"], docs, truth, attack_info(res["attack"]).output) for res in results]
-    bound = audit_bound(seen.folder, a.cfg.defences, a.mode, a.cfg.draws, docs, truth, a.pristine.model)
+    # the mechanism's game reads no document: the audit's own bound plays it
+    bound = audit_bound(
+        seen.folder, a.cfg.defences, a.mode, a.cfg.draws, docs, truth, a.pristine.model, mechanism=False
+    )
     pairs = [(names.index(str(attack_info(r).adapts)), names.index(r)) for r in readers]  # every pass reader adapts one
     return whole_traffic_record(a.cfg.n_steps, a.cfg.n_train, traffic.doc_ids, results, scores, bound, a.seed, pairs)
 
