@@ -9,6 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from splitleak.attacks import make_attack_config
 from splitleak.attacks.registry import REGISTRY
@@ -101,3 +102,50 @@ def test_every_label_attack_reads_the_same_with_permuted_evaluation_tokens(share
         assert [r["predicted"] for r in a["per_doc"]] == [r["predicted"] for r in b["per_doc"]], name
         moved.append(a["token_recovery"] != b["token_recovery"])
     assert all(moved), dict(zip(names, moved))
+
+
+def _permuted_train(run_dir, dest, seed):
+    """A copy of the run whose training documents' tokens are permuted within each document."""
+    shutil.copytree(run_dir, dest)
+    path = dest / "documents.json"
+    docs = json.loads(path.read_text())
+    rng = np.random.default_rng(seed)
+    for d in docs["train"]:
+        d["token_ids"] = [int(t) for t in rng.permutation(d["token_ids"])]
+    path.write_text(json.dumps(docs))
+    return dest
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_readers_of_every_pass_read_the_same_with_permuted_training_tokens(shared_run, tmp_path, monkeypatch, seed):
+    """The truth boundary of the training traffic: every reader of every crossing (``AttackInfo.passes``) reads the
+    same crossings when the training documents' tokens the scorer holds are permuted, and the score moves. The
+    check can fail: a planted reader that takes the training tokens from the run's documents reads differently."""
+    from splitleak.attacks.base import Reconstruction
+    from splitleak.attacks.crossings import CrossingsAware
+
+    passes = [n for n, a in REGISTRY.items() if a.passes and "plain" in a.modes]
+    assert passes == ["crossings-aware"]
+    spec = [{"name": "clip-noise", "args": {"clip": 0.1, "sigma": 0.3, "where": "forward"}}]
+    run = shared_run(**{**BASE, "steps": 3 * BASE["n_train"]}, seed=seed, defences=spec)
+    permuted = _permuted_train(run, tmp_path / "p", seed)
+    cfg = make_attack_config(attack="crossings-aware", attack_seed=seed, params={"k": 4}, phase="train")
+    a, b = run_attack(run, cfg, verify=False), run_attack(permuted, cfg, verify=False)
+    assert len(a["per_doc"]) == 3 * BASE["n_train"]
+    assert [r["predicted"] for r in a["per_doc"]] == [r["predicted"] for r in b["per_doc"]]
+    assert a["token_recovery"] != b["token_recovery"]
+
+    reading = {}  # the run the planted reader is pointed at
+
+    def reads_the_truth(self, traffic, progress=None):  # planted: the training tokens from the run's own record
+        record = json.loads((reading["run"] / "documents.json").read_text())["train"]
+        docs = {d["doc_id"]: d["token_ids"] for d in record}
+        return Reconstruction(torch.tensor([docs[i] for i in traffic.doc_ids]))
+
+    monkeypatch.setattr(CrossingsAware, "reconstruct", reads_the_truth)
+    out = []
+    for where in (run, permuted):
+        reading["run"] = where
+        out.append([r["predicted"] for r in run_attack(where, cfg, verify=False)["per_doc"]])
+    assert out[0] != out[1]
