@@ -261,7 +261,7 @@ def tiny_audit(tmp_path_factory):
 @pytest.fixture
 def plant(tmp_path, monkeypatch):
     """``plant(module, source, *attacks)``: register a planted attack as a plug-in module (``SPLITLEAK_PLUGINS``,
-    so that a grid's spawned workers register it too); returns the imported module. Every registration and the
+    so that a grid's worker processes register it too); returns the imported module. Every registration and the
     module are removed after the test."""
     import sys
 

@@ -11,7 +11,7 @@ import pytest
 from splitleak.attacks import make_attack_config
 from splitleak.audit.evaluate import run_attack
 
-#: a plug-in module (``SPLITLEAK_PLUGINS``), so that a grid's spawned workers register it too
+#: a plug-in module (``SPLITLEAK_PLUGINS``), so that a grid's worker processes register it too
 PLANTED = textwrap.dedent(
     """
     from pathlib import Path
@@ -161,7 +161,7 @@ def test_a_grid_report_names_the_fault_of_a_reader_of_the_text(planted, tmp_path
     shutil.copy(SHIPPED / "paper_main.yaml", tmp_path / "proto.yaml")
     spec = tmp_path / "planted.yaml"
     spec.write_text(TINY_GRID.replace("STORE", str(store)))
-    res = run_grid(spec, store=store, workers=1, threads=1, device="cpu")  # a spawned worker: the plug-in loads there
+    res = run_grid(spec, store=store, workers=1, threads=1, device="cpu")  # a worker process: the plug-in loads there
     assert not res.failures, res.failures
     rep = grid_report(spec, out=tmp_path / "rep", store=store)
     assert [c["row"]["attack"] for c in rep.control_faults] == ["reads-the-text"]
@@ -469,7 +469,7 @@ def test_a_grid_report_names_the_fault_of_a_reader_of_the_labels(plant, tmp_path
     shutil.copy(SHIPPED / "mirage_003.yaml", tmp_path / "proto.yaml")
     spec = tmp_path / "planted.yaml"
     spec.write_text(TINY_LABEL_GRID.replace("STORE", str(store)))
-    res = run_grid(spec, store=store, workers=1, threads=1, device="cpu")  # a spawned worker: the plug-in loads there
+    res = run_grid(spec, store=store, workers=1, threads=1, device="cpu")  # a worker process: the plug-in loads there
     assert not res.failures, res.failures
     rep = grid_report(spec, out=tmp_path / "rep", store=store)
     assert [c["row"]["attack"] for c in rep.control_faults] == ["reads-the-labels"]

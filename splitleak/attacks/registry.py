@@ -347,7 +347,7 @@ def unregister(name: str) -> None:
 
 
 #: comma-separated modules that register attacks when imported (plug-ins); the command line, a grid's driver
-#: and every grid worker (a spawned process or a Ray task, which start without the driver's registrations)
+#: and every grid worker (a local worker process or a Ray task, which start without the driver's registrations)
 #: import them before they look an attack up
 PLUGINS_ENV = "SPLITLEAK_PLUGINS"
 

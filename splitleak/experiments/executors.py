@@ -22,7 +22,7 @@ from typing import Any
 from splitleak.errors import ConfigError, IntegrityError, SplitleakError
 from splitleak.experiments.shipping import deliver, run_parcel
 from splitleak.experiments.store import ResultsStore
-from splitleak.experiments.worker import execute_jobs, failed_status, init_worker, ray_execute_jobs
+from splitleak.experiments.worker import driver_state, execute_jobs, failed_status, init_worker, ray_execute_jobs
 from splitleak.files import sha256_file
 from splitleak.runs.journal import JOURNAL
 
@@ -60,16 +60,34 @@ def plan_workers(workers: int | None, threads: int | None, cores: int | None = N
     return workers, threads
 
 
+#: what the fork server imports before it forks a worker
+PRELOAD = "splitleak.experiments.preload"
+
+
+def worker_context() -> Any:
+    """The multiprocessing context of local workers: a fork server where the platform has one (Linux, macOS),
+    which imports torch, transformers and the attacks once (``PRELOAD``: imports only, no torch operation) and
+    forks each worker from that state, as PyTorch's DataLoader forks its workers from a process that imported
+    torch; else spawn, where each worker imports them itself (about 4 s of CPU a worker). Never a plain fork of
+    the driver, which may be mid-operation in threads of its own (torch's pools, the progress display). A forked
+    worker takes on the driver's environment, folder and import path (``worker.driver_state``)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([PRELOAD])  # read when the server starts; it lasts as long as this process
+    return ctx
+
+
 class LocalExecutor:
-    """``concurrent.futures.ProcessPoolExecutor`` with the spawn context; one job per process at a
-    time, each with ``threads`` torch threads."""
+    """``concurrent.futures.ProcessPoolExecutor`` on ``worker_context()``; one job per process at a time, each
+    with ``threads`` torch threads, in the driver's environment and working directory."""
 
     name = "local"
 
     def __init__(self, workers: int, threads: int, device: str, driver: dict[str, Any]):
         self.workers, self.threads, self.device, self.driver = workers, threads, device, driver
         self.capacity = workers
-        self._ctx = mp.get_context("spawn")
+        self._ctx = worker_context()
         self._queue = self._ctx.Queue()
         self._pool = self._new_pool()
         self._tasks: dict[Any, tuple[list[dict[str, Any]], ResultsStore]] = {}
@@ -79,7 +97,7 @@ class LocalExecutor:
             max_workers=self.workers,
             mp_context=self._ctx,
             initializer=init_worker,
-            initargs=(self._queue, self.threads),
+            initargs=(self._queue, self.threads, driver_state()),
         )
 
     def describe(self) -> str:

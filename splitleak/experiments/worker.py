@@ -34,9 +34,11 @@ import ctypes
 import gc
 import json
 import os
+import select
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -73,7 +75,7 @@ FLOPS_ENV = "SPLITLEAK_COUNT_FLOPS"
 
 
 def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the driver dies, so a killed `run` leaves no worker behind that could
+    """Linux: get SIGKILL when the parent dies, so a killed `run` leaves no worker behind that could
     write into a run directory the next `run` is redoing."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -84,10 +86,59 @@ def _die_with_parent() -> None:
         pass
 
 
-def init_worker(queue: Any, threads: int | None) -> None:
-    """Initializer of a local pool process: progress queue, torch threads, die with the driver."""
+def _die_with_driver(driver: int | None) -> None:
+    """Die with the driver (pid ``driver``). A spawned worker's parent is the driver (``_die_with_parent``); a
+    worker forked from a fork server is the server's child, and the server lives as long as any worker holds
+    its pipe, so a thread waits for the driver's exit (a pidfd, Linux; else a poll every half second) and
+    kills the worker then."""
+    if driver is None or driver == os.getppid():
+        _die_with_parent()
+        return
+    threading.Thread(target=_watch_driver, args=(driver,), daemon=True, name="splitleak-driver-watch").start()
+
+
+def _watch_driver(driver: int) -> None:
+    try:
+        fd = os.pidfd_open(driver)
+    except ProcessLookupError:  # already gone
+        fd = -1
+    except (AttributeError, OSError):  # no pidfd here
+        fd = None
+    if fd is None:
+        while True:
+            try:
+                os.kill(driver, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:  # alive, another user's (a reused pid): keep waiting
+                pass
+            time.sleep(0.5)
+    elif fd >= 0:
+        select.select([fd], [], [])  # readable once the driver has exited
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def driver_state() -> dict[str, Any]:
+    """What a local worker takes on from the driver that makes its pool (``init_worker``): its pid, environment,
+    working directory and import path, as a spawned process would inherit them."""
+    return {"pid": os.getpid(), "environ": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
+
+
+def init_worker(queue: Any, threads: int | None, driver: dict[str, Any] | None = None) -> None:
+    """Initializer of a local pool process: progress queue, torch threads, die with the driver. ``driver``
+    (``driver_state``, taken when the driver made the pool): a worker forked from a fork server, which was started
+    earlier and perhaps under another environment, takes on the driver's environment, working directory and import
+    path (a plug-in's folder), as a spawned one does."""
     global _QUEUE
-    _die_with_parent()
+    driver = driver or {}
+    _die_with_driver(driver.get("pid"))
+    if "environ" in driver:
+        os.environ.clear()
+        os.environ.update(driver["environ"])
+    if "cwd" in driver:
+        os.chdir(driver["cwd"])
+    if "sys_path" in driver:
+        sys.path[:] = driver["sys_path"]
     _QUEUE = queue
     if threads:
         torch.set_num_threads(threads)
@@ -97,18 +148,9 @@ def init_worker(queue: Any, threads: int | None) -> None:
 _WARM = False
 
 
-def warm_worker() -> None:
-    """Once per process: import what the jobs import when they first run (every registered attack, the model
-    classes of the presets), collect, then move every object the process holds to the collector's permanent
-    generation (``gc.freeze``). ``release_memory`` after each job then walks the objects made since, not the
-    few hundred thousand of torch and transformers (what that saves: benchmarks/RESULTS.md, "The test
-    suite"). What is frozen lives as long as the process anyway (modules, classes, functions); no job has run
-    in this process yet, so none of a job's objects is among it. It also sets glibc to keep freed memory for
-    the next pass (``runtime.keep_freed_memory``)."""
-    global _WARM
-    if _WARM:
-        return
-    keep_freed_memory()
+def import_job_modules() -> None:
+    """Import what the jobs import when they first run: every registered attack, the model classes of the
+    presets, the scoring (``audit.evaluate``). Importing only: no torch operation runs."""
     # lazy: the driver imports this module without transformers; the model classes load on first use
     import transformers
 
@@ -120,6 +162,21 @@ def warm_worker() -> None:
     for info in REGISTRY.values():
         with contextlib.suppress(Exception):  # an attack that cannot load fails in its own job, with its error
             info.load()
+
+
+def warm_worker() -> None:
+    """Once per process: import what the jobs import (``import_job_modules``; already done in a worker forked
+    from the fork server), collect, then move every object the process holds to the collector's permanent
+    generation (``gc.freeze``). ``release_memory`` after each job then walks the objects made since, not the
+    few hundred thousand of torch and transformers (what that saves: benchmarks/RESULTS.md, "The test
+    suite"). What is frozen lives as long as the process anyway (modules, classes, functions); no job has run
+    in this process yet, so none of a job's objects is among it. It also sets glibc to keep freed memory for
+    the next pass (``runtime.keep_freed_memory``)."""
+    global _WARM
+    if _WARM:
+        return
+    keep_freed_memory()
+    import_job_modules()
     gc.collect()
     gc.freeze()
     _WARM = True
@@ -329,7 +386,7 @@ def execute_job(
     try:
         store.claim(key, driver)
 
-        load_plugins()  # a spawned process or a Ray task starts without the driver's plug-in attacks
+        load_plugins()  # a worker process or a Ray task starts without the driver's plug-in attacks
         if threads:
             torch.set_num_threads(threads)
         if job["kind"] not in ("train", "attack"):
