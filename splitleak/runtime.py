@@ -7,6 +7,7 @@ import ctypes
 import importlib.metadata
 import os
 import platform
+import signal
 from typing import TYPE_CHECKING
 
 import splitleak
@@ -61,6 +62,19 @@ def _glibc() -> ctypes.CDLL | None:
         return ctypes.CDLL("libc.so.6")
     except OSError:  # glibc under another name: leave it
         return None
+
+
+def die_with_parent() -> None:
+    """Linux: get SIGKILL when the parent process dies (``PR_SET_PDEATHSIG``), so that a killed driver leaves no
+    grid worker or fork server behind (a worker could write into a run directory the next run is redoing).
+    Nothing elsewhere. Not inherited by the process's own children."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent already died before prctl
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass
 
 
 def trim_heap() -> None:

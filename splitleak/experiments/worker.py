@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import gc
 import json
 import os
@@ -62,7 +61,7 @@ from splitleak.models import LoadedModel, load_model
 from splitleak.models.presets import PRESETS
 from splitleak.runs.manifest import read_manifest
 from splitleak.runs.verify import verify_run
-from splitleak.runtime import keep_freed_memory, trim_heap
+from splitleak.runtime import die_with_parent, keep_freed_memory, trim_heap
 from splitleak.seeds import model_init_seed
 from splitleak.training import config_from_record, run_training
 
@@ -74,25 +73,13 @@ PROGRESS_INTERVAL_S = 0.3
 FLOPS_ENV = "SPLITLEAK_COUNT_FLOPS"
 
 
-def _die_with_parent() -> None:
-    """Linux: get SIGKILL when the parent dies, so a killed `run` leaves no worker behind that could
-    write into a run directory the next `run` is redoing."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent already died before prctl
-            os._exit(1)
-    except (OSError, AttributeError):
-        pass
-
-
 def _die_with_driver(driver: int | None) -> None:
-    """Die with the driver (pid ``driver``). A spawned worker's parent is the driver (``_die_with_parent``); a
+    """Die with the driver (pid ``driver``). A spawned worker's parent is the driver (``runtime.die_with_parent``); a
     worker forked from a fork server is the server's child, and the server lives as long as any worker holds
     its pipe, so a thread waits for the driver's exit (a pidfd, Linux; else a poll every half second) and
     kills the worker then."""
     if driver is None or driver == os.getppid():
-        _die_with_parent()
+        die_with_parent()
         return
     threading.Thread(target=_watch_driver, args=(driver,), daemon=True, name="splitleak-driver-watch").start()
 
