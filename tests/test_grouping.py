@@ -122,6 +122,7 @@ def executed(trained, tmp_path_factory):
     worker runs a task), and each alone (``execute_job``); with the shared computations counted."""
     from splitleak.experiments import plan_grid
     from splitleak.experiments.sharing import task_key
+    from splitleak.experiments.store import ResultsStore, reuse_rows
     from splitleak.experiments.worker import execute_job, execute_jobs
 
     spec, store = trained
@@ -141,20 +142,18 @@ def executed(trained, tmp_path_factory):
             else:
                 statuses = [execute_job(job, str(root), "cpu", 1) for job in jobs]
         assert [s["status"] for s in statuses] == ["done"] * len(jobs), [s.get("error") for s in statuses]
+        rs = ResultsStore(root)
+        for j in g.of_kind("reuse"):  # the reused inference measurements too, as the scheduler writes them
+            rs.write_rows("attack", j.key, reuse_rows(j.to_dict(), rs.read_job("attack", j.reuse_of)))
         out[mode] = (root, dict(calls), len(tasks))
     return g, out
 
 
 def test_grouped_rows_equal_each_job_run_alone_bit_for_bit(executed):
     from splitleak.experiments import read_results
-    from splitleak.experiments.store import ResultsStore, reuse_rows
 
     g, out = executed
     assert g.counts() == {"train": 2, "attack": ATTACK_JOBS, "reuse": REUSED}
-    for mode in ("grouped", "alone"):  # the reused inference measurements too, as the scheduler writes them
-        rs = ResultsStore(out[mode][0])
-        for j in g.of_kind("reuse"):
-            rs.write_rows("attack", j.key, reuse_rows(j.to_dict(), rs.read_job("attack", j.reuse_of)))
     mine, theirs = rows(out["grouped"][0]), rows(out["alone"][0])
     assert len(mine) == 4 * (ATTACK_JOBS + REUSED)  # every job once, one row per document
     assert mine == theirs  # predictions, scores, controls, keys, configurations and digests
