@@ -88,6 +88,9 @@ def test_space_and_bad_input_fail_in_one_line_naming_the_fix():
             TuneSettings(model="tiny-gpt2", budget=budget).check()
     with pytest.raises(ConfigError, match="--stop-above must be >= the gate"):
         TuneSettings(model="tiny-gpt2", budget=0.1, stop_above=0.005).check()
+    for share in (0.0, 1.5, float("nan")):
+        with pytest.raises(ConfigError, match="--bound-below must be a share of tokens in"):
+            TuneSettings(model="tiny-gpt2", budget=0.1, bound_below=share).check()
     with pytest.raises(ConfigError, match="unknown tune attack 'vmj'"):
         TuneSettings(model="tiny-gpt2", budget=0.1, attacks=("vmj",)).check()
     assert parse_enqueue("depth=2,defence=clip-noise,sigma=0.5") == trial_params(2, "clip-noise", sigma=0.5)
@@ -185,6 +188,9 @@ def test_tiny_tune_gate_budget_frontier_and_resume(tmp_path):
     )
     assert s["G"] <= 0.01 and not s["gate_breaks"] and 0 < s["cost"] <= 0.05 and s["passes"]
     assert s["worst_token_recovery"] < 0.05
+    # both sides: the undefended run has no bound; the noised one has one, above what its readers read
+    assert none["token_bound"] is None and none["bound_note"].startswith("no formal bound: no defence")
+    assert s["worst_token_recovery"] <= s["token_bound"] <= 1 and s["epsilon_doc"] > 0 and s["bound_holds"] is None
     # weak noise: within the budget but read like the undefended run -> fails on the gate
     assert w["within_budget"] and w["gate_breaks"] and not w["passes"] and w["stopped"]
     # sigma=0.01 moves the held-out loss by less than its run-to-run noise: either sign, far below strong's
@@ -243,6 +249,30 @@ def test_tiny_tune_gate_budget_frontier_and_resume(tmp_path):
     # other settings in the same folder are refused, naming the fix
     with pytest.raises(ConfigError, match="choose another --out"):
         tune(out, TuneSettings(model="tiny-gpt2", budget=0.1, **TINY), depths=[1], n_trials=3)
+
+
+@pytest.mark.e2e
+def test_bound_below_passes_only_where_no_reader_can_read_more(tmp_path):
+    """--bound-below: two noise levels that both hold the gate against the suite; only the one whose bound (the
+    most any reader of its traffic can read of a token) is under the threshold passes, and the other stops after
+    its first attack, naming its bound. More noise per clip norm, a lower bound; each bound above what was read."""
+    settings = TuneSettings(model="tiny-gpt2", budget=1.0, attacks=("vmi",), bound_below=0.8, **TINY)
+    light = trial_params(1, "clip-noise", clip=1.0, sigma=1.0)
+    heavy = trial_params(1, "clip-noise", clip=0.1, sigma=3.0)  # 30 times the noise per unit of clip norm
+    res = tune(
+        tmp_path / "t", settings, depths=[1], defences=["clip-noise"], n_trials=2, enqueue=[light, heavy],
+        undefended_first=False, threads=1, render=render_tune,
+    )  # fmt: skip
+    lt, hv = res.trials
+    assert not lt["gate_breaks"] and not hv["gate_breaks"] and lt["within_budget"] and hv["within_budget"]
+    # measured on this machine: 100.0 % and 71.5 % (T = 16 tokens, every crossing of both directions composed)
+    assert hv["token_bound"] < 0.8 < lt["token_bound"] and hv["token_bound"] < lt["token_bound"] - 0.1
+    assert lt["bound_holds"] is False and not lt["passes"] and "the bound is 100.0 %" in lt["stopped"]
+    assert hv["bound_holds"] is True and hv["passes"] and res.passing == [1]
+    for t in (lt, hv):
+        assert t["worst_token_recovery"] <= t["token_bound"] and t["bound_note"].startswith("ε per document")
+    md = (tmp_path / "t" / "tune.md").read_text()
+    assert "no reader can read more than 80.0 % of its tokens" in md and f"| {100 * hv['token_bound']:.1f} |" in md
 
 
 @pytest.mark.integration

@@ -362,6 +362,12 @@ def _public_model(m: dict[str, Any], run_dir, lm=None):
     return lm
 
 
+def public_model(run_dir: str | Path, lm=None):
+    """The run's public pretrained model (what every attacker of it may hold, and the prior of its bound), checked
+    against the fingerprint the run recorded."""
+    return _public_model(read_manifest(run_dir), run_dir, lm)
+
+
 def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None, with_top: bool = False) -> Knowledge:
     """The attacker's knowledge for a run: its client-layer copy and the calibration documents; with
     ``with_top``, the pretrained Top too (a second load of the public weights)."""

@@ -45,6 +45,12 @@ def tune_cmd(
     stop_above: float = typer.Option(
         0.05, "--stop-above", help="stop a trial when the first attack's effect (lower end) is above this (>= 0.01)"
     ),
+    bound_below: Optional[float] = typer.Option(
+        None,
+        "--bound-below",
+        help="pass only where no reader can read more than this share of tokens (the defended run's mean token "
+        "bound, informed adversary; e.g. 0.1), besides the gate; default: the bound is recorded, not required",
+    ),
     enqueue: list[str] = typer.Option(
         [],
         "--enqueue",
@@ -66,7 +72,8 @@ def tune_cmd(
     quiet: bool = typer.Option(False, "--quiet"),
 ) -> None:
     """Search cut depth × defence × strength for the configurations that hold the gate against the attack
-    suite within a utility budget, and draw the privacy–utility frontier. A rerun resumes."""
+    suite within a utility budget (and, with --bound-below, whose bound says no reader can read more), and draw
+    the privacy–utility frontier. A rerun resumes."""
     # lazy: torch stays out of `splitleak --help`
     from splitleak.experiments.tune_study import tune
 
@@ -92,6 +99,7 @@ def tune_cmd(
             doc_len=doc_len,
             steps=steps,
             stop_above=stop_above,
+            bound_below=bound_below,
         )
         res = tune(
             out,
@@ -113,9 +121,14 @@ def tune_cmd(
     )
     if res.passing:
         best = next(t for t in res.trials if t["number"] == res.passing[0])
+        bound = (
+            f"no reader above {100 * best['token_bound']:.1f} % of tokens"
+            if best.get("token_bound") is not None
+            else "no formal bound"
+        )
         console.print(
             f"cheapest passing: trial {best['number']}, depth {best['depth']}, {best['defence']} "
-            f"(cost {best['cost']:+.4g}, G {100 * best['G']:+.2f} pp)",
+            f"(cost {best['cost']:+.4g}, G {100 * best['G']:+.2f} pp, {bound})",
             highlight=False,
             markup=False,
         )

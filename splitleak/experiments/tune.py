@@ -24,11 +24,18 @@ derived from the audit's, and draws recovery against cost (What Gradients Add, F
   shipped gate_002 protocol, read from the package; ``splitleak.audit.gate``). We use the gate, not
   "no arm detected", because the gate bounds the leak from above: a suite too small to detect
   anything does not hold it.
+- **The upper side.** Every trial records the bound of its defended run (``splitleak.audit.bounds``: every
+  crossing of each evaluation document composed under the chain's noise guarantees; the informed adversary; an
+  observer of the activations and gradients, since the server of a plain split reads the labels in clear) and
+  plays each noised channel's mechanism against its declaration (a defence that adds less noise than it
+  declares is an instrument fault, and the trial an error). With ``bound_below`` a configuration passes only
+  where that mean token bound is at most it: what no reader can read, not only what the suite read.
 - **Early stop.** The suite's first attack runs first. When its paired effect's lower end exceeds
   ``stop_above`` (>= the gate; ours, default +5 pp) the trial stops: with documents of equal length
   A's estimate is the pooled accuracy minus the constant rate, and G >= that (a Wilson upper bound is
   never below its estimate), so the full suite would break the gate too. A trial over the utility
-  budget also stops after the first attack. Stopped trials report lower bounds, and are marked.
+  budget, or with a bound above ``bound_below`` (or none), also stops after the first attack. Stopped trials
+  report lower bounds, and are marked.
 
 Outputs: ``OUT/tune.json`` (every trial), ``OUT/frontier.png`` / ``.svg`` and ``OUT/tune.md``.
 
@@ -295,6 +302,9 @@ class TuneSettings:
     doc_len: int = 32
     steps: int | None = None
     stop_above: float = STOP_ABOVE
+    #: pass only where no reader can read more than this share of tokens (the mean token bound of the defended
+    #: run, ``splitleak.audit.bounds``), besides the gate; None: the bound is recorded, not required
+    bound_below: float | None = None
 
     def check(self) -> None:
         # lazy: torch stays out of `splitleak --help`, which loads experiments.tune for its defaults
@@ -315,6 +325,14 @@ class TuneSettings:
                 f"that holds the gate; got {self.stop_above}"
             )
         resolve_attacks(self.attacks)
+
+        if self.bound_below is not None and not (
+            isinstance(self.bound_below, (int, float)) and 0 < self.bound_below <= 1
+        ):
+            raise ConfigError(
+                f"--bound-below must be a share of tokens in (0, 1] (0.1: no reader can read more than 10 % of "
+                f"them), got {self.bound_below}"
+            )
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -114,7 +114,9 @@ def run_study(
         study.tell(trial, [outcome.cost, outcome.G])
         say(
             f"trial {trial.number}: cost {outcome.cost:+.4g}, G {100 * outcome.G:+.2f} pp, worst reader "
-            f"{outcome.worst_reader} {100 * (outcome.worst_token_recovery or 0):.1f} % -> "
+            f"{outcome.worst_reader} {100 * (outcome.worst_token_recovery or 0):.1f} %, "
+            + ("no bound" if outcome.token_bound is None else f"none above {100 * outcome.token_bound:.1f} %")
+            + " -> "
             + ("PASS" if outcome.passes else "fail")
             + (f" (stopped: {outcome.stopped})" if outcome.stopped else "")
         )

@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import yaml
 
+from splitleak.attacks.knowledge import public_model
 from splitleak.attacks.registry import attack_info
+from splitleak.audit.bounds import audit_bound
 from splitleak.audit.gate import shipped_thresholds
 from splitleak.audit.verdicts import arm_effects, arm_gate
 from splitleak.errors import SplitleakError
@@ -22,7 +24,7 @@ from splitleak.experiments.runner import plan_grid, run_grid
 from splitleak.experiments.spec_loading import load_spec
 from splitleak.experiments.store import ResultsStore
 from splitleak.experiments.tune import ADAPTIVE, Space, TrialConfig, TuneSettings, resolve_attacks
-from splitleak.runs.truth import eval_token_ids
+from splitleak.runs.truth import eval_token_ids, phase_documents
 
 
 @dataclass
@@ -45,6 +47,11 @@ class Outcome:
     worst_reader: str | None = None
     worst_token_recovery: float | None = None
     within_budget: bool | None = None
+    token_bound: float | None = None  # the most any reader can read: the mean token bound of the defended run
+    doc_bound: float | None = None  # ... of whole documents
+    epsilon_doc: float | None = None  # the largest per-document ε at the bound's δ
+    bound_note: str | None = None  # why there is no bound, or what it rests on
+    bound_holds: bool | None = None  # the bound at most the tune's bound_below (None: not asked)
     passes: bool = False
     stopped: str | None = None
     error: str | None = None
@@ -121,6 +128,7 @@ class GridEvaluator:
         self.attacks = resolve_attacks(settings.attacks)
         self.threads, self.device, self.reporter, self.n_boot = threads, device, reporter, n_boot
         self.jobs_ran = 0
+        self._public: Any = None  # the public model: one for every trial (one model, one victim seed)
 
     def check(self) -> None:
         """Expand one grid with every chain at its defaults, so a bad argument or attack fails before any run."""
@@ -223,12 +231,42 @@ class GridEvaluator:
         outcome.cost = outcome.rel_ppl if self.settings.utility == "rel-ppl" else outcome.delta_ce
         outcome.within_budget = outcome.cost <= self.settings.budget
 
+    def _bound(self, grid, outcome: Outcome) -> None:
+        """The upper side of the defended run (``splitleak.audit.bounds``) into ``outcome``; a defence whose
+        mechanism tells its neighbours apart better than it declares is an instrument fault (``TrialError``)."""
+        job = next(j for j in grid.of_kind("train") if j.fields["defence"] == outcome.defence)
+        run = ResultsStore(self.store).run_dir(job.key)
+        train = job.config["train"]
+        if self._public is None:
+            self._public = public_model(run)
+        docs = phase_documents(run, "capture")
+        truth = np.array([d.token_ids for d in docs], dtype=np.int64)
+        ids = [d.doc_id for d in docs]
+        b = audit_bound(run, train["defences"], "plain", train.get("draws", "os"), ids, truth, self._public.model)
+        faults = [m for m in b.get("mechanism_audit", []) if m["fault"]]
+        if faults:
+            raise TrialError(
+                f"instrument fault: the mechanism of {outcome.defence} on {faults[0]['channel']} tells neighbours "
+                f"apart better than the noise it declares allows (ε at least {faults[0]['epsilon_low']:.3g} against "
+                f"a claimed {faults[0]['epsilon_claimed']:.3g})"
+            )
+        if b.get("bounded"):
+            outcome.token_bound, outcome.doc_bound = b["token_bound"], b["doc_bound"]
+            outcome.epsilon_doc = b.get("epsilon_doc_max")
+            outcome.bound_note = f"ε per document up to {b.get('epsilon_doc_max'):.3g} at δ {b['delta']:g}"
+        else:
+            outcome.bound_note = f"no formal bound: {b.get('why')}"
+        below = self.settings.bound_below
+        if below is not None:
+            outcome.bound_holds = outcome.token_bound is not None and outcome.token_bound <= below
+
     def __call__(self, cfg: TrialConfig) -> Outcome:
         outcome = Outcome(cfg.depth, cfg.label, [dict(d) for d in cfg.chain])
         names = [n for n, _ in self.attacks]
         first = names[:1]
         grid = self._run(cfg, self.attacks[:1])
         self._utility(grid, outcome)
+        self._bound(grid, outcome)
         arms = self._score(grid, outcome, first)
         probe = arms[0]
         if probe.effect.low > self.settings.stop_above:
@@ -239,10 +277,24 @@ class GridEvaluator:
             )
         elif not outcome.within_budget:
             outcome.stopped = f"over the utility budget ({outcome.cost:+.4g} > {self.settings.budget:g})"
+        elif outcome.bound_holds is False:
+            outcome.stopped = (
+                f"no reader is bounded below {100 * (self.settings.bound_below or 0):.1f} % of tokens ("
+                + (
+                    f"the bound is {100 * outcome.token_bound:.1f} %)"
+                    if outcome.token_bound is not None
+                    else f"{outcome.bound_note})"
+                )
+            )
         if outcome.stopped is None and len(names) > 1:
             grid = self._run(cfg, self.attacks)
             self._score(grid, outcome, names)
-        outcome.passes = bool(outcome.stopped is None and not outcome.gate_breaks and outcome.within_budget)
+        outcome.passes = bool(
+            outcome.stopped is None
+            and not outcome.gate_breaks
+            and outcome.within_budget
+            and outcome.bound_holds is not False
+        )
         return outcome
 
 
