@@ -9,6 +9,8 @@ is, watch the driver themselves (``worker._die_with_driver``)."""
 
 from __future__ import annotations
 
+import gc
+
 from splitleak.runtime import die_with_parent
 
 die_with_parent()  # the server is the driver's child: it goes with it, even while it is still importing
@@ -16,3 +18,7 @@ die_with_parent()  # the server is the driver's child: it goes with it, even whi
 import splitleak.experiments.worker as _worker  # noqa: E402  (after the line above: a killed driver stops it)
 
 _worker.import_job_modules()
+# what the server holds now lives as long as every worker forked from it: out of the collector's walk, so that a
+# worker's collections neither take the time to walk it nor copy the pages it lies on (Python's gc.freeze advice)
+gc.collect()
+gc.freeze()
