@@ -45,6 +45,7 @@ from splitleak.errors import ConfigError, DataError, IntegrityError
 from splitleak.experiments import grid_status, load_spec, read_results
 from splitleak.experiments.store import ResultsStore
 from splitleak.report.document import Document, render_html, render_markdown
+from splitleak.report.grid_bound import bound_section, run_bounds
 from splitleak.report.grid_common import Ctx, GridReport
 from splitleak.report.grid_controls import controls_section
 from splitleak.report.grid_cost import cost_section
@@ -327,6 +328,8 @@ def build_report(
     offload_section(doc, ctx, run_rows, analysis, error)
     latent_section(doc, latent_rows, latent_train, resolve_thresholds(protocol, protocol_hash))
     shielded_section(doc, shielded_rows, shielded_train, out, used.thresholds)
+    rep.bounds = run_bounds(train_rows, attack_rows, header.get("store"))
+    bound_section(doc, rep.bounds)
     rep.markdown.write_text(render_markdown(doc), encoding="utf-8")
     rep.html.write_text(render_html(doc), encoding="utf-8")
     return rep

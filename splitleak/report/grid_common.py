@@ -26,6 +26,8 @@ class GridReport:
     analysis_error: str | None = None
     #: the attack jobs whose mis-paired negative control was detected (``control_faults``)
     control_faults: list[dict[str, Any]] = field(default_factory=list)
+    #: both sides of every defended run (``grid_bound.run_bounds``): the strongest reading, the bound, any fault
+    bounds: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def paths(self) -> list[Path]:
