@@ -8,7 +8,9 @@ reader of every crossing built on it (``activation-aware`` and ``crossings-aware
 fine-tuning ``gma-sl-aware`` and ``gma-sl-crossings``), on the public copy. A document's
 reading is the mean over its crossing rows (the combining reader gives each the same). Beside them, the
 bound over the same crossings (``splitleak.audit.bounds``, each training document composed over every pass
-the tap recorded): a combining reader whose lower end lies above it is an INSTRUMENT FAULT.
+the tap recorded): a combining reader whose lower end lies above it is an INSTRUMENT FAULT. Each reader has its
+mis-paired twin over every pass (``mispaired_documents``: every crossing of another training document, labelled
+as this one), whose detection is an INSTRUMENT FAULT too: the reader reads the text by the documents' identity.
 
 The results are kept in ``passes/`` as attack results (resumed like the audit's attacks); the report's
 ``whole_traffic`` holds the readings, their paired difference and the bound.
@@ -16,6 +18,7 @@ The results are kept in ``passes/`` as attack results (resumed like the audit's 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -24,12 +27,14 @@ import numpy as np
 from splitleak.attacks import load_traffic, make_attack_config
 from splitleak.attacks.registry import attack_info
 from splitleak.audit.bounds import audit_bound
+from splitleak.audit.defaults import CONTROL_BOOT
 from splitleak.audit.evaluate import attack_label, run_attack
 from splitleak.audit.plan import ADAPTIVE_PARAMS
 from splitleak.audit.stages import finished_attack
+from splitleak.audit.verdicts import control_interval, mispairing
 from splitleak.errors import ConfigError
 from splitleak.runs.truth import eval_token_ids
-from splitleak.stats import crossed_bootstrap_ci, paired_difference_ci
+from splitleak.stats import crossed_bootstrap_ci, effect_verdict, paired_difference_ci
 
 #: bootstrap replicates of the whole-traffic intervals
 PASS_BOOT = 10_000
@@ -55,31 +60,105 @@ def whole_traffic_stage(a: Any, knowledge: Any, seen: Any, adaptive: dict[str, A
     if any(attack_info(r).adapts is None for r in readers):
         raise ConfigError(f"a reader of every crossing names no reader of one crossing it adapts: {readers}")
     names = list(dict.fromkeys(n for r in readers for n in (str(attack_info(r).adapts), r)))
-    results = []
-    for name in names:
-        stem = f"train-{name}"
-        path = a.out / "passes" / f"{stem}.json"
-        acfg = make_attack_config(
-            attack=name, client_copy="public", attack_seed=a.seed, params=ADAPTIVE_PARAMS.get(name, {}), phase="train"
-        )
-        if not a.stages.done(f"passes:{stem}"):
-            a.stages.data["current"] = f"passes {stem}"
-            a.stages.clear_files(f"passes/{stem}.json", f"passes/{stem}.parquet")
-            run_attack(
-                seen.folder, acfg, out=path, knowledge=knowledge, traffic=traffic, progress=a.progress,
-                documents=a.out / "run" if seen.session is not None else None, control_docs=0,
-            )  # fmt: skip
-            a.stages.finish(f"passes:{stem}", [f"passes/{stem}.json", f"passes/{stem}.parquet"])
-        results.append(finished_attack(path, acfg, a.cfg.hash()))
+    results = [_read(a, name, f"train-{name}", knowledge, seen, traffic) for name in names]
     docs = list(dict.fromkeys(int(d) for d in traffic.doc_ids))
     truth = eval_token_ids(a.out / "run", docs, phase="train")
     scores = [document_scores(res["per_doc"], docs, truth, attack_info(res["attack"]).output) for res in results]
+    for name, res in zip(names, results):  # each reader's mis-paired twin over every pass
+        res["control"] = _document_control(a, name, knowledge, seen, traffic, res, docs, truth)
     # the mechanism's game reads no document: the audit's own bound plays it
     bound = audit_bound(
         seen.folder, a.cfg.defences, a.mode, a.cfg.draws, docs, truth, a.pristine.model, mechanism=False
     )
     pairs = [(names.index(str(attack_info(r).adapts)), names.index(r)) for r in readers]  # every pass reader adapts one
     return whole_traffic_record(a.cfg.n_steps, a.cfg.n_train, traffic.doc_ids, results, scores, bound, a.seed, pairs)
+
+
+def mispaired_documents(traffic: Any, seed: int) -> tuple[list[int], list[int], Any]:
+    """The whole-traffic twin (``verdicts.mispairing`` over documents): ``rows[j]`` and ``given[j]`` index the
+    documents in order of first crossing; every crossing row of document ``given[j]`` is labelled as document
+    ``rows[j]``. A document's rows stay together, so a reader that groups the rows by document (``crossings-aware``)
+    reads another document's crossings as one, under this document's id."""
+    docs = list(dict.fromkeys(int(d) for d in traffic.doc_ids))
+    rows, given = mispairing(len(docs), None, len(docs), seed)
+    picked, labels = [], []
+    for r, g in zip(rows, given):
+        for i, d in enumerate(traffic.doc_ids):
+            if int(d) == docs[g]:
+                picked.append(i)
+                labels.append(docs[r])
+    return rows, given, traffic.subset(picked).replace(doc_ids=tuple(labels))
+
+
+def _read(a: Any, name: str, stem: str, knowledge: Any, seen: Any, traffic: Any) -> dict[str, Any]:
+    """Reader ``name`` on ``traffic`` (the training traffic, or its twin), kept as ``passes/STEM`` and resumed."""
+    path = a.out / "passes" / f"{stem}.json"
+    acfg = make_attack_config(
+        attack=name, client_copy="public", attack_seed=a.seed, params=ADAPTIVE_PARAMS.get(name, {}), phase="train"
+    )
+    if not a.stages.done(f"passes:{stem}"):
+        a.stages.data["current"] = f"passes {stem}"
+        a.stages.clear_files(f"passes/{stem}.json", f"passes/{stem}.parquet")
+        run_attack(
+            seen.folder, acfg, out=path, knowledge=knowledge, traffic=traffic, progress=a.progress,
+            documents=a.out / "run" if seen.session is not None else None, control_docs=0,
+        )  # fmt: skip
+        a.stages.finish(f"passes:{stem}", [f"passes/{stem}.json", f"passes/{stem}.parquet"])
+    return finished_attack(path, acfg, a.cfg.hash())
+
+
+def _document_control(
+    a: Any, name: str, knowledge: Any, seen: Any, traffic: Any, res: dict[str, Any], docs: list[int], truth: np.ndarray
+) -> dict[str, Any]:
+    """The reader's mis-paired twin over every pass (resumed like the readers): per training document, its share
+    of tokens read from another document's crossings labelled as it, minus the reader's own reading of those
+    crossings against the same labels. A reader of the traffic reads both alike (N at 0); one that reads the
+    text by the documents' identity reads the twin far better (``detected``: an INSTRUMENT FAULT)."""
+    rows, given, twin = mispaired_documents(traffic, a.seed)
+    twin_res = _read(a, name, f"train-{name}-twin", knowledge, seen, twin)
+    return document_control(
+        res["per_doc"], twin_res["per_doc"], docs, truth, rows, given, attack_info(name).output, a.seed
+    )
+
+
+def document_control(
+    arm: list[dict[str, Any]],
+    twin: list[dict[str, Any]],
+    docs: list[int],
+    truth: np.ndarray,
+    rows: list[int],
+    given: list[int],
+    output: str,
+    seed: int,
+) -> dict[str, Any]:
+    """The whole-traffic control from the reader's per-row results on the traffic (``arm``) and on its twin
+    (``mispaired_documents``): per twin document j, the share of document ``rows[j]``'s tokens (a label attack's
+    from token 1) the twin read from document ``given[j]``'s crossings, minus the share the reader's own reading of
+    those crossings has of the same tokens; N with its document-bootstrap interval and verdict."""
+    first = 1 if output == "labels" else 0
+    labelled = truth[list(rows)]
+    twin_read = document_scores(twin, [docs[r] for r in rows], labelled, output)
+    floor = np.array([_share(arm, docs[g], labelled[j], first) for j, g in enumerate(given)], dtype=np.float64)
+    delta = twin_read.mean(1) - floor
+    n = control_interval(delta, n_boot=CONTROL_BOOT, seed=seed)
+    return {
+        "type": "mis-paired documents: every crossing of another training document, labelled as this one",
+        "doc_ids": [docs[r] for r in rows],
+        "given_doc_ids": [docs[g] for g in given],
+        "per_doc_delta": [float(x) for x in delta],
+        "effect": dataclasses.asdict(n),
+        "verdict": effect_verdict(n),
+    }
+
+
+def _share(per_row: list[dict[str, Any]], doc: int, labels: np.ndarray, first: int) -> float:
+    """The share of positions (from ``first``) of document ``doc``'s crossing rows read as ``labels``."""
+    hits = [
+        float(np.mean(np.asarray(r["predicted"], dtype=np.int64)[first:] == labels[first:]))
+        for r in per_row
+        if int(r["doc_id"]) == doc
+    ]
+    return float(np.mean(hits))
 
 
 def document_scores(per_row: list[dict[str, Any]], docs: list[int], truth: np.ndarray, output: str) -> np.ndarray:
@@ -118,7 +197,7 @@ def whole_traffic_record(
         )  # documents resampled
         readers.append(
             {"attack": res["attack"], "label": attack_label(res),
-             "tokens": {"estimate": ci.estimate, "low": ci.low, "high": ci.high}}
+             "tokens": {"estimate": ci.estimate, "low": ci.low, "high": ci.high}, "control": res.get("control")}
         )  # fmt: skip
     gains = []
     for one, every in pairs:
@@ -134,6 +213,8 @@ def whole_traffic_record(
         )  # fmt: skip
     top = bound.get("token_bound")
     fault = top is not None and any(r["tokens"]["low"] > top + 1e-9 for r in readers)
+    # a reader whose mis-paired twin reads the documents it is labelled as: it reads the text, not the traffic
+    control_faults = [r["label"] for r in readers if (r.get("control") or {}).get("verdict") == "detected"]
     return {
         "epochs": steps / n_train,
         "steps": steps,
@@ -144,4 +225,5 @@ def whole_traffic_record(
         "gains": gains,
         "bound": bound,
         "fault": fault,
+        "control_faults": control_faults,
     }

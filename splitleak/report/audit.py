@@ -307,9 +307,17 @@ def whole_traffic_blocks(whole: dict[str, Any] | None) -> list[Block]:
     documents, the combining reader's gain and the bound over the same crossings."""
     if not whole:
         return []
+
+    def control(r: dict[str, Any]) -> str:
+        c = r.get("control")
+        if not c:
+            return "—"
+        e = c["effect"]
+        return f"{100 * e['estimate']:+.2f} pp [{100 * e['low']:+.2f}, {100 * e['high']:+.2f}], {c['verdict']}"
+
     rows = [
         [r["label"], f"{100 * r['tokens']['estimate']:.2f} % [{100 * r['tokens']['low']:.2f}, "
-         f"{100 * r['tokens']['high']:.2f}]"]
+         f"{100 * r['tokens']['high']:.2f}]", control(r)]
         for r in whole["readers"]
     ]  # fmt: skip
     g, b = whole["gain"], whole["bound"]
@@ -317,19 +325,23 @@ def whole_traffic_blocks(whole: dict[str, Any] | None) -> list[Block]:
         [
             "all crossings minus one at a time",
             f"{100 * g['estimate']:+.2f} pp [{100 * g['low']:+.2f}, {100 * g['high']:+.2f}]",
+            "",
         ]
     )
     top = b.get("token_bound")
-    rows.append(["no reader can read more than", "no formal bound" if top is None else f"{100 * top:.2f} % of tokens"])
+    rows.append(
+        ["no reader can read more than", "no formal bound" if top is None else f"{100 * top:.2f} % of tokens", ""]
+    )
     return [
         Heading(2, "The whole training traffic"),
         Para(
             f"The {whole['documents']} training documents crossed {whole['crossings']['min']}–"
             f"{whole['crossings']['max']} times over {whole['epochs']:g} pass(es) ({whole['steps']} steps), each "
             "time under fresh noise. Token recovery of the training documents (a document's reading is the mean over "
-            "its crossings; intervals resample documents):"
+            "its crossings; intervals resample documents), and each reader's mis-paired twin (every crossing of "
+            "another training document, labelled as this one: N, which a reader of the traffic reads at 0):"
         ),
-        Table(["reader", "tokens"], rows),
+        Table(["reader", "tokens", "mis-paired N"], rows),
     ]
 
 

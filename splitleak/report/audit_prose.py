@@ -371,6 +371,11 @@ def whole_traffic_sentence(whole: dict[str, Any] | None) -> str:
         f"{fmt_pct(o['estimate'])} % [{fmt_pct(o['low'])}, {fmt_pct(o['high'])}] one crossing at a time "
         f"({100 * gain['estimate']:+.2f} pp [{100 * gain['low']:+.2f}, {100 * gain['high']:+.2f}])"
     )
+    if whole.get("control_faults"):
+        return (
+            f"INSTRUMENT FAULT: {head}; the mis-paired twin of {', '.join(whole['control_faults'])} reads the "
+            "documents its traffic is labelled as: it reads the text by the documents' identity, not the traffic."
+        )
     if bound.get("token_bound") is None:
         return f"{head}; no formal bound over them ({bound.get('why', 'none declared')})."
     if whole["fault"]:
