@@ -67,7 +67,9 @@ def _glibc() -> ctypes.CDLL | None:
 def die_with_parent() -> None:
     """Linux: get SIGKILL when the parent process dies (``PR_SET_PDEATHSIG``), so that a killed driver leaves no
     grid worker or fork server behind (a worker could write into a run directory the next run is redoing).
-    Nothing elsewhere. Not inherited by the process's own children."""
+    Nothing elsewhere. Not inherited by the process's own children. Strictly it is the parent *thread* that
+    counts: a fork server started from a thread that then ends goes with it, and multiprocessing starts another
+    when the next worker is asked for (``forkserver.connect_to_new_process`` checks that its server runs)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
