@@ -252,7 +252,7 @@ def test_tiny_tune_gate_budget_frontier_and_resume(tmp_path):
 
 
 @pytest.mark.e2e
-def test_bound_below_passes_only_where_no_reader_can_read_more(tmp_path):
+def test_bound_below_passes_only_where_no_reader_can_read_more(tmp_path, monkeypatch):
     """--bound-below: two noise levels that both hold the gate against the suite; only the one whose bound (the
     most any reader of its traffic can read of a token) is under the threshold passes, and the other stops after
     its first attack, naming its bound. More noise per clip norm, a lower bound; each bound above what was read."""
@@ -273,6 +273,19 @@ def test_bound_below_passes_only_where_no_reader_can_read_more(tmp_path):
         assert t["worst_token_recovery"] <= t["token_bound"] and t["bound_note"].startswith("ε per document")
     md = (tmp_path / "t" / "tune.md").read_text()
     assert "no reader can read more than 80.0 % of its tokens" in md and f"| {100 * hv['token_bound']:.1f} |" in md
+    # a defence that declares ten thousand times the noise it adds fails its mechanism's game: the trial is an error
+    from dataclasses import replace
+
+    from splitleak.defences.noise import ClipNoise
+
+    declared = ClipNoise.noise_guarantees
+    monkeypatch.setattr(ClipNoise, "noise_guarantees",
+                        lambda self: [replace(g, sigma=g.sigma * 1e4) for g in declared(self)])  # fmt: skip
+    planted = tune(tmp_path / "planted", settings, depths=[1], defences=["clip-noise"], n_trials=1, enqueue=[heavy],
+                   undefended_first=False, threads=1)  # fmt: skip
+    (trial,) = planted.trials
+    assert trial["state"] == "fail" and trial["error"].startswith("instrument fault: the mechanism of clip-noise")
+    assert planted.passing == []
 
 
 @pytest.mark.integration

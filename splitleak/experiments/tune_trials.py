@@ -237,8 +237,7 @@ class GridEvaluator:
         job = next(j for j in grid.of_kind("train") if j.fields["defence"] == outcome.defence)
         run = ResultsStore(self.store).run_dir(job.key)
         train = job.config["train"]
-        if self._public is None:
-            self._public = public_model(run)
+        self._public = public_model(run, self._public)  # loaded once, checked against each run's fingerprint
         docs = phase_documents(run, "capture")
         truth = np.array([d.token_ids for d in docs], dtype=np.int64)
         ids = [d.doc_id for d in docs]
@@ -247,7 +246,7 @@ class GridEvaluator:
         if faults:
             raise TrialError(
                 f"instrument fault: the mechanism of {outcome.defence} on {faults[0]['channel']} tells neighbours "
-                f"apart better than the noise it declares allows (ε at least {faults[0]['epsilon_low']:.3g} against "
+                f"apart better than the noise it declares allows (ε at least {faults[0]['epsilon_lower']:.3g} against "
                 f"a claimed {faults[0]['epsilon_claimed']:.3g})"
             )
         if b.get("bounded"):
