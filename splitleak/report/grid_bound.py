@@ -74,6 +74,7 @@ def run_bounds(
     from splitleak.runs.truth import phase_documents
 
     models = _Models()
+    games: dict[str, list[dict[str, Any]]] = {}  # the mechanism's game reads no run: played once per chain
     out = []
     for t in sorted(train_rows, key=lambda t: (t["model"], t["depth"] or 0, t["defence"], t["victim_seed"])):
         cfg = json.loads(t["train_config"]) if t.get("train_config") else None
@@ -103,7 +104,12 @@ def run_bounds(
         docs = phase_documents(run, "capture")
         truth = np.array([d.token_ids for d in docs], dtype=np.int64)
         mode = "u-shape" if t.get("u_shape") else "plain"
-        b = audit_bound(run, chain, mode, cfg.get("draws", "os"), [d.doc_id for d in docs], truth, models.of(run).model)
+        played = json.dumps(chain, sort_keys=True)
+        b = audit_bound(
+            run, chain, mode, cfg.get("draws", "os"), [d.doc_id for d in docs], truth, models.of(run).model,
+            mechanism=played not in games,
+        )  # fmt: skip
+        b["mechanism_audit"] = games.setdefault(played, b.get("mechanism_audit", []))
         rec["bound"] = b
         failed = [m for m in b.get("mechanism_audit", []) if m["fault"]]
         reading = rec["reading"]
