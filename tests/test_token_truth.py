@@ -40,14 +40,14 @@ def token_attacks() -> list[str]:
     return [n for n, a in REGISTRY.items() if a.output == "tokens" and "plain" in a.modes]
 
 
-def _permuted(run_dir, dest, seed):
-    """A copy of the run whose evaluation documents' tokens are permuted within each document (read without
-    verifying: the record's hash no longer matches)."""
+def _permuted(run_dir, dest, seed, documents="evaluation"):
+    """A copy of the run whose ``documents`` set's tokens (evaluation or train) are permuted within each document
+    (read without verifying: the record's hash no longer matches)."""
     shutil.copytree(run_dir, dest)
     path = dest / "documents.json"
     docs = json.loads(path.read_text())
     rng = np.random.default_rng(seed)
-    for d in docs["evaluation"]:
+    for d in docs[documents]:
         d["token_ids"] = [int(t) for t in rng.permutation(d["token_ids"])]
     path.write_text(json.dumps(docs))
     return dest
@@ -104,18 +104,6 @@ def test_every_label_attack_reads_the_same_with_permuted_evaluation_tokens(share
     assert all(moved), dict(zip(names, moved))
 
 
-def _permuted_train(run_dir, dest, seed):
-    """A copy of the run whose training documents' tokens are permuted within each document."""
-    shutil.copytree(run_dir, dest)
-    path = dest / "documents.json"
-    docs = json.loads(path.read_text())
-    rng = np.random.default_rng(seed)
-    for d in docs["train"]:
-        d["token_ids"] = [int(t) for t in rng.permutation(d["token_ids"])]
-    path.write_text(json.dumps(docs))
-    return dest
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_readers_of_every_pass_read_the_same_with_permuted_training_tokens(shared_run, tmp_path, monkeypatch, seed):
@@ -129,7 +117,7 @@ def test_the_readers_of_every_pass_read_the_same_with_permuted_training_tokens(s
     assert passes == ["crossings-aware"]
     spec = [{"name": "clip-noise", "args": {"clip": 0.1, "sigma": 0.3, "where": "forward"}}]
     run = shared_run(**{**BASE, "steps": 3 * BASE["n_train"]}, seed=seed, defences=spec)
-    permuted = _permuted_train(run, tmp_path / "p", seed)
+    permuted = _permuted(run, tmp_path / "p", seed, "train")
     cfg = make_attack_config(attack="crossings-aware", attack_seed=seed, params={"k": 4}, phase="train")
     a, b = run_attack(run, cfg, verify=False), run_attack(permuted, cfg, verify=False)
     assert len(a["per_doc"]) == 3 * BASE["n_train"]
