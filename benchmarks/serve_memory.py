@@ -1,4 +1,4 @@
-"""The memory of `splitleak serve` under hostile clients (issue 33; run by hand, not part of the suite).
+"""The memory of `splitleak serve` under hostile clients (run by hand, not part of the suite).
 
     .venv/bin/python benchmarks/serve_memory.py [--cases all] [--record]
 

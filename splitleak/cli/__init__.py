@@ -21,3 +21,13 @@ def main() -> None:  # console-script entry point
 
 if __name__ == "__main__":
     main()
+
+
+def __getattr__(name: str):
+    """``click_app``: the click command behind ``app``, for the docs' command-line reference (mkdocs-click)."""
+    if name == "click_app":
+        # lazy: built only for the docs; a start of the CLI does not need it
+        import typer.main
+
+        return typer.main.get_command(app)
+    raise AttributeError(f"module 'splitleak.cli' has no attribute {name!r}")
