@@ -296,6 +296,16 @@ def test_expansion_counts_keys_and_dependencies(tmp_path):
     assert set(trains) == {j.key for j in g3.of_kind("train")}
     changed = {j.key for j in g.of_kind("attack")} - {j.key for j in g3.of_kind("attack")}
     assert len(changed) == 16 * 4  # only the joint jobs
+    # the twins' documents: the default stays out of the keys (a store keeps them); another value moves the attack
+    # jobs' keys only, and reaches the worker in each attack job's configuration
+    g4 = plan_grid(spec, overrides=["control_docs=16"])
+    assert [j.key for j in g4.jobs] == [j.key for j in g.jobs]
+    g5 = plan_grid(spec, overrides=["control_docs=4"])
+    assert {j.key for j in g5.of_kind("train")} == set(trains)
+    assert not {j.key for j in g5.of_kind("attack")} & {j.key for j in g.of_kind("attack")}
+    assert {j.config["control_docs"] for j in g5.of_kind("attack")} == {4}
+    with pytest.raises(ConfigError, match="control_docs"):
+        plan_grid(spec, overrides=["control_docs=1"])
     # one document draw for every victim seed (000: the same evaluation documents for all models)
     assert {j.config["train"]["data_seed"] for j in g.of_kind("train")} == {0}
     assert not {j.key for j in plan_grid(spec, overrides=["documents.seed=3"]).jobs} & {j.key for j in g.jobs}

@@ -2,6 +2,7 @@
 any reader of its traffic can read (``report.grid_bound``), the same bound the audit computes; a chain without a
 noise guarantee says it has none; a defence that declares more noise than it adds is an instrument fault."""
 
+import json
 import shutil
 from dataclasses import replace
 
@@ -18,6 +19,8 @@ attack_seeds: [0]
 client_copies: [public]
 documents: {n_calib: 8, n_train: 4, n_eval: 12, doc_len: 8}
 steps: 2
+capture_batch: 4  # three capture frames, so that each attack's mis-paired twin (whole frames) reads one of them
+control_docs: 4
 attacks:
   - {attack: vmi}
   - {attack: activation, k: 8}
@@ -31,7 +34,7 @@ def test_the_grid_report_gives_both_sides_and_catches_a_defence_that_adds_less_n
     from splitleak.audit.bounds import audit_bound
     from splitleak.audit.protocol import SHIPPED
     from splitleak.defences.noise import ClipNoise
-    from splitleak.experiments import plan_grid, run_grid
+    from splitleak.experiments import plan_grid, read_results, run_grid
     from splitleak.experiments.store import ResultsStore
     from splitleak.report.grid import grid_report
     from splitleak.runs.truth import phase_documents
@@ -58,6 +61,9 @@ def test_the_grid_report_gives_both_sides_and_catches_a_defence_that_adds_less_n
     assert noise["reading"]["documents"] == 12 and noise["reading"]["attack"] in ("vmi (public)", "activation (public)")
     text = " ".join(rep.markdown.read_text().split())
     assert "## The upper side: what no reader can read" in text and "INSTRUMENT FAULT" not in text
+    # the spec's twins: 4 documents each (one whole frame), not the default's 12
+    rows = read_results(store, "attack", as_rows=True)
+    assert rows and all(len(json.loads(r["result_json"])["control"]["doc_ids"]) == 4 for r in rows)
     assert "no formal bound: no defence of the chain adds noise" in text
     # a defence that declares ten thousand times the noise it adds: its bound falls under what was read, and its
     # mechanism's game fails; the same store, reported again, names the fault

@@ -36,6 +36,7 @@ from typing import Any
 from splitleak.attacks.config import IDENTITY, attack_identity, make_attack_config, store_columns
 from splitleak.attacks.core import ATTACKS, DEFAULT_READOUT
 from splitleak.attacks.registry import attack_info
+from splitleak.audit.defaults import CONTROL_DOCS
 from splitleak.defences import DEFENCES
 from splitleak.errors import ConfigError
 from splitleak.experiments.spec import AttackEntry, ExperimentSpec, defence_label, defence_names
@@ -447,6 +448,8 @@ class _Expansion:
                 "attack": acfg,
                 "protocol_hash": self.protocol_hash,
             }
+            if self.spec.control_docs != CONTROL_DOCS:  # the default stays out of the key (stores keep theirs)
+                aconf["control_docs"] = self.spec.control_docs
             akey = config_hash(aconf)
             af = {**tf, **_attack_fields(acfg, pert)}
             self.add(Job(akey, "attack", aconf, af, f"{tsum} | {_attack_summary(af)}", train_key=tkey), adaptive)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic import ValidationError as _VE
 
 from splitleak.attacks.registry import Copy
+from splitleak.audit.defaults import CONTROL_DOCS
 from splitleak.data import DOC_LEN, N_CALIB, N_EVAL, N_TRAIN
 from splitleak.defences import parse_defence_args
 from splitleak.errors import ConfigError, SplitleakError
@@ -311,6 +312,10 @@ class ExperimentSpec(BaseModel):
     #: what keys the client's draws on the wire (``TrainConfig.draws``): os, a fresh secret per run; derived,
     #: the run seed, so that arms of one victim seed share their draws (common random numbers)
     draws: Literal["os", "derived"] = "os"
+    #: documents of each token attack's mis-paired twin (``splitleak.audit.verdicts``; at most the evaluation
+    #: documents); every token attack of a grid runs one. A value other than the default enters the attack jobs'
+    #: keys, so a store measured at the default keeps its keys
+    control_docs: int = Field(CONTROL_DOCS, ge=2)
     profiles: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @field_validator("models", "depths", "victim_seeds", "attack_seeds", "client_copies", mode="before")

@@ -294,7 +294,8 @@ def _attack(job: dict[str, Any], store, device: str, progress, shared=None) -> N
         progress=progress,
         device=device,
         protocol_hash=job["config"]["protocol_hash"],
-        control_docs=CONTROL_DOCS,  # every token attack of a grid runs its mis-paired twin (result_json "control")
+        # every token attack of a grid runs its mis-paired twin (result_json "control"), on the spec's documents
+        control_docs=job["config"].get("control_docs", CONTROL_DOCS),
         already_verified=traffic is not None,
     )
     store.write_rows("attack", job["key"], attack_rows(job, result, manifest["split"]["cut"]))
