@@ -147,12 +147,21 @@ def table_digest(table: Any) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def read_parquet(path: str | Path, what: str, fix: str, *, columns: list[str] | None = None, schema: Any = None) -> Any:
+def read_parquet(
+    path: str | Path,
+    what: str,
+    fix: str,
+    *,
+    columns: list[str] | None = None,
+    schema: Any = None,
+    optional: tuple[str, ...] = (),
+) -> Any:
     """The ``pyarrow.Table`` in the Parquet file ``path``, or an IntegrityError in one line that names
     the file, what is wrong (missing, a directory, not Parquet, a damaged page, a column missing or of
     another type, content that does not hash to the digest its writer recorded) and ``fix``. Page
     checksums are verified where the writer recorded them, and the content digest of ``parquet_bytes``
-    (which also covers the footer: a changed row count or column chunk offset) where it is there."""
+    (which also covers the footer: a changed row count or column chunk offset) where it is there. ``optional``:
+    columns of ``schema`` that a file written before they existed lacks, read as null."""
     # lazy: pyarrow stays out of `splitleak --help`, which loads files.py
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -168,6 +177,9 @@ def read_parquet(path: str | Path, what: str, fix: str, *, columns: list[str] | 
         if recorded is not None and recorded.decode("ascii", "replace") != table_digest(table):
             raise IntegrityError(f"{path} does not hash to the content digest its writer recorded; {fix}")
         if schema is not None:
+            for name in optional:  # a column the schema gained after the file was written: null in its rows
+                if name not in table.column_names:
+                    table = table.append_column(schema.field(name), pa.nulls(table.num_rows, schema.field(name).type))
             table = table.select(schema.names).cast(schema)
         return table if columns is None else table.select(columns)
     except (pa.ArrowException, OSError, ValueError, KeyError, IndexError, TypeError) as exc:

@@ -116,7 +116,7 @@ def test_a_document_bound_composes_its_crossings_and_names_a_bare_channel():
     assert thrice.token_bound > once.token_bound and thrice.doc_bound > once.doc_bound  # more passes, more leaks
     assert once.epsilon_doc == pytest.approx(gdp_epsilon(once.mu_doc), rel=0.02)
     bare = document_bound(0, {"activations": 1, "gradient": 1}, fwd, T, kappas, 0.01)
-    assert bare.why_none == "the gradient cross without a noise guarantee" and bare.token_bound is None
+    assert bare.why_none == "the gradient crosses without a noise guarantee" and bare.token_bound is None
     labels = document_bound(0, {"activations": 1, "labels": 1}, fwd, T, kappas, 0.01, exclude=["labels"])
     assert labels.why_none == "" and labels.doc_bound == pytest.approx(once.doc_bound)
     with pytest.raises(ValueError, match="7 prior successes for a document of 8 tokens"):
@@ -292,4 +292,4 @@ def test_compare_gives_a_run_its_epsilon_over_every_recorded_crossing(shared_run
     assert said is not None and said.startswith(f"ε ≤ {worst:.3g} per document at δ = 1e-05")
     assert "keyed by the run seed" in load_summary(shared_run(**small, draws="derived", defences=spec)).upper
     bare = shared_run(**small, draws="os", defences=[{"name": "clip-noise", "args": {"where": "forward"}}])
-    assert load_summary(bare).upper == "no formal bound: the gradient cross without a noise guarantee"
+    assert load_summary(bare).upper == "no formal bound: the gradient crosses without a noise guarantee"

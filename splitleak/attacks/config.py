@@ -260,9 +260,10 @@ def _refusal(name: str, value: Any, msgs: list[str]) -> str:
 PARAM_FIELDS = ("k", "budget", "readout")
 #: identity fields that vary between replicates of one configuration (pooled over, never part of it)
 REPLICATE_FIELDS = ("attack_seed",)
-#: identity fields the experiment store has no column for: a grid attacks the capture pass only, and each row
-#: records the whole configuration in its ``attack_config`` column (a new column would make older stores unreadable)
-UNSTORED_FIELDS = ("phase",)
+#: identity fields the experiment store has no column for (each row also records the whole configuration in its
+#: ``attack_config`` column); none since the store gained ``phase`` (a row file written before reads it as null,
+#: ``experiments.store.LATER_COLUMNS``)
+UNSTORED_FIELDS: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from splitleak.runs.captures import Capture, load_capture
 from splitleak.runs.journal import read_tensors_and_metadata
 from splitleak.runs.manifest import read_calibration, read_manifest, run_mode
 from splitleak.seeds import model_init_seed
-from splitleak.training.config import ShieldedConfig
+from splitleak.training.config import ShieldedConfig, draws_of
 
 
 class ClientCopy:
@@ -412,7 +412,7 @@ def load_knowledge(run_dir: str | Path, copy: str = "public", lm=None, with_top:
         top,
         defences=tuple(m.get("defences") or ()),
         mode=run_mode(m),
-        draws=str(cfg.get("draws", "derived")),
+        draws=draws_of(cfg),
         history_loader=lambda: load_traffic(run_dir, phase="train"),
     )
 

@@ -26,7 +26,14 @@ from splitleak.audit.defaults import CONTROL_BOOT
 from splitleak.audit.extras import TruthJudge
 from splitleak.audit.latent_attacks import run_partition_attack, run_probe_attack
 from splitleak.audit.result_files import check_result_out, write_result  # noqa: F401 (write_result: re-exported)
-from splitleak.audit.verdicts import MISPAIRED_CONTROL, control_delta, control_interval, mispairing
+from splitleak.audit.verdicts import (
+    MISPAIRED_CONTROL,
+    control_delta,
+    control_interval,
+    document_control,
+    mispaired_documents,
+    mispairing,
+)
 from splitleak.errors import ConfigError
 from splitleak.metrics import leakage_index, roc_auc, score_reconstruction
 from splitleak.progress import Progress, Silent
@@ -241,11 +248,13 @@ def _score_tokens(
     sc = score_reconstruction(rec.tokens.numpy(), docs, _decoder(judge.tokenizer))
     result.update(sc.as_dict())
     result.update(rec.result_fields(judge))
-    # a document read at several steps (training-phase traffic) could be paired with itself: no control there
-    if control_docs and len(traffic) >= 2 and len(set(traffic.doc_ids)) == len(traffic):
-        result["control"] = mispaired_control(
-            attack, traffic, controlled_read(rec), docs, control_docs, config, progress
-        )
+    if control_docs and len(set(traffic.doc_ids)) >= 2:
+        if len(set(traffic.doc_ids)) == len(traffic):
+            result["control"] = mispaired_control(
+                attack, traffic, controlled_read(rec), docs, control_docs, config, progress
+            )
+        else:  # training-phase traffic: a document crossed at several steps, and its twin takes all its crossings
+            result["control"] = crossings_control(attack, traffic, controlled_read(rec), docs, control_docs, config)
     steps = traffic.steps if traffic.steps is not None else (None,) * len(traffic)
     per_doc_rows = []
     for row, pred, step in zip(sc.per_doc(), rec.tokens.tolist(), steps):
@@ -299,6 +308,27 @@ def controlled_read(rec) -> torch.Tensor:
     if labels is None:
         return rec.tokens
     return torch.cat([rec.tokens[:, :1], labels.to(rec.tokens.dtype)], dim=1)
+
+
+def crossings_control(
+    attack, traffic: Traffic, arm_read: torch.Tensor, docs, control_docs: int, config: AttackConfig
+) -> dict[str, Any]:
+    """The twin of a reading of the training traffic (``verdicts.mispaired_documents``): every crossing of another
+    training document, labelled as one of ``control_docs`` documents, read by the fitted ``attack``; per document,
+    its share of tokens (a label attack's from token 1) read from the other's crossings minus the arm's own reading
+    of those crossings against the same labels. A reader of the traffic reads both alike; one that reads the text by
+    the documents' identity (or groups a document's rows to look it up) is detected."""
+    rows, given, twin_traffic = mispaired_documents(traffic, config.attack_seed, control_docs)
+    t0 = time.perf_counter()
+    twin = controlled_read(attack.reconstruct(twin_traffic))
+    order = list(dict.fromkeys(int(d) for d in traffic.doc_ids))
+    by_id = {int(d.doc_id): d for d in docs}
+    truth = np.array([list(by_id[d].token_ids) for d in order], dtype=np.int64)
+    arm = [{"doc_id": int(d), "predicted": p} for d, p in zip(traffic.doc_ids, arm_read.tolist())]
+    read = [{"doc_id": int(d), "predicted": p} for d, p in zip(twin_traffic.doc_ids, twin.tolist())]
+    output = attack_info(config.attack).output
+    control = document_control(arm, read, order, truth, rows, given, output, config.attack_seed)
+    return {**control, "seconds": time.perf_counter() - t0}
 
 
 def mispaired_control(

@@ -18,7 +18,6 @@ The results are kept in ``passes/`` as attack results (resumed like the audit's 
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -27,14 +26,13 @@ import numpy as np
 from splitleak.attacks import load_traffic, make_attack_config
 from splitleak.attacks.registry import attack_info
 from splitleak.audit.bounds import audit_bound
-from splitleak.audit.defaults import CONTROL_BOOT
 from splitleak.audit.evaluate import attack_label, run_attack
 from splitleak.audit.plan import ADAPTIVE_PARAMS
 from splitleak.audit.stages import finished_attack
-from splitleak.audit.verdicts import control_interval, mispairing
+from splitleak.audit.verdicts import document_control, document_scores, mispaired_documents
 from splitleak.errors import ConfigError
 from splitleak.runs.truth import eval_token_ids
-from splitleak.stats import crossed_bootstrap_ci, effect_verdict, paired_difference_ci
+from splitleak.stats import crossed_bootstrap_ci, paired_difference_ci
 
 #: bootstrap replicates of the whole-traffic intervals
 PASS_BOOT = 10_000
@@ -74,22 +72,6 @@ def whole_traffic_stage(a: Any, knowledge: Any, seen: Any, adaptive: dict[str, A
     return whole_traffic_record(a.cfg.n_steps, a.cfg.n_train, traffic.doc_ids, results, scores, bound, a.seed, pairs)
 
 
-def mispaired_documents(traffic: Any, seed: int) -> tuple[list[int], list[int], Any]:
-    """The whole-traffic twin (``verdicts.mispairing`` over documents): ``rows[j]`` and ``given[j]`` index the
-    documents in order of first crossing; every crossing row of document ``given[j]`` is labelled as document
-    ``rows[j]``. A document's rows stay together, so a reader that groups the rows by document (``crossings-aware``)
-    reads another document's crossings as one, under this document's id."""
-    docs = list(dict.fromkeys(int(d) for d in traffic.doc_ids))
-    rows, given = mispairing(len(docs), None, len(docs), seed)
-    picked, labels = [], []
-    for r, g in zip(rows, given):
-        for i, d in enumerate(traffic.doc_ids):
-            if int(d) == docs[g]:
-                picked.append(i)
-                labels.append(docs[r])
-    return rows, given, traffic.subset(picked).replace(doc_ids=tuple(labels))
-
-
 def _read(a: Any, name: str, stem: str, knowledge: Any, seen: Any, traffic: Any) -> dict[str, Any]:
     """Reader ``name`` on ``traffic`` (the training traffic, or its twin), kept as ``passes/STEM`` and resumed."""
     path = a.out / "passes" / f"{stem}.json"
@@ -119,60 +101,6 @@ def _document_control(
     return document_control(
         res["per_doc"], twin_res["per_doc"], docs, truth, rows, given, attack_info(name).output, a.seed
     )
-
-
-def document_control(
-    arm: list[dict[str, Any]],
-    twin: list[dict[str, Any]],
-    docs: list[int],
-    truth: np.ndarray,
-    rows: list[int],
-    given: list[int],
-    output: str,
-    seed: int,
-) -> dict[str, Any]:
-    """The whole-traffic control from the reader's per-row results on the traffic (``arm``) and on its twin
-    (``mispaired_documents``): per twin document j, the share of document ``rows[j]``'s tokens (a label attack's
-    from token 1) the twin read from document ``given[j]``'s crossings, minus the share the reader's own reading of
-    those crossings has of the same tokens; N with its document-bootstrap interval and verdict."""
-    first = 1 if output == "labels" else 0
-    labelled = truth[list(rows)]
-    twin_read = document_scores(twin, [docs[r] for r in rows], labelled, output)
-    floor = np.array([_share(arm, docs[g], labelled[j], first) for j, g in enumerate(given)], dtype=np.float64)
-    delta = twin_read.mean(1) - floor
-    n = control_interval(delta, n_boot=CONTROL_BOOT, seed=seed)
-    return {
-        "type": "mis-paired documents: every crossing of another training document, labelled as this one",
-        "doc_ids": [docs[r] for r in rows],
-        "given_doc_ids": [docs[g] for g in given],
-        "per_doc_delta": [float(x) for x in delta],
-        "effect": dataclasses.asdict(n),
-        "verdict": effect_verdict(n),
-    }
-
-
-def _share(per_row: list[dict[str, Any]], doc: int, labels: np.ndarray, first: int) -> float:
-    """The share of positions (from ``first``) of document ``doc``'s crossing rows read as ``labels``."""
-    hits = [
-        float(np.mean(np.asarray(r["predicted"], dtype=np.int64)[first:] == labels[first:]))
-        for r in per_row
-        if int(r["doc_id"]) == doc
-    ]
-    return float(np.mean(hits))
-
-
-def document_scores(per_row: list[dict[str, Any]], docs: list[int], truth: np.ndarray, output: str) -> np.ndarray:
-    """[documents, positions]: per position, the share of a document's crossing rows whose reading is right
-    (a label attack's from token 1 on: token 0 is no label)."""
-    first = 1 if output == "labels" else 0
-    sums = np.zeros((len(docs), truth.shape[1] - first), dtype=np.float64)
-    counts = np.zeros(len(docs), dtype=np.int64)
-    where = {d: i for i, d in enumerate(docs)}
-    for row in per_row:
-        i = where[int(row["doc_id"])]
-        sums[i] += np.asarray(row["predicted"], dtype=np.int64)[first:] == truth[i, first:]
-        counts[i] += 1
-    return sums / counts[:, None]
 
 
 def whole_traffic_record(

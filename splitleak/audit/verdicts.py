@@ -32,6 +32,7 @@ read from the protocol (``splitleak.audit.gate``; 002's +1.0 pp).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
@@ -39,7 +40,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy.stats import ttest_1samp
 
-from splitleak.audit.defaults import CONTROL_DOCS  # noqa: F401  (re-exported: the control's default)
+from splitleak.audit.defaults import CONTROL_BOOT, CONTROL_DOCS  # noqa: F401  (CONTROL_DOCS re-exported)
 from splitleak.errors import DataError
 from splitleak.stats import (
     GateResult,
@@ -226,3 +227,77 @@ def arm_gate(arms: Sequence[ArmEffect], base: ConstantBaseline, alpha: float, ga
     if not arms:
         raise DataError("no arms to form the gate statistic over")
     return gate_statistic([a.successes for a in arms], [a.n for a in arms], base.rate, alpha, gate)
+
+
+# ------------------------------------------------------------------ the twin over every crossing of a document
+
+
+def mispaired_documents(traffic: Any, seed: int, control_docs: int | None = None) -> tuple[list[int], list[int], Any]:
+    """The whole-traffic twin (``mispairing`` over documents): ``rows[j]`` and ``given[j]`` index the documents in
+    order of first crossing; every crossing row of document ``given[j]`` is labelled as document ``rows[j]``. A
+    document's rows stay together, so a reader that groups the rows by document (``crossings-aware``) reads
+    another document's crossings as one, under this document's id. ``control_docs``: how many documents (None:
+    all)."""
+    docs = list(dict.fromkeys(int(d) for d in traffic.doc_ids))
+    rows, given = mispairing(len(docs), None, control_docs or len(docs), seed)
+    picked, labels = [], []
+    for r, g in zip(rows, given):
+        for i, d in enumerate(traffic.doc_ids):
+            if int(d) == docs[g]:
+                picked.append(i)
+                labels.append(docs[r])
+    return rows, given, traffic.subset(picked).replace(doc_ids=tuple(labels))
+
+
+def document_control(
+    arm: list[dict[str, Any]],
+    twin: list[dict[str, Any]],
+    docs: list[int],
+    truth: np.ndarray,
+    rows: list[int],
+    given: list[int],
+    output: str,
+    seed: int,
+) -> dict[str, Any]:
+    """The whole-traffic control from the reader's per-row results on the traffic (``arm``) and on its twin
+    (``mispaired_documents``): per twin document j, the share of document ``rows[j]``'s tokens (a label attack's
+    from token 1) the twin read from document ``given[j]``'s crossings, minus the share the reader's own reading of
+    those crossings has of the same tokens; N with its document-bootstrap interval and verdict."""
+    first = 1 if output == "labels" else 0
+    labelled = truth[list(rows)]
+    twin_read = document_scores(twin, [docs[r] for r in rows], labelled, output)
+    floor = np.array([_share(arm, docs[g], labelled[j], first) for j, g in enumerate(given)], dtype=np.float64)
+    delta = twin_read.mean(1) - floor
+    n = control_interval(delta, n_boot=CONTROL_BOOT, seed=seed)
+    return {
+        "type": "mis-paired documents: every crossing of another training document, labelled as this one",
+        "doc_ids": [docs[r] for r in rows],
+        "given_doc_ids": [docs[g] for g in given],
+        "per_doc_delta": [float(x) for x in delta],
+        "effect": dataclasses.asdict(n),
+        "verdict": effect_verdict(n),
+    }
+
+
+def _share(per_row: list[dict[str, Any]], doc: int, labels: np.ndarray, first: int) -> float:
+    """The share of positions (from ``first``) of document ``doc``'s crossing rows read as ``labels``."""
+    hits = [
+        float(np.mean(np.asarray(r["predicted"], dtype=np.int64)[first:] == labels[first:]))
+        for r in per_row
+        if int(r["doc_id"]) == doc
+    ]
+    return float(np.mean(hits))
+
+
+def document_scores(per_row: list[dict[str, Any]], docs: list[int], truth: np.ndarray, output: str) -> np.ndarray:
+    """[documents, positions]: per position, the share of a document's crossing rows whose reading is right
+    (a label attack's from token 1 on: token 0 is no label)."""
+    first = 1 if output == "labels" else 0
+    sums = np.zeros((len(docs), truth.shape[1] - first), dtype=np.float64)
+    counts = np.zeros(len(docs), dtype=np.int64)
+    where = {d: i for i, d in enumerate(docs)}
+    for row in per_row:
+        i = where[int(row["doc_id"])]
+        sums[i] += np.asarray(row["predicted"], dtype=np.int64)[first:] == truth[i, first:]
+        counts[i] += 1
+    return sums / counts[:, None]

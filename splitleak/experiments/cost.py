@@ -63,7 +63,7 @@ def project(
     # (signature, attack seed) -> (measured fit + reconstruct seconds, counted FLOPs of the job or None, its
     # counted seconds, the mis-paired twin's seconds)
     attack_s: dict[tuple, tuple[float, int | None, float | None, float]] = {}
-    for r in read_results(store, as_rows=True):
+    for r in read_results(store, as_rows=True, phase=None):  # every attack job, of either traffic
         if r["kind"] == "attack":
             counted = flops.get(r["key"])
             control = json.loads(r["result_json"]).get("control") or {}

@@ -198,6 +198,11 @@ def _attack_configs(entry: AttackEntry, spec: ExperimentSpec, index: int) -> lis
         )
     if entry.inference and perturbed:
         raise ConfigError(f"{where}: gradient perturbations mean nothing in the inference setting; drop one of them")
+    phases = entry.phase or ["capture"]
+    if entry.inference and "train" in phases:
+        raise ConfigError(
+            f"{where}: the inference setting reuses a measurement of the capture pass; drop inference or phase train"
+        )
     if perturbed and not uses_grad:
         raise ConfigError(
             f"{where}: attack {entry.attack!r} does not read gradients, so the perturbations "
@@ -216,7 +221,7 @@ def _attack_configs(entry: AttackEntry, spec: ExperimentSpec, index: int) -> lis
     for k in ks:
         for budget, readout, extra in itertools.product(budgets, readouts, combos):
             for pert in entry.perturbations:
-                for copy_ in entry.client_copy or spec.client_copies:
+                for copy_, phase in itertools.product(entry.client_copy or spec.client_copies, phases):
                     for seed in entry.attack_seeds or spec.attack_seeds:
                         try:
                             cfg = make_attack_config(
@@ -230,6 +235,7 @@ def _attack_configs(entry: AttackEntry, spec: ExperimentSpec, index: int) -> lis
                                 gradient_bits=pert.gradient_bits,
                                 inference=entry.inference == "only",
                                 params=extra,
+                                phase=phase,
                             )
                         except ConfigError as exc:
                             raise ConfigError(f"{where}: {exc}") from None
@@ -406,12 +412,12 @@ class _Expansion:
                 continue
             if entry.attack == ADAPTIVE_ENTRY:
                 self.used[i] = True
-                # a grid reads the capture pass, where each document crossed once: a reader of every crossing
-                # (AttackInfo.passes) is the attack it adapts there, so it is left to the audit's training readers
+                # a reader of every crossing (AttackInfo.passes) runs where the entry reads the training traffic
+                train = "train" in (entry.phase or ())
                 built = [
                     a
                     for a in adaptive_attacks_of(run_cfg)
-                    if not (top_only and attack_info(a).needs_top) and not attack_info(a).passes
+                    if not (top_only and attack_info(a).needs_top) and (train or not attack_info(a).passes)
                 ]
                 per_attack = [self.adaptive_configs(i, entry, a) for a in built]
             else:
@@ -433,6 +439,9 @@ class _Expansion:
                     "attack": name,
                     "k": entry.k if "k" in takes else None,
                     "budget": entry.budget if "budget" in takes else None,
+                    # a reader of every crossing reads the training traffic only (on the capture pass, where each
+                    # document crossed once, it is the attack it adapts)
+                    "phase": ["train"] if attack_info(name).passes else entry.phase,
                 }
             )
             self.adaptive_cfgs[(i, name)] = _attack_configs(one, self.spec, i)

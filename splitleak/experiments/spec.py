@@ -134,6 +134,9 @@ class AttackEntry(BaseModel):
     configuration per combination. ``params`` takes any other hyperparameter of the attack's class
     by name (``params: {lam: [0.6, 0.75]}``); names the class does not take are refused.
 
+    ``phase``: the traffic read, ``capture`` (default) and/or ``train`` (every pass of the training documents;
+    under ``adaptive``, ``train`` adds the readers of every crossing, ``AttackInfo.passes``).
+
     ``inference``: ``false`` counts the configuration in the training setting only; ``true`` also
     counts it in the inference setting, reusing the training measurement (activation-only attacks
     only; What Gradients Add §3); ``only`` runs it on the activations alone, in the inference setting only.
@@ -152,11 +155,14 @@ class AttackEntry(BaseModel):
     inference: bool | Literal["only"] = False
     defences: list[str] | None = None
     attack_seeds: list[int] | None = None  # default: the spec's attack_seeds
+    #: which traffic: ``capture`` (the evaluation documents, each crossing once; the default) and/or ``train``
+    #: (every training step's frames: each training document once per pass, as the server received it)
+    phase: list[Literal["capture", "train"]] | None = None
     # any other hyperparameter of the attack's class, by name; a list expands like k does
     params: dict[str, list[Any]] = Field(default_factory=dict)
 
     @field_validator(
-        "k", "budget", "readout", "client_copy", "perturbations", "defences", "attack_seeds", mode="before"
+        "k", "budget", "readout", "client_copy", "perturbations", "defences", "attack_seeds", "phase", mode="before"
     )
     @classmethod
     def _listify(cls, v):

@@ -95,8 +95,12 @@ ATTACK_SCHEMA = pa.schema(
         ("attack_config", pa.string()),
         ("job_config", pa.string()),
         ("result_json", pa.string()),
+        # training-phase traffic (the identity's ``phase`` "train"): the step of the row's crossing, a row per crossing
+        ("step", pa.int64()),
     ]
 )
+#: columns added after stores were first written: a row file without them reads them as null
+LATER_COLUMNS = {"attack": ("phase", "step")}
 
 TRAIN_SCHEMA = pa.schema(
     _JOB
@@ -233,6 +237,7 @@ def attack_rows(job: dict[str, Any], result: dict[str, Any], cut: int) -> list[d
     rows = []
     for d in result["per_doc"]:
         row = dict(base)
+        row["step"] = d.get("step")  # training-phase traffic: the step of the row's crossing
         if "frame_id" in d:  # a latent attack: one row per frame (partition) or per arm and frame (probes)
             row.update(doc_id=d["frame_id"], exact=d.get("exact"), frame_agreement=d.get("agreement"))
             row.update(arm=d.get("arm"), paired_delta=d.get("paired_delta"))
@@ -322,7 +327,7 @@ class ResultsStore:
             if kind != "failed"
             else "delete it (the job is then pending again)"
         )
-        table = read_parquet(p, f"{kind} row file", fix, schema=SCHEMAS[kind])
+        table = read_parquet(p, f"{kind} row file", fix, schema=SCHEMAS[kind], optional=LATER_COLUMNS.get(kind, ()))
         if table.num_rows == 0:
             raise IntegrityError(f"{p} holds no rows; {fix}")
         keys = set(table.column("key").to_pylist())
@@ -486,12 +491,16 @@ class ResultsStore:
         )
 
 
-def read_results(store: str | Path, kind: str = "attack", *, as_rows: bool = False) -> pa.Table | list[dict[str, Any]]:
+def read_results(
+    store: str | Path, kind: str = "attack", *, as_rows: bool = False, phase: str | None = "capture"
+) -> pa.Table | list[dict[str, Any]]:
     """The rows of one kind from a results store, as a ``pyarrow.Table`` (or a list of dicts with
     ``as_rows=True``), sorted by key (and document).
 
     ``kind``: ``attack`` (one row per attack or reuse job and evaluation document; reuse rows have
-    ``kind == "reuse"``, ``inference == True`` and ``reuse_of`` set to the measured job's key),
+    ``kind == "reuse"``, ``inference == True`` and ``reuse_of`` set to the measured job's key; ``phase``:
+    the attack rows of the capture pass (the default; every table of the report reads these), of the training
+    traffic (``"train"``: one row per crossing, with its ``step``), or ``None`` for both),
     ``train`` (one row per train job), ``failed`` (one row per job whose last attempt failed) or
     ``retried`` (one row per attempt whose worker died, after which the job ran again).
     """
@@ -513,6 +522,12 @@ def read_results(store: str | Path, kind: str = "attack", *, as_rows: bool = Fal
             else []
         )
         table = table.sort_by(order)
+    if kind == "attack" and phase is not None:
+        # lazy: pyarrow's compute module, only where rows are filtered
+        import pyarrow.compute as pc
+
+        read = pc.fill_null(table.column("phase"), "capture")  # null: a row file written before the column
+        table = table.filter(pc.equal(read, phase))
     return table.to_pylist() if as_rows else table
 
 

@@ -25,6 +25,7 @@ from splitleak.experiments.spec_loading import load_spec
 from splitleak.experiments.store import ResultsStore
 from splitleak.experiments.tune import ADAPTIVE, Space, TrialConfig, TuneSettings, resolve_attacks
 from splitleak.runs.truth import eval_token_ids, phase_documents
+from splitleak.training.config import draws_of
 
 
 @dataclass
@@ -241,7 +242,7 @@ class GridEvaluator:
         docs = phase_documents(run, "capture")
         truth = np.array([d.token_ids for d in docs], dtype=np.int64)
         ids = [d.doc_id for d in docs]
-        b = audit_bound(run, train["defences"], "plain", train.get("draws", "os"), ids, truth, self._public.model)
+        b = audit_bound(run, train["defences"], "plain", draws_of(train), ids, truth, self._public.model)
         faults = [m for m in b.get("mechanism_audit", []) if m["fault"]]
         if faults:
             raise TrialError(

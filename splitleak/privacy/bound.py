@@ -103,6 +103,11 @@ def _mus(guarantees: ChainGuarantee, crossings: dict[str, int], rows: int) -> li
     return out
 
 
+def bare_words(channels: list[str]) -> str:
+    """Why there is no bound: the channels that cross without noise, in a sentence."""
+    return f"the {' and '.join(channels)} {'crosses' if len(channels) == 1 else 'cross'} without a noise guarantee"
+
+
 def document_bound(
     doc_id: int,
     crossings: dict[str, int],
@@ -120,7 +125,7 @@ def document_bound(
     b = DocumentBound(doc_id, dict(crossings))
     bare = sorted(c for c in seen if not guarantees.of(c))
     if bare:
-        b.why_none = f"the {', '.join(bare)} cross without a noise guarantee"
+        b.why_none = bare_words(bare)
         return b
     if len(token_kappas) != length:
         raise ValueError(f"{len(token_kappas)} prior successes for a document of {length} tokens")
@@ -151,7 +156,7 @@ def run_epsilon(
         seen = {c: n for c, n in per.items() if n and c not in set(exclude)}
         bare = sorted(c for c in seen if not guarantees.of(c))
         if bare:
-            return None, f"the {', '.join(bare)} cross without a noise guarantee"
+            return None, bare_words(bare)
         eps, how = epsilon(compose(_mus(guarantees, seen, length)), DELTA)
         worst = eps if worst is None else max(worst, eps)
     return worst, how if worst is not None else "no document crossed"

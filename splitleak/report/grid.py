@@ -52,6 +52,7 @@ from splitleak.report.grid_cost import cost_section
 from splitleak.report.grid_header import header_section
 from splitleak.report.grid_latent import is_latent, latent_section
 from splitleak.report.grid_offload import offload_section
+from splitleak.report.grid_passes import passes_section, run_passes
 from splitleak.report.grid_recovery import heatmap_section, perturbation_section, recovery_section
 from splitleak.report.grid_shielded import is_shielded, shielded_section
 from splitleak.report.grid_stats import Config, recovery_cells, split_text
@@ -194,6 +195,9 @@ def grid_report(
     mine = [r for r in attack_all if r.get("train_key") in train_keys]
     check_protocol(mine, phash, status.store)
     attack_rows = [r for r in mine if r["key"] in keys]
+    # the readings of the training traffic (phase: train), kept out of every table of the capture pass
+    train_phase = [r for r in read_results(status.store, "attack", as_rows=True, phase="train") if r["key"] in keys]
+    check_protocol(train_phase, phash, status.store)
     train_rows = [r for r in read_results(status.store, "train", as_rows=True) if r["key"] in train_keys]
     counts = status.counts()
     header = {
@@ -218,6 +222,7 @@ def grid_report(
         n_boot=n_boot,
         descriptive_boot=descriptive_boot,
         date=date,
+        train_phase=train_phase,
     )
 
 
@@ -237,9 +242,11 @@ def store_report(
     rs = ResultsStore(store)
     attack_rows = read_results(rs.root, "attack", as_rows=True)
     check_protocol(attack_rows, phash, rs.root)
+    train_phase = read_results(rs.root, "attack", as_rows=True, phase="train")
+    check_protocol(train_phase, phash, rs.root)
     train_rows = read_results(rs.root, "train", as_rows=True)
     counts = {"train": {"done": len(train_rows)}, "attack": {"done": 0}, "reuse": {"done": 0}}
-    for kind in {r["key"]: r["kind"] for r in attack_rows}.values():
+    for kind in {r["key"]: r["kind"] for r in [*attack_rows, *train_phase]}.values():
         counts["reuse" if kind == "reuse" else "attack"]["done"] += 1
     for f in rs.failures().values():
         k = f["kind"] if f["kind"] in counts else "attack"
@@ -261,6 +268,7 @@ def store_report(
         n_boot=n_boot,
         descriptive_boot=descriptive_boot,
         date=date,
+        train_phase=train_phase,
     )
 
 
@@ -287,8 +295,10 @@ def build_report(
     n_boot: int | None = None,
     descriptive_boot: int = DESCRIPTIVE_BOOT,
     date: str | None = None,
+    train_phase: Sequence[dict[str, Any]] = (),
 ) -> GridReport:
-    """Analyse store rows under a protocol and write the report (Markdown, HTML, figures) into ``out``."""
+    """Analyse store rows under a protocol and write the report (Markdown, HTML, figures) into ``out``;
+    ``train_phase``: the attack rows that read the training traffic (their own section)."""
     check_protocol(attack_rows, protocol_hash)
     if n_boot is not None and (isinstance(n_boot, bool) or int(n_boot) < 1):
         raise ConfigError(f"--n-boot is {n_boot!r}; pass an integer >= 1")
@@ -330,6 +340,8 @@ def build_report(
     shielded_section(doc, shielded_rows, shielded_train, out, used.thresholds)
     rep.bounds = run_bounds(train_rows, attack_rows, header.get("store"))
     bound_section(doc, rep.bounds)
+    rep.passes = run_passes(train_rows, train_phase, header.get("store"))
+    passes_section(doc, rep.passes)
     rep.markdown.write_text(render_markdown(doc), encoding="utf-8")
     rep.html.write_text(render_html(doc), encoding="utf-8")
     return rep

@@ -16,6 +16,7 @@ import numpy as np
 from splitleak.metrics import fmt_pct
 from splitleak.report.document import Document, Heading, Para, Table
 from splitleak.report.grid_stats import scored, token_rate
+from splitleak.training.config import draws_of
 
 HEADING = "The upper side: what no reader can read"
 
@@ -42,7 +43,7 @@ def strongest_reading(attack_rows: Sequence[dict[str, Any]], train_key: str) -> 
     return best
 
 
-class _Models:
+class PublicModels:
     """The public models of the runs, loaded once per (model, precision, init seed, path)."""
 
     def __init__(self) -> None:
@@ -73,7 +74,7 @@ def run_bounds(
     from splitleak.privacy.guarantee import chain_guarantees
     from splitleak.runs.truth import phase_documents
 
-    models = _Models()
+    models = PublicModels()
     games: dict[str, list[dict[str, Any]]] = {}  # the mechanism's game reads no run: played once per chain
     out = []
     for t in sorted(train_rows, key=lambda t: (t["model"], t["depth"] or 0, t["defence"], t["victim_seed"])):
@@ -106,7 +107,7 @@ def run_bounds(
         mode = "u-shape" if t.get("u_shape") else "plain"
         played = json.dumps(chain, sort_keys=True)
         b = audit_bound(
-            run, chain, mode, cfg.get("draws", "os"), [d.doc_id for d in docs], truth, models.of(run).model,
+            run, chain, mode, draws_of(cfg), [d.doc_id for d in docs], truth, models.of(run).model,
             mechanism=played not in games,
         )  # fmt: skip
         b["mechanism_audit"] = games.setdefault(played, b.get("mechanism_audit", []))

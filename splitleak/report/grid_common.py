@@ -28,6 +28,8 @@ class GridReport:
     control_faults: list[dict[str, Any]] = field(default_factory=list)
     #: both sides of every defended run (``grid_bound.run_bounds``): the strongest reading, the bound, any fault
     bounds: list[dict[str, Any]] = field(default_factory=list)
+    #: the readings of the training traffic per run (``grid_passes.run_passes``), beside the bound over it
+    passes: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def paths(self) -> list[Path]:

@@ -145,6 +145,12 @@ class _ModelAndSplit(BaseModel):
         return config_hash(self.as_dict())
 
 
+def draws_of(config: dict[str, Any]) -> str:
+    """The draws of a configuration as ``TrainConfig.as_dict`` writes it (a manifest's, a grid job's): ``as_dict``
+    leaves ``derived`` out, so a dictionary without the key was keyed by the run seed."""
+    return str(config.get("draws", "derived"))
+
+
 class TrainConfig(_ModelAndSplit):
     """Everything that determines a run's numbers. Runtime choices (device, threads, output
     folder) are not part of it and do not change its hash."""
