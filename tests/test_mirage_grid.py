@@ -228,3 +228,10 @@ def test_the_tiny_grid_reads_the_claims_of_shape_on_eight_documents(tmp_path, se
         )["result_json"]
     )
     assert row["label_recovery"] == cells["none"].reads()
+    # both sides name the label-shielded arms too; seq-dp's noise is keyed by the run seed here (derived draws, so
+    # that the grid replays), so none has a bound, and the report says why
+    by = {b["defence"]: b for b in rep.bounds}
+    assert {"mirage", "seq-dp", "grad-prune"} <= set(by) and "none" not in by
+    assert "keyed by the run seed" in by["seq-dp"]["why"] and not by["seq-dp"]["bound"]["bounded"]
+    assert by["mirage"]["why"] == "no defence of the chain adds noise with a formal guarantee"
+    assert "## The upper side: what no reader can read" in text

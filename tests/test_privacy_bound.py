@@ -117,6 +117,8 @@ def test_a_document_bound_composes_its_crossings_and_names_a_bare_channel():
     assert once.epsilon_doc == pytest.approx(gdp_epsilon(once.mu_doc), rel=0.02)
     bare = document_bound(0, {"activations": 1, "gradient": 1}, fwd, T, kappas, 0.01)
     assert bare.why_none == "the gradient crosses without a noise guarantee" and bare.token_bound is None
+    three = document_bound(0, {"activations": 1, "gradient": 1, "labels": 1, "probe": 1}, fwd, T, kappas, 0.01)
+    assert three.why_none == "the gradient, labels and probe cross without a noise guarantee"
     labels = document_bound(0, {"activations": 1, "labels": 1}, fwd, T, kappas, 0.01, exclude=["labels"])
     assert labels.why_none == "" and labels.doc_bound == pytest.approx(once.doc_bound)
     with pytest.raises(ValueError, match="7 prior successes for a document of 8 tokens"):

@@ -105,7 +105,8 @@ def _mus(guarantees: ChainGuarantee, crossings: dict[str, int], rows: int) -> li
 
 def bare_words(channels: list[str]) -> str:
     """Why there is no bound: the channels that cross without noise, in a sentence."""
-    return f"the {' and '.join(channels)} {'crosses' if len(channels) == 1 else 'cross'} without a noise guarantee"
+    named = channels[0] if len(channels) == 1 else f"{', '.join(channels[:-1])} and {channels[-1]}"
+    return f"the {named} {'crosses' if len(channels) == 1 else 'cross'} without a noise guarantee"
 
 
 def document_bound(

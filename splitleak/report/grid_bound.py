@@ -1,4 +1,4 @@
-"""The grid report's upper side: for every defended run of the grid (plain or U-shape), the most any reader of its
+"""The grid report's upper side: for every defended run of the grid (plain, U-shape or label-shielded), the most any reader of its
 traffic can read (``splitleak.audit.bounds``: every crossing the tap recorded, composed under the chain's noise
 guarantees, for the informed adversary), beside the strongest reading of the grid's attacks on that run. A
 reading whose interval lies above the bound, or a mechanism that tells its neighbours apart better than it
@@ -15,6 +15,7 @@ import numpy as np
 
 from splitleak.metrics import fmt_pct
 from splitleak.report.document import Document, Heading, Para, Table
+from splitleak.report.grid_shielded import is_shielded
 from splitleak.report.grid_stats import scored, token_rate
 from splitleak.training.config import draws_of
 
@@ -104,7 +105,7 @@ def run_bounds(
             continue
         docs = phase_documents(run, "capture")
         truth = np.array([d.token_ids for d in docs], dtype=np.int64)
-        mode = "u-shape" if t.get("u_shape") else "plain"
+        mode = "label-shielded" if is_shielded(t) else "u-shape" if t.get("u_shape") else "plain"
         played = json.dumps(chain, sort_keys=True)
         b = audit_bound(
             run, chain, mode, draws_of(cfg), [d.doc_id for d in docs], truth, models.of(run).model,

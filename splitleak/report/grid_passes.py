@@ -22,6 +22,7 @@ from splitleak.attacks.registry import attack_info
 from splitleak.metrics import fmt_pct
 from splitleak.report.document import Document, Heading, Para, Table
 from splitleak.report.grid_bound import PublicModels
+from splitleak.report.grid_shielded import is_shielded
 from splitleak.stats import crossed_bootstrap_ci, paired_difference_ci
 from splitleak.training.config import draws_of
 
@@ -112,7 +113,7 @@ def run_passes(
             why = "no defence of the chain adds noise" if not chain else f"its run is not in the store ({t['run_dir']})"
             rec["bound"] = {"bounded": False, "why": why}
         else:
-            mode = "u-shape" if t.get("u_shape") else "plain"
+            mode = "label-shielded" if is_shielded(t) else "u-shape" if t.get("u_shape") else "plain"
             truth = eval_token_ids(run, docs, phase="train")
             rec["bound"] = audit_bound(
                 run, chain, mode, draws_of(cfg), docs, truth, models.of(run).model, mechanism=False
