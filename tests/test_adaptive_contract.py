@@ -46,6 +46,7 @@ PARAMS = {
     "mixup-history": {"k": 32},
     "gma-sl-aware": {"steps": 150},
     "crossings-aware": {"k": 32},
+    "joint-crossings": {"k": 32},
     "gma-sl-crossings": {"steps": 50},
     "sipit": {"budget": 32},
     "activation": {"k": 32},
@@ -54,7 +55,7 @@ PARAMS = {
 }
 
 #: the readers of a document's repeated crossings, and the passes their positive control trains
-PASSES = {"crossings-aware": 3, "gma-sl-crossings": 3}
+PASSES = {"crossings-aware": 3, "joint-crossings": 3, "gma-sl-crossings": 3}
 
 
 def _pairs():

@@ -45,17 +45,21 @@ def test_a_noise_audit_reads_every_pass_beside_the_bound_over_them(tmp_path):
     whole = report["whole_traffic"]
     assert whole["epochs"] == 3 and whole["steps"] == 12 and whole["documents"] == 4
     assert whole["crossings"] == {"min": 3, "max": 3}
-    assert [r["attack"] for r in whole["readers"]] == ["activation-aware", "crossings-aware"]
-    one, every = (r["tokens"] for r in whole["readers"])
+    # clip-noise on both wires: the reader of every crossing of the activations, and of the returned gradients,
+    # each beside the reader of one crossing it adapts
+    names = ["activation-aware", "crossings-aware", "joint-aware", "joint-crossings"]
+    assert [r["attack"] for r in whole["readers"]] == names
+    one, every = (r["tokens"] for r in whole["readers"][:2])
     assert every["estimate"] > one["estimate"] and whole["gain"]["estimate"] > 0
-    # the capture's readers do not run the reader of every crossing: the evaluation documents crossed once
-    assert "crossings-aware" not in {a["attack"] for a in report["attacks"]}
-    assert sorted(p.name for p in (out / "passes").iterdir()) == [
-        "train-activation-aware-twin.json", "train-activation-aware-twin.parquet",
-        "train-activation-aware.json", "train-activation-aware.parquet",
-        "train-crossings-aware-twin.json", "train-crossings-aware-twin.parquet",
-        "train-crossings-aware.json", "train-crossings-aware.parquet",
-    ]  # fmt: skip
+    assert [(g["reader"], g["against"]) for g in whole["gains"]] == [
+        (whole["readers"][1]["label"], whole["readers"][0]["label"]),
+        (whole["readers"][3]["label"], whole["readers"][2]["label"]),
+    ]
+    # the capture's readers do not run the readers of every crossing: the evaluation documents crossed once
+    assert not {"crossings-aware", "joint-crossings"} & {a["attack"] for a in report["attacks"]}
+    assert sorted(p.name for p in (out / "passes").iterdir()) == sorted(
+        f"train-{n}{twin}.{ext}" for n in names for twin in ("", "-twin") for ext in ("json", "parquet")
+    )
     # each reader's mis-paired twin over every pass: four documents, each labelled as another, read at floor
     for r in whole["readers"]:
         assert (

@@ -104,3 +104,33 @@ def test_a_reading_of_the_mean_crossings_goes_back_to_every_crossing_row():
     assert rec.extra["summary"]["crossings"] == {"documents": 2, "rows": 5, "min": 2, "max": 3, "mean": 2.5}
     once = tr.subset([0, 1])
     assert read_every_crossing(read, once).tokens.tolist() == read(once).tokens.tolist() and seen[-2] is once
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_mean_of_a_documents_returned_gradients_names_its_next_tokens_more_often(shared_run, seed):
+    """``joint-crossings``' premise, on the channel it is built for: four passes with clip-noise on the return wire
+    only (clipped to 0.01 with noise half that). The gradient read-out (the tokens whose embeddings lie closest
+    to −gradient, What Gradients Add §3.1) has the next token among its 16 candidates more often on the mean of a
+    document's four returned gradients than on any one of them (measured on seeds 0-3: 46.0 / 44.0 / 48.4 / 47.4 %
+    of positions on one crossing, 98.0 / 94.0 / 96.8 / 94.0 % on the mean), and joint-crossings gives every
+    crossing of a document the same reading."""
+    from splitleak.attacks.beam import gradient_readout
+    from splitleak.attacks.crossings import combine_crossings
+
+    backward = [{"name": "clip-noise", "args": {"clip": 0.01, "sigma": 0.5, "where": "backward"}}]
+    run = _run(shared_run, seed, 4, defences=backward)
+    kn, tr = load_knowledge(run, "public"), load_traffic(run, phase="train")
+    combined, groups = combine_crossings(tr)
+    truth = _train_truth(run, combined.doc_ids)
+
+    def hits(gradients, rows_truth):
+        cand = gradient_readout(gradients, kn.client.embedding, 16)
+        return float((cand == rows_truth[:, 1:, None]).any(-1).float().mean())
+
+    one = hits(tr.gradients, _train_truth(run, tr.doc_ids))
+    every = hits(combined.gradients, truth)
+    assert every > one + 0.3, (seed, one, every)
+    rec = make_attack("joint-crossings", k=8, seed=seed).fit(kn).reconstruct(tr)
+    for g in groups:
+        assert all(torch.equal(rec.tokens[g[0]], rec.tokens[r]) for r in g)

@@ -184,9 +184,11 @@ def test_the_chain_names_each_adaptive_attack_once_with_the_defences_it_serves()
         "joint-aware": ("quant8", "clip-noise"),
         "seed-search": ("clip-noise",),
         "crossings-aware": ("clip-noise",),
+        "joint-crossings": ("clip-noise",),
     }
     backward_only = DefenceChain([build_defence("clip-noise", {"where": "backward"})], seed=0)
-    assert backward_only.adaptive_attacks("plain") == {}  # one crossing's read-out ranks as it would unnoised
+    # one crossing's read-out ranks as it would unnoised: only the reader of every crossing knows something of use
+    assert backward_only.adaptive_attacks("plain") == {"joint-crossings": ("clip-noise",)}
     assert DefenceChain([build_defence("mixup", {"correction": "cached"})], seed=0).adaptive_attacks("plain") == {
         "mixup-history": ("mixup",)
     }

@@ -36,7 +36,9 @@ def test_the_registry_is_the_one_list_of_attacks():
     from splitleak.report.grid_stats import ATTACK_ORDER
 
     assert ATTACK_ORDER == tuple(REGISTRY)
-    assert READOUT_ATTACKS == readout_attacks() == ("joint", "shuffled-gradient", "backward-only", "joint-aware")
+    assert READOUT_ATTACKS == readout_attacks() == (
+        "joint", "shuffled-gradient", "backward-only", "joint-aware", "joint-crossings"
+    )  # fmt: skip
     assert CONTROLS == {
         "shuffled-gradient": "shuffled-gradient control",
         "random-candidate": "random-candidate control",

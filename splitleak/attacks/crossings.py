@@ -11,7 +11,8 @@ public forward and its Gaussian likelihood). Each crossing row is then given its
 that its result pairs row for row with a one-crossing reader's on the same traffic; a report of documents
 averages a document's rows (one reading, repeated).
 
-``gma-sl-crossings`` does the same for label-shielded fine-tuning: ``gma-sl-aware`` on the mean of a
+``joint-crossings`` does the same with ``joint-aware``, for noise on the returned gradient (its read-out reads the
+mean of a document's returned gradients). ``gma-sl-crossings`` does the same for label-shielded fine-tuning: ``gma-sl-aware`` on the mean of a
 document's trunk outputs and of the output gradients its client returned for them (seq-dp draws its noise
 fresh for each).
 
@@ -30,6 +31,7 @@ import torch
 from splitleak.attacks.aware import AwareActivationBeam
 from splitleak.attacks.base import Reconstruction
 from splitleak.attacks.gma_aware import AwareGMASL
+from splitleak.attacks.joint_aware import AwareJointBeam
 from splitleak.attacks.knowledge import Traffic
 
 
@@ -109,6 +111,18 @@ class CrossingsAware(AwareActivationBeam):
     def reconstruct(self, traffic, progress=None):
         self._check(traffic)
         return read_every_crossing(lambda t: AwareActivationBeam.reconstruct(self, t, progress), traffic)
+
+
+class CrossingsJoint(AwareJointBeam):
+    """``joint-aware`` on the mean of each document's crossings: the activations and the gradients returned for
+    them, whose fresh noise (clip-noise on the return wire, quant4-noisy's) the mean divides by √R, so that the
+    gradient read-out has more to read than in any one crossing."""
+
+    name = "joint-crossings"
+
+    def reconstruct(self, traffic, progress=None):
+        self._check(traffic)
+        return read_every_crossing(lambda t: AwareJointBeam.reconstruct(self, t, progress), traffic)
 
 
 class CrossingsGMASL(AwareGMASL):

@@ -199,6 +199,18 @@ REGISTRY: dict[str, AttackInfo] = {
             label="joint (defence-aware)",
         ),
         AttackInfo(
+            "joint-crossings",
+            f"{_A}.crossings:CrossingsJoint",
+            "joint-aware on the mean of every crossing of each document: the returned gradients' fresh noise divided "
+            "by the square root of their count; read it with --phase train",
+            reads=("activations", "gradient", "output-gradient"),
+            takes_readout=True,
+            adaptive=True,
+            adapts="joint-aware",
+            label="joint (defence-aware, all crossings)",
+            passes=True,
+        ),
+        AttackInfo(
             "mixup-history",
             f"{_A}.mixup_history:MixupHistory",
             "mixup without probe rows: unmix each row against the earlier activation rows the server saw "

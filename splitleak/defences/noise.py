@@ -32,7 +32,8 @@ GRADIENT_NOISE_NOTE = (
     "Gaussian noise of a public scale on the returned gradient leaves the joint attacker's read-out as it is: "
     "the likelihood of a row under 'a positive multiple of this token's direction plus that noise' ranks the "
     "tokens by their cosine with the row whatever the scale, and the per-row clip keeps the direction. What "
-    "knowing it buys is combining a document's repeated crossings, which no one-crossing reader sees"
+    "knowing it buys is combining a document's repeated crossings, which no one-crossing reader sees: "
+    "joint-crossings reads the mean of a training document's returned gradients, whose fresh noise is σ/√R"
 )
 
 #: why the forward-wire attacks built for clipped and noised activations read them as the client's were
@@ -54,7 +55,7 @@ class ClipNoise(Defence):
     the returned gradient, or both (``where``)."""
 
     name = "clip-noise"
-    adaptive = (*FORWARD_AWARE, "seed-search", "crossings-aware")
+    adaptive = (*FORWARD_AWARE, "seed-search", "crossings-aware", "joint-crossings")
     adaptive_note = f"{FORWARD_NOTE}. {GRADIENT_NOISE_NOTE}. {CROSSINGS_NOTE}"
     search = {
         "clip": ROW_CLIP_RANGE,
@@ -85,7 +86,11 @@ class ClipNoise(Defence):
         return gaussian_rows(clip_rows(x, self.clip), self.sigma * self.clip, ctx, direction)
 
     def adaptive_attacks(self, mode):
-        return self.adaptive if self.where in ("forward", "both") else ()
+        if self.where == "both":
+            return self.adaptive
+        if self.where == "forward":  # the returned gradient crosses as it is: no reader of its crossings applies
+            return tuple(a for a in self.adaptive if a != "joint-crossings")
+        return ("joint-crossings",)  # only the returned gradient is noised
 
     def adaptive_gap(self, mode):
         if self.where in ("forward", "both"):
