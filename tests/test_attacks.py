@@ -374,6 +374,7 @@ def test_registry_names_match_cli_contract():
         "random-candidate",
         "backward-only",
         "joint-adaptive",
+        "joint-crossings",
         "sipit",
         "refit",
         "property",

@@ -84,13 +84,13 @@ def test_knowing_the_rounding_it_keeps_the_activation_candidates_where_a_gradien
 
 @pytest.mark.integration
 def test_gaussian_noise_on_the_gradient_changes_no_read_out(shared_run):
-    """clip-noise on the returned gradient only: nothing is built for it (the cosine ranking is the likelihood
-    ranking whatever the noise's scale), so the defence names no attack and joint-aware, run anyway, reads what
-    the joint attacker reads."""
+    """clip-noise on the returned gradient only: nothing is built for one crossing of it (the cosine ranking is the
+    likelihood ranking whatever the noise's scale), so the defence names only the reader of every crossing
+    (joint-crossings, tests/test_crossings.py), and joint-aware, run anyway, reads what the joint attacker reads."""
     from splitleak.defences import build_defence
 
     specs = [{"name": "clip-noise", "args": {"clip": 1.0, "sigma": 0.02, "where": "backward"}}]
-    assert build_defence(specs[0]["name"], specs[0]["args"]).adaptive_attacks("plain") == ()
+    assert build_defence(specs[0]["name"], specs[0]["args"]).adaptive_attacks("plain") == ("joint-crossings",)
     run = _run(shared_run, 0, specs)
     kn, tr = load_knowledge(run, "public"), load_traffic(run)
     joint, joint_cand = _read("joint", kn, tr)

@@ -114,15 +114,17 @@ def test_the_readers_of_every_pass_read_the_same_with_permuted_training_tokens(s
     from splitleak.attacks.crossings import CrossingsAware
 
     passes = [n for n, a in REGISTRY.items() if a.passes and "plain" in a.modes]
-    assert passes == ["crossings-aware"]
-    spec = [{"name": "clip-noise", "args": {"clip": 0.1, "sigma": 0.3, "where": "forward"}}]
+    assert passes == ["crossings-aware", "joint-crossings"]
+    spec = [{"name": "clip-noise", "args": {"clip": 0.1, "sigma": 0.3, "where": "both"}}]
     run = shared_run(**{**BASE, "steps": 3 * BASE["n_train"]}, seed=seed, defences=spec)
     permuted = _permuted(run, tmp_path / "p", seed, "train")
+    for name in passes:
+        c = make_attack_config(attack=name, attack_seed=seed, params={"k": 4}, phase="train")
+        a, b = run_attack(run, c, verify=False), run_attack(permuted, c, verify=False)
+        assert len(a["per_doc"]) == 3 * BASE["n_train"]
+        assert [r["predicted"] for r in a["per_doc"]] == [r["predicted"] for r in b["per_doc"]], name
+        assert a["token_recovery"] != b["token_recovery"]
     cfg = make_attack_config(attack="crossings-aware", attack_seed=seed, params={"k": 4}, phase="train")
-    a, b = run_attack(run, cfg, verify=False), run_attack(permuted, cfg, verify=False)
-    assert len(a["per_doc"]) == 3 * BASE["n_train"]
-    assert [r["predicted"] for r in a["per_doc"]] == [r["predicted"] for r in b["per_doc"]]
-    assert a["token_recovery"] != b["token_recovery"]
 
     reading = {}  # the run the planted reader is pointed at
 
