@@ -1,12 +1,12 @@
 """The docs site: Sphinx with MyST (the pages are Markdown), typer's own Markdown of the command line (its
 reference) and autodoc (the Python API, from the docstrings). ``make docs`` builds it with warnings as errors,
 so a broken link, cross-reference, include or docstring fails the build. Sphinx rather than MkDocs: MkDocs 1.x is
-no longer maintained and Material for MkDocs reaches its end of life in 2027, while Sphinx, MyST and autodoc are
-maintained and are what dp-accounting and most scientific Python projects build with.
+no longer maintained and Material for MkDocs reaches its end of life in 2027 (its build says both), while Sphinx,
+MyST and autodoc are maintained, and Sphinx is what dp-accounting's docs build with.
 
 The pages of the command line and of the registries (attacks, defences, models, protocols, specs, claims) are
-written when the build starts
-(``gen_reference.write``), from the registries the command line reads, so they cannot drift from the code."""
+written when the build starts (``gen_reference.write``), from the app and the registries the command line reads,
+so they cannot drift from the code."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The page of the docs site made at build time (``docs/conf.py`` calls ``write``): the registries of attacks,
-defences, model presets, protocols, grid specs and claims files, read from the code that `splitleak attacks`,
-`splitleak defences` and `splitleak models` read, so that a new entry appears in the docs without an edit and a
-removed one disappears. `tests/test_docs.py` builds the site and checks every registered name is in it."""
+"""The pages of the docs site made at build time (``docs/conf.py`` calls ``write``): the command line (typer's own
+Markdown of the app) and the registries of attacks, defences, model presets, protocols, grid specs and claims files,
+read from the code that `splitleak attacks`, `splitleak defences` and `splitleak models` read, so that a new entry
+appears in the docs without an edit and a removed one disappears. `tests/test_docs.py` builds the site and checks
+every command, option and registered name is in it."""
 
 from __future__ import annotations
 
