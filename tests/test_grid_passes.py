@@ -131,3 +131,32 @@ def test_a_row_file_written_before_the_phase_columns_reads_them_as_the_capture_p
     write_atomic(store.path("attack", "a" * 16), parquet_bytes(pa.Table.from_pylist([row], schema=broken)))
     with pytest.raises(IntegrityError, match="attack row file"):
         read_results(store.root, "attack", as_rows=True)
+
+
+@pytest.mark.unit
+def test_the_training_traffic_section_names_a_twin_that_reads_the_documents_it_is_labelled_as():
+    """The section's fault check can fail: a reading whose stored twin was detected is an INSTRUMENT FAULT, one
+    whose twin was not is not; a reader of every crossing is paired with the reader of one crossing it adapts."""
+    from splitleak.report.document import Document, render_markdown
+    from splitleak.report.grid_passes import passes_section, run_passes
+
+    def rows(attack, key, verdict, right):
+        control = json.dumps({"control": {"verdict": verdict, "effect": {"estimate": 0.0}}})
+        return [
+            {"train_key": "t", "key": key, "attack": attack, "client_copy": "public", "doc_id": d, "step": s,
+             "token_correct": right[d] + s % 2, "token_counted": 8, "result_json": control}
+            for d in range(6) for s in range(2)
+        ]  # fmt: skip
+
+    train = [{"key": "t", "model": "tiny-gpt2", "depth": 2, "defence": "clip-noise", "victim_seed": 0,
+              "train_config": None, "run_dir": "runs/t"}]  # fmt: skip
+    one = rows("activation-aware", "a", "at floor", [1, 2, 1, 3, 2, 1])
+    for verdict, faulty in (("at floor", False), ("detected", True)):
+        every = rows("crossings-aware", "b", verdict, [5, 6, 4, 6, 5, 5])
+        (rec,) = run_passes(train, one + every, None)
+        assert bool(rec["faults"]) is faulty and rec["crossings"] == 2 and rec["documents"] == 6
+        (gain,) = rec["gains"]
+        assert gain["reader"].startswith("crossings-aware") and gain["estimate"] == pytest.approx(3.5 / 8)
+        doc = Document("t")
+        passes_section(doc, [rec])
+        assert ("INSTRUMENT FAULT" in render_markdown(doc)) is faulty

@@ -139,3 +139,11 @@ def test_the_readers_of_every_pass_read_the_same_with_permuted_training_tokens(s
         reading["run"] = where
         out.append([r["predicted"] for r in run_attack(where, cfg, verify=False)["per_doc"]])
     assert out[0] != out[1]
+    # and its mis-paired twin over every crossing catches it: given another document's crossings under this one's
+    # id, it reads this one's tokens (the honest readers above read the crossings, whatever the id)
+    reading["run"] = run
+    caught = run_attack(run, cfg, verify=False, control_docs=4)["control"]
+    assert caught["verdict"] == "detected" and caught["effect"]["estimate"] > 0.5, caught
+    honest = run_attack(run, make_attack_config(attack="activation-aware", attack_seed=seed, params={"k": 4},
+                                                phase="train"), verify=False, control_docs=4)["control"]  # fmt: skip
+    assert honest["verdict"] != "detected" and len(honest["doc_ids"]) == 4
