@@ -170,6 +170,16 @@ def test_no_issue_number_in_the_readme_or_the_docs():
     assert len((REPO / "README.md").read_text().splitlines()) <= 200
 
 
+@pytest.mark.unit
+def test_the_readme_counts_what_is_registered():
+    from splitleak.attacks.registry import REGISTRY
+    from splitleak.defences import DEFENCES
+
+    text = (REPO / "README.md").read_text()
+    assert f"| attacks ({len(REGISTRY)}) |" in text and f"| attacks on text | {len(REGISTRY)}, above |" in text
+    assert f"| defences ({len(DEFENCES)}) |" in text
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("page", pages_with_runnable_blocks(), ids=shown)
 def test_the_runnable_blocks_run_as_written(page, tmp_path):
