@@ -388,3 +388,68 @@ def test_gma_sl_refuses_a_run_it_cannot_read(tmp_path):
     run_training(cfg, tmp_path / "top", device="cpu")
     with pytest.raises(ConfigError, match="top-only training, which sends no gradient"):
         run_attack(tmp_path / "top", make_attack_config(attack="gma-sl"))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_twin_reads_gma_sls_frames_once_and_a_reader_that_starts_at_the_truth_is_still_caught(
+    tmp_path, seed, monkeypatch
+):
+    """The mis-paired twin holds the arm's frames with their rows in the arm's order, so GMA-SL matches each
+    frame once (``GMASL._read_frame``): the result is the one of matching it again, bit for bit, and an honest
+    twin reads exactly the arm's labels (each difference 0). The frame's key holds its initial labels: a reader
+    that starts GMA-SL at the true labels of the documents the traffic is labelled with is caught by its twin,
+    which starts at another document's."""
+    from splitleak.attacks.config import make_attack_config
+    from splitleak.attacks.gma import GMASL
+    from splitleak.attacks.knowledge import load_knowledge, load_traffic
+    from splitleak.audit.evaluate import controlled_read, mispaired_control, run_attack
+    from splitleak.runs.truth import phase_documents
+
+    cfg = make_train_config(
+        **SMALL, data="instructions", shielded=_shielded(), seed=seed, data_seed=seed, capture_batch=3
+    )
+    run_training(cfg, tmp_path / "run", device="cpu")
+    acfg = make_attack_config(attack="gma-sl", params={"steps": 40})
+    matched: list[int] = []
+    plain_match = GMASL._match_frame
+
+    def counted(self, *a, **kw):
+        matched.append(1)
+        return plain_match(self, *a, **kw)
+
+    monkeypatch.setattr(GMASL, "_match_frame", counted)
+    once = run_attack(tmp_path / "run", acfg, control_docs=6)
+    assert len(matched) == 2  # two frames of three documents, each matched once for the arm and its twin
+    assert once["control"]["per_doc_delta"] == [0.0] * 6 and once["control"]["verdict"] in ("at floor", "below floor")
+    # matching every frame again gives the same result, bit for bit
+    monkeypatch.setattr(GMASL, "_read_frame", lambda self, *a: counted(self, *a))
+    again = run_attack(tmp_path / "run", acfg, control_docs=6)
+    assert len(matched) == 2 + 4
+
+    def untimed(d):
+        return {k: untimed(v) if isinstance(v, dict) else v for k, v in d.items() if "seconds" not in k}
+
+    assert untimed(once) == untimed(again), [k for k in once if untimed(once).get(k) != untimed(again).get(k)]
+    monkeypatch.undo()
+
+    truth = {d.doc_id: list(d.token_ids) for d in phase_documents(tmp_path / "run", "capture")}
+
+    class StartsAtTheTruth(GMASL):
+        def reconstruct(self, traffic, progress=None):
+            rec = super().reconstruct(traffic, progress)  # noqa: F841  (the honest reading, discarded)
+            init = torch.tensor([truth[i][1:] for i in traffic.doc_ids])
+            labels, _, _ = self.match(traffic, init=init)
+            return type(rec)(torch.cat([rec.tokens[:, :1], labels], dim=1), {"labels": labels})
+
+    knowledge = load_knowledge(tmp_path / "run", "public", with_top=True)
+    traffic = load_traffic(tmp_path / "run")
+    docs = [d for d in phase_documents(tmp_path / "run", "capture")]
+    cheat = StartsAtTheTruth(steps=0).fit(knowledge)
+    arm = controlled_read(cheat.reconstruct(traffic))
+    assert float((arm[:, 1:] == torch.tensor([truth[i][1:] for i in traffic.doc_ids])).float().mean()) == 1.0
+    control = mispaired_control(cheat, traffic, arm, docs, 6, acfg, None)
+    # the twin reads each document's own labels (from its init) where the arm's reading of that traffic reads another's
+    # (the instructions share their template tokens: measured 0.03-0.84 apart per document, 0.57-0.68 on average)
+    assert control["verdict"] == "detected" and control["twin_token_recovery"] == 1.0, control
+    assert control["floor_token_recovery"] < 0.6, control

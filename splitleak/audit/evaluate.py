@@ -338,9 +338,13 @@ def mispaired_control(
     other documents labelled with these documents' ids, and is scored against their labels beside the arm's
     own reading of that traffic. The documents and the derangement are drawn from the attack seed."""
     rows, given = mispairing(len(traffic), traffic.frames, control_docs, config.attack_seed)
+    # the twin holds the given documents in the traffic's order, so that each of its frames has its rows in the arm's
+    # order and a frame-by-frame reader reads the arm's very tensors (GMA-SL reads each frame once:
+    # ``GMASL._read_frame``); its reading is put back in the order of ``rows``
+    order = sorted(range(len(given)), key=lambda j: given[j])
 
     def twinned() -> Traffic:
-        return traffic.subset(given).replace(doc_ids=tuple(traffic.doc_ids[r] for r in rows))
+        return traffic.subset([given[j] for j in order]).replace(doc_ids=tuple(traffic.doc_ids[rows[j]] for j in order))
 
     # one twin per traffic object and pairing in a knowledge's memo: the attacks that share the knowledge and
     # the traffic (a grid worker's group, an audit's suite) then share what they derive from the twin too
@@ -348,7 +352,9 @@ def mispaired_control(
     key = ("mispaired", tuple(int(r) for r in rows), tuple(int(g) for g in given))
     twin_traffic = kn.memo(key, twinned, traffic, whole=True) if kn is not None else twinned()
     t0 = time.perf_counter()
-    twin = controlled_read(attack.reconstruct(twin_traffic, progress))
+    read = controlled_read(attack.reconstruct(twin_traffic, progress))
+    twin = torch.empty_like(read)
+    twin[order] = read
     truth = np.array([list(d.token_ids) for d in docs], dtype=np.int64)
     delta = control_delta(twin.numpy(), arm_tokens.numpy(), truth, rows, given)
     n = control_interval(delta, n_boot=CONTROL_BOOT, seed=config.attack_seed)
