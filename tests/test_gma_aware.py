@@ -177,6 +177,12 @@ def test_on_undefended_traffic_the_aware_attack_is_gma_sl(tiny_top, seed):
     assert torch.equal(plain, aware) and pi["steps"] == ai["steps"]
     assert pi["distance"] == pytest.approx(ai["distance"], rel=1e-5)
     assert hits(plain, y) >= 0.9  # measured 60/60
+    # from a uniform start with the label rule on, the two still agree, and both stop long before the cap
+    kw = dict(steps=100, seed=seed, init="uniform", label_patience=10)
+    plain_u, pu = match_labels(top, h, sent, distance="l2", **kw)
+    aware_u, au = match_labels_aware(top, h, sent, resolve_objective(exposed_model(chain.defences)), **kw)
+    assert torch.equal(plain_u, aware_u) and pu["steps"] == au["steps"] and max(au["steps"]) < 50, au["steps"]
+    assert hits(aware_u, y) >= 0.9
 
 
 @pytest.mark.integration

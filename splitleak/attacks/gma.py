@@ -154,12 +154,17 @@ def check_inputs(
         raise ConfigError(f"GMA-SL: tag_alpha must be >= 0; got {tag_alpha}")
 
 
-def initial_logits(init: torch.Tensor | None, n: int, T: int, V: int, seed: int) -> torch.Tensor:
+def initial_logits(init: torch.Tensor | str | None, n: int, T: int, V: int, seed: int) -> torch.Tensor:
     if init is None:
         gen = torch.Generator().manual_seed(seed)
         return torch.randn(n, T - 1, V, generator=gen, dtype=torch.float32)
+    if isinstance(init, str) and init == "uniform":
+        return torch.zeros(n, T - 1, V, dtype=torch.float32)
     if not isinstance(init, torch.Tensor):
-        raise ConfigError("GMA-SL: init must be None, logits [n, T-1, V] or token ids [n, T-1] (torch tensors)")
+        raise ConfigError(
+            "GMA-SL: init must be None (noise), 'uniform', logits [n, T-1, V] or token ids [n, T-1] (torch tensors); "
+            f"got {init!r}"
+        )
     if init.is_floating_point():
         if tuple(init.shape) != (n, T - 1, V):
             raise ConfigError(f"GMA-SL: initial logits must be [n, T-1, V] = {(n, T - 1, V)}; got {tuple(init.shape)}")
@@ -193,6 +198,33 @@ def vocab_of(top, h_t: torch.Tensor) -> int:
     return int(probe.shape[-1])
 
 
+STARTS = ("noise", "uniform")
+
+
+def check_start(start: str, name: str) -> str:
+    if start not in STARTS:
+        raise ConfigError(f"{name}: start must be one of {', '.join(STARTS)}; got {start!r}")
+    return start
+
+
+class LabelWatch:
+    """The stopping rule on the labels: a chunk has settled once the argmax of its Z has not changed for
+    ``patience`` steps in a row (0: never, the rule is off)."""
+
+    def __init__(self, patience: int):
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+            raise ConfigError(f"GMA-SL: label_patience must be an integer >= 0 (0: off); got {patience!r}")
+        self.patience, self.unchanged, self.last = patience, 0, None
+
+    def settled(self, z: torch.Tensor) -> bool:
+        """Called once per step with the chunk's Z before the step."""
+        labels = z.detach().argmax(-1)
+        same = self.last is not None and torch.equal(labels, self.last)
+        self.unchanged = self.unchanged + 1 if same else 0
+        self.last = labels
+        return self.patience > 0 and self.unchanged >= self.patience
+
+
 def match_labels(
     top: Callable[[torch.Tensor], torch.Tensor],
     h_t: torch.Tensor,
@@ -202,13 +234,14 @@ def match_labels(
     distance: str = "cos",
     steps: int = 400,
     lr: float = 0.1,
-    init: torch.Tensor | None = None,
+    init: torch.Tensor | str | None = None,
     tol: float = 1e-5,
     patience: int = 20,
     seed: int = 0,
     batch: int = 8,
     progress: Progress | None = None,
     tag_alpha: float = 0.01,
+    label_patience: int = 0,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """GMA-SL: the label tokens whose gradient through the pretrained Top best matches ``g_t``.
 
@@ -219,11 +252,14 @@ def match_labels(
     distance: per document, over the flattened [T, H] gradient: "cos" (1 - cosine similarity),
         "l1", "l2" (squared Euclidean) or "tag" (l2 + tag_alpha * l1, after TAG; tag_alpha=0.01 is
         our default). cos is invariant to a scaling of g_t; l1, l2 and tag are not.
-    init: None = standard-normal logits drawn from ``seed``; float logits [n, T-1, V] (e.g. from
-        another attack); or token ids [n, T-1], turned into logits that give the token
-        probability INIT_TOKEN_PROB.
+    init: None = standard-normal logits drawn from ``seed``; "uniform" = zero logits, q uniform (ours:
+        the first steps then move Z along the gradient, where noise logits hide the labels until Adam
+        has climbed them over the noise's maximum, about 4 for V = 49,152: measured in
+        benchmarks/RESULTS.md, "GMA-SL from a uniform start"); float logits [n, T-1, V] (e.g. from another
+        attack); or token ids [n, T-1], turned into logits that give the token probability INIT_TOKEN_PROB.
     Optimisation: Adam on Z with ``lr``; a chunk of ``batch`` documents stops when its summed
-    distance improved by less than ``tol`` (relative) over the last ``patience`` steps, or after
+    distance improved by less than ``tol`` (relative) over the last ``patience`` steps, when its labels
+    (the argmax of Z) have not changed for ``label_patience`` steps (0: this rule is off), or after
     ``steps`` steps. The l1/l2/tag objectives are divided by a per-chunk constant (the chunk's
     distance from a zero gradient, e.g. the sum of ||g_t||^2 for l2) before Adam sees them, so that
     Adam's epsilon does not swamp the tiny gradients of a 1/N-scaled loss (measured on tiny-gpt2:
@@ -258,8 +294,9 @@ def match_labels(
         e = min(n, s + batch)
         active = torch.tensor([i not in zero_set for i in range(s, e)])
         steps_taken, dist, z = _match_chunk(
-            top, h_t[s:e], g_t[s:e], z_all[s:e], active, N, distance, tag_alpha, steps, lr, tol, patience
-        )
+            top, h_t[s:e], g_t[s:e], z_all[s:e], active, N, distance, tag_alpha, steps, lr, tol, patience,
+            LabelWatch(label_patience),
+        )  # fmt: skip
         chunk_steps.append(steps_taken)
         final[s:e] = dist
         preds[s:e] = z.argmax(-1).cpu()
@@ -289,6 +326,7 @@ def _match_chunk(
     lr: float,
     tol: float,
     patience: int,
+    watch: LabelWatch,
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """Optimise one chunk's Z; returns (steps taken, final per-document distance, final Z)."""
     with sdpa_kernel(SDPBackend.MATH), torch.enable_grad():
@@ -315,6 +353,8 @@ def _match_chunk(
             value = float(objective.detach())
             history.append(value)
             if t >= steps or not bool(active.any()):
+                break
+            if watch.settled(z):
                 break
             if t >= patience:
                 before = history[-1 - patience]
@@ -350,7 +390,10 @@ class GMASL(Attack):
     frame by frame. Token 0 is never a label: the reconstruction puts the calibration documents' most
     frequent first token there (scores that need the whole document say so; ``label_recovery`` does not
     count it). ``distance`` defaults to l2 (ours): cosine cannot tell the labels from a faint tilt of the
-    proxy's own prediction towards them (see the module docstring)."""
+    proxy's own prediction towards them (see the module docstring). ``start``: "noise" (standard-normal
+    logits, the default) or "uniform" (zero logits); ``label_patience``: stop a chunk once its labels have
+    not changed for that many steps (0, the default: off). Both are ours, and the defaults keep the matching
+    that grids stored before them (a job's key holds the parameters it was given)."""
 
     name = "gma-sl"
     uses_gradients = True
@@ -363,6 +406,8 @@ class GMASL(Attack):
         batch: PositiveInt = 8,
         tag_alpha: NonNegativeFloat = 0.01,
         seed: int = 0,
+        start: str = "noise",
+        label_patience: NonNegativeInt = 0,
     ):
         if distance not in DISTANCES:
             raise ConfigError(f"gma-sl: unknown distance {distance!r}; use one of {', '.join(DISTANCES)}")
@@ -374,6 +419,7 @@ class GMASL(Attack):
             tag_alpha,
             seed,
         )
+        self.start, self.label_patience = check_start(start, self.name), label_patience
 
     def params(self) -> dict[str, Any]:
         return {
@@ -383,6 +429,8 @@ class GMASL(Attack):
             "batch": self.batch,
             "tag_alpha": self.tag_alpha,
             "seed": self.seed,
+            "start": self.start,
+            "label_patience": self.label_patience,
         }
 
     def channels_read(self) -> tuple[str, ...]:
@@ -459,12 +507,20 @@ class GMASL(Attack):
             distance=self.distance,
             steps=self.steps,
             lr=self.lr,
-            init=init,
+            init=self.initial(init),
             seed=seed,
             batch=self.batch,
             tag_alpha=self.tag_alpha,
             progress=progress,
+            label_patience=self.label_patience,
         )
+
+    def initial(self, init: torch.Tensor | None) -> torch.Tensor | str | None:
+        """What the matching starts from: ``init`` where a caller gives one (BiSR: SIP's reading), else the
+        ``start``."""
+        if init is not None:
+            return init
+        return "uniform" if self.start == "uniform" else None
 
     def reconstruct(self, traffic, progress: Progress | None = None) -> Reconstruction:
         labels, distance, steps = self.match(traffic, progress=progress)

@@ -20,7 +20,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from splitleak.attacks.base import Reconstruction
-from splitleak.attacks.gma import GMASL, check_inputs, gradient_distance, initial_logits, vocab_of
+from splitleak.attacks.gma import GMASL, LabelWatch, check_inputs, gradient_distance, initial_logits, vocab_of
 from splitleak.defences import build_defence
 from splitleak.defences.masking import GradientDropout, GradientPruning
 from splitleak.defences.mirage import Mirage, ScaleBlinding, SelectiveSupervision, SequenceDP
@@ -173,12 +173,13 @@ def match_labels_aware(
     n_norm: float | None = None,
     steps: int = 400,
     lr: float = 0.1,
-    init: torch.Tensor | None = None,
+    init: torch.Tensor | str | None = None,
     tol: float = 1e-5,
     patience: int = 20,
     seed: int = 0,
     batch: int = 8,
     progress: Progress | None = None,
+    label_patience: int = 0,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """GMA-SL under the exposed loss a defence chain declares: the proxy's gradient for soft labels q is
     g(Z, S) = J^T (S * (p - q)) / N, S [n, T-1] the per-target factor, fixed at 1 (``none``) or the public mean
@@ -216,8 +217,9 @@ def match_labels_aware(
         active = torch.tensor([i not in zero_docs for i in range(s, e)])
         known = None if target_scale is None else target_scale[s:e]
         steps_taken, dist, z, sc = _match_chunk_aware(
-            top, h_t[s:e], g_t[s:e], z_all[s:e], active, N, objective, known, steps, lr, tol, patience
-        )
+            top, h_t[s:e], g_t[s:e], z_all[s:e], active, N, objective, known, steps, lr, tol, patience,
+            LabelWatch(label_patience),
+        )  # fmt: skip
         chunk_steps.append(steps_taken)
         final[s:e] = dist
         preds[s:e] = z.argmax(-1).cpu()
@@ -250,6 +252,7 @@ def _match_chunk_aware(
     lr: float,
     tol: float,
     patience: int,
+    watch: LabelWatch,
 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Optimise one chunk's Z (and S under ``fit``); returns (steps taken, final per-document distance, final Z,
     the per-target factors)."""
@@ -309,9 +312,12 @@ def _match_chunk_aware(
             history.append(value)
             if t >= steps or not bool(active.any()):
                 break
-            settled = t - since >= patience and history[-1 - patience] - value <= tol * abs(history[-1 - patience])
+            stable = watch.settled(z)  # the labels unchanged for label_patience steps
+            settled = stable or (
+                t - since >= patience and history[-1 - patience] - value <= tol * abs(history[-1 - patience])
+            )
             if ob.scale == "fit" and not fitting and (settled or t >= steps // 2):
-                fitting, since, settled = True, t, False
+                fitting, since, settled, watch.unchanged = True, t, False, 0
                 params.append(a)
                 opt.add_param_group({"params": [a]})
             if settled:
@@ -354,6 +360,8 @@ class AwareGMASL(GMASL):
         lr: float = 0.1,
         batch: int = 8,
         seed: int = 0,
+        start: str = "noise",
+        label_patience: int = 0,
     ):
         _check_choices(scale, distance, mask)
         _positive = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
@@ -368,7 +376,11 @@ class AwareGMASL(GMASL):
         if chain is not None:
             _build_chain(chain)  # refused here, naming the defence and argument, not after the run is loaded
         self.scale, self.mask, self.norm_weight, self.chain = scale, mask, norm_weight, chain
-        super().__init__(distance="l2", steps=steps, lr=lr, batch=batch, seed=seed)
+        if isinstance(label_patience, bool) or not isinstance(label_patience, int) or label_patience < 0:
+            raise ConfigError(f"gma-sl-aware: label_patience must be an integer >= 0 (0: off); got {label_patience!r}")
+        super().__init__(
+            distance="l2", steps=steps, lr=lr, batch=batch, seed=seed, start=start, label_patience=label_patience
+        )
         self.distance = distance
 
     def params(self) -> dict[str, Any]:
@@ -382,6 +394,8 @@ class AwareGMASL(GMASL):
             "lr": self.lr,
             "batch": self.batch,
             "seed": self.seed,
+            "start": self.start,
+            "label_patience": self.label_patience,
         }
 
     def fit(self, knowledge) -> "AwareGMASL":
@@ -400,10 +414,11 @@ class AwareGMASL(GMASL):
             n_norm=n_norm,
             steps=self.steps,
             lr=self.lr,
-            init=init,
+            init=self.initial(init),
             seed=seed,
             batch=self.batch,
             progress=progress,
+            label_patience=self.label_patience,
         )
 
     def reconstruct(self, traffic, progress: Progress | None = None) -> Reconstruction:
