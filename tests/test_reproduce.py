@@ -407,6 +407,47 @@ def test_label_recovery_recorded_per_document_is_read_over_documents_with_an_int
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_share_of_the_controls_misses_is_the_net_correction_with_a_paired_interval(seed):
+    """``kind: share`` (000's errors the gradient corrects): mean(treatment - control) / mean(1 - control) over
+    the documents and victim seeds both arms read, its interval the crossed bootstrap of that ratio; editing the
+    paper's number moves the verdict; a control that reads every token leaves nothing to correct."""
+    from splitleak.audit.analysis import DEFAULT_READOUT
+    from splitleak.reproduce.claims import Claim
+    from splitleak.reproduce.run import judge_claim
+    from splitleak.stats.bootstrap import paired_ratio_ci
+
+    rng = np.random.default_rng(seed)
+    act = rng.integers(14, 26, size=(2, 24))  # tokens right of 32, per victim seed and document
+    joint = np.minimum(act + rng.integers(0, 9, size=act.shape), 32)
+    rows = [
+        {"key": f"{a}-{s}", "attack": a, "defence": "none", "victim_seed": s, "doc_id": d, "attack_seed": 0,
+         "data_seed": 0, "token_correct": int(m[s, d]), "token_counted": 32, "readout": DEFAULT_READOUT}
+        for a, m in (("joint", joint), ("activation", act)) for s in range(2) for d in range(24)
+    ]  # fmt: skip
+
+    def claim(estimate):
+        return Claim(
+            id="errors-corrected", wording="w", where="§4.2", spec="paper_main",
+            paper={"estimate": estimate, "unit": "share"},
+            statistic={"kind": "share", "metric": "token_recovery", "treatment": {"attack": "joint"},
+                       "control": {"attack": "activation"}},
+            agreement={"rule": "tolerance", "tolerance": 0.1, "ours": True},
+        )  # fmt: skip
+
+    a, b = joint / 32, act / 32
+    want = float((a - b).mean() / (1 - b).mean())
+    iv = paired_ratio_ci(a - b, 1 - b, n_boot=20_000, seed=0)
+    j = judge_claim(claim(round(want, 2)), rows, [])
+    assert j.ours is not None and j.ours.estimate == pytest.approx(want)
+    assert (j.ours.low, j.ours.high) == pytest.approx((iv.low, iv.high), abs=0.01) and j.ours.low < want < j.ours.high
+    assert j.verdict in ("agrees", "underpowered") and j.detectable is None  # no paired t-test for a ratio
+    assert judge_claim(claim(want + 0.5), rows, []).verdict == "disagrees"
+    every = [{**r, "token_correct": 32} if r["attack"] == "activation" else r for r in rows]
+    assert judge_claim(claim(0.55), every, []).verdict == "not run"
+
+
+@pytest.mark.unit
 def test_the_decoy_claims_are_read_from_the_grid_reports_latent_summary():
     """002's claims read the grid report's own summary: a partition's row agreement with its Wilson interval
     over the rows, a probe's best non-degenerate arm of the named view per seed, the mean over seeds with

@@ -55,13 +55,15 @@ class PaperValue(BaseModel):
         return self
 
 
-Kind = Literal["difference", "level", "ratio", "family", "other"]
+Kind = Literal["difference", "level", "ratio", "share", "family", "other"]
 
 
 class Statistic(BaseModel):
     """How splitleak measures the claim. ``difference``: treatment minus control, paired over victim seeds and
     documents (crossed bootstrap); ``level``: the treatment's mean; ``ratio``: the treatment's mean over the
-    control's (the same resampled units in both); ``family``: several configurations, each measured as a
+    control's (the same resampled units in both); ``share``: the share of the control's misses the treatment
+    gets right, net of what it newly gets wrong, mean(treatment - control) / mean(1 - control) over the same
+    resampled units (a metric that is a share, e.g. token recovery); ``family``: several configurations, each measured as a
     ``member`` (difference, level or ratio) and judged by the claim's rule, the claim agreeing only where every
     member does (``members``); ``other``: a form no reader of the store is built for yet (``form`` says which),
     reported as not run with that reason."""
@@ -84,9 +86,9 @@ class Statistic(BaseModel):
 
     @model_validator(mode="after")
     def _arms(self) -> "Statistic":
-        if self.kind in ("difference", "level", "ratio") and not self.treatment:
+        if self.kind in ("difference", "level", "ratio", "share") and not self.treatment:
             raise ValueError(f"a {self.kind} names its treatment")
-        if self.kind in ("difference", "ratio") and not self.control:
+        if self.kind in ("difference", "ratio", "share") and not self.control:
             raise ValueError(f"a {self.kind} names its control")
         if self.kind == "family":
             if self.member is None:

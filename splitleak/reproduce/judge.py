@@ -160,8 +160,12 @@ def measure(
             a, b, seeds, docs = paired
             if st.kind == "ratio" and b.mean() == 0:
                 return "its control reads 0: the ratio is undefined"
+            if st.kind == "share" and b.mean() == 1:
+                return "its control reads every unit right: it has no miss to correct"
             if st.kind == "ratio":  # no paired t-test for a ratio: no power column
                 iv, units = paired_ratio_ci(a, b, n_boot=n_boot, alpha=alpha, seed=seed), np.array([])
+            elif st.kind == "share":  # of the control's misses, the share the treatment gets right (net)
+                iv, units = paired_ratio_ci(a - b, 1 - b, n_boot=n_boot, alpha=alpha, seed=seed), np.array([])
             else:
                 iv = paired_difference_ci(a, b, n_boot=n_boot, alpha=alpha, seed=seed)
                 units = (a - b).mean(axis=0)
@@ -237,6 +241,10 @@ def measure_per_seed(claim: Claim, rows: Sequence[dict[str, Any]], alpha: float 
         if any(arms[1][1][s] == 0 for s in seeds):
             return "its control reads 0 on a victim seed: the ratio is undefined"
         units = np.array([arms[0][1][s] / arms[1][1][s] for s in seeds])
+    elif st.kind == "share":
+        if any(arms[1][1][s] == 1 for s in seeds):
+            return "its control reads every unit right on a victim seed: it has no miss to correct"
+        units = np.array([(arms[0][1][s] - arms[1][1][s]) / (1 - arms[1][1][s]) for s in seeds])
     else:
         units = np.array([arms[0][1][s] - (arms[1][1][s] if len(arms) > 1 else 0.0) for s in seeds])
     est = float(units.mean())
@@ -368,7 +376,7 @@ def _rule(claim: Claim, m: Measured) -> tuple[str, str]:
         return ("agrees" if inside else "disagrees"), (
             f"ours {m.estimate:+.4f} on every unit, {'within' if inside else 'outside'} +-{a.tolerance:g}"
         )
-    if claim.statistic.kind in ("difference", "ratio") and m.low == m.high:
+    if claim.statistic.kind in ("difference", "ratio", "share") and m.low == m.high:
         return "underpowered", f"ours {m.estimate:+.4f}: no unit differs between the arms, so the interval has no width"
     ours = f"ours {m.estimate:+.4f} [{m.low:+.4f}, {m.high:+.4f}]"
     if a.rule == "pass-mark":

@@ -110,7 +110,7 @@ def figure_points(judgements: Sequence[Judgement]) -> dict[str, list[Any]]:
     for j in judgements:
         st, p, m = j.claim.statistic, j.claim.paper, j.ours
         kind = st.member if st.kind == "family" else st.kind
-        if m is None or st.metric in TRAIN_METRICS or kind not in ("level", "difference"):
+        if m is None or st.metric in TRAIN_METRICS or kind not in ("level", "share", "difference"):
             continue
         if p.estimate is None and p.range is None:
             continue
@@ -118,7 +118,7 @@ def figure_points(judgements: Sequence[Judgement]) -> dict[str, list[Any]]:
         point = None if p.estimate is None else p.estimate * scale
         span = None if p.range is None else (p.range[0] * scale, p.range[1] * scale)
         ours = (m.estimate * scale, m.low * scale, m.high * scale)
-        panels["levels (%)" if kind == "level" else "differences (pp)"].append(
+        panels["levels (%)" if kind in ("level", "share") else "differences (pp)"].append(
             (j.claim.id, point, span, ours, j.verdict)
         )
     return {k: v for k, v in panels.items() if v}
