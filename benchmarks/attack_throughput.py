@@ -40,6 +40,7 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -183,12 +184,12 @@ def whole_attack(a) -> None:
         record("### Whole attacks against their floor", row)
 
 
-def _matching_flops(kn, traffic, name: str, steps: int) -> float:
+def _matching_flops(kn, traffic, name: str, steps: int, params: dict) -> float:
     """The FLOPs of GMA-SL's matching capped at ``steps`` steps per chunk (its stop rule cannot act so early)."""
     from splitleak.experiments.worker import _flop_counter  # module hooks off: autograd.grad on a leaf
 
     with _flop_counter() as counter:
-        make_attack(name, steps=steps).fit(dataclasses.replace(kn)).reconstruct(traffic)
+        make_attack(name, **{**params, "steps": steps}).fit(dataclasses.replace(kn)).reconstruct(traffic)
     return float(counter.get_total_flops())
 
 
@@ -198,9 +199,10 @@ def label_attack(a) -> None:
     kn = load_knowledge(a.run, "public", with_top=True)
     traffic = load_traffic(a.run)
     n = traffic.trunk_output.shape[0]
-    one, three = _matching_flops(kn, traffic, a.attack, 1), _matching_flops(kn, traffic, a.attack, 3)
+    params = json.loads(a.params)
+    one, three = _matching_flops(kn, traffic, a.attack, 1, params), _matching_flops(kn, traffic, a.attack, 3, params)
     per_step = (three - one) / 2  # every chunk's steps together
-    attack = make_attack(a.attack)
+    attack = make_attack(a.attack, **params)
     reference.measure()
     t0 = time.perf_counter()
     rec = attack.fit(dataclasses.replace(kn)).reconstruct(traffic)
@@ -213,8 +215,11 @@ def label_attack(a) -> None:
     floor = flops / (reference.best * 1e9)
     truth = torch.tensor(eval_token_ids(a.run, traffic.doc_ids))
     labels = float((rec.extra["labels"] == truth[:, 1:]).float().mean())
+    if a.labels_out:  # to set two readings side by side, position by position
+        save_file({"labels": rec.extra["labels"].contiguous()}, a.labels_out)
+    named = a.attack + (" (" + ", ".join(f"{k} {v}" for k, v in params.items()) + ")" if params else "")
     res = {
-        "attack": a.attack,
+        "attack": named,
         **row_head(a.run, n, 0, reference),
         "wall_s": wall,
         "steps_per_chunk": steps,
@@ -227,7 +232,7 @@ def label_attack(a) -> None:
     print(json.dumps(res, indent=2))
     if a.record:
         row = (
-            f"| {date.today().isoformat()} | {a.attack} | {res['model']} | {res['cut']} | {n} | "
+            f"| {date.today().isoformat()} | {named} | {res['model']} | {res['cut']} | {n} | "
             f"{'/'.join(map(str, steps))} | {device_cell()} | {reference.cell()} | {flops / 1e12:.2f} | {wall:.1f} | "
             f"{floor:.1f} | {wall / floor:.2f} | {labels:.4f} |"
         )
@@ -245,6 +250,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=5, help="reference matmul timings before and after the search")
     ap.add_argument("--record", action="store_true")
+    ap.add_argument("--labels-out", default=None, help="with --attack gma-sl: write the labels read (safetensors)")
+    ap.add_argument(
+        "--params", default="{}", help='with --attack gma-sl: its parameters, e.g. \'{"start": "uniform"}\''
+    )
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
