@@ -222,6 +222,7 @@ def test_a_tiny_reproduction_judges_its_claims_from_the_store_and_resumes(tiny):
     with pytest.raises(ConfigError, match="holds a reproduction already; pass --resume"):
         reproduce([], out, profile="quick", claims=[far], run_grid_kwargs={"workers": 1})
     _families_and_ratios_read_the_same_store(rows, got["gain"], arm)
+    _positions_read_against_the_runs_documents(out / "stores" / "tiny", rows, got["gain"], arm)
     _priced_from_the_measured_seconds(out, rep.plan)
     # the analogue column is the same claim read at the mapped depth, from the same store
     from splitleak.reproduce.claims import Claim
@@ -280,6 +281,51 @@ def _priced_from_the_measured_seconds(out, plan):
     assert row.hours == pytest.approx((proj["attack_s"] + proj["train_s"]) * threads / 3600, rel=1e-12)
     with pytest.raises(ConfigError, match="holds no reproduction"):
         price(plan, out / "stores")
+
+
+def _positions_read_against_the_runs_documents(store, rows, gain, arm):
+    """Each row's positions, set against its run's documents in the store: they count what the row counts; the
+    first-token level and the gross share equal the same numbers computed here from the predictions and the
+    documents; a row whose reading does not match its run is refused, naming it."""
+    from splitleak.errors import DataError
+    from splitleak.experiments.store import ResultsStore
+    from splitleak.reproduce.claims import Claim
+    from splitleak.reproduce.positions import with_positions
+    from splitleak.reproduce.run import judge_claim
+    from splitleak.runs.truth import eval_token_ids
+
+    pos = with_positions(rows, store)
+    assert all(r["correct"] is not None and sum(r["correct"]) == r["token_correct"] for r in pos)
+    truth = {
+        (r["key"], r["doc_id"]): eval_token_ids(ResultsStore(store).run_dir(r["train_key"]), [r["doc_id"]])[0]
+        for r in pos
+    }
+    picked = {
+        a: [r for r in pos if r["attack"] == a and r["depth"] == 2 and r["k"] == 4] for a in ("joint", "activation")
+    }
+    base = gain.claim.model_dump()
+    first = {**base["statistic"], "kind": "level", "metric": "first_token_recovery", "control": None}
+    j = judge_claim(
+        Claim(**{**base, "statistic": first, "agreement": {"rule": "tolerance", "tolerance": 0.5}}), pos, [], 2000
+    )
+    want = np.mean([r["predicted"][0] == truth[r["key"], r["doc_id"]][0] for r in picked["joint"]])
+    assert j.ours is not None and j.ours.estimate == pytest.approx(want) and j.ours.docs == 12
+    assert "no reading per position" in judge_claim(Claim(**{**base, "statistic": first}), rows, [], 2000).reason
+    gross = {**base["statistic"], "kind": "share", "form": "gross"}
+    g = judge_claim(
+        Claim(**{**base, "statistic": gross, "agreement": {"rule": "tolerance", "tolerance": 0.5}}), pos, [], 2000
+    )
+    act = {(r["victim_seed"], r["doc_id"]): np.array(r["correct"]) for r in picked["activation"]}
+    num = sum(int((~act[r["victim_seed"], r["doc_id"]] & np.array(r["correct"])).sum()) for r in picked["joint"])
+    den = sum(int((~a).sum()) for a in act.values())
+    if den:
+        assert g.ours is not None and g.ours.estimate == pytest.approx(num / den)
+    else:
+        assert g.verdict == "not run" and "no miss" in g.reason
+    bad = [dict(r) for r in rows]
+    bad[0]["token_correct"] = (bad[0]["token_correct"] + 1) % (len(bad[0]["predicted"]) + 1)  # not what it read
+    with pytest.raises(DataError, match="is not the run it read"):
+        with_positions(bad, store)
 
 
 def _families_and_ratios_read_the_same_store(rows, gain, arm):

@@ -28,6 +28,7 @@ from splitleak.audit.analysis import ATTACK_FIELDS, METRICS, RUN_FIELDS, paired_
 from splitleak.errors import ConfigError, DataError
 from splitleak.reproduce.claims import Claim
 from splitleak.reproduce.latent import is_latent, measure_latent, why_not_latent
+from splitleak.reproduce.positions import POSITION_METRICS, first_token_rows, gross_matrices
 from splitleak.stats.binomial import wilson_interval
 from splitleak.stats.bootstrap import Interval, crossed_bootstrap_ci, paired_difference_ci, paired_ratio_ci
 from splitleak.stats.power import detectable_effect, units_needed
@@ -95,7 +96,7 @@ def measurable(claim: Claim, member: bool = False) -> str:
         return why_not_latent(claim)
     if st.kind == "other":
         return f"no reader of this statistic is built yet ({st.form or st.metric})"
-    known = (*METRICS, *JOB_METRICS, *TRAIN_METRICS)
+    known = (*METRICS, *JOB_METRICS, *TRAIN_METRICS, *POSITION_METRICS)
     if st.metric not in known:
         return f"the store holds no {st.metric!r} (it holds {', '.join(sorted(known))})"
     for arm in (st.treatment, st.control):
@@ -142,33 +143,27 @@ def measure(
         return measure_per_seed(claim, rows, alpha)
     if st.metric in TRAIN_METRICS:
         return measure_per_seed(claim, train_rows, alpha)
+    metric = st.metric
+    if metric in POSITION_METRICS:  # first-token recovery: token recovery over each document's first position
+        got = first_token_rows([r for arm in (st.treatment, st.control) if arm for r in select(rows, arm)])
+        if isinstance(got, str):
+            return got
+        rows, metric = got, "token_recovery"
     t_rows = select(rows, st.treatment)
     if not t_rows:
         return "the store holds no result of its treatment " + _arm(st.treatment)
     try:
         if st.kind == "level":
-            mt, seeds, docs = score_matrix(t_rows, st.metric)
+            mt, seeds, docs = score_matrix(t_rows, metric)
             iv = crossed_bootstrap_ci(mt, n_boot=n_boot, alpha=alpha, seed=seed)
             if iv.high == iv.low:  # every cell alike (no document rebuilt, every token right): see _counted
-                iv = _counted(t_rows, st.metric, iv)
+                iv = _counted(t_rows, metric, iv)
             units = mt.mean(axis=0)
         else:
-            assert st.control is not None
-            paired = paired_matrices(rows, st.treatment, st.control, st.metric)  # as protocol analyse pairs them
+            paired = _paired(st, rows, metric, n_boot, alpha, seed)
             if isinstance(paired, str):
                 return paired
-            a, b, seeds, docs = paired
-            if st.kind == "ratio" and b.mean() == 0:
-                return "its control reads 0: the ratio is undefined"
-            if st.kind == "share" and b.mean() == 1:
-                return "its control reads every unit right: it has no miss to correct"
-            if st.kind == "ratio":  # no paired t-test for a ratio: no power column
-                iv, units = paired_ratio_ci(a, b, n_boot=n_boot, alpha=alpha, seed=seed), np.array([])
-            elif st.kind == "share":  # of the control's misses, the share the treatment gets right (net)
-                iv, units = paired_ratio_ci(a - b, 1 - b, n_boot=n_boot, alpha=alpha, seed=seed), np.array([])
-            else:
-                iv = paired_difference_ci(a, b, n_boot=n_boot, alpha=alpha, seed=seed)
-                units = (a - b).mean(axis=0)
+            iv, units, seeds, docs = paired
     except (ConfigError, DataError) as exc:
         return f"its rows cannot be read as one configuration: {exc}"
     return Measured(
@@ -181,6 +176,38 @@ def measure(
         sorted({str(r.get("model")) for r in t_rows}),
         _setting(t_rows),
     )
+
+
+def _paired(st: Any, rows: Sequence[dict[str, Any]], metric: str, n_boot: int, alpha: float, seed: int):
+    """A difference, ratio or share of the treatment over its control, paired by victim seed and document:
+    (interval, per-document units for the power, seeds, documents), or why none."""
+    assert st.control is not None
+    if st.kind == "share" and st.form == "gross":  # the control's misses the treatment reads right, by position
+        t_rows, c_rows = select(rows, st.treatment), select(rows, st.control)
+        if not c_rows:
+            return "the store holds no result of its control " + _arm(st.control)
+        score_matrix(t_rows, metric), score_matrix(c_rows, metric)  # each arm is one configuration
+        got = gross_matrices(t_rows, c_rows)
+        if isinstance(got, str):
+            return got
+        num, den, seeds, docs = got
+        if den.sum() == 0:
+            return "its control reads every position right: it has no miss to correct"
+        return paired_ratio_ci(num, den, n_boot=n_boot, alpha=alpha, seed=seed), np.array([]), seeds, docs
+    paired = paired_matrices(rows, st.treatment, st.control, metric)  # as protocol analyse pairs them
+    if isinstance(paired, str):
+        return paired
+    a, b, seeds, docs = paired
+    if st.kind == "ratio" and b.mean() == 0:
+        return "its control reads 0: the ratio is undefined"
+    if st.kind == "share" and b.mean() == 1:
+        return "its control reads every unit right: it has no miss to correct"
+    if st.kind == "ratio":  # no paired t-test for a ratio: no power column
+        return paired_ratio_ci(a, b, n_boot=n_boot, alpha=alpha, seed=seed), np.array([]), seeds, docs
+    if st.kind == "share":  # of the control's misses, the share the treatment gets right (net)
+        return paired_ratio_ci(a - b, 1 - b, n_boot=n_boot, alpha=alpha, seed=seed), np.array([]), seeds, docs
+    iv = paired_difference_ci(a, b, n_boot=n_boot, alpha=alpha, seed=seed)
+    return iv, (a - b).mean(axis=0), seeds, docs
 
 
 def _counted(rows: Sequence[dict[str, Any]], metric: str, iv: Interval) -> Interval:  # at ALPHA

@@ -16,6 +16,7 @@ from splitleak.errors import ConfigError
 from splitleak.reproduce.claims import PAPERS, Claim, ClaimsFile, load_claims
 from splitleak.reproduce.judge import N_BOOT, Judgement, assess
 from splitleak.reproduce.plan import ReproductionPlan, plan_reproduction
+from splitleak.reproduce.positions import with_positions
 from splitleak.reproduce.report import write_report
 
 RECORD = "reproduction.json"
@@ -184,7 +185,7 @@ def reproduce(
         say(f"{spec}: {len(plan.grids[spec].jobs)} jobs into {store}")
         res = run_grid(spec, profile=profile, overrides=plan.overrides[spec], store=store, **(run_grid_kwargs or {}))
         rep.failures[spec], rep.ran[spec] = len(res.failures), res.ran
-        rows[spec] = read_results(store, "attack", as_rows=True)
+        rows[spec] = with_positions(read_results(store, "attack", as_rows=True), store)
         train[spec] = read_results(store, "train", as_rows=True)
     latent = {spec: latent_of(rows[spec], train[spec]) for spec in rows}
     for f, _ in files:
