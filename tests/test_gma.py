@@ -326,5 +326,6 @@ def test_the_attacks_defaults_keep_the_noise_start_and_no_label_rule():
         assert cls().params()["start"] == "noise" and cls().params()["label_patience"] == 0
         with pytest.raises(ConfigError, match="start must be one of noise, uniform"):
             cls(start="zeros")
-    with pytest.raises(ConfigError, match="label_patience must be an integer >= 0"):
-        AwareGMASL(label_patience=-2)
+    for cls in (GMASL, AwareGMASL):
+        with pytest.raises(ConfigError, match="label_patience must be an integer >= 0"):
+            cls(label_patience=-2)

@@ -207,14 +207,18 @@ def check_start(start: str, name: str) -> str:
     return start
 
 
+def check_label_patience(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name}: label_patience must be an integer >= 0 (0: off); got {value!r}")
+    return value
+
+
 class LabelWatch:
     """The stopping rule on the labels: a chunk has settled once the argmax of its Z has not changed for
     ``patience`` steps in a row (0: never, the rule is off)."""
 
     def __init__(self, patience: int):
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
-            raise ConfigError(f"GMA-SL: label_patience must be an integer >= 0 (0: off); got {patience!r}")
-        self.patience, self.unchanged, self.last = patience, 0, None
+        self.patience, self.unchanged, self.last = check_label_patience(patience, "GMA-SL"), 0, None
 
     def settled(self, z: torch.Tensor) -> bool:
         """Called once per step with the chunk's Z before the step."""
@@ -419,7 +423,8 @@ class GMASL(Attack):
             tag_alpha,
             seed,
         )
-        self.start, self.label_patience = check_start(start, self.name), label_patience
+        self.start = check_start(start, self.name)
+        self.label_patience = check_label_patience(label_patience, self.name)
 
     def params(self) -> dict[str, Any]:
         return {

@@ -376,8 +376,6 @@ class AwareGMASL(GMASL):
         if chain is not None:
             _build_chain(chain)  # refused here, naming the defence and argument, not after the run is loaded
         self.scale, self.mask, self.norm_weight, self.chain = scale, mask, norm_weight, chain
-        if isinstance(label_patience, bool) or not isinstance(label_patience, int) or label_patience < 0:
-            raise ConfigError(f"gma-sl-aware: label_patience must be an integer >= 0 (0: off); got {label_patience!r}")
         super().__init__(
             distance="l2", steps=steps, lr=lr, batch=batch, seed=seed, start=start, label_patience=label_patience
         )

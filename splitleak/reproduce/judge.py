@@ -186,7 +186,8 @@ def _paired(st: Any, rows: Sequence[dict[str, Any]], metric: str, n_boot: int, a
         t_rows, c_rows = select(rows, st.treatment), select(rows, st.control)
         if not c_rows:
             return "the store holds no result of its control " + _arm(st.control)
-        score_matrix(t_rows, metric), score_matrix(c_rows, metric)  # each arm is one configuration
+        for arm_rows in (t_rows, c_rows):
+            score_matrix(arm_rows, metric)  # raises where an arm's selector matches several configurations
         got = gross_matrices(t_rows, c_rows)
         if isinstance(got, str):
             return got
