@@ -7,6 +7,7 @@ import shutil
 import textwrap
 
 import pytest
+import torch
 
 from splitleak.attacks import make_attack_config
 from splitleak.audit.evaluate import run_attack
@@ -83,6 +84,58 @@ def test_the_control_catches_a_reader_of_the_text_and_not_readers_of_the_traffic
         assert res["control"]["per_doc_delta"] == [0.0] * len(res["control"]["doc_ids"]), name
     # no control unless asked; a single document cannot be mis-paired
     assert "control" not in run_attack(run, make_attack_config(attack="vmi"))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_twin_of_every_document_reads_the_arms_search_and_still_catches_candidates_from_the_ids(
+    shared_run, seed, monkeypatch
+):
+    """A twin over every document holds the arm's rows in the arm's order: the beam search and SipIt's search,
+    functions of the activations (and candidates) alone, are served from the arm's (``Knowledge.memo_content``),
+    so each runs once for the arm and its twin, and an honest reader's twin differs by exactly 0. A beam reader
+    whose candidates come from the true tokens of the ids it is given searches its twin's candidates afresh,
+    and is caught."""
+    import splitleak.attacks.beam as beam
+    import splitleak.attacks.sipit as sipit_mod
+    from splitleak.attacks import load_knowledge, load_traffic
+    from splitleak.attacks.beam import ActivationBeam
+    from splitleak.audit.evaluate import controlled_read, mispaired_control
+    from splitleak.runs.truth import phase_documents
+
+    run = shared_run(model="tiny-gpt2", depth=2, n_calib=16, n_train=4, n_eval=12, seed=0, all_local_baseline=False)
+    calls = {"beam": 0, "sipit": 0}
+    for mod, name in ((beam, "beam_search"), (sipit_mod, "sipit")):
+        real = getattr(mod, name)
+
+        def counting(*a, _real=real, _name=name, **k):
+            calls["beam" if _name == "beam_search" else "sipit"] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(mod, name, counting)
+    for name, params, what in (("activation", {"k": 4}, "beam"), ("sipit", {"budget": 8}, "sipit")):
+        before = calls[what]
+        res = run_attack(run, make_attack_config(attack=name, attack_seed=seed, params=params), control_docs=12)
+        assert len(res["control"]["doc_ids"]) == 12 and res["control"]["per_doc_delta"] == [0.0] * 12, name
+        assert calls[what] - before == 1, (name, calls)  # the arm's search; the twin read it
+    monkeypatch.undo()
+
+    truth = {d.doc_id: list(d.token_ids) for d in phase_documents(run, "capture")}
+
+    class CandidatesFromTheIds(ActivationBeam):
+        def candidates(self, traffic):  # every candidate the true token of the id: the search can only read it
+            cand = super().candidates(traffic)
+            return torch.tensor([truth[i] for i in traffic.doc_ids]).unsqueeze(-1).expand_as(cand).contiguous()
+
+    cheat = CandidatesFromTheIds(k=4).fit(load_knowledge(run, "public"))
+    traffic = load_traffic(run)
+    arm = controlled_read(cheat.reconstruct(traffic))
+    docs = list(phase_documents(run, "capture"))
+    config = make_attack_config(attack="activation", attack_seed=seed, params={"k": 4})
+    control = mispaired_control(cheat, traffic, arm, docs, 12, config, None)
+    # served the arm's search, its twin would read the arm's documents and sit at floor
+    assert control["verdict"] == "detected" and control["twin_token_recovery"] == 1.0, control
+    assert control["floor_token_recovery"] < 0.5, control
 
 
 @pytest.mark.e2e

@@ -171,7 +171,7 @@ def test_grouped_rows_equal_each_job_run_alone_bit_for_bit(executed):
 def test_each_task_did_its_shared_work_once(executed):
     """What the alone jobs each did for themselves, the four tasks did once each: the model copy, the
     capture read, the run's verification, the ridge fit; the candidate lists once per traffic and twin;
-    SipIt once per traffic for its three budgets."""
+    SipIt once per traffic for its three budgets; a search once per traffic, its twins reading it."""
     _, out = executed
     alone, grouped, tasks = out["alone"][1], out["grouped"][1], out["grouped"][2]
     assert tasks == 4
@@ -185,13 +185,15 @@ def test_each_task_did_its_shared_work_once(executed):
     assert alone["ranking"] == 2 * twinned + 2 * PER_RUN["property"]
     # per run: public (seeds 0 and 1, unperturbed and perturbed), trained (seeds 0 and 1)
     assert grouped["ranking"] == 2 * (1 + 4) + 2 * (1 + 2)
-    # every beam job searches its traffic and its twin alone; in a task the jobs that differ only in their seed
-    # search the traffic once (activation: 2 k x 2 copies; joint: unperturbed and rounded; the shuffled control
-    # reads its seed), and every job still its own twin (the seed draws its pairing)
-    assert alone["beam"] == 2 * twinned
-    assert grouped["beam"] == twinned + 2 * (4 + 2 + 1)
-    assert alone["sipit"] == 2 * 2 * PER_RUN["sipit"] and alone["sipit_budgets"] == 0  # each job and its twin
-    assert grouped["sipit"] == 0 and grouped["sipit_budgets"] == 2 * tasks  # each task's traffic and twin
+    # every twin here covers all four documents, so it holds the arm's rows in the arm's order and reads the arm's
+    # search (``Knowledge.memo_content``): a beam job alone searches once; in a task the jobs that differ only in
+    # their seed search the traffic once (activation: 2 k x 2 copies; joint: unperturbed and rounded; the
+    # shuffled control reads its seed), and the twins search nothing; where the rounded gradients give the raw ones'
+    # candidates (here they do), joint's two perturbations are one search
+    assert alone["beam"] == twinned
+    assert 2 * (4 + 1 + 1) <= grouped["beam"] <= 2 * (4 + 2 + 1)
+    assert alone["sipit"] == 2 * PER_RUN["sipit"] and alone["sipit_budgets"] == 0  # each job; its twin reads it
+    assert grouped["sipit"] == 0 and grouped["sipit_budgets"] == tasks  # each task's traffic, its twins read it
 
 
 def test_a_group_whose_worker_dies_midway_keeps_its_finished_jobs_and_runs_each_other_once(trained, executed, tmp_path):

@@ -150,16 +150,24 @@ class ActivationBeam(_RidgeAttack):
         self._check(traffic)
         cand = self.candidates(traffic)
         wire = self.public_wire(traffic)
-        res = beam_search(
-            self.knowledge_.client,
-            traffic.activations,
-            cand,
-            self.width,
-            self.chunk_docs,
-            progress,
-            name=f"{self.name} beam search (k={self.k})",
-            distance=None if wire is None else wire.beam_distance,
-        )
+
+        def search():
+            return beam_search(
+                self.knowledge_.client,
+                traffic.activations,
+                cand,
+                self.width,
+                self.chunk_docs,
+                progress,
+                name=f"{self.name} beam search (k={self.k})",
+                distance=None if wire is None else wire.beam_distance,
+            )
+
+        # a function of the activations and candidates alone: a twin that holds the same rows in the same order
+        # reads the arm's search (``Knowledge.memo_content``); under a public wire the search's distance is the
+        # chain's, and it is searched each time
+        key = ("beam search", self.width, self.chunk_docs)
+        res = search() if wire is not None else self.knowledge_.memo_content(key, (traffic.activations, cand), search)
         coverage = (cand == res.tokens.unsqueeze(-1)).any(-1)
         extra = {"candidates": cand, "distance": res.distance, "chosen_in_candidates": coverage}
         if wire is not None:

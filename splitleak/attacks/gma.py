@@ -62,7 +62,6 @@ The variant that knows the defence chain (``gma-sl-aware``) is ``splitleak.attac
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from typing import Any, Callable
@@ -372,20 +371,6 @@ def _match_chunk(
     return t, per_doc.detach().cpu(), z.detach()
 
 
-def frame_key(*parts: torch.Tensor | float | int | None) -> str:
-    """A digest of a frame's inputs: each tensor's dtype, shape and bytes, each number's repr."""
-    h = hashlib.sha256()
-    for x in parts:
-        if isinstance(x, torch.Tensor):
-            t = x.detach().contiguous().cpu()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(repr(x).encode())
-        h.update(b"|")
-    return h.hexdigest()
-
-
 class GMASL(Attack):
     """``gma-sl`` as a registered attack (``splitleak.attacks.registry``): fits on the pretrained Top
     (``Knowledge.top``), reads a label-shielded run's trunk output and output gradient, and recovers each
@@ -447,7 +432,6 @@ class GMASL(Attack):
                 f"{self.name} fits on the pretrained Top: load the knowledge with with_top=True (run_attack does)"
             )
         self.knowledge_ = knowledge
-        self.frames_read_: dict[str, tuple[torch.Tensor, dict]] = {}  # ``_read_frame``'s, for this fit
         return self
 
     def match(
@@ -490,16 +474,16 @@ class GMASL(Attack):
         return labels, distance, steps
 
     def _read_frame(self, top, h_t, g_t, n_norm: float, init, seed: int, progress) -> tuple[torch.Tensor, dict]:
-        """``_match_frame``, once per frame content. The matching is a function of the frame's tensors, the
-        normaliser, the initial labels, the seed and the fitted attack alone, deterministic on a machine and
-        thread count; a frame read again (the mis-paired twin reads the arm's frames under other documents'
-        ids, ``splitleak.audit.evaluate.mispaired_control``) gives back what matching it again gives, bit for
-        bit (tests/test_shielded.py), without the work. The key holds no document id: what a reader does with the
-        ids happens outside it, and its twin still sees it."""
-        key = frame_key(h_t, g_t, init, n_norm, seed)
-        if key not in self.frames_read_:
-            self.frames_read_[key] = self._match_frame(top, h_t, g_t, n_norm, init, seed, progress)
-        pred, info = self.frames_read_[key]
+        """``_match_frame``, once per frame content (``Knowledge.memo_content``): the matching is a function of the
+        frame's tensors, the normaliser, the initial labels, the seed and the attack's parameters on its
+        knowledge, so a frame read again (the mis-paired twin reads the arm's frames under other documents'
+        ids) gives back what matching it again gives, bit for bit (tests/test_shielded.py), without the work. A
+        reader that starts from the labels of the ids it is given starts its twin elsewhere: the initial labels
+        are part of the key."""
+        key = ("gma-sl frame", type(self).__name__, repr(sorted(self.params().items())), n_norm, seed)
+        pred, info = self.knowledge_.memo_content(
+            key, (h_t, g_t, init), lambda: self._match_frame(top, h_t, g_t, n_norm, init, seed, progress)
+        )
         return pred.clone(), dict(info)
 
     def _match_frame(self, top, h_t, g_t, n_norm: float, init, seed: int, progress) -> tuple[torch.Tensor, dict]:

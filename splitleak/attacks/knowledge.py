@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,6 +247,28 @@ class Knowledge:
             return None
         return self.memo("history", self.history_loader)
 
+    def memo_content(self, key: Any, parts: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+        """``compute()``, once per ``key`` and the content of ``parts`` (``tensor_digest``: each tensor's dtype,
+        shape and bytes), for a value that is a function of those parts and this knowledge alone and is
+        deterministic on a machine and thread count, such as a search over a traffic's activations. A second
+        traffic with the same rows in the same order gets what computing it again gives, bit for bit, without
+        the work: the mis-paired twin of a traffic it covers whole holds the arm's rows, in the arm's order,
+        under other documents' ids (``splitleak.audit.evaluate.mispaired_control``). Nothing but ``parts`` is
+        in the key: what a reader does with the documents' ids happens outside it, and its twin still sees it.
+        The latest ``MEMO_CONTENTS`` values are kept; a move to another device starts afresh."""
+        slot = ("content", key, tensor_digest(*parts), str(self.client.device))
+        order = self.shared.setdefault(("content-order",), [])
+        if slot in self.shared:
+            order.remove(slot)
+            order.append(slot)
+            return self.shared[slot]
+        value = compute()
+        self.shared[slot] = value
+        order.append(slot)
+        while len(order) > MEMO_CONTENTS:
+            self.shared.pop(order.pop(0), None)
+        return value
+
     def memo(self, key: Any, compute: Callable[[], Any], traffic: "Traffic | None" = None, whole: bool = False) -> Any:
         """``compute()``, once per ``key`` and, for a value that depends on the traffic, per ``traffic``: told
         apart by its activations tensor (a value of the activations alone: the traffic with other gradients is
@@ -266,6 +289,23 @@ class Knowledge:
         del kept[:-MEMO_TRAFFICS]
         return value
 
+
+def tensor_digest(*parts: Any) -> str:
+    """A digest of tensors and plain values: each tensor's dtype, shape and bytes, each other value's repr."""
+    h = hashlib.sha256()
+    for x in parts:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().contiguous().cpu()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(x).encode())
+        h.update(b"|")
+    return h.hexdigest()
+
+
+#: values ``Knowledge.memo_content`` keeps (the latest): a grid worker's group reads a few dozen searches
+MEMO_CONTENTS = 64
 
 #: traffics whose values ``Knowledge.memo`` keeps per key (the latest): a grid worker's group reads its traffic
 #: and, for each attack seed and each perturbation of its gradients, a mis-paired twin of it

@@ -136,12 +136,20 @@ class SipIt(_RidgeAttack):
         if self.order not in ("gradient", "ridge"):
             raise ConfigError(f"SipIt order must be 'gradient' or 'ridge', got {self.order!r}")
         wire = self.public_wire(traffic)
-        budgets = self.sibling_budgets()
-        if budgets:  # one search serves this budget and its siblings' (``search.sipit_budgets``)
-            key = ("sipit-budgets", type(self).__name__, self._search_state(), tuple(budgets))
-            res = self.knowledge_.memo(key, lambda: self._search(traffic, budgets, wire, progress), traffic)[budget]
+        # one search serves this budget and its siblings' (``search.sipit_budgets``); without a public wire it is a
+        # function of the activations alone, and a twin that holds the same rows in the same order reads it
+        # (``Knowledge.memo_content``)
+        budgets = self.sibling_budgets() or [budget]
+        key = ("sipit", type(self).__name__, self._search_state(), tuple(budgets))
+        if wire is None:
+            found = self.knowledge_.memo_content(
+                key, (traffic.activations,), lambda: self._search(traffic, budgets, wire, progress)
+            )
+        elif len(budgets) > 1:
+            found = self.knowledge_.memo(key, lambda: self._search(traffic, budgets, wire, progress), traffic)
         else:
-            res = self._search(traffic, [budget], wire, progress)[budget]
+            found = self._search(traffic, budgets, wire, progress)
+        res = found[budget]
         extra = {"matched": res.matched, "checks": res.checks, "distance": res.distance}
         if wire is not None:  # what a match means under the chain (``attacks.aware``)
             extra.update(wire.readout(res))
