@@ -10,7 +10,9 @@ The scheduler (``runner``) hands a worker the ready attack jobs of one run and o
 - the public model loaded once and one ``Knowledge`` per copy (with or without the pretrained Top), whose
   memo (``Knowledge.memo``) then computes the ridge fit, the ranked candidate lists and the mis-paired
   control's traffic once for all of them, and whose ``planned`` names the group's attacks, so that SipIt's
-  budgets come from one search (``search.sipit_budgets``);
+  budgets come from one search (``search.sipit_budgets``); a search of the same tensors (the beam search,
+  SipIt's, GMA-SL's matching of a frame), such as a twin's that covers every document, is run once
+  (``Knowledge.memo_content``);
 - one reading per configuration whatever its attack seed, for the attacks that draw nothing from it
   (``AttackInfo.seeded`` False: activation, joint, SipIt and others; ``audit.evaluate._reconstruct``): the
   second seed's job reads the first one's search and runs only its own mis-paired twin (the seed draws
