@@ -704,3 +704,49 @@ def test_an_analogue_translates_every_selected_field_and_leaves_other_specs_alon
     assert other.of(claims["main-test"]) is None  # not its base
     none = Analogue(name="y", base="paper_main", spec="paper_main_server", map={"steps": {1: 2}})
     assert none.of(claims["main-test"]) is None  # it selects nothing the map translates
+
+
+@pytest.mark.e2e
+def test_a_killed_reproduction_resumes_and_runs_nothing_it_finished(tiny):
+    """``splitleak reproduce`` killed (SIGKILL, its whole process group) once some of its jobs are stored: the resume
+    keeps every stored row file as it was, byte for byte, and runs only the jobs that were not finished."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from served import child_env
+
+    from splitleak.reproduce.run import reproduce
+
+    folder, write = tiny
+    claims, out = write(), folder / "out"
+    cmd = [sys.executable, "-m", "splitleak.cli", "reproduce", "--claims", str(claims), "--out", str(out)]
+    cmd += ["--profile", "quick", "--workers", "1", "--n-boot", "2000"]
+    proc = subprocess.Popen(
+        cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    store = out / "stores" / "tiny"
+    try:
+        t0 = time.monotonic()
+        while not list((store / "attacks").glob("*.parquet")) if (store / "attacks").is_dir() else True:
+            assert proc.poll() is None, (
+                "the reproduction ended before it could be killed: " + proc.stdout.read().decode()
+            )
+            assert time.monotonic() - t0 < 240, "no attack job finished within 240 s"
+            time.sleep(0.05)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=60)
+    kept = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in store.glob("*/*.parquet")}
+    assert kept
+    rep = reproduce([], out, profile="quick", claims=[claims], resume=True, n_boot=2000, run_grid_kwargs={"workers": 1})
+    (spec,) = rep.ran
+    total = len(rep.plan.grids[spec].jobs)
+    assert rep.ran[spec] == total - len(kept), (rep.ran, total, len(kept))
+    assert all((p.read_bytes(), p.stat().st_mtime_ns) == v for p, v in kept.items())  # nothing finished ran again
+    assert {j.claim.id for j in rep.judgements["900"]} == {"gain", "level", "words"}
