@@ -377,8 +377,8 @@ def shielded_section(
             caption=(
                 "Per arm, means over victim seeds. Held-out CE: the split run's supervised cross-entropy on the "
                 "evaluation documents; all-local CE: the same model trained wholly on the client (n/a where the grid "
-                "trained no baseline: an undefended label-shielded arm trains as all-local training does, so its held-out "
-                "CE is the all-local one). ASNR and Recall@10: "
+                "trained no baseline: an undefended label-shielded arm trains as all-local training does, its held-out "
+                "CE the all-local one to 1e-5 nats). ASNR and Recall@10: "
                 "the output gradient sent against the raw one of the full loss (003 App. C.1; n/a: sent unchanged). "
                 "Labels: share of label tokens (tokens 1 … T−1) the attack recovers; ROUGE-L: F of the label text; "
                 "tokens: whole-document token recovery (token 0 included)."
