@@ -217,7 +217,8 @@ class LabelWatch:
     ``patience`` steps in a row (0: never, the rule is off)."""
 
     def __init__(self, patience: int):
-        self.patience, self.unchanged, self.last = check_label_patience(patience, "GMA-SL"), 0, None
+        self.patience, self.unchanged = check_label_patience(patience, "GMA-SL"), 0
+        self.last: torch.Tensor | None = None
 
     def settled(self, z: torch.Tensor) -> bool:
         """Called once per step with the chunk's Z before the step."""

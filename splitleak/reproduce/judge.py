@@ -145,10 +145,10 @@ def measure(
         return measure_per_seed(claim, train_rows, alpha)
     metric = st.metric
     if metric in POSITION_METRICS:  # first-token recovery: token recovery over each document's first position
-        got = first_token_rows([r for arm in (st.treatment, st.control) if arm for r in select(rows, arm)])
-        if isinstance(got, str):
-            return got
-        rows, metric = got, "token_recovery"
+        firsts = first_token_rows([r for arm in (st.treatment, st.control) if arm for r in select(rows, arm)])
+        if isinstance(firsts, str):
+            return firsts
+        rows, metric = firsts, "token_recovery"
     t_rows = select(rows, st.treatment)
     if not t_rows:
         return "the store holds no result of its treatment " + _arm(st.treatment)
