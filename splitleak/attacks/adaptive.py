@@ -59,7 +59,6 @@ from pydantic import PositiveInt
 from splitleak.attacks.base import Candidates, Reconstruction
 from splitleak.attacks.beam import DEFAULT_GRADIENT_SOURCE, ActivationBeam, GradientSource, _GradientReader
 from splitleak.attacks.knowledge import Knowledge, Traffic
-from splitleak.attacks.search import beam_search
 from splitleak.errors import ConfigError
 from splitleak.progress import Progress
 
@@ -322,15 +321,7 @@ class AdaptiveJointBeam(_GradientReader, ActivationBeam):
         self._check(traffic)
         cand, summary = self.candidates_and_summary(traffic)
         slots = summary.pop("slots", None)
-        res = beam_search(
-            self.knowledge_.client,
-            traffic.activations,
-            cand,
-            self.width,
-            self.chunk_docs,
-            progress,
-            name=f"{self.name} beam search (k={self.k})",
-        )
+        res = self.run_beam(traffic, cand, None, progress)
         coverage = (cand == res.tokens.unsqueeze(-1)).any(-1)
         extra: dict[str, Any] = {
             "candidates": cand,

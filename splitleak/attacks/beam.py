@@ -22,7 +22,7 @@ Neither uses labels, server layers or evaluation text.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import numpy as np
 import torch
@@ -150,8 +150,20 @@ class ActivationBeam(_RidgeAttack):
         self._check(traffic)
         cand = self.candidates(traffic)
         wire = self.public_wire(traffic)
+        res = self.run_beam(traffic, cand, wire, progress)
+        coverage = (cand == res.tokens.unsqueeze(-1)).any(-1)
+        extra = {"candidates": cand, "distance": res.distance, "chosen_in_candidates": coverage}
+        if wire is not None:
+            extra["summary"] = wire.summary()
+        return Reconstruction(res.tokens, extra)
 
-        def search():
+    def run_beam(self, traffic: Traffic, cand: torch.Tensor, wire: Any, progress: Any) -> Any:
+        """The beam search of the traffic's activations over ``cand``. Without a public wire it is a function of the
+        activations and candidates alone, so a twin that holds the same rows in the same order reads the arm's
+        (``Knowledge.memo_content``); under a public wire the search's distance is the chain's, searched each
+        time."""
+
+        def run():
             return beam_search(
                 self.knowledge_.client,
                 traffic.activations,
@@ -163,16 +175,11 @@ class ActivationBeam(_RidgeAttack):
                 distance=None if wire is None else wire.beam_distance,
             )
 
-        # a function of the activations and candidates alone: a twin that holds the same rows in the same order
-        # reads the arm's search (``Knowledge.memo_content``); under a public wire the search's distance is the
-        # chain's, and it is searched each time
-        key = ("beam search", self.width, self.chunk_docs)
-        res = search() if wire is not None else self.knowledge_.memo_content(key, (traffic.activations, cand), search)
-        coverage = (cand == res.tokens.unsqueeze(-1)).any(-1)
-        extra = {"candidates": cand, "distance": res.distance, "chosen_in_candidates": coverage}
         if wire is not None:
-            extra["summary"] = wire.summary()
-        return Reconstruction(res.tokens, extra)
+            return run()
+        return self.knowledge_.memo_content(
+            ("beam search", self.width, self.chunk_docs), (traffic.activations, cand), run
+        )
 
 
 GradientSource = Literal["split", "output"]
