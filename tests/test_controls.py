@@ -288,6 +288,12 @@ def test_a_label_shielded_audit_adds_the_reader_of_the_labels(tmp_path):
     assert gma["label_recovery"] > 0.9 and gma["arm"]["control_verdict"] in ("at floor", "below floor")
     assert "In the label-shielded split the labels stay on the client" in res.verdict
     assert not any(c["channel"] == "labels" for c in report["channels"])
+    # undefended, the label-shielded split is the all-local run to float rounding (tests/test_shielded.py): no
+    # all-local run is trained for ΔU, and the report says where its all-local loss comes from
+    base = report["utility_baseline"]
+    assert res.run.metrics["all_local_ce"] is None and not (res.run.run_dir / "all_local.json").exists()
+    assert base["all_local_ce"] == res.run.metrics["heldout_ce"] and base["delta_u"] == 0.0
+    assert "to float rounding" in base["source"]
 
 
 @pytest.mark.unit

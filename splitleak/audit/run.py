@@ -206,8 +206,8 @@ def run_audit(
         defences=defences or [{"name": "none"}], data=data, data_path=data_path, seed=seed, steps=steps, draws=draws,
         n_calib=n_calib, n_train=n_train, n_eval=n_eval,
         # the all-local run only where nothing else gives it (utility_baseline): without a defence the plain
-        # split run reproduces it exactly, with one the undefended twin does
-        all_local_baseline=(defended and not twin) or mode != "plain",
+        # and label-shielded split runs reproduce it (SPLIT_BASELINE), with one the undefended twin does
+        all_local_baseline=(defended and not twin) or split_baseline(mode) == "other",
     )  # fmt: skip
     settings = {
         "config": cfg.as_dict(), "twin": bool(twin and defended), "certify": certify, "control_docs": control_docs,
@@ -340,7 +340,7 @@ def _audit_stages(a: _Audit, lm) -> AuditResult:
     for res in results:
         res["arm"] = next(arm for arm in arms if arm.name == attack_label(res)).as_dict()
     cost = _twin_stage(a, run.metrics) if a.twin else None
-    baseline = utility_baseline(run.metrics, cost, defended=a.defended, exact_split=a.mode == "plain")
+    baseline = utility_baseline(run.metrics, cost, defended=a.defended, split=split_baseline(a.mode))
     verdicts = {
         "constant_baseline": {"token_id": base.token_id, "rate": base.rate},
         "gate": {
@@ -565,16 +565,28 @@ def _finish_stage(stages, out: Path, name: str, cfg, what: str) -> VerifyResult:
     return v
 
 
+#: how an undefended run of a split relates to the all-local run (``utility_baseline``): "exact" (the plain split:
+#: the same modules in the same order, AdamW per parameter; tested bit for bit), "rounding" (label-shielded: the
+#: same computation in three parts, held-out loss within 1e-5 nats; tests/test_shielded.py, and 2.7918 both on
+#: SmolLM2's audit), "other" (no test says so, so the all-local run is trained: the U-shape, the latent mode)
+SPLIT_BASELINE = {"plain": "exact", "label-shielded": "rounding"}
+_SAME = {"exact": "exactly", "rounding": "to float rounding (1e-5 nats)"}
+
+
+def split_baseline(mode: str) -> str:
+    return SPLIT_BASELINE.get(mode, "other")
+
+
 def utility_baseline(
-    m: dict[str, Any], cost: dict[str, Any] | None, defended: bool, exact_split: bool = True
+    m: dict[str, Any], cost: dict[str, Any] | None, defended: bool, split: str = "exact"
 ) -> dict[str, Any]:
     """The all-local loss and ΔU = L_split − L_all-local, from whichever run gives them without training
-    the whole model once more: with no defence the split run itself (it reproduces the all-local run
-    exactly: same modules, same order, AdamW per parameter; tested), with a defence the undefended twin
-    (the same identity), else the all-local baseline the run trained (``--no-twin``)."""
+    the whole model once more: with no defence the split run itself where it reproduces the all-local run
+    (``SPLIT_BASELINE``), with a defence the undefended twin (the same identity), else the all-local baseline
+    the run trained (``--no-twin``, or a split of kind "other")."""
     if m.get("heldout_ce") is None:
         return {"all_local_ce": None, "delta_u": None, "source": "the client measured no held-out loss"}
-    if not exact_split:  # a U-shape or label-shielded split: the audit trained the all-local run
+    if split not in _SAME:  # a split no test ties to the all-local run: the audit trained the all-local run
         if m.get("all_local_ce") is not None:
             return {"all_local_ce": m["all_local_ce"], "delta_u": m["delta_u"], "source": "the all-local baseline run"}
         return {"all_local_ce": None, "delta_u": None, "source": "no all-local run"}
@@ -582,14 +594,14 @@ def utility_baseline(
         return {
             "all_local_ce": m["heldout_ce"],
             "delta_u": 0.0,
-            "source": "no defence: the split run reproduces the all-local run exactly (tested), so it is not "
+            "source": f"no defence: the split run reproduces the all-local run {_SAME[split]} (tested), so it is not "
             "trained again",
         }
     if cost is not None and cost.get("twin_heldout_ce") is not None:
         return {
             "all_local_ce": cost["twin_heldout_ce"],
             "delta_u": m["heldout_ce"] - cost["twin_heldout_ce"],
-            "source": "from the undefended twin, which reproduces the all-local run exactly (tested)",
+            "source": f"from the undefended twin, which reproduces the all-local run {_SAME[split]} (tested)",
         }
     if m.get("all_local_ce") is not None:
         return {"all_local_ce": m["all_local_ce"], "delta_u": m["delta_u"], "source": "the all-local baseline run"}

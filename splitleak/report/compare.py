@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from splitleak.audit.evaluate import attack_label as _label
-from splitleak.audit.run import utility_baseline
+from splitleak.audit.run import split_baseline, utility_baseline
 from splitleak.audit.stages import STAGES, audit_state
 from splitleak.data import LABELS
 from splitleak.defences import build_defence
@@ -154,15 +154,18 @@ def _audit_delta_u(path: Path, manifest: dict[str, Any], metrics: dict[str, Any]
     second value says why and the audit's utility is not shown as measured)."""
     config = manifest["config"]
     defended = any(d.get("name") != "none" for d in config.get("defences", []))
-    exact_split = not manifest.get("split", {}).get("u_shape") and config.get("shielded") is None
+    if config.get("shielded") is not None:
+        split = split_baseline("label-shielded")
+    else:
+        split = split_baseline("u-shape" if manifest.get("split", {}).get("u_shape") else "plain")
     cost = None
     twin = path / "twin"
-    if defended and exact_split and twin.is_dir():
+    if defended and split != "other" and twin.is_dir():
         tv = verify_run(twin)
         if not tv.ok or tv.status != "complete":
             return metrics, f"its undefended twin {twin} does not verify ({tv.message if not tv.ok else tv.status})"
         cost = {"twin_heldout_ce": read_run_json(twin, "metrics.json").get("heldout_ce")}
-    base = utility_baseline(metrics, cost, defended=defended, exact_split=exact_split)
+    base = utility_baseline(metrics, cost, defended=defended, split=split)
     if base.get("delta_u") is None:
         return metrics, None
     return {**metrics, "all_local_ce": base["all_local_ce"], "delta_u": base["delta_u"]}, None
