@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from splitleak.audit.evaluate import attack_label as _label
-from splitleak.audit.run import split_baseline, utility_baseline
 from splitleak.audit.stages import STAGES, audit_state
+from splitleak.audit.utility import split_baseline, utility_baseline
 from splitleak.data import LABELS
 from splitleak.defences import build_defence
 from splitleak.errors import IntegrityError, SplitleakError
