@@ -163,17 +163,31 @@ def tiny_top():
     lm.model.eval()
     split = SplitModel(lm, offload_start=1, offload_length=1)
     assert split.spec.server_end == 2 and split.spec.n_blocks == 4  # the Top is blocks 2-3 + norm + head
-    contexts: dict = {}
-
-    def top(h: torch.Tensor) -> torch.Tensor:
-        key = (h.shape[0], h.shape[1])
-        if key not in contexts:
-            contexts[key] = split.context(*key)
-        return split.head_logits(h, contexts[key])
-
     V = split.head.weight.shape[0]
     H = split.head.weight.shape[1]
-    return top, V, H
+    return TinyTop(split), V, H
+
+
+class TinyTop:
+    """The tiny model's Top as the attacks' proxy (``PublicTop``'s face: called for logits, ``hidden`` and
+    ``head`` for the matching over candidates)."""
+
+    softcap = None
+
+    def __init__(self, split):
+        self.split, self.head, self.contexts = split, split.head, {}
+
+    def _ctx(self, h: torch.Tensor):
+        key = (h.shape[0], h.shape[1])
+        if key not in self.contexts:
+            self.contexts[key] = self.split.context(*key)
+        return self.contexts[key]
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.split.head_logits(h, self._ctx(h))
+
+    def hidden(self, h: torch.Tensor) -> torch.Tensor:
+        return self.split.head_hidden(h, self._ctx(h))
 
 
 def tiny_capture(tiny_top, seed: int):
@@ -314,6 +328,49 @@ def test_a_uniform_start_reads_the_labels_in_a_few_steps_and_the_label_rule_stop
     # off (0, the default), the same matching runs to its step cap
     _, off = match_labels(top, h, g, distance="l2", steps=30, lr=1e-12, seed=seed, tol=0.0, patience=1000)
     assert off["steps"] == [30]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1])
+def test_over_candidates_it_reads_the_labels_of_the_whole_vocabulary_and_nothing_from_another_gradient(tiny_top, seed):
+    """Matching over K candidates per position, chosen at the uniform start from the traffic alone, reads the
+    labels that matching over the whole vocabulary reads (K = V: the same soft labels in another order of sums;
+    K = 16 of V = 615), and a document paired with another's gradient reads about nothing, as the full matching."""
+    top, V, _ = tiny_top
+    h, g, y = tiny_capture(tiny_top, seed)
+    kw = dict(distance="l2", steps=60, seed=seed, init="uniform", label_patience=10)
+    full, _ = match_labels(top, h, g, **kw)
+    assert recovery(full, y) >= 0.9
+    for k in (V, 16):
+        over, info = match_labels(top, h, g, candidates=k, **kw)
+        assert torch.equal(over, full), (k, recovery(over, y), recovery(full, y))
+        assert all(s < 60 for s in info["steps"])  # the label rule stopped it
+    other, _ = match_labels(top, h, g[torch.roll(torch.arange(N_DOCS), 1)], candidates=16, **kw)
+    assert recovery(other, y) <= 0.1
+    # one candidate per position is the first step's choice alone: the labels read without any matching
+    one, _ = match_labels(top, h, g, candidates=1, **kw)
+    assert recovery(one, y) >= 0.5
+
+
+@pytest.mark.unit
+def test_candidates_are_refused_without_a_uniform_start_a_body_and_head_or_a_linear_head(tiny_top):
+    from splitleak.attacks.gma import GMASL
+
+    top, _, _ = tiny_top
+    h, g, _ = tiny_capture(tiny_top, 0)
+    with pytest.raises(ConfigError, match="init='uniform'"):
+        match_labels(top, h, g, candidates=8)
+    with pytest.raises(ConfigError, match="candidates must be an integer >= 0"):
+        match_labels(top, h, g, candidates=-1, init="uniform")
+    with pytest.raises(ConfigError, match="exposes its body and linear head"):
+        match_labels(lambda x: top(x), h, g, candidates=8, init="uniform", steps=1)
+    capped = TinyTop(top.split)
+    capped.softcap = 30.0
+    with pytest.raises(ConfigError, match="caps its logits"):
+        match_labels(capped, h, g, candidates=8, init="uniform", steps=1)
+    with pytest.raises(ConfigError, match="pass start=uniform"):
+        GMASL(candidates=8)
+    assert GMASL(candidates=8, start="uniform").params()["candidates"] == 8
 
 
 @pytest.mark.unit

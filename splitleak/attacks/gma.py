@@ -246,6 +246,7 @@ def match_labels(
     progress: Progress | None = None,
     tag_alpha: float = 0.01,
     label_patience: int = 0,
+    candidates: int = 0,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """GMA-SL: the label tokens whose gradient through the pretrained Top best matches ``g_t``.
 
@@ -269,6 +270,9 @@ def match_labels(
     Adam's epsilon does not swamp the tiny gradients of a 1/N-scaled loss (measured on tiny-gpt2:
     with N 30 times larger and g_t 30 times smaller, raw l2 recovered 1 of 28 labels in 100 steps,
     normalised l2 all 28); that changes neither the minimiser nor the reported distances.
+    candidates: 0 (the default) matches soft labels over the whole vocabulary; K > 0 over K tokens per position
+        chosen from the traffic at the uniform start (``splitleak.attacks.gma_candidates``; ours): a step then costs
+        the Top's blocks, not its head. It needs ``init="uniform"`` and a proxy that exposes its body and head.
     Deterministic under ``seed`` on a given machine and thread count.
 
     A document whose g_t is all zero carries no information about its labels: it is left out of
@@ -280,13 +284,21 @@ def match_labels(
     ``distance_name``, ``zero_gradient_docs``.
     """
     check_inputs(h_t, g_t, distance, n_norm, steps, lr, tol, patience, batch, tag_alpha)
+    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 0:
+        raise ConfigError(f"GMA-SL: candidates must be an integer >= 0 (0: the whole vocabulary); got {candidates!r}")
+    if candidates and not (isinstance(init, str) and init == "uniform"):
+        raise ConfigError(
+            "GMA-SL: candidates > 0 chooses them at the uniform start; pass init='uniform' (start=uniform), or "
+            "candidates=0 to start from noise, logits or token ids"
+        )
     started = time.perf_counter()
     n, T, _ = h_t.shape
     N = float(n_norm) if n_norm is not None else float(n * (T - 1))
     progress = progress or Silent()
 
     V = vocab_of(top, h_t)
-    z_all = initial_logits(init, n, T, V, seed)
+    # over candidates the logits are K per position, made per chunk (gma_candidates)
+    z_all = initial_logits(init, n, T, V, seed) if not candidates else torch.empty(0)
 
     zero_docs = [i for i in range(n) if not bool(g_t[i].ne(0).any())]
     zero_set = set(zero_docs)
@@ -297,13 +309,23 @@ def match_labels(
     for s in range(0, n, batch):
         e = min(n, s + batch)
         active = torch.tensor([i not in zero_set for i in range(s, e)])
-        steps_taken, dist, z = _match_chunk(
-            top, h_t[s:e], g_t[s:e], z_all[s:e], active, N, distance, tag_alpha, steps, lr, tol, patience,
-            LabelWatch(label_patience),
-        )  # fmt: skip
+        if candidates:
+            # lazy: gma_candidates imports this module
+            from splitleak.attacks.gma_candidates import match_chunk_candidates
+
+            steps_taken, dist, labels = match_chunk_candidates(
+                top, h_t[s:e], g_t[s:e], active, N, candidates, distance, tag_alpha, steps, lr, tol, patience,
+                LabelWatch(label_patience),
+            )  # fmt: skip
+        else:
+            steps_taken, dist, z = _match_chunk(
+                top, h_t[s:e], g_t[s:e], z_all[s:e], active, N, distance, tag_alpha, steps, lr, tol, patience,
+                LabelWatch(label_patience),
+            )  # fmt: skip
+            labels = z.argmax(-1).cpu()
         chunk_steps.append(steps_taken)
         final[s:e] = dist
-        preds[s:e] = z.argmax(-1).cpu()
+        preds[s:e] = labels
         progress.advance(task, e - s)
     progress.finish(task)
     info: dict[str, Any] = {
@@ -337,38 +359,62 @@ def _match_chunk(
         h = h.detach().clone().requires_grad_(True)
         logits = top(h)[:, :-1]  # the proxy's forward graph, kept for every step's vector-Jacobian product
         p = torch.softmax(logits.detach().float(), dim=-1)
-        g_obs = g_obs.detach().to(h.device)
-        z = z0.to(h.device).clone().requires_grad_(True)
-        opt = fused_optimizer(torch.optim.Adam, [z], lr=lr)
-        weight = active.to(h.device, torch.float32)
-        if distance == "cos":
-            scale = 1.0
-        else:
-            ref = gradient_distance(torch.zeros_like(g_obs), g_obs, distance, tag_alpha)
-            scale = float((ref * weight).sum()) or 1.0
-        history: list[float] = []
-        t = 0
-        while True:
-            q = torch.softmax(z, dim=-1)
-            grad_logits = ((p - q) / N).to(logits.dtype)
-            (g_hat,) = torch.autograd.grad(logits, h, grad_outputs=grad_logits, create_graph=True, retain_graph=True)
-            per_doc = gradient_distance(g_hat, g_obs, distance, tag_alpha)
-            objective = (per_doc * weight).sum() / scale
-            value = float(objective.detach())
-            history.append(value)
-            if t >= steps or not bool(active.any()):
+        return optimise_soft_labels(
+            logits, h, lambda q: ((p - q) / N).to(logits.dtype), z0, g_obs, active, distance, tag_alpha,
+            steps, lr, tol, patience, watch,
+        )  # fmt: skip
+
+
+def optimise_soft_labels(
+    out: torch.Tensor,
+    h: torch.Tensor,
+    pull: Callable[[torch.Tensor], torch.Tensor],
+    z0: torch.Tensor,
+    g_obs: torch.Tensor,
+    active: torch.Tensor,
+    distance: str,
+    tag_alpha: float,
+    steps: int,
+    lr: float,
+    tol: float,
+    patience: int,
+    watch: LabelWatch,
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Adam on the soft labels' logits Z (from ``z0``) until a stopping rule holds: each step the gradient the proxy
+    returns for them is the vector-Jacobian product of ``out`` (a function of ``h`` in the kept graph) with
+    ``pull(softmax(Z))``, matched to ``g_obs`` per document. Returns (steps taken, final per-document distance,
+    final Z)."""
+    g_obs = g_obs.detach().to(h.device)
+    z = z0.to(h.device).clone().requires_grad_(True)
+    opt = fused_optimizer(torch.optim.Adam, [z], lr=lr)
+    weight = active.to(h.device, torch.float32)
+    if distance == "cos":
+        scale = 1.0
+    else:
+        ref = gradient_distance(torch.zeros_like(g_obs), g_obs, distance, tag_alpha)
+        scale = float((ref * weight).sum()) or 1.0
+    history: list[float] = []
+    t = 0
+    while True:
+        q = torch.softmax(z, dim=-1)
+        (g_hat,) = torch.autograd.grad(out, h, grad_outputs=pull(q), create_graph=True, retain_graph=True)
+        per_doc = gradient_distance(g_hat, g_obs, distance, tag_alpha)
+        objective = (per_doc * weight).sum() / scale
+        value = float(objective.detach())
+        history.append(value)
+        if t >= steps or not bool(active.any()):
+            break
+        if watch.settled(z):
+            break
+        if t >= patience:
+            before = history[-1 - patience]
+            if before - value <= tol * abs(before):
                 break
-            if watch.settled(z):
-                break
-            if t >= patience:
-                before = history[-1 - patience]
-                if before - value <= tol * abs(before):
-                    break
-            (gz,) = torch.autograd.grad(objective, z)
-            opt.zero_grad(set_to_none=True)
-            z.grad = gz
-            opt.step()
-            t += 1
+        (gz,) = torch.autograd.grad(objective, z)
+        opt.zero_grad(set_to_none=True)
+        z.grad = gz
+        opt.step()
+        t += 1
     return t, per_doc.detach().cpu(), z.detach()
 
 
@@ -382,8 +428,10 @@ class GMASL(Attack):
     count it). ``distance`` defaults to l2 (ours): cosine cannot tell the labels from a faint tilt of the
     proxy's own prediction towards them (see the module docstring). ``start``: "noise" (standard-normal
     logits, the default) or "uniform" (zero logits); ``label_patience``: stop a chunk once its labels have
-    not changed for that many steps (0, the default: off). Both are ours, and the defaults keep the matching
-    that grids stored before them (a job's key holds the parameters it was given)."""
+    not changed for that many steps (0, the default: off); ``candidates``: K > 0 matches over K tokens per position
+    chosen from the traffic at the uniform start (``splitleak.attacks.gma_candidates``; needs ``start=uniform``;
+    a caller's initial labels, BiSR's, are matched over the whole vocabulary). All three are ours, and the
+    defaults keep the matching that grids stored before them (a job's key holds the parameters it was given)."""
 
     name = "gma-sl"
     uses_gradients = True
@@ -398,9 +446,13 @@ class GMASL(Attack):
         seed: int = 0,
         start: str = "noise",
         label_patience: NonNegativeInt = 0,
+        candidates: NonNegativeInt = 0,
     ):
         if distance not in DISTANCES:
             raise ConfigError(f"gma-sl: unknown distance {distance!r}; use one of {', '.join(DISTANCES)}")
+        if candidates and start != "uniform":
+            raise ConfigError("gma-sl: candidates > 0 are chosen at the uniform start; pass start=uniform with them")
+        self.candidates = candidates
         self.distance, self.steps, self.lr, self.batch, self.tag_alpha, self.seed = (
             distance,
             steps,
@@ -422,6 +474,7 @@ class GMASL(Attack):
             "seed": self.seed,
             "start": self.start,
             "label_patience": self.label_patience,
+            "candidates": self.candidates,
         }
 
     def channels_read(self) -> tuple[str, ...]:
@@ -503,6 +556,7 @@ class GMASL(Attack):
             tag_alpha=self.tag_alpha,
             progress=progress,
             label_patience=self.label_patience,
+            candidates=self.candidates if init is None else 0,
         )
 
     def initial(self, init: torch.Tensor | None) -> torch.Tensor | str | None:

@@ -203,6 +203,18 @@ class PublicTop:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         return self.split.head_logits(h, self.split.context(h.shape[0], h.shape[1]))
 
+    def hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The final hidden state [b, T, H] the head reads (``gma-sl``'s ``candidates``)."""
+        return self.split.head_hidden(h, self.split.context(h.shape[0], h.shape[1]))
+
+    @property
+    def head(self) -> torch.nn.Module:
+        return self.split.head
+
+    @property
+    def softcap(self) -> float | None:
+        return self.split._softcap
+
 
 @dataclass
 class Knowledge:

@@ -312,10 +312,13 @@ class SplitModel:
     def trunk(self, hidden: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
         return self.run_blocks(hidden, self.spec.server_start, self.spec.server_end, ctx)
 
+    def head_hidden(self, hidden: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
+        """Blocks after the server's run and the final norm: what the LM head reads."""
+        return self.norm(self.run_blocks(hidden, self.spec.server_end, self.spec.n_blocks, ctx))
+
     def head_logits(self, hidden: torch.Tensor, ctx: BlockContext) -> torch.Tensor:
         """Blocks after the server's run, final norm, LM head."""
-        h = self.run_blocks(hidden, self.spec.server_end, self.spec.n_blocks, ctx)
-        logits = self.head(self.norm(h))
+        logits = self.head(self.head_hidden(hidden, ctx))
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
