@@ -352,6 +352,19 @@ def test_over_candidates_it_reads_the_labels_of_the_whole_vocabulary_and_nothing
     assert recovery(one, y) >= 0.5
 
 
+@pytest.mark.integration
+def test_over_candidates_a_document_without_a_gradient_reads_what_the_uniform_start_reads(tiny_top):
+    top, _, _ = tiny_top
+    h, g, y = tiny_capture(tiny_top, 0)
+    g = g.clone()
+    g[1] = 0.0
+    pred, info = match_labels(top, h, g, distance="l2", steps=60, init="uniform", label_patience=10, candidates=16)
+    full, _ = match_labels(top, h, g, distance="l2", steps=60, init="uniform", label_patience=10)
+    assert info["zero_gradient_docs"] == [1] and torch.equal(pred[1], full[1]) and not pred[1].any()
+    others = [0, 2, 3]
+    assert torch.equal(pred[others], full[others]) and recovery(pred[others], y[others]) >= 0.9
+
+
 @pytest.mark.unit
 def test_candidates_are_refused_without_a_uniform_start_a_body_and_head_or_a_linear_head(tiny_top):
     from splitleak.attacks.gma import GMASL

@@ -84,7 +84,7 @@ def match_chunk_candidates(
         )  # fmt: skip
         labels = cand.gather(-1, z.argmax(-1, keepdim=True)).squeeze(-1)
     # a document with no gradient was not matched: its label is that of uniform logits over the vocabulary
-    labels[~active] = 0
+    labels[~active.to(labels.device)] = 0
     return steps_taken, dist, labels.cpu()
 
 
