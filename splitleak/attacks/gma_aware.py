@@ -20,7 +20,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from splitleak.attacks.base import Reconstruction
-from splitleak.attacks.gma import GMASL, LabelWatch, check_inputs, gradient_distance, initial_logits, vocab_of
+from splitleak.attacks.gma import GMASL, check_inputs, initial_logits, vocab_of
+from splitleak.attacks.gma_core import LabelWatch, gradient_distance
 from splitleak.defences import build_defence
 from splitleak.defences.masking import GradientDropout, GradientPruning
 from splitleak.defences.mirage import Mirage, ScaleBlinding, SelectiveSupervision, SequenceDP

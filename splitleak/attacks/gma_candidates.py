@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from splitleak.attacks.gma import LabelWatch, gradient_distance, optimise_soft_labels
+from splitleak.attacks.gma_core import LabelWatch, gradient_distance, optimise_soft_labels
 from splitleak.errors import ConfigError
 
 
