@@ -53,7 +53,7 @@ SHIELDED_TOP = 5
 #: the audit's GMA-SL (ours): from uniform logits over 32 candidates per position (gma_candidates), Adam at lr 1.0,
 #: chunks of 4 documents, each stopped once its labels have held for 10 steps. On SmolLM2 (16 documents of each
 #: of two pinned runs) as many labels right as the reader over the whole vocabulary at lr 0.1 (chunks of 8, 20
-#: steps), in 12-23 % of its time: benchmarks/RESULTS.md, "The label-shielded audit's reader"
+#: steps), in 12-16 % of its time: benchmarks/RESULTS.md, "The label-shielded audit's reader"
 SHIELDED_READER: dict[str, Any] = {"start": "uniform", "label_patience": 10, "lr": 1.0, "batch": 4, "candidates": 32}
 #: readers the audit adds in a split mode: in the label-shielded split the labels are read through the output
 #: gradient (GMA-SL, 003 §3)
