@@ -72,7 +72,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from splitleak.attacks.base import Attack, Reconstruction
 from splitleak.attacks.gma_candidates import match_chunk_candidates
-from splitleak.attacks.gma_core import LabelWatch, check_label_patience, optimise_soft_labels
+from splitleak.attacks.gma_core import Rules, check_label_patience, optimise_soft_labels
 from splitleak.errors import ConfigError
 from splitleak.progress import Progress, Silent
 
@@ -260,6 +260,7 @@ def match_labels(
     # over candidates the logits are K per position, made per chunk (gma_candidates)
     z_all = initial_logits(init, n, T, V, seed) if not candidates else torch.empty(0)
 
+    rules = Rules(distance, tag_alpha, steps, lr, tol, patience, check_label_patience(label_patience, "GMA-SL"))
     zero_docs = [i for i in range(n) if not bool(g_t[i].ne(0).any())]
     zero_set = set(zero_docs)
     chunk_steps: list[int] = []
@@ -270,15 +271,9 @@ def match_labels(
         e = min(n, s + batch)
         active = torch.tensor([i not in zero_set for i in range(s, e)])
         if candidates:
-            steps_taken, dist, labels = match_chunk_candidates(
-                top, h_t[s:e], g_t[s:e], active, N, candidates, distance, tag_alpha, steps, lr, tol, patience,
-                LabelWatch(label_patience),
-            )  # fmt: skip
+            steps_taken, dist, labels = match_chunk_candidates(top, h_t[s:e], g_t[s:e], active, N, candidates, rules)
         else:
-            steps_taken, dist, z = _match_chunk(
-                top, h_t[s:e], g_t[s:e], z_all[s:e], active, N, distance, tag_alpha, steps, lr, tol, patience,
-                LabelWatch(label_patience),
-            )  # fmt: skip
+            steps_taken, dist, z = _match_chunk(top, h_t[s:e], g_t[s:e], z_all[s:e], active, N, rules)
             labels = z.argmax(-1).cpu()
         chunk_steps.append(steps_taken)
         final[s:e] = dist
@@ -303,23 +298,14 @@ def _match_chunk(
     z0: torch.Tensor,
     active: torch.Tensor,
     N: float,
-    distance: str,
-    tag_alpha: float,
-    steps: int,
-    lr: float,
-    tol: float,
-    patience: int,
-    watch: LabelWatch,
+    rules: Rules,
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """Optimise one chunk's Z; returns (steps taken, final per-document distance, final Z)."""
     with sdpa_kernel(SDPBackend.MATH), torch.enable_grad():
         h = h.detach().clone().requires_grad_(True)
         logits = top(h)[:, :-1]  # the proxy's forward graph, kept for every step's vector-Jacobian product
         p = torch.softmax(logits.detach().float(), dim=-1)
-        return optimise_soft_labels(
-            logits, h, lambda q: ((p - q) / N).to(logits.dtype), z0, g_obs, active, distance, tag_alpha,
-            steps, lr, tol, patience, watch,
-        )  # fmt: skip
+        return optimise_soft_labels(logits, h, lambda q: ((p - q) / N).to(logits.dtype), z0, g_obs, active, rules)
 
 
 class GMASL(Attack):

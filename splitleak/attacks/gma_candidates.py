@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from splitleak.attacks.gma_core import LabelWatch, gradient_distance, optimise_soft_labels
+from splitleak.attacks.gma_core import Rules, optimise_soft_labels
 from splitleak.errors import ConfigError
 
 
@@ -58,13 +58,7 @@ def match_chunk_candidates(
     active: torch.Tensor,
     N: float,
     k: int,
-    distance: str,
-    tag_alpha: float,
-    steps: int,
-    lr: float,
-    tol: float,
-    patience: int,
-    watch: LabelWatch,
+    rules: Rules,
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """One chunk's labels over its candidates; returns (steps taken, final per-document distance, labels
     [m, T-1] as token ids)."""
@@ -75,12 +69,11 @@ def match_chunk_candidates(
         W = head.weight.detach().float()
         p = torch.softmax(head(x.detach()).float(), dim=-1)
         a_p = p @ W  # W^T p, once over the whole vocabulary
-        cand = _candidates(x, h, a_p, W, g_obs, active, N, k, distance, tag_alpha)
+        cand = _candidates(x, h, (a_p, W), g_obs, active, N, k, rules)
         rows = W[cand]  # [m, T-1, K, H]
         steps_taken, dist, z = optimise_soft_labels(
             x, h, lambda q: ((a_p - torch.einsum("mtk,mtkh->mth", q, rows)) / N).to(x.dtype),
-            torch.zeros(cand.shape, dtype=torch.float32), g_obs, active, distance, tag_alpha, steps, lr, tol,
-            patience, watch,
+            torch.zeros(cand.shape, dtype=torch.float32), g_obs, active, rules,
         )  # fmt: skip
         labels = cand.gather(-1, z.argmax(-1, keepdim=True)).squeeze(-1)
     # a document with no gradient was not matched: its label is that of uniform logits over the vocabulary
@@ -89,24 +82,17 @@ def match_chunk_candidates(
 
 
 def _candidates(
-    x: torch.Tensor,
-    h: torch.Tensor,
-    a_p: torch.Tensor,
-    W: torch.Tensor,
-    g_obs: torch.Tensor,
-    active: torch.Tensor,
-    N: float,
-    k: int,
-    distance: str,
-    tag_alpha: float,
-) -> torch.Tensor:
+    x: torch.Tensor, h: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor], g_obs: torch.Tensor,
+    active: torch.Tensor, N: float, k: int, rules: Rules,
+) -> torch.Tensor:  # fmt: skip
     """[m, T-1, K] token ids: per position, the K tokens towards which moving the uniform soft labels lowers the
-    chunk's distance most (first order)."""
+    chunk's distance most (first order). ``head``: W^T p and the head's weight W."""
+    a_p, W = head
     a_u = W.mean(0).expand_as(a_p).clone().requires_grad_(True)  # W^T q at the uniform q
     (g_hat,) = torch.autograd.grad(
         x, h, grad_outputs=((a_p - a_u) / N).to(x.dtype), create_graph=True, retain_graph=True
     )
     weight = active.to(h.device, torch.float32)
-    objective = (gradient_distance(g_hat, g_obs.detach().to(h.device), distance, tag_alpha) * weight).sum()
+    objective = (rules.distance_of(g_hat, g_obs.detach().to(h.device)) * weight).sum()
     (d_a,) = torch.autograd.grad(objective, a_u)
     return (-(d_a @ W.T)).topk(min(k, W.shape[0]), dim=-1).indices

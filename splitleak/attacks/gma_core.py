@@ -3,6 +3,7 @@ gradients, the stop on the labels, and Adam on the soft labels' logits through a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -52,6 +53,24 @@ class LabelWatch:
         return self.patience > 0 and self.unchanged >= self.patience
 
 
+@dataclass(frozen=True)
+class Rules:
+    """How a chunk's soft labels are matched: the distance (and TAG's weight), Adam's rate, and the stopping rules
+    (at most ``steps``; relative improvement below ``tol`` over ``patience`` steps; labels held ``label_patience``
+    steps, 0: off)."""
+
+    distance: str
+    tag_alpha: float
+    steps: int
+    lr: float
+    tol: float
+    patience: int
+    label_patience: int
+
+    def distance_of(self, g_hat: torch.Tensor, g_obs: torch.Tensor) -> torch.Tensor:
+        return gradient_distance(g_hat, g_obs, self.distance, self.tag_alpha)
+
+
 def optimise_soft_labels(
     out: torch.Tensor,
     h: torch.Tensor,
@@ -59,13 +78,7 @@ def optimise_soft_labels(
     z0: torch.Tensor,
     g_obs: torch.Tensor,
     active: torch.Tensor,
-    distance: str,
-    tag_alpha: float,
-    steps: int,
-    lr: float,
-    tol: float,
-    patience: int,
-    watch: LabelWatch,
+    rules: Rules,
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """Adam on the soft labels' logits Z (from ``z0``) until a stopping rule holds: each step the gradient the proxy
     returns for them is the vector-Jacobian product of ``out`` (a function of ``h`` in the kept graph) with
@@ -73,29 +86,30 @@ def optimise_soft_labels(
     final Z)."""
     g_obs = g_obs.detach().to(h.device)
     z = z0.to(h.device).clone().requires_grad_(True)
-    opt = fused_optimizer(torch.optim.Adam, [z], lr=lr)
+    opt = fused_optimizer(torch.optim.Adam, [z], lr=rules.lr)
     weight = active.to(h.device, torch.float32)
-    if distance == "cos":
+    watch = LabelWatch(rules.label_patience)
+    if rules.distance == "cos":
         scale = 1.0
     else:
-        ref = gradient_distance(torch.zeros_like(g_obs), g_obs, distance, tag_alpha)
+        ref = rules.distance_of(torch.zeros_like(g_obs), g_obs)
         scale = float((ref * weight).sum()) or 1.0
     history: list[float] = []
     t = 0
     while True:
         q = torch.softmax(z, dim=-1)
         (g_hat,) = torch.autograd.grad(out, h, grad_outputs=pull(q), create_graph=True, retain_graph=True)
-        per_doc = gradient_distance(g_hat, g_obs, distance, tag_alpha)
+        per_doc = rules.distance_of(g_hat, g_obs)
         objective = (per_doc * weight).sum() / scale
         value = float(objective.detach())
         history.append(value)
-        if t >= steps or not bool(active.any()):
+        if t >= rules.steps or not bool(active.any()):
             break
         if watch.settled(z):
             break
-        if t >= patience:
-            before = history[-1 - patience]
-            if before - value <= tol * abs(before):
+        if t >= rules.patience:
+            before = history[-1 - rules.patience]
+            if before - value <= rules.tol * abs(before):
                 break
         (gz,) = torch.autograd.grad(objective, z)
         opt.zero_grad(set_to_none=True)
