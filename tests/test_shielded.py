@@ -391,15 +391,18 @@ def test_gma_sl_refuses_a_run_it_cannot_read(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(
+    "seed,reader",
+    [(0, {}), (1, {}), (0, {"start": "uniform", "candidates": 4}), (1, {"start": "uniform", "candidates": 4})],
+)
 def test_the_twin_reads_gma_sls_frames_once_and_a_reader_that_starts_at_the_truth_is_still_caught(
-    tmp_path, seed, monkeypatch
+    tmp_path, seed, reader, monkeypatch
 ):
     """The mis-paired twin holds the arm's frames with their rows in the arm's order, so GMA-SL matches each
     frame once (``GMASL._read_frame``): the result is the one of matching it again, bit for bit, and an honest
     twin reads exactly the arm's labels (each difference 0). The frame's key holds its initial labels: a reader
     that starts GMA-SL at the true labels of the documents the traffic is labelled with is caught by its twin,
-    which starts at another document's."""
+    which starts at another document's. The same over candidates (the audit's reader's kind)."""
     from splitleak.attacks.config import make_attack_config
     from splitleak.attacks.gma import GMASL
     from splitleak.attacks.knowledge import load_knowledge, load_traffic
@@ -410,7 +413,7 @@ def test_the_twin_reads_gma_sls_frames_once_and_a_reader_that_starts_at_the_trut
         **SMALL, data="instructions", shielded=_shielded(), seed=seed, data_seed=seed, capture_batch=3
     )
     run_training(cfg, tmp_path / "run", device="cpu")
-    acfg = make_attack_config(attack="gma-sl", params={"steps": 40})
+    acfg = make_attack_config(attack="gma-sl", params={"steps": 40, **reader})
     matched: list[int] = []
     plain_match = GMASL._match_frame
 
@@ -445,7 +448,7 @@ def test_the_twin_reads_gma_sls_frames_once_and_a_reader_that_starts_at_the_trut
     knowledge = load_knowledge(tmp_path / "run", "public", with_top=True)
     traffic = load_traffic(tmp_path / "run")
     docs = [d for d in phase_documents(tmp_path / "run", "capture")]
-    cheat = StartsAtTheTruth(steps=0).fit(knowledge)
+    cheat = StartsAtTheTruth(steps=0, **reader).fit(knowledge)
     arm = controlled_read(cheat.reconstruct(traffic))
     assert float((arm[:, 1:] == torch.tensor([truth[i][1:] for i in traffic.doc_ids])).float().mean()) == 1.0
     control = mispaired_control(cheat, traffic, arm, docs, 6, acfg, None)
