@@ -84,17 +84,26 @@ def test_latent_arms_expand_into_train_jobs_and_attacks_by_the_mode_they_read(tm
 def test_a_named_split_resolves_per_model_and_the_shipped_spec_has_the_papers_sizes(tmp_path):
     from splitleak.experiments import plan_grid
 
+    def split(j):
+        return j.config["train"]["latent"]["split_after"], j.config["train"]["latent"]["resume_at"]
+
     g = plan_grid("decoys", profile="quick")
-    # per train job: 3 partition rules, the probe battery under 3 threat models, decoy-history, gauge-key-search
-    assert g.counts() == {"train": 6, "attack": 6 * 8, "reuse": 0}
-    splits = {
-        (j.config["train"]["latent"]["split_after"], j.config["train"]["latent"]["resume_at"])
-        for j in g.of_kind("train")
+    # per main train job: 3 partition rules, the probe battery under 3 threat models, decoy-history,
+    # gauge-key-search; on the mitigation split what its claims read: the open arm's support partition and the
+    # oracle battery
+    assert g.counts() == {"train": 12, "attack": 6 * 8 + 2 + 6, "reuse": 0}
+    by_split = {split(j) for j in g.of_kind("train") if not j.fields["defence"].endswith("-mitigation")}
+    mitigation = {split(j) for j in g.of_kind("train") if j.fields["defence"].endswith("-mitigation")}
+    assert (by_split, mitigation) == ({(15, 28)}, {(23, 28)})  # SmolLM2's main and mitigation presets
+    read = {
+        (j.fields["attack"], j.fields["defence"]) for j in g.of_kind("attack") if "mitigation" in j.fields["defence"]
     }
-    assert splits == {(15, 28)}  # SmolLM2's main preset
+    assert read == {("support-partition", "open-mitigation")} | {
+        ("latent-probe", f"{arm}-mitigation") for arm in ("open", "fix", "naked")
+    }
     full = plan_grid("decoys")
-    assert full.counts() == {"train": 9, "attack": 9 * 8, "reuse": 0}
-    assert {(j.config["train"]["latent"]["split_after"], j.config["train"]["latent"]["resume_at"]) for j in full.of_kind("train")} == {(14, 26)}  # fmt: skip
+    assert full.counts() == {"train": 18, "attack": 18 * 8, "reuse": 0}
+    assert {split(j) for j in full.of_kind("train")} == {(14, 26), (21, 26)}  # Qwen3's: 11 and 4 delegated
     assert {j.config["train"]["seed"] for j in full.of_kind("train")} == {48, 49, 50}
     utility = plan_grid("decoys", profile="utility")  # the profile's latent list replaces the file's
     assert utility.counts() == {"train": 4, "attack": 12, "reuse": 0}

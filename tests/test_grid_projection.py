@@ -31,10 +31,20 @@ def _unmatched(grid, name: str, overrides: list[str]) -> list[dict]:
 def test_a_full_job_is_projected_only_from_a_quick_job_with_the_same_attack_parameters(wikitext_dir):
     grid = _grid_module()
     over = [f"data.path={wikitext_dir}"]
-    # decoys' quick profile runs a probe battery of 3 views x 2 models x 1 restart; the full one the default
-    # 5 x 4 x 3: its 27 probe jobs (9 runs x 3 threat models) have no measurement, everything else has
+    # decoys' quick profile runs a probe battery of 3 views x 2 models x 1 restart (4 views x the MLP on the
+    # mitigation split); the full one the default 5 x 4 x 3: its 54 probe jobs (18 runs x 3 threat models) have
+    # no measurement; nor have, on the mitigation split, the 14 other jobs per seed the quick profile leaves out
+    # there (the partition rules but the open arm's support rule, the two adaptive attacks); everything else has
     missing = _unmatched(grid, "decoys", over)
-    assert len(missing) == 27 and {f["attack"] for f in missing} == {"latent-probe"}
+    probes = [f for f in missing if f["attack"] == "latent-probe"]
+    others = [f for f in missing if f["attack"] != "latent-probe"]
+    assert len(probes) == 54 and len(others) == 14 * 3
+    assert all(f["defence"].endswith("-mitigation") for f in others)
+    assert not any(
+        f["defence"] == "open-mitigation" and f["params"] and json.loads(f["params"]) == {"rule": "support"}
+        for f in others
+    )
+    missing = probes
     assert {json.loads(f["params"])["threat"] for f in missing} == {"shadow", "trained-codec", "oracle"}
     # mirage's quick GMA-SL runs 100 of its 400 steps: none of the full attack jobs has a measurement
     missing = _unmatched(grid, "mirage", over)

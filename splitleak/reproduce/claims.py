@@ -55,7 +55,7 @@ class PaperValue(BaseModel):
         return self
 
 
-Kind = Literal["difference", "level", "ratio", "share", "family", "other"]
+Kind = Literal["difference", "level", "ratio", "share", "family", "gate", "other"]
 
 
 class Statistic(BaseModel):
@@ -63,10 +63,12 @@ class Statistic(BaseModel):
     documents (crossed bootstrap); ``level``: the treatment's mean; ``ratio``: the treatment's mean over the
     control's (the same resampled units in both); ``share``: the share of the control's misses the treatment
     gets right, net of what it newly gets wrong, mean(treatment - control) / mean(1 - control) over the same
-    resampled units (a metric that is a share, e.g. token recovery); ``family``: several configurations, each measured as a
-    ``member`` (difference, level or ratio) and judged by the claim's rule, the claim agreeing only where every
-    member does (``members``); ``other``: a form no reader of the store is built for yet (``form`` says which),
-    reported as not run with that reason."""
+    resampled units (a metric that is a share, e.g. token recovery); ``family``: several configurations, each
+    measured as a ``member`` (difference, level or ratio) and judged by the claim's rule, the claim agreeing only
+    where every member does (``members``); ``gate``: 002's gate statistic G of a probe battery's view per seed,
+    each seed's decision against the paper's side of its pass mark (``reproduce.latent``; with no arm, the
+    protocol's threshold itself); ``other``: a form no reader of the store is built for yet (``form`` says
+    which), reported as not run with that reason."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: Kind
@@ -86,7 +88,7 @@ class Statistic(BaseModel):
 
     @model_validator(mode="after")
     def _arms(self) -> "Statistic":
-        if self.kind in ("difference", "level", "ratio", "share") and not self.treatment:
+        if self.kind in ("difference", "level", "ratio", "share", "gate") and not self.treatment:
             raise ValueError(f"a {self.kind} names its treatment")
         if self.kind in ("difference", "ratio", "share") and not self.control:
             raise ValueError(f"a {self.kind} names its control")

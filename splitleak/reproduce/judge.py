@@ -26,6 +26,7 @@ from scipy import stats
 
 from splitleak.audit.analysis import ATTACK_FIELDS, METRICS, RUN_FIELDS, paired_matrices, score_matrix, select
 from splitleak.errors import ConfigError, DataError
+from splitleak.report.grid_common import pp
 from splitleak.reproduce.claims import Claim
 from splitleak.reproduce.latent import is_latent, measure_latent, why_not_latent
 from splitleak.reproduce.positions import POSITION_METRICS, first_token_rows, gross_matrices
@@ -76,7 +77,10 @@ class Judgement:
 #: metrics a label attack's job records once over its documents (``result_json``), read per job
 JOB_METRICS = ("label_recovery", "answer_label_recovery", "rougeL_f", "rouge1_f", "rouge2_f", "meteor")
 #: metrics of a trained run (the store's train rows), read per run; their claims name no attack
-TRAIN_METRICS = ("heldout_ce", "perplexity", "delta_u")
+TRAIN_METRICS = ("heldout_ce", "perplexity", "delta_u", "ce_increase_over_pretrained")
+#: a train row's metric derived from two of its columns: a latent run's held-out CE over the frozen pretrained
+#: model's (002's Δ loss, the utility gate's reading)
+DERIVED = {"ce_increase_over_pretrained": ("heldout_ce", "pretrained_ce")}
 
 
 def member_claim(claim: Claim, statistic: Any) -> Claim:
@@ -229,7 +233,11 @@ def _per_seed(rows: Sequence[dict[str, Any]], metric: str) -> dict[Any, float]:
     for r in rows:
         if r["key"] in by_job:
             continue
-        value = json.loads(r["result_json"]).get(metric) if metric in JOB_METRICS else r.get(metric)
+        if metric in DERIVED:
+            a, b = (r.get(c) for c in DERIVED[metric])
+            value = None if a is None or b is None else float(a) - float(b)
+        else:
+            value = json.loads(r["result_json"]).get(metric) if metric in JOB_METRICS else r.get(metric)
         if value is not None:
             by_job[r["key"]] = (r.get("victim_seed"), float(value))
     seeds: dict[Any, list[float]] = {}
@@ -261,7 +269,10 @@ def measure_per_seed(claim: Claim, rows: Sequence[dict[str, Any]], alpha: float 
         picked = select(rows, sel)
         if not picked:
             return "the store holds no result of " + _arm(arm)
-        arms.append((picked, _per_seed(picked, st.metric)))
+        values = _per_seed(picked, st.metric)
+        if not values:
+            return f"no row of {_arm(arm)} records its {st.metric}"
+        arms.append((picked, values))
     seeds = sorted(set.intersection(*(set(v) for _, v in arms)), key=str)
     if not seeds:
         return "its treatment and control share no victim seed"
@@ -306,6 +317,8 @@ def judge(claim: Claim, ours: Measured | str) -> Judgement:
     """The verdict on ``claim`` given our reading (or why there is none): module docstring."""
     if isinstance(ours, str):
         return Judgement(claim, "not run", ours)
+    if claim.statistic.kind == "gate":  # a decision per seed, not an interval: no power either
+        return Judgement(claim, *_gate_rule(claim, ours), ours)
     verdict, reason = _rule(claim, ours)
     j = Judgement(claim, verdict, reason, ours)
     if len(ours.units) >= 2 and ours.sd > 0:
@@ -391,6 +404,43 @@ def _side(low: float, high: float, threshold: float, direction: str) -> str:
     above = low > threshold if direction == "above" else high < threshold
     below = high < threshold if direction == "above" else low > threshold
     return "agrees" if above else "disagrees" if below else "underpowered"
+
+
+def _gate_rule(claim: Claim, m: Measured) -> tuple[str, str]:
+    """A gate claim: the paper's G against its pass mark (above: the gate breaks) and ours per seed, each seed's
+    decision as the protocol reads its battery. Agrees where every seed decides the paper's way, disagrees where
+    one decides the other way, and is underpowered where a seed's battery cannot decide (fewer family arms than
+    declared, holding the gate). A claim of the threshold itself agrees where our protocol's equals the paper's."""
+    a, p = claim.agreement, claim.paper
+    decisions = m.setting.get("decisions")
+    if decisions is None:
+        if p.estimate is None:
+            return "no number", f"ours: the gate at {pp(m.estimate)} pp; the seed text gives no threshold"
+        same = abs(m.estimate - p.estimate) <= EPS
+        return ("agrees" if same else "disagrees"), (
+            f"our protocol {m.setting['protocol']} breaks the gate above {pp(m.estimate)} pp; the paper's gate is "
+            f"{pp(p.estimate)} pp"
+        )
+    if a.rule != "pass-mark" or a.pass_mark is None:
+        raise ConfigError(f"claim {claim.id}: a gate is judged by the paper's pass mark (rule: pass-mark)")
+    mark = a.pass_mark
+    per_seed = "; ".join(f"seed {s} G {pp(g)} pp {decisions[s]}" for s, g in zip(m.seeds, m.units))
+    theirs = [x for x in (p.estimate, p.low, p.high, *(p.range or ())) if x is not None]
+    if not theirs:
+        return "no number", f"ours: {per_seed}; the seed text gives no G to compare with"
+    if all(x > mark for x in theirs):
+        side, other = "breaks", "holds"
+    elif all(x <= mark for x in theirs):
+        side, other = "holds", "breaks"
+    else:
+        return "no number", f"ours: {per_seed}; the paper's cells fall on both sides of {pp(mark)} pp"
+    said = f"ours: {per_seed}; the paper's G {side} the {pp(mark)} pp gate"
+    ds = list(decisions.values())
+    if other in ds:
+        return "disagrees", said
+    if all(d == side for d in ds):
+        return "agrees", said
+    return "underpowered", said + " (a battery of fewer family arms than the protocol declares cannot hold it)"
 
 
 def _rule(claim: Claim, m: Measured) -> tuple[str, str]:

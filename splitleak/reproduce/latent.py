@@ -9,6 +9,11 @@ latent ``arm`` (the spec's label: open, fix, naked), and for a partition its ``r
 - A probe's paired effect over the most-frequent-token control: per seed the best non-degenerate arm of the
   named view (and probe model) — or, with ``control: shuffled-label``, its shuffled-label twin's arm — its frame-bootstrap interval at α unadjusted (one seed), or the mean over seeds
   with Student's t over them (several).
+- A gate (002 Eq. 1, statistic ``kind: gate``): per seed the gate statistic G of the named view as the
+  protocol reads the battery (``audit.gate.latent_verdict``: the largest Bonferroni-Wilson upper bound of the
+  family's arms minus the constant's rate) with its decision (breaks, holds, or undecided where the battery ran
+  fewer family arms than the protocol declares and holds the gate); with a ``probe`` outside the family (002's
+  deep probe) G of that probe's arms alone. A gate claim that names no arm reads the protocol's threshold itself.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import numpy as np
 from scipy import stats
 
 from splitleak.reproduce.claims import Claim
-from splitleak.stats.binomial import wilson_interval
+from splitleak.stats.binomial import gate_statistic, wilson_interval
 
 LATENT_ATTACKS = ("support-partition", "latent-probe")
 KEYS = {
@@ -43,6 +48,13 @@ def why_not_latent(claim: Claim) -> str:
     if st.kind == "other":
         return f"no reader of this statistic is built yet ({st.form or st.metric})"
     t = st.treatment or {}
+    if st.kind == "gate":
+        if t["attack"] != "latent-probe":
+            return "a gate is read from a probe battery (attack: latent-probe)"
+        if t.get("control") is not None:
+            return "a gate is read on the battery itself, not on its twin"
+        if ("arm" in t) != ("view" in t):
+            return "a gate names both its arm and its view, or neither (the protocol's threshold)"
     unknown = sorted(set(t) - KEYS[t["attack"]])
     if unknown:
         return f"it selects by {', '.join(unknown)}, which the latent reader does not read"
@@ -78,9 +90,48 @@ def measure_latent(claim: Claim, summary: Any) -> tuple[float, float, float, np.
     if why:
         return why
     t = claim.statistic.treatment or {}
+    if claim.statistic.kind == "gate":
+        return _gate(t, summary)
     if t["attack"] == "support-partition":
         return _partition(t, summary)
     return _probe(t, summary)
+
+
+def _gate(t: dict[str, Any], summary: Any):
+    """G per seed of the named arm, view (and probe) with its decision in ``setting["decisions"]``; with no arm,
+    the threshold of the protocol the summary was read under."""
+    th = summary.thresholds
+    if th is None:
+        return "the store's latent summary was read under no protocol: it has no gate"
+    if "arm" not in t:
+        setting = {"protocol": th.protocol, "protocol_hash": th.protocol_hash[:12]}
+        return th.gate, float("nan"), float("nan"), np.array([th.gate]), [], setting
+    view, probe, threat = t["view"], t.get("probe"), t.get("threat", "shadow")
+    runs = [r for r in summary.probes if r.arm == t["arm"] and r.threat == threat]
+    if not runs:
+        return f"the store holds no probe battery of arm {t['arm']} under threat model {threat}"
+    per_seed: dict[int, tuple[float, str]] = {}
+    for r in runs:
+        if probe is None:
+            v = ((r.protocol or {}).get("by_view") or {}).get(view)
+            if v is not None and "gate_statistic" in v:
+                per_seed[r.seed] = (float(v["gate_statistic"]), v["decision"])
+            continue
+        arms = [a for a in r.arms if not a.get("degenerate") and a["arm"].split("/")[:2] == [view, probe]]
+        if arms:  # one probe's arms, Bonferroni over them: not the family, so no declared J to fall short of
+            g = gate_statistic([a["right"] for a in arms], [a["known"] for a in arms], r.constant, th.alpha, th.gate)
+            per_seed[r.seed] = (float(g.G), "breaks" if g.breaks else "holds")
+    if not per_seed:
+        what = f"{probe} probe on the {view} view" if probe else f"family arm on the {view} view"
+        return f"no battery of arm {t['arm']} under threat model {threat} ran a non-degenerate {what}"
+    seeds = sorted(per_seed)
+    values = np.array([per_seed[s][0] for s in seeds])
+    setting = {"arm": t["arm"], "view": view, "threat": threat, "model": runs[0].model, "victim_seeds": len(seeds)}
+    if probe:
+        setting["probe"] = probe
+    setting["decisions"] = {s: per_seed[s][1] for s in seeds}
+    # G is itself a one-sided bound (a Wilson upper bound less a rate): no interval is drawn around it
+    return float(values.max()), float("nan"), float("nan"), values, seeds, setting
 
 
 def _partition(t: dict[str, Any], summary: Any):

@@ -26,6 +26,8 @@ def _number(j: Judgement) -> Callable[[float | None], str]:
     kind = st.member if st.kind == "family" else st.kind
     if kind == "ratio":
         return lambda x: "n/a" if x is None or math.isnan(x) else f"{x:.3f}"
+    if kind == "gate":  # G: a Wilson bound less a rate, in percentage points
+        return lambda x: _share(x, True)
     if st.metric in TRAIN_METRICS:
         form = "{:+.4f}" if kind == "difference" else "{:.4f}"
         return lambda x: "n/a" if x is None or math.isnan(x) else form.format(x)

@@ -1,0 +1,147 @@
+"""002's gate claims read from the grid report's latent summary (``reproduce.latent._gate``, judged by
+``reproduce.judge._gate_rule``): the gate statistic G per seed as the protocol reads the battery, each seed's
+decision against the paper's side of its pass mark."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from splitleak.audit.gate import GateThresholds
+from splitleak.report.grid_latent import ProbeRun
+from splitleak.reproduce.claims import Claim
+from splitleak.reproduce.run import judge_claim
+
+TH = GateThresholds(0.01, 0.05, 9, 0.35, "gate_002", "c191739b8a35" * 5)
+
+
+def _run(seed: int, arm: str, by_view: dict, arms: list, constant: float = 0.05, threat: str = "oracle"):
+    protocol = {"by_view": by_view}
+    return ProbeRun("smollm2-135m", arm, "defaults", seed, {}, None, None, constant, arms, protocol, threat)
+
+
+def _claim(treatment: dict, estimate: float | None = None, low: float | None = None, high: float | None = None):
+    return Claim(
+        id="g", wording="w", where="§5.3", spec="decoys",
+        paper={"estimate": estimate, "low": low, "high": high, "unit": "pp gate statistic G"},
+        statistic={"kind": "gate", "metric": "G", "treatment": treatment},
+        agreement={"rule": "pass-mark", "pass_mark": 0.01},
+    )  # fmt: skip
+
+
+def _deep(name: str, right: int, known: int, degenerate: bool = False) -> dict:
+    return {"arm": name, "right": right, "known": known, "accuracy": right / known, "degenerate": degenerate}
+
+
+@pytest.fixture
+def summary():
+    grad = {"gradient": {"gate_statistic": 0.0131, "decision": "breaks"}}
+    return SimpleNamespace(
+        thresholds=TH,
+        probes=[
+            _run(1, "open", grad | {"joint": {"gate_statistic": 0.004, "decision": "undecided"}},
+                 [_deep("forward/deep/0", 120, 1000)]),
+            _run(2, "open", {"gradient": {"gate_statistic": 0.0112, "decision": "breaks"},
+                             "joint": {"gate_statistic": 0.003, "decision": "holds"}},
+                 [_deep("forward/deep/0", 30, 1000), _deep("forward/deep/1", 900, 1000, degenerate=True)]),
+            _run(1, "open", {"gradient": {"gate_statistic": 0.002, "decision": "holds"}}, [], threat="shadow"),
+            _run(1, "fix", {"gradient": {"gate_statistic": 0.003, "decision": "holds"}}, []),
+        ],
+    )  # fmt: skip
+
+
+@pytest.mark.unit
+def test_a_gate_claim_reads_g_per_seed_and_agrees_only_on_the_papers_side(summary):
+    grad = {"attack": "latent-probe", "view": "gradient", "arm": "open", "threat": "oracle"}
+    j = judge_claim(_claim(grad, 0.01147), [], [], latent=summary)
+    assert j.verdict == "agrees", j.reason
+    assert j.ours is not None and list(j.ours.units) == [0.0131, 0.0112] and j.ours.estimate == 0.0131
+    assert np.isnan(j.ours.low) and j.detectable is None  # G is a bound itself: no interval, no power
+    assert "seed 1 G +1.31 pp breaks" in j.reason and "seed 2 G +1.12 pp breaks" in j.reason
+    # the paper's number edited to the holding side turns the verdict
+    assert judge_claim(_claim(grad, 0.005), [], [], latent=summary).verdict == "disagrees"
+    # a range over cells: every cell must be on one side
+    assert judge_claim(_claim(grad, None, 0.0144, 0.0218), [], [], latent=summary).verdict == "agrees"
+    assert judge_claim(_claim(grad, None, 0.005, 0.0218), [], [], latent=summary).verdict == "no number"
+    # the threat model selects: the shadow battery of the same arm holds the gate
+    shadow = judge_claim(_claim({**grad, "threat": "shadow"}, 0.01147), [], [], latent=summary)
+    assert shadow.verdict == "disagrees" and list(shadow.ours.units) == [0.002]
+
+
+@pytest.mark.unit
+def test_a_battery_that_cannot_decide_the_gate_is_underpowered_not_agreeing(summary):
+    joint = {"attack": "latent-probe", "view": "joint", "arm": "open", "threat": "oracle"}
+    # the paper holds the gate; seed 1 ran fewer family arms than declared and holds: undecided
+    j = judge_claim(_claim(joint, 0.0048), [], [], latent=summary)
+    assert j.verdict == "underpowered" and "fewer family arms" in j.reason
+    # where the paper breaks it, a holding seed disagrees even beside an undecided one
+    assert judge_claim(_claim(joint, 0.02), [], [], latent=summary).verdict == "disagrees"
+
+
+@pytest.mark.unit
+def test_a_probe_outside_the_family_is_gated_alone_by_its_wilson_bound(summary):
+    from statsmodels.stats.proportion import proportion_confint
+
+    deep = {"attack": "latent-probe", "view": "forward", "arm": "open", "threat": "oracle", "probe": "deep"}
+    j = judge_claim(_claim(deep, 0.2419), [], [], latent=summary)
+    # one-sided upper bound at alpha = the two-sided Wilson interval's upper end at 2 alpha, less the constant
+    want1 = proportion_confint(120, 1000, alpha=2 * 0.05, method="wilson")[1] - 0.05
+    want2 = proportion_confint(30, 1000, alpha=2 * 0.05, method="wilson")[1] - 0.05  # the degenerate arm left out
+    assert j.ours is not None and list(j.ours.units) == pytest.approx([want1, want2], abs=1e-12)
+    assert j.ours.setting["decisions"] == {1: "breaks", 2: "holds"}
+    assert j.verdict == "disagrees"  # seed 2 holds where the paper breaks
+    assert judge_claim(_claim({**deep, "probe": "graph"}), [], [], latent=summary).verdict == "not run"
+
+
+@pytest.mark.unit
+def test_the_threshold_claim_reads_the_protocols_gate_and_bad_gate_claims_say_why(summary):
+    threshold = judge_claim(_claim({"attack": "latent-probe"}, 0.01), [], [], latent=summary)
+    assert threshold.verdict == "agrees" and "gate_002" in threshold.reason
+    assert judge_claim(_claim({"attack": "latent-probe"}, 0.02), [], [], latent=summary).verdict == "disagrees"
+    no_view = judge_claim(_claim({"attack": "latent-probe", "arm": "open"}, 0.01), [], [], latent=summary)
+    assert no_view.verdict == "not run" and "both its arm and its view" in no_view.reason
+    part = judge_claim(
+        _claim({"attack": "support-partition", "arm": "open", "view": "x"}, 0.01), [], [], latent=summary
+    )
+    assert part.verdict == "not run" and "latent-probe" in part.reason
+    missing = judge_claim(
+        _claim({"attack": "latent-probe", "view": "gradient", "arm": "naked-mitigation"}, 0.01), [], [], latent=summary
+    )
+    assert missing.verdict == "not run" and "naked-mitigation" in missing.reason
+    summary.thresholds = None
+    assert "no protocol" in judge_claim(_claim({"attack": "latent-probe"}, 0.01), [], [], latent=summary).reason
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_utility_gate_claims_read_each_runs_ce_over_the_pretrained_model(seed):
+    """002's Δ loss: a latent run's held-out CE less the frozen pretrained model's, per victim seed (a train row's
+    two columns), judged on the side of the 0.35-nat gate."""
+    from scipy import stats
+
+    rng = np.random.default_rng(seed)
+    pre = rng.uniform(3.0, 4.0, size=3)
+    rise = rng.uniform(0.02, 0.08, size=3)
+    train = [
+        {"key": f"t{s}", "defence": "open-mitigation", "victim_seed": s, "heldout_ce": p + d, "pretrained_ce": p}
+        for s, p, d in zip((1, 2, 3), pre, rise)
+    ] + [{"key": "t9", "defence": "open", "victim_seed": 1, "heldout_ce": 3.0, "pretrained_ce": None}]
+
+    def claim(defence, direction):
+        return Claim(
+            id="u", wording="w", where="§5.3", spec="decoys", paper={"estimate": None, "low": 0.054, "high": 0.071,
+            "unit": "nats"}, statistic={"kind": "level", "metric": "ce_increase_over_pretrained",
+            "treatment": {"attack": None, "defence": defence}},
+            agreement={"rule": "qualitative", "direction": direction, "threshold": 0.35, "ours": True},
+        )  # fmt: skip
+
+    j = judge_claim(claim("open-mitigation", "below"), [], train)
+    half = stats.t.isf(0.025, 2) * np.std(rise, ddof=1) / np.sqrt(3)
+    assert j.ours is not None and list(j.ours.units) == pytest.approx(list(rise), abs=1e-12)
+    assert (j.ours.low, j.ours.high) == pytest.approx((rise.mean() - half, rise.mean() + half))
+    assert j.verdict == "agrees"  # well under the gate, as the paper's cells
+    assert judge_claim(claim("open-mitigation", "above"), [], train).verdict == "disagrees"
+    missing = judge_claim(claim("open", "above"), [], train)  # a run without its pretrained CE has no reading
+    assert missing.verdict == "not run" and "records its ce_increase_over_pretrained" in missing.reason
