@@ -19,9 +19,20 @@ from splitleak.report.grid_shielded import ArmCell, shape_claims
 @pytest.mark.unit
 def test_the_shipped_mirage_spec_plans_one_train_job_per_arm_and_seed():
     full = plan_grid("mirage")
-    # 17 arms x 2 seeds; gma-sl and gma-sl-aware on all but top-only (which sends no gradient to match), BiSR(b+f)
+    # 23 arms x 2 seeds; gma-sl and gma-sl-aware on all but top-only (which sends no gradient to match), BiSR(b+f)
     # and BiSR(f) on 2
-    assert full.counts() == {"train": 34, "attack": 2 * 32 + 8, "reuse": 0}
+    assert full.counts() == {"train": 46, "attack": 2 * 44 + 8, "reuse": 0}
+    answer = next(j for j in full.of_kind("train") if j.fields["defence"] == "none-answer-only")
+    assert answer.config["train"]["shielded"]["answer_only"] is True
+    extreme = [j for j in full.of_kind("train") if j.fields["defence"].startswith("mirage-frozen-m")]
+    assert sorted(j.config["train"]["defences"][0]["args"]["m"] for j in extreme) == sorted(
+        2 * [4000, 10000, 25000, 50000, 100000]
+    )
+    assert {j.config["train"]["shielded"]["train"] for j in extreme} == {"trunk-frozen"}
+    quick = plan_grid("mirage", profile="quick")  # the extreme m arms for their utility only: no attack reads them
+    assert quick.counts() == {"train": 20, "attack": 22, "reuse": 0}
+    read = {j.fields["defence"] for j in quick.of_kind("attack")}
+    assert "none-answer-only" in read and not any(d.startswith("mirage-frozen") for d in read)
     aware = [j for j in full.of_kind("attack") if j.fields["attack"] == "gma-sl-aware"]
     assert {j.train_key for j in aware} == {
         j.train_key for j in full.of_kind("attack") if j.fields["attack"] == "gma-sl"
