@@ -19,9 +19,9 @@ from splitleak.report.grid_shielded import ArmCell, shape_claims
 @pytest.mark.unit
 def test_the_shipped_mirage_spec_plans_one_train_job_per_arm_and_seed():
     full = plan_grid("mirage")
-    # 23 arms x 2 seeds; gma-sl and gma-sl-aware on all but top-only (which sends no gradient to match), BiSR(b+f)
-    # and BiSR(f) on 2
-    assert full.counts() == {"train": 46, "attack": 2 * 44 + 8, "reuse": 0}
+    # 23 arms x 2 seeds; gma-sl and gma-sl-aware on all but top-only (which sends no gradient to match), BiSR(b+f),
+    # BiSR(f) and BiSR(b) by cosine on 2
+    assert full.counts() == {"train": 46, "attack": 2 * 44 + 12, "reuse": 0}
     answer = next(j for j in full.of_kind("train") if j.fields["defence"] == "none-answer-only")
     assert answer.config["train"]["shielded"]["answer_only"] is True
     extreme = [j for j in full.of_kind("train") if j.fields["defence"].startswith("mirage-frozen-m")]
@@ -30,7 +30,10 @@ def test_the_shipped_mirage_spec_plans_one_train_job_per_arm_and_seed():
     )
     assert {j.config["train"]["shielded"]["train"] for j in extreme} == {"trunk-frozen"}
     quick = plan_grid("mirage", profile="quick")  # the extreme m arms for their utility only: no attack reads them
-    assert quick.counts() == {"train": 20, "attack": 22, "reuse": 0}
+    assert quick.counts() == {"train": 20, "attack": 24, "reuse": 0}
+    cosine = [j for j in quick.of_kind("attack") if j.fields["attack"] == "bisr-b"]
+    assert sorted(j.fields["defence"] for j in cosine) == ["mirage", "none"]
+    assert {json.loads(j.fields["params"])["b_distance"] for j in cosine} == {"cos"}
     read = {j.fields["defence"] for j in quick.of_kind("attack")}
     assert "none-answer-only" in read and not any(d.startswith("mirage-frozen") for d in read)
     aware = [j for j in full.of_kind("attack") if j.fields["attack"] == "gma-sl-aware"]
