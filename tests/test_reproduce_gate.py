@@ -145,3 +145,33 @@ def test_the_utility_gate_claims_read_each_runs_ce_over_the_pretrained_model(see
     assert judge_claim(claim("open-mitigation", "above"), [], train).verdict == "disagrees"
     missing = judge_claim(claim("open", "above"), [], train)  # a run without its pretrained CE has no reading
     assert missing.verdict == "not run" and "records its ce_increase_over_pretrained" in missing.reason
+
+
+@pytest.mark.unit
+def test_seeds_that_read_exactly_alike_keep_their_frames_intervals(summary):
+    """Two batteries whose twins read the same paired effect (a count over the same frame count can) would give
+    Student's t an interval of no width; the reading keeps the seeds' own frame-bootstrap intervals instead."""
+    from scipy import stats
+    twin = {
+        "attack": "latent-probe",
+        "view": "gradient",
+        "arm": "open",
+        "threat": "oracle",
+        "control": "shuffled-label",
+    }
+    for r, (low, high) in zip(summary.probes[:2], [(-0.033, -0.006), (-0.032, -0.007)]):
+        r.arms = [{"arm": "gradient/mlp/0", "paired_effect": 0.01, "paired_low": 0.0, "paired_high": 0.02}]
+        r.twin_arms = [{"arm": "gradient/mlp/0", "paired_effect": -0.0195, "paired_low": low, "paired_high": high}]
+    c = Claim(
+        id="t", wording="w", where="§5.3", spec="decoys", paper={"estimate": 0.0, "unit": "pp"},
+        statistic={"kind": "level", "metric": "m", "treatment": twin},
+        agreement={"rule": "tolerance", "tolerance": 0.0008},
+    )  # fmt: skip
+    j = judge_claim(c, [], [], latent=summary)
+    assert j.ours is not None and j.ours.estimate == pytest.approx(-0.0195)
+    assert (j.ours.low, j.ours.high) == pytest.approx((-0.0325, -0.0065))
+    assert j.verdict == "disagrees"  # below the paper's floor even on the wider interval
+    summary.probes[1].twin_arms[0]["paired_effect"] = -0.0185  # alike no more: Student's t over the two seeds
+    t = judge_claim(c, [], [], latent=summary)
+    half = stats.t.isf(0.025, 1) * np.std([-0.0195, -0.0185], ddof=1) / np.sqrt(2)
+    assert t.ours is not None and (t.ours.low, t.ours.high) == pytest.approx((-0.019 - half, -0.019 + half))

@@ -7,8 +7,9 @@ latent ``arm`` (the spec's label: open, fix, naked), and for a partition its ``r
 
 - A partition's row agreement: over every row of every seed's frames, with its Wilson interval over the rows.
 - A probe's paired effect over the most-frequent-token control: per seed the best non-degenerate arm of the
-  named view (and probe model) — or, with ``control: shuffled-label``, its shuffled-label twin's arm — its frame-bootstrap interval at α unadjusted (one seed), or the mean over seeds
-  with Student's t over them (several).
+  named view (and probe model) — or, with ``control: shuffled-label``, its shuffled-label twin's arm — its
+  frame-bootstrap interval at α unadjusted (one seed), or the mean over seeds with Student's t over them
+  (several; where the seeds read exactly alike, their frame-bootstrap intervals averaged).
 - A gate (002 Eq. 1, statistic ``kind: gate``): per seed the gate statistic G of the named view as the
   protocol reads the battery (``audit.gate.latent_verdict``: the largest Bonferroni-Wilson upper bound of the
   family's arms minus the constant's rate) with its decision (breaks, holds, or undecided where the battery ran
@@ -183,6 +184,11 @@ def _probe(t: dict[str, Any], summary: Any):
     values = np.array([per_seed[s]["paired_effect"] for s in seeds])
     if len(seeds) == 1:
         low, high = per_seed[seeds[0]]["paired_low"], per_seed[seeds[0]]["paired_high"]
+    elif values.std(ddof=1) == 0:
+        # seeds that read exactly alike (counts over the same frame count can) give Student's t no width: claim no
+        # more than each seed's own frames do, their frame-bootstrap intervals averaged
+        low = float(np.mean([per_seed[s]["paired_low"] for s in seeds]))
+        high = float(np.mean([per_seed[s]["paired_high"] for s in seeds]))
     else:
         half = float(stats.t.isf(0.025, len(seeds) - 1) * values.std(ddof=1) / np.sqrt(len(seeds)))
         low, high = float(values.mean()) - half, float(values.mean()) + half
