@@ -301,7 +301,7 @@ def _arm(sel: dict[str, Any]) -> str:
 
 def _setting(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for f in ("model", "depth", "client_copy", "k", "budget", "defence"):
+    for f in ("model", "depth", "client_copy", "k", "budget", "defence", "steps"):
         vals = sorted({str(r.get(f)) for r in rows if r.get(f) is not None})
         if vals:
             out[f] = vals[0] if len(vals) == 1 else vals
