@@ -152,6 +152,7 @@ def test_seeds_that_read_exactly_alike_keep_their_frames_intervals(summary):
     """Two batteries whose twins read the same paired effect (a count over the same frame count can) would give
     Student's t an interval of no width; the reading keeps the seeds' own frame-bootstrap intervals instead."""
     from scipy import stats
+
     twin = {
         "attack": "latent-probe",
         "view": "gradient",
