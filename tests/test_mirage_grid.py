@@ -146,6 +146,19 @@ def test_the_claims_hold_on_numbers_shaped_like_the_papers_and_each_fails_when_i
 
 
 @pytest.mark.unit
+def test_the_answer_only_and_extreme_m_arms_never_stand_in_for_the_claims_arms():
+    """An answer-only undefended arm is not claim (a)'s undefended arm, and a frozen Trunk at an extreme m is not
+    claim (e)'s frozen twin of the default mirage, wherever they come in the cells."""
+    verdict = lambda cells: {c.name: c.holds for c in shape_claims(cells)}  # noqa: E731
+    answer = _cell("none-answer-only", labels=0.2)  # would fail (a) if it were read as the undefended arm
+    answer.answer_only = True
+    extreme = _cell("frozen-m100000", "mirage", {"m": 100000}, train="trunk-frozen", ce=4.0)  # would fail (e)
+    assert verdict([answer, extreme, *_paper_shaped()]) == dict.fromkeys("abcde", True)
+    answer.answer_only = False  # the same cell as a full-supervision arm, first: (a) reads it, and fails
+    assert verdict([answer, *_paper_shaped()])["a"] is False
+
+
+@pytest.mark.unit
 def test_the_claims_read_each_arm_on_its_strongest_label_reader():
     verdict = lambda cells: {c.name: c.holds for c in shape_claims(cells)}  # noqa: E731
     cells = _paper_shaped()

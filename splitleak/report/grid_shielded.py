@@ -68,6 +68,7 @@ class ArmCell:
     recall10: float | None
     #: attack -> metric -> mean over seeds (label_recovery, rougeL_f, token_recovery, meteor, answer_label_recovery)
     attacks: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    answer_only: bool = False  # the loss on the answer tokens only (003 App. E): outside the claims of shape
 
     @property
     def chain_names(self) -> str:
@@ -130,6 +131,7 @@ def shielded_summary(attack_rows: Sequence[dict[str, Any]], train_rows: Sequence
                 asnr=_mean([(u.get("mean") or {}).get("asnr") for u in utility]),
                 recall10=_mean([(u.get("mean") or {}).get("recall@10") for u in utility]),
                 attacks={a: {m: _mean(v) for m, v in ms.items()} for a, ms in seen.items()},
+                answer_only=bool((cfg.get("shielded") or {}).get("answer_only", False)),
             )
         )
     order = {"all": 0, "trunk-frozen": 1, "top-only": 2}
@@ -172,7 +174,7 @@ def shape_claims(cells: Sequence[ArmCell], thresholds: dict[str, float] | None =
     if not cells:
         return []
     model = cells[0].model
-    cells = [c for c in cells if c.model == model]
+    cells = [c for c in cells if c.model == model and not c.answer_only]  # (a)-(e) are claims of full supervision
     full = [c for c in cells if c.train == "all"]
     none = next((c for c in full if c.chain_names == "none"), None)
     mirage = [c for c in full if c.chain_names == "mirage"]
@@ -309,6 +311,9 @@ def _claim_e(cells: Sequence[ArmCell], default_mirage: ArmCell | None, th: dict[
             for c in cells
             if c.train == "trunk-frozen"
             and c.chain_names == (default_mirage.chain_names if default_mirage else "mirage")
+            # at the default mirage's own m and r: the extreme-m arms (App. C.6) are another question
+            and _is(c.arg("mirage", "m", 1750.0), 1750.0)
+            and _is(c.arg("mirage", "r", 1 / 7), 1 / 7)
         ),
         None,
     )
