@@ -176,3 +176,74 @@ def test_seeds_that_read_exactly_alike_keep_their_frames_intervals(summary):
     t = judge_claim(c, [], [], latent=summary)
     half = stats.t.isf(0.025, 1) * np.std([-0.0195, -0.0185], ddof=1) / np.sqrt(2)
     assert t.ours is not None and (t.ours.low, t.ours.high) == pytest.approx((-0.019 - half, -0.019 + half))
+
+
+class _Words:
+    """A tokenizer stub: ids as words (label_scores decodes the labels for ROUGE)."""
+
+    def decode(self, ids):
+        return " ".join(str(i) for i in ids)
+
+
+@pytest.mark.unit
+def test_the_answer_and_query_labels_are_scored_per_document():
+    """003 App. E: label_scores splits an instruction document's labels at its answer; a document without a query
+    (its answer starts at token 1) has no query reading."""
+    import torch
+
+    from splitleak.audit.extras import label_scores
+    from splitleak.data.documents import Document
+
+    docs = [
+        Document(7, (10, 11, 12, 13, 14, 15), "", (), "t", answer_start=3),
+        Document(8, (20, 21, 22, 23, 24, 25), "", (), "t", answer_start=1),
+    ]
+    labels = torch.tensor([[11, 99, 13, 99, 15], [21, 22, 99, 99, 99]])
+    out = label_scores(labels, docs, _Words())
+    # doc 7: query labels (tokens 1, 2) right, wrong; answer labels (3, 4, 5) right, wrong, right
+    assert out["query_label_recovery_per_doc"] == [[7, 0.5]]
+    assert [d for d, _ in out["answer_label_recovery_per_doc"]] == [7, 8]
+    assert [v for _, v in out["answer_label_recovery_per_doc"]] == pytest.approx([2 / 3, 0.4])
+    assert out["answer_label_recovery"] == pytest.approx(4 / 8) and out["query_label_recovery"] == 0.5
+    assert out["label_recovery"] == pytest.approx(5 / 10)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_answer_over_query_is_read_over_the_documents_that_have_both(seed):
+    import json
+
+    from splitleak.stats.bootstrap import crossed_bootstrap_ci
+
+    rng = np.random.default_rng(seed)
+    answer, query = rng.uniform(0.5, 1.0, size=8), rng.uniform(0.0, 0.5, size=8)
+    result = {
+        "answer_label_recovery_per_doc": [[i, float(a)] for i, a in enumerate(answer)],
+        "query_label_recovery_per_doc": [[i, float(q)] for i, q in enumerate(query) if i != 5],  # doc 5: no query
+        "answer_label_recovery": float(answer.mean()),
+    }
+    rows = [
+        {"key": "j", "attack": "gma-sl", "defence": "none-answer-only", "victim_seed": 1, "doc_id": i,
+         "result_json": json.dumps(result)}
+        for i in range(8)
+    ]  # fmt: skip
+
+    def claim(metric):
+        return Claim(
+            id="q", wording="w", where="App. E", spec="mirage", paper={"estimate": None, "unit": "share"},
+            statistic={"kind": "level", "metric": metric, "treatment": {"attack": "gma-sl",
+                       "defence": "none-answer-only"}},
+            agreement={"rule": "qualitative", "direction": "above", "threshold": 0.0, "ours": True},
+        )  # fmt: skip
+
+    j = judge_claim(claim("answer_minus_query_label_recovery"), rows, [])
+    keep = [i for i in range(8) if i != 5]
+    want = crossed_bootstrap_ci((answer - query)[keep][None, :], n_boot=20_000, alpha=0.05, seed=0)
+    assert j.ours is not None and j.ours.docs == 7 and list(j.ours.units) == pytest.approx((answer - query)[keep])
+    assert (j.ours.estimate, j.ours.low, j.ours.high) == pytest.approx((want.estimate, want.low, want.high))
+    assert j.verdict == "agrees"  # every answer is read better than its query here
+    a = judge_claim(claim("answer_label_recovery"), rows, [])  # per document now: an interval from one seed
+    assert a.ours is not None and a.ours.docs == 8 and a.ours.low < answer.mean() < a.ours.high
+    old = [{**r, "result_json": json.dumps({"answer_label_recovery": float(answer.mean())})} for r in rows]
+    assert judge_claim(claim("answer_label_recovery"), old, []).reason.endswith("no interval")  # an older store
+    assert judge_claim(claim("answer_minus_query_label_recovery"), old, []).verdict == "not run"

@@ -78,23 +78,30 @@ def effective_readout(r: dict[str, Any]) -> str | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _per_doc_labels(result_json: str) -> dict[int, float]:
-    """A label attack's per-document label recovery from its job's result (``audit.extras.label_scores``), parsed
-    once per job (every document row of a job carries the same result; the dict is only read)."""
-    return {int(d): float(v) for d, v in json.loads(result_json).get("label_recovery_per_doc") or []}
+def _per_doc_labels(result_json: str, span: str = "") -> dict[int, float]:
+    """A label attack's per-document label recovery (of a ``span``'s labels: answer, query) from its job's result
+    (``audit.extras.label_scores``), parsed once per job (every document row of a job carries the same result)."""
+    key = f"{span}_label_recovery_per_doc" if span else "label_recovery_per_doc"
+    return {int(d): float(v) for d, v in json.loads(result_json).get(key) or []}
 
 
-def document_label_recovery(r: dict[str, Any]) -> float:
-    """The share of one document's labels a label attack recovered (NaN where its result has none per document:
-    a store written before they were recorded)."""
+def document_label_recovery(r: dict[str, Any], span: str = "") -> float:
+    """The share of one document's labels (of its ``span``'s) a label attack recovered (NaN where its result has
+    none per document: a store written before they were recorded, or a document without that span)."""
     key = r.get("result_json") or ""
-    return (_per_doc_labels(key) if key else {}).get(int(r["doc_id"]), np.nan)
+    return (_per_doc_labels(key, span) if key else {}).get(int(r["doc_id"]), np.nan)
 
 
 METRICS = {
     "token_recovery": lambda r: r["token_correct"] / r["token_counted"] if r["token_counted"] else np.nan,
     "doc_recovery": lambda r: float(bool(r["exact"])),
     "label_recovery": document_label_recovery,
+    "answer_label_recovery": lambda r: document_label_recovery(r, "answer"),
+    "query_label_recovery": lambda r: document_label_recovery(r, "query"),
+    # 003 App. E: how much better a document's answer is read than its query
+    "answer_minus_query_label_recovery": lambda r: (
+        document_label_recovery(r, "answer") - document_label_recovery(r, "query")
+    ),
 }
 
 

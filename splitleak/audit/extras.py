@@ -76,7 +76,8 @@ def probe_scores(run_dir: Path, traffic: Traffic, probe_tokens: torch.Tensor, ro
 
 def label_scores(labels: torch.Tensor, docs, tokenizer) -> dict[str, Any]:
     """How much of the labels (tokens 1 … T-1) a label attack recovered: the share of label tokens (and of each
-    document's, ``label_recovery_per_doc``), the share of the answer's labels (instruction documents), and ROUGE-1/2/L F and METEOR of the label text
+    document's, ``label_recovery_per_doc``), on instruction documents the shares of the answer's and the query's
+    labels (overall and per document), and ROUGE-1/2/L F and METEOR of the label text
     (``splitleak.metrics.text_overlap``; METEOR only where nltk's WordNet is installed)."""
     truth = torch.tensor([list(d.token_ids) for d in docs])[:, 1:]
     hit = labels.cpu() == truth
@@ -87,7 +88,11 @@ def label_scores(labels: torch.Tensor, docs, tokenizer) -> dict[str, Any]:
         answer = (
             torch.arange(1, truth.shape[1] + 1).unsqueeze(0) >= torch.tensor([d.answer_start for d in docs])[:, None]
         )
-        out["answer_label_recovery"] = float(hit[answer].float().mean()) if bool(answer.any()) else None
+        for name, span in (("answer", answer), ("query", ~answer)):  # the labels of each span (003 App. E)
+            out[f"{name}_label_recovery"] = float(hit[span].float().mean()) if bool(span.any()) else None
+            out[f"{name}_label_recovery_per_doc"] = [
+                [int(d.doc_id), float(h[m].float().mean())] for d, h, m in zip(docs, hit, span) if bool(m.any())
+            ]
     pred_text = [tokenizer.decode(row) for row in labels.tolist()]
     true_text = [tokenizer.decode(row) for row in truth.tolist()]
     rouge = rouge_f(pred_text, true_text)

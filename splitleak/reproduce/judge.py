@@ -75,7 +75,18 @@ class Judgement:
 
 
 #: metrics a label attack's job records once over its documents (``result_json``), read per job
-JOB_METRICS = ("label_recovery", "answer_label_recovery", "rougeL_f", "rouge1_f", "rouge2_f", "meteor")
+JOB_METRICS = (
+    "label_recovery",
+    "answer_label_recovery",
+    "query_label_recovery",
+    "answer_minus_query_label_recovery",  # recorded per document only: a job without it has no reading
+    "rougeL_f",
+    "rouge1_f",
+    "rouge2_f",
+    "meteor",
+)
+#: a label attack's metrics of one span of an instruction document's labels (003 App. E), per document
+SPAN_METRICS = ("answer_label_recovery", "query_label_recovery", "answer_minus_query_label_recovery")
 #: metrics of a trained run (the store's train rows), read per run; their claims name no attack
 TRAIN_METRICS = ("heldout_ce", "perplexity", "delta_u", "ce_increase_over_pretrained")
 #: a train row's metric derived from two of its columns: a latent run's held-out CE over the frozen pretrained
@@ -145,6 +156,8 @@ def measure(
         return Measured(est, low, high, values, seeds, 0, [str(setting.get("model"))], setting, "victim seeds")
     if st.metric in JOB_METRICS and not per_document(rows, st):
         return measure_per_seed(claim, rows, alpha)
+    if st.metric in SPAN_METRICS:  # a document without the span (no query, or an answer cut off) is no unit of it
+        rows = [r for r in rows if not np.isnan(METRICS[st.metric](r))]
     if st.metric in TRAIN_METRICS:
         return measure_per_seed(claim, train_rows, alpha)
     metric = st.metric
@@ -249,11 +262,17 @@ def _per_seed(rows: Sequence[dict[str, Any]], metric: str) -> dict[Any, float]:
 def per_document(rows: Sequence[dict[str, Any]], st: Any) -> bool:
     """Whether a job-level metric is recorded per document in every row of the claim's arms (the label
     attacks' ``label_recovery``, ``audit.analysis.METRICS``): then it is read over documents and seeds, as
-    token recovery is, and has an interval from one victim seed."""
+    token recovery is, and has an interval from one victim seed. A span's metric (``SPAN_METRICS``) needs it in
+    every job of the arms: a document without the span has none."""
     if st.metric not in METRICS:
         return False
     arms = [a for a in (st.treatment, st.control) if a is not None]
     picked = [r for a in arms for r in select(rows, a)]
+    if st.metric in SPAN_METRICS:
+        jobs: dict[str, bool] = {}
+        for r in picked:
+            jobs[r["key"]] = jobs.get(r["key"], False) or not np.isnan(METRICS[st.metric](r))
+        return bool(jobs) and all(jobs.values())
     return bool(picked) and not any(np.isnan(METRICS[st.metric](r)) for r in picked)
 
 
