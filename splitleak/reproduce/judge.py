@@ -30,6 +30,7 @@ from splitleak.report.grid_common import pp
 from splitleak.reproduce.claims import Claim
 from splitleak.reproduce.latent import is_latent, measure_latent, why_not_latent
 from splitleak.reproduce.positions import POSITION_METRICS, first_token_rows, gross_matrices
+from splitleak.reproduce.spans import SPAN_RECOVERY, span_matrices
 from splitleak.stats.binomial import wilson_interval
 from splitleak.stats.bootstrap import Interval, crossed_bootstrap_ci, paired_difference_ci, paired_ratio_ci
 from splitleak.stats.power import detectable_effect, units_needed
@@ -111,7 +112,7 @@ def measurable(claim: Claim, member: bool = False) -> str:
         return why_not_latent(claim)
     if st.kind == "other":
         return f"no reader of this statistic is built yet ({st.form or st.metric})"
-    known = (*METRICS, *JOB_METRICS, *TRAIN_METRICS, *POSITION_METRICS)
+    known = (*METRICS, *JOB_METRICS, *TRAIN_METRICS, *POSITION_METRICS, *SPAN_RECOVERY)
     if st.metric not in known:
         return f"the store holds no {st.metric!r} (it holds {', '.join(sorted(known))})"
     for arm in (st.treatment, st.control):
@@ -169,6 +170,8 @@ def measure(
     t_rows = select(rows, st.treatment)
     if not t_rows:
         return "the store holds no result of its treatment " + _arm(st.treatment)
+    if metric in SPAN_RECOVERY:
+        return _span_level(st, t_rows, n_boot, alpha, seed)
     try:
         if st.kind == "level":
             mt, seeds, docs = score_matrix(t_rows, metric)
@@ -193,6 +196,22 @@ def measure(
         sorted({str(r.get("model")) for r in t_rows}),
         _setting(t_rows),
     )
+
+
+def _span_level(st: Any, t_rows: Sequence[dict[str, Any]], n_boot: int, alpha: float, seed: int) -> Measured | str:
+    """The share of a class's spans the treatment recovers exactly, pooled over spans (``reproduce.spans``)."""
+    if st.kind != "level":
+        return f"a share of spans is read as a level, not as a {st.kind}"
+    try:
+        hits, counts, seeds, docs = span_matrices(t_rows, st.metric)
+    except (ConfigError, DataError) as exc:
+        return f"its rows cannot be read as one configuration: {exc}"
+    if counts.sum() == 0:
+        return f"no document of its rows holds a {SPAN_RECOVERY[st.metric]} span"
+    iv = paired_ratio_ci(hits, counts, n_boot=n_boot, alpha=alpha, seed=seed)
+    setting = {**_setting(t_rows), "spans": int(round(counts.sum(axis=1).mean()))}
+    models = sorted({str(r.get("model")) for r in t_rows})
+    return Measured(iv.estimate, iv.low, iv.high, np.array([]), list(seeds), len(docs), models, setting, "spans")
 
 
 def _paired(st: Any, rows: Sequence[dict[str, Any]], metric: str, n_boot: int, alpha: float, seed: int):
