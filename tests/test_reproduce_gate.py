@@ -14,6 +14,8 @@ from splitleak.report.grid_latent import ProbeRun
 from splitleak.reproduce.claims import Claim
 from splitleak.reproduce.run import judge_claim
 
+#: the open arm's gradient view under the oracle threat model, as 002's claims select it
+GRADIENT_OPEN = {"attack": "latent-probe", "view": "gradient", "arm": "open", "threat": "oracle"}
 TH = GateThresholds(0.01, 0.05, 9, 0.35, "gate_002", "c191739b8a35" * 5)
 
 
@@ -54,7 +56,7 @@ def summary():
 
 @pytest.mark.unit
 def test_a_gate_claim_reads_g_per_seed_and_agrees_only_on_the_papers_side(summary):
-    grad = {"attack": "latent-probe", "view": "gradient", "arm": "open", "threat": "oracle"}
+    grad = GRADIENT_OPEN
     j = judge_claim(_claim(grad, 0.01147), [], [], latent=summary)
     assert j.verdict == "agrees", j.reason
     assert j.ours is not None and list(j.ours.units) == [0.0131, 0.0112] and j.ours.estimate == 0.0131
@@ -153,13 +155,7 @@ def test_seeds_that_read_exactly_alike_keep_their_frames_intervals(summary):
     Student's t an interval of no width; the reading keeps the seeds' own frame-bootstrap intervals instead."""
     from scipy import stats
 
-    twin = {
-        "attack": "latent-probe",
-        "view": "gradient",
-        "arm": "open",
-        "threat": "oracle",
-        "control": "shuffled-label",
-    }
+    twin = {**GRADIENT_OPEN, "control": "shuffled-label"}
     for r, (low, high) in zip(summary.probes[:2], [(-0.033, -0.006), (-0.032, -0.007)]):
         r.arms = [{"arm": "gradient/mlp/0", "paired_effect": 0.01, "paired_low": 0.0, "paired_high": 0.02}]
         r.twin_arms = [{"arm": "gradient/mlp/0", "paired_effect": -0.0195, "paired_low": low, "paired_high": high}]
