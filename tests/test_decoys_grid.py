@@ -90,11 +90,20 @@ def test_a_named_split_resolves_per_model_and_the_shipped_spec_has_the_papers_si
     g = plan_grid("decoys", profile="quick")
     # per main train job: 3 partition rules, the probe battery under 3 threat models, decoy-history,
     # gauge-key-search; on the mitigation split what its claims read: the open arm's support partition and the
-    # oracle battery
-    assert g.counts() == {"train": 12, "attack": 6 * 8 + 2 + 6, "reuse": 0}
-    by_split = {split(j) for j in g.of_kind("train") if not j.fields["defence"].endswith("-mitigation")}
-    mitigation = {split(j) for j in g.of_kind("train") if j.fields["defence"].endswith("-mitigation")}
+    # oracle battery; on the open arm the oracle probe of the real rows (002's forward arm); on each of the
+    # ladder's five cells the oracle probe of the gradient view
+    assert g.counts() == {"train": 22, "attack": 6 * 8 + 2 + 6 + 2 + 10, "reuse": 0}
+    ladder = {"open-del12": (14, 28), "open-del8": (18, 28), "open-del6": (20, 28), "open-w96": (15, 28),
+              "open-w128": (15, 28)}  # fmt: skip
+    trains = [j for j in g.of_kind("train") if j.fields["defence"] not in ladder]
+    by_split = {split(j) for j in trains if not j.fields["defence"].endswith("-mitigation")}
+    mitigation = {split(j) for j in trains if j.fields["defence"].endswith("-mitigation")}
     assert (by_split, mitigation) == ({(15, 28)}, {(23, 28)})  # SmolLM2's main and mitigation presets
+    cells = {j.fields["defence"]: (split(j), j.config["train"]["latent"]["width"]) for j in g.of_kind("train")}
+    assert {a: cells[a][0] for a in ladder} == ladder  # the depth ladder at Qwen3's share of the depth
+    assert [cells[a][1] for a in ("open", "open-del8", "open-w96", "open-w128")] == [64, 64, 96, 128]
+    probes = [j for j in g.of_kind("attack") if j.fields["defence"] in ladder]
+    assert len(probes) == 10 and {json.loads(j.fields["params"])["views"] for j in probes} == {"gradient"}
     read = {
         (j.fields["attack"], j.fields["defence"]) for j in g.of_kind("attack") if "mitigation" in j.fields["defence"]
     }
@@ -102,8 +111,9 @@ def test_a_named_split_resolves_per_model_and_the_shipped_spec_has_the_papers_si
         ("latent-probe", f"{arm}-mitigation") for arm in ("open", "fix", "naked")
     }
     full = plan_grid("decoys")
-    assert full.counts() == {"train": 18, "attack": 18 * 8, "reuse": 0}
-    assert {split(j) for j in full.of_kind("train")} == {(14, 26), (21, 26)}  # Qwen3's: 11 and 4 delegated
+    assert full.counts() == {"train": 33, "attack": 33 * 8, "reuse": 0}
+    # Qwen3's: 11 and 4 delegated, and the ladder's 12, 8 and 6
+    assert {split(j) for j in full.of_kind("train")} == {(14, 26), (21, 26), (13, 26), (17, 26), (19, 26)}
     assert {j.config["train"]["seed"] for j in full.of_kind("train")} == {48, 49, 50}
     utility = plan_grid("decoys", profile="utility")  # the profile's latent list replaces the file's
     assert utility.counts() == {"train": 4, "attack": 12, "reuse": 0}

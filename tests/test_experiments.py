@@ -203,7 +203,7 @@ def test_shipped_specs_expand_to_the_papers_sizes():
     assert {j.fields["attack"] for j in one.of_kind("attack")} == {"property"}
     qwen = plan_grid("partial_offloading", overrides=["model=qwen3-0.6b"])
     assert {j.config["train"]["precision"] for j in qwen.jobs if j.kind == "train"} == {"float64"}
-    assert plan_grid("partial_offloading", profile="quick").counts() == {"train": 24, "attack": 24, "reuse": 0}
+    assert plan_grid("partial_offloading", profile="quick").counts() == {"train": 72, "attack": 72, "reuse": 0}
 
 
 @pytest.mark.unit

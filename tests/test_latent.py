@@ -97,6 +97,11 @@ def test_the_zcdp_accountant():
 def test_named_splits_and_their_refusals():
     assert preset_split("smollm2-135m", "main") == (15, 28)
     assert preset_split("qwen3-0.6b", "main") == (14, 26)  # the paper's: 11 delegated blocks
+    # 002 §6's depth ladder: 12, 8 and 6 delegated blocks before the same trusted tail; on SmolLM2 the cuts at the
+    # same share of the depth, none of them the main split
+    assert [preset_split("qwen3-0.6b", f"ladder-{n}") for n in (12, 8, 6)] == [(13, 26), (17, 26), (19, 26)]
+    ladder = [preset_split("smollm2-135m", f"ladder-{n}") for n in (12, 8, 6)]
+    assert ladder == [(14, 28), (18, 28), (20, 28)] and preset_split("smollm2-135m", "main") not in ladder
     with pytest.raises(ConfigError, match="no latent split"):
         preset_split("smollm2-135m", "other")
     from splitleak.training.config import make_train_config

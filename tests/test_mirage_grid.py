@@ -30,12 +30,13 @@ def test_the_shipped_mirage_spec_plans_one_train_job_per_arm_and_seed():
     )
     assert {j.config["train"]["shielded"]["train"] for j in extreme} == {"trunk-frozen"}
     quick = plan_grid("mirage", profile="quick")  # the extreme m arms for their utility only: no attack reads them
-    assert quick.counts() == {"train": 20, "attack": 24, "reuse": 0}
+    assert quick.counts() == {"train": 22, "attack": 24, "reuse": 0}  # sas and vmf alone: read for what they send
     cosine = [j for j in quick.of_kind("attack") if j.fields["attack"] == "bisr-b"]
     assert sorted(j.fields["defence"] for j in cosine) == ["mirage", "none"]
     assert {json.loads(j.fields["params"])["b_distance"] for j in cosine} == {"cos"}
     read = {j.fields["defence"] for j in quick.of_kind("attack")}
     assert "none-answer-only" in read and not any(d.startswith("mirage-frozen") for d in read)
+    assert not read & {"sas", "vmf"} and {"sas", "vmf"} <= {j.fields["defence"] for j in quick.of_kind("train")}
     aware = [j for j in full.of_kind("attack") if j.fields["attack"] == "gma-sl-aware"]
     assert {j.train_key for j in aware} == {
         j.train_key for j in full.of_kind("attack") if j.fields["attack"] == "gma-sl"

@@ -174,6 +174,80 @@ def test_seeds_that_read_exactly_alike_keep_their_frames_intervals(summary):
     assert t.ours is not None and (t.ours.low, t.ours.high) == pytest.approx((-0.019 - half, -0.019 + half))
 
 
+@pytest.mark.unit
+def test_two_views_of_one_arm_are_read_as_their_difference_per_seed(summary):
+    """002 Table 8: the gradient arm over the forward arm of the oracle-partitioned real rows, each the best arm of
+    its view over the constant, per seed; Student's t over the seeds, none from one seed."""
+    from scipy import stats
+
+    effects = {1: (0.0119, 0.0055), 2: (0.0090, 0.0071)}
+    for r in summary.probes[:2]:
+        g, f = effects[r.seed]
+        r.arms = [
+            {"arm": "gradient/mlp/0", "paired_effect": g, "paired_low": g - 0.004, "paired_high": g + 0.004},
+            {"arm": "gradient/deep/0", "paired_effect": g - 0.003, "paired_low": 0, "paired_high": 1},
+            {"arm": "real-rows/mlp/0", "paired_effect": f, "paired_low": f - 0.004, "paired_high": f + 0.004},
+        ]
+    forward = {**GRADIENT_OPEN, "view": "real-rows"}
+    c = Claim(
+        id="d", wording="w", where="§5.1", spec="decoys", paper={"estimate": 0.0064, "unit": "pp"},
+        statistic={"kind": "difference", "metric": "m", "treatment": GRADIENT_OPEN, "control": forward},
+        agreement={"rule": "same-sign-overlap"},
+    )  # fmt: skip
+    j = judge_claim(c, [], [], latent=summary)
+    diffs = [0.0119 - 0.0055, 0.0090 - 0.0071]
+    half = stats.t.isf(0.025, 1) * np.std(diffs, ddof=1) / np.sqrt(2)
+    assert j.ours is not None and list(j.ours.units) == pytest.approx(diffs)
+    assert (j.ours.low, j.ours.high) == pytest.approx((np.mean(diffs) - half, np.mean(diffs) + half))
+    assert j.verdict == "underpowered"  # two seeds: t with one degree of freedom straddles zero
+    # a family member's control carries its treatment's fields beside the constant: that is the constant
+    constant = {**forward, "predictor": "most-frequent-token constant baseline"}
+    member = Claim(**{**c.model_dump(), "statistic": {**c.statistic.model_dump(), "control": constant}})
+    assert judge_claim(member, [], [], latent=summary).ours.estimate == pytest.approx((0.0119 + 0.0090) / 2)
+    summary.probes = summary.probes[:1]  # one seed: no interval
+    one = judge_claim(c, [], [], latent=summary)
+    assert one.ours is not None and one.ours.estimate == pytest.approx(diffs[0]) and np.isnan(one.ours.low)
+    # two arms, or two threat models, are not two views of one battery
+    other = Claim(**{**c.model_dump(), "statistic": {**c.statistic.model_dump(), "control": {**forward, "arm": "fix"}}})
+    assert "two views of one arm" in judge_claim(other, [], [], latent=summary).reason
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("spread", [0.0, 0.01])
+def test_a_views_heterogeneity_is_the_i2_of_its_best_pooled_arm(spread):
+    """002 §5.3's I² of the gradient arm over seeds: the DerSimonian-Laird pool of the view's arm that pools highest,
+    each seed's SE from its 95 % interval; seeds that agree read I² 0, seeds far apart beyond their SEs near 1."""
+    from scipy.stats import norm
+
+    from splitleak.stats import random_effects
+
+    runs = []
+    for i, seed in enumerate((1, 2, 3)):
+        g = 0.01 + spread * (i - 1)
+        arms = [{"arm": "gradient/mlp/0", "paired_effect": g, "paired_low": g - 0.002, "paired_high": g + 0.002},
+                {"arm": "gradient/deep/0", "paired_effect": 0.001, "paired_low": -0.01, "paired_high": 0.012},
+                {"arm": "forward/mlp/0", "paired_effect": 0.5, "paired_low": 0.4, "paired_high": 0.6}]  # fmt: skip
+        runs.append(_run(seed, "open", {}, arms))
+    summary = SimpleNamespace(thresholds=TH, probes=runs)
+    c = Claim(
+        id="h", wording="w", where="§5.3", spec="decoys", paper={"estimate": 0.77, "unit": "I²"},
+        statistic={"kind": "level", "metric": "I2", "form": "heterogeneity", "treatment": GRADIENT_OPEN},
+        agreement={"rule": "tolerance", "tolerance": 0.2, "ours": True},
+    )  # fmt: skip
+    j = judge_claim(c, [], [], latent=summary)
+    ys = [0.01 + spread * (i - 1) for i in range(3)]
+    want = random_effects(ys, [(0.004 / (2 * norm.ppf(0.975))) ** 2] * 3)
+    assert (
+        j.ours is not None
+        and j.ours.estimate == pytest.approx(want.i2)
+        and j.ours.setting["probe arm"] == "gradient/mlp/0"
+    )
+    assert (want.i2 == 0.0) if spread == 0 else (want.i2 > 0.95)
+    assert j.verdict == "underpowered" and "no interval" in j.reason  # an I² of three seeds draws none
+    summary.probes = runs[:1]
+    assert "two seeds or more" in judge_claim(c, [], [], latent=summary).reason
+
+
 class _Words:
     """A tokenizer stub: ids as words (label_scores decodes the labels for ROUGE)."""
 

@@ -32,7 +32,11 @@ Splits: the paper cuts Qwen3-0.6B (28 blocks) after block 14 and resumes at 26 (
 for its mitigation runs after 21 resuming at 26 (4 delegated). For SmolLM2-135M (30 blocks) the
 presets keep the same tail of two local blocks (resume at L − 2 = 28) and the same position of the
 first cut (after block 15, half the depth, as 14 of 28 is for Qwen3: 12 delegated), and the
-mitigation split keeps the paper's count of 4 delegated blocks (after 23, resume at 28).
+mitigation split keeps the paper's count of 4 delegated blocks (after 23, resume at 28). The depth ladder of
+002 §6 (Table 10: after 13, 17 and 19 on Qwen3, resuming at 26: 12, 8 and 6 delegated) is named ``ladder-N``
+by the paper's count; on SmolLM2 it keeps the tail (resume at 28) and, as ``main`` does, the first cut's share
+of the depth (after 14, 18, 20: 13, 9 and 7 delegated; keeping the counts instead would make ``ladder-12``
+SmolLM2's ``main`` again).
 """
 
 from __future__ import annotations
@@ -47,8 +51,19 @@ from splitleak.errors import ConfigError
 
 #: named latent splits per model: (split_after, resume_at)
 LATENT_SPLITS: dict[str, dict[str, tuple[int, int]]] = {
-    "qwen3-0.6b": {"main": (14, 26), "mitigation": (21, 26)},
-    "smollm2-135m": {"main": (15, 28), "mitigation": (23, 28)},
+    "qwen3-0.6b": {
+        "main": (14, 26),
+        "mitigation": (21, 26),
+        # 002 §6's depth ladder: 12, 8 and 6 blocks delegated (after 13, 17, 19)
+        **{f"ladder-{n}": (25 - n, 26) for n in (12, 8, 6)},
+    },
+    "smollm2-135m": {
+        "main": (15, 28),
+        "mitigation": (23, 28),
+        "ladder-12": (14, 28),  # the ladder's cuts at Qwen3's share of the depth: 13, 9 and 7 delegated
+        "ladder-8": (18, 28),
+        "ladder-6": (20, 28),
+    },
     "tiny-gpt2": {"main": (0, 3), "mitigation": (1, 3)},
 }
 

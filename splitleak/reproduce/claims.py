@@ -55,7 +55,7 @@ class PaperValue(BaseModel):
         return self
 
 
-Kind = Literal["difference", "level", "ratio", "share", "family", "gate", "other"]
+Kind = Literal["difference", "level", "ratio", "share", "family", "gate", "offload", "bound", "other"]
 
 
 class Statistic(BaseModel):
@@ -67,8 +67,11 @@ class Statistic(BaseModel):
     measured as a ``member`` (difference, level or ratio) and judged by the claim's rule, the claim agreeing only
     where every member does (``members``); ``gate``: 002's gate statistic G of a probe battery's view per seed,
     each seed's decision against the paper's side of its pass mark (``reproduce.latent``; with no arm, the
-    protocol's threshold itself); ``other``: a form no reader of the store is built for yet (``form`` says
-    which), reported as not run with that reason."""
+    protocol's threshold itself); ``offload``: 000 §5's partial-offloading tests of the store's runs, the
+    treatment naming them by ``outcome`` and ``defence`` and ``form`` the reading (``variance``, ``heldout``,
+    ``placement``: ``reproduce.offload``); ``bound``: a bound the paper proves for every realization of a defence,
+    ours the extreme over every row its treatment's runs sent (``reproduce.wire``); ``other``: a form no reader of
+    the store is built for yet (``form`` says which), reported as not run with that reason."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     kind: Kind
@@ -88,7 +91,7 @@ class Statistic(BaseModel):
 
     @model_validator(mode="after")
     def _arms(self) -> "Statistic":
-        if self.kind in ("difference", "level", "ratio", "share", "gate") and not self.treatment:
+        if self.kind in ("difference", "level", "ratio", "share", "gate", "offload", "bound") and not self.treatment:
             raise ValueError(f"a {self.kind} names its treatment")
         if self.kind in ("difference", "ratio", "share") and not self.control:
             raise ValueError(f"a {self.kind} names its control")

@@ -3,8 +3,9 @@
 Ours is read from the store's attack rows as ``protocol analyse`` reads them (``audit.analysis.select``,
 ``score_matrix``: victim seeds x documents, attack seeds averaged): a ``difference`` by the paired crossed
 bootstrap, a ``level`` by the crossed bootstrap of the treatment's scores, at level ``ALPHA``. A metric recorded
-once per job or run (label recovery, ROUGE, held-out loss) is read per victim seed (``measure_per_seed``), and
-the decoy system's claims through the grid report's latent summary (``reproduce.latent``).
+once per job or run (label recovery, ROUGE, held-out loss) is read per victim seed (``measure_per_seed``), the
+decoy system's claims through the grid report's latent summary (``reproduce.latent``), and 000 §5's
+partial-offloading claims through the protocol's own tests of the store's runs (``reproduce.offload``).
 
 Verdicts: *agrees*, *disagrees*, *underpowered* (our interval straddles what would decide), *not run* (nothing
 measured it: no reader of its statistic is built yet, or the store holds none of its jobs) and *no number*
@@ -29,8 +30,10 @@ from splitleak.errors import ConfigError, DataError
 from splitleak.report.grid_common import pp
 from splitleak.reproduce.claims import Claim
 from splitleak.reproduce.latent import is_latent, measure_latent, why_not_latent
+from splitleak.reproduce.offload import is_offload, measure_offload, offload_rule, store_runs, why_not_offload
 from splitleak.reproduce.positions import POSITION_METRICS, first_token_rows, gross_matrices
 from splitleak.reproduce.spans import SPAN_RECOVERY, span_matrices
+from splitleak.reproduce.wire import WIRE_METRICS, bound_rule, extreme
 from splitleak.stats.binomial import wilson_interval
 from splitleak.stats.bootstrap import Interval, crossed_bootstrap_ci, paired_difference_ci, paired_ratio_ci
 from splitleak.stats.power import detectable_effect, units_needed
@@ -56,6 +59,7 @@ class Measured:
     models: list[str]
     setting: dict[str, Any] = field(default_factory=dict)
     unit: str = "documents"  # what the power's paired test counts
+    detail: dict[str, Any] = field(default_factory=dict)  # what a reader's own rule reads (not the setting's words)
 
     @property
     def sd(self) -> float:
@@ -110,9 +114,13 @@ def measurable(claim: Claim, member: bool = False) -> str:
         return "" if not all(whys) else whys[0]
     if is_latent(claim):
         return why_not_latent(claim)
+    if is_offload(claim):
+        return why_not_offload(claim)
     if st.kind == "other":
         return f"no reader of this statistic is built yet ({st.form or st.metric})"
-    known = (*METRICS, *JOB_METRICS, *TRAIN_METRICS, *POSITION_METRICS, *SPAN_RECOVERY)
+    if st.kind == "bound" and st.metric not in WIRE_METRICS:
+        return f"a bound is read of {', '.join(WIRE_METRICS)}, not of {st.metric!r}"
+    known = (*METRICS, *JOB_METRICS, *TRAIN_METRICS, *POSITION_METRICS, *SPAN_RECOVERY, *WIRE_METRICS)
     if st.metric not in known:
         return f"the store holds no {st.metric!r} (it holds {', '.join(sorted(known))})"
     for arm in (st.treatment, st.control):
@@ -121,7 +129,8 @@ def measurable(claim: Claim, member: bool = False) -> str:
         unknown = sorted(set(arm) - set(ATTACK_FIELDS) - set(RUN_FIELDS))
         if unknown:
             return f"it selects by {', '.join(unknown)}, which the store's rows do not hold"
-        unset = sorted(k for k, v in arm.items() if v is None and not (k == "attack" and st.metric in TRAIN_METRICS))
+        run_level = st.metric in TRAIN_METRICS or st.metric in WIRE_METRICS  # a run's own reading names no attack
+        unset = sorted(k for k, v in arm.items() if v is None and not (k == "attack" and run_level))
         if unset and not member:
             return f"the paper does not give its {', '.join(unset)} and the claim picks none"
     return ""
@@ -155,6 +164,14 @@ def measure(
             return got
         est, low, high, values, seeds, setting = got
         return Measured(est, low, high, values, seeds, 0, [str(setting.get("model"))], setting, "victim seeds")
+    if is_offload(claim):
+        read = measure_offload(claim, *store_runs(rows, train_rows))
+        if isinstance(read, str):
+            return read
+        est, low, high, values, seeds, setting, detail = read
+        return Measured(est, low, high, values, seeds, 0, [str(setting["model"])], setting, "victim seeds", detail)
+    if st.kind == "bound":
+        return _bound(st, train_rows)
     if st.metric in JOB_METRICS and not per_document(rows, st):
         return measure_per_seed(claim, rows, alpha)
     if st.metric in SPAN_METRICS:  # a document without the span (no query, or an answer cut off) is no unit of it
@@ -196,6 +213,22 @@ def measure(
         sorted({str(r.get("model")) for r in t_rows}),
         _setting(t_rows),
     )
+
+
+def _bound(st: Any, train_rows: Sequence[dict[str, Any]]) -> Measured | str:
+    """The extreme of a wire metric over every row its treatment's runs sent (``reproduce.wire``)."""
+    assert st.treatment is not None
+    picked = select(train_rows, {k: v for k, v in st.treatment.items() if not (k == "attack" and v is None)})
+    if not picked:
+        return "the store holds no run of " + _arm(st.treatment)
+    got = extreme(st.metric, picked)
+    if isinstance(got, str):
+        return got
+    value, runs, rows, docs = got
+    setting = {**_setting(picked), "runs": runs, "rows": rows}
+    seeds = sorted({t.get("victim_seed") for t in picked}, key=str)
+    models = sorted({str(t.get("model")) for t in picked})
+    return Measured(value, math.nan, math.nan, np.array([]), seeds, docs, models, setting, "rows")
 
 
 def _span_level(st: Any, t_rows: Sequence[dict[str, Any]], n_boot: int, alpha: float, seed: int) -> Measured | str:
@@ -357,6 +390,12 @@ def judge(claim: Claim, ours: Measured | str) -> Judgement:
         return Judgement(claim, "not run", ours)
     if claim.statistic.kind == "gate":  # a decision per seed, not an interval: no power either
         return Judgement(claim, *_gate_rule(claim, ours), ours)
+    if claim.statistic.kind == "offload":  # the protocol's tests' decisions against the paper's
+        return Judgement(claim, *offload_rule(claim, ours.detail), ours)
+    if claim.statistic.kind == "bound":  # an extreme over realizations: no interval, no power
+        return Judgement(
+            claim, *bound_rule(claim, ours.estimate, ours.setting["rows"], ours.docs, ours.setting["runs"]), ours
+        )
     verdict, reason = _rule(claim, ours)
     j = Judgement(claim, verdict, reason, ours)
     if len(ours.units) >= 2 and ours.sd > 0:
@@ -484,7 +523,10 @@ def _gate_rule(claim: Claim, m: Measured) -> tuple[str, str]:
 def _rule(claim: Claim, m: Measured) -> tuple[str, str]:
     a, p = claim.agreement, claim.paper
     if math.isnan(m.low) or math.isnan(m.high):
-        return "underpowered", f"ours {m.estimate:+.4f} from one victim seed: no interval"
+        return (
+            "underpowered",
+            f"ours {m.estimate:+.4f} from one victim seed (or a reading that draws none): no interval",
+        )
     if claim.statistic.kind == "difference" and m.low == m.high and a.rule == "equivalence":
         assert a.tolerance is not None
         # every unit differs by the same amount (0: the arms read alike): no resampling can move it

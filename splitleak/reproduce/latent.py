@@ -10,6 +10,11 @@ latent ``arm`` (the spec's label: open, fix, naked), and for a partition its ``r
   named view (and probe model) — or, with ``control: shuffled-label``, its shuffled-label twin's arm — its
   frame-bootstrap interval at α unadjusted (one seed), or the mean over seeds with Student's t over them
   (several; where the seeds read exactly alike, their frame-bootstrap intervals averaged).
+- Two views of one arm (a difference whose control is another ``latent-probe`` reading, 002's gradient arm over
+  its forward arm): per seed the one view's best arm less the other's, Student's t over the seeds (one seed has
+  no interval: the battery keeps each arm's frame-bootstrap interval, not its frames).
+- A view's heterogeneity over seeds (``kind: level``, ``form: heterogeneity``): I² of the DerSimonian-Laird pool
+  of the view's arm that pools highest, as the grid report pools the battery; no interval.
 - A gate (002 Eq. 1, statistic ``kind: gate``): per seed the gate statistic G of the named view as the
   protocol reads the battery (``audit.gate.latent_verdict``: the largest Bonferroni-Wilson upper bound of the
   family's arms minus the constant's rate) with its decision (breaks, holds, or undecided where the battery ran
@@ -20,6 +25,7 @@ latent ``arm`` (the spec's label: open, fix, naked), and for a partition its ``r
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -35,6 +41,8 @@ KEYS = {
 }
 #: a probe claim's ``control: shuffled-label`` reads the battery's shuffled-label twin (its negative control)
 TWIN = "shuffled-label"
+#: a level claim of this form reads the between-seed heterogeneity I² of a view (002 §5.3)
+HETEROGENEITY = "heterogeneity"
 CONSTANT = "most-frequent-token constant baseline"
 
 
@@ -59,11 +67,22 @@ def why_not_latent(claim: Claim) -> str:
     unknown = sorted(set(t) - KEYS[t["attack"]])
     if unknown:
         return f"it selects by {', '.join(unknown)}, which the latent reader does not read"
-    if st.kind == "difference" and (st.control or {}).get("predictor") != CONSTANT:
+    c = st.control or {}
+    if st.kind == "difference" and _two_views(c):
+        differs = sorted(k for k in set(t) | set(c) if t.get(k) != c.get(k))
+        if differs != ["view"]:
+            return (
+                "a difference of two probe readings compares two views of one arm and threat model (it differs in "
+                f"{', '.join(differs) or 'nothing'})"
+            )
+    elif st.kind == "difference" and c.get("predictor") != CONSTANT:
         return "its control is not the most-frequent-token control the probe battery measures against"
     if t.get("control") not in (None, TWIN):
         return f"its twin {t['control']!r} is not the shuffled-label twin the probe battery runs"
-    if st.kind == "level" and t["attack"] != "support-partition" and t.get("control") != TWIN:
+    if st.kind == "level" and st.form == HETEROGENEITY:
+        if t["attack"] != "latent-probe" or "view" not in t or t.get("control") is not None:
+            return "a heterogeneity is read of one view of a probe battery over seeds (attack: latent-probe, a view)"
+    elif st.kind == "level" and t["attack"] != "support-partition" and t.get("control") != TWIN:
         return "a probe battery's level is read against its control (a difference), or of its shuffled-label twin"
     return ""
 
@@ -95,7 +114,78 @@ def measure_latent(claim: Claim, summary: Any) -> tuple[float, float, float, np.
         return _gate(t, summary)
     if t["attack"] == "support-partition":
         return _partition(t, summary)
+    c = claim.statistic.control or {}
+    if _two_views(c):
+        return _view_difference(t, c, summary)
+    if claim.statistic.form == HETEROGENEITY:
+        return _heterogeneity(t, summary)
     return _probe(t, summary)
+
+
+def _heterogeneity(t: dict[str, Any], summary: Any):
+    """I² of the named view's paired effect over seeds: the DerSimonian-Laird pool of the view's arm that pools
+    highest (``stats.random_effects``; each seed's SE from its 95 % frame-bootstrap interval, as the grid
+    report's pooling and 002's artefact derive it). No interval is drawn around I² (ours)."""
+    # lazy: the random-effects pool is the grid report's statistics
+    from splitleak.stats import random_effects
+
+    runs = [r for r in summary.probes if r.arm == t.get("arm", r.arm) and r.threat == t.get("threat", "shadow")]
+    by_seed: dict[int, dict[str, dict[str, Any]]] = {}
+    for r in runs:
+        arms = {a["arm"]: a for a in r.arms if not a.get("degenerate") and a["arm"].split("/")[0] == t["view"]}
+        if arms:
+            by_seed.setdefault(r.seed, {}).update(arms)
+    if len(by_seed) < 2:
+        return f"I² needs the {t['view']} view on two seeds or more; the store holds it on {len(by_seed)}"
+    seeds = sorted(by_seed)
+    z = float(stats.norm.ppf(0.975))
+    pools = {}
+    for name in set.intersection(*(set(by_seed[s]) for s in seeds)):
+        y = np.array([by_seed[s][name]["paired_effect"] for s in seeds], dtype=float)
+        v = np.array(
+            [((by_seed[s][name]["paired_high"] - by_seed[s][name]["paired_low"]) / (2 * z)) ** 2 for s in seeds]
+        )
+        if (v > 0).all():
+            pools[name] = (random_effects(y, v), y)
+    if not pools:
+        return f"no arm of the {t['view']} view has a non-degenerate interval on every seed"
+    name = max(sorted(pools), key=lambda n: pools[n][0].estimate)
+    re, y = pools[name]
+    setting = {"arm": t.get("arm"), "threat": t.get("threat", "shadow"), "probe arm": name, "tau (pp)": round(100 * re.tau, 4),
+               "Q": round(re.q, 3), "model": runs[0].model, "victim_seeds": len(seeds)}  # fmt: skip
+    return re.i2, math.nan, math.nan, y, seeds, setting
+
+
+def _two_views(control: dict[str, Any]) -> bool:
+    """Whether a difference's control is another probe reading rather than the constant (a family's member
+    control carries its treatment's fields beside ``predictor``)."""
+    return control.get("attack") == "latent-probe" and "predictor" not in control
+
+
+def _view_difference(t: dict[str, Any], c: dict[str, Any], summary: Any):
+    """One view's paired effect less another's (each the best non-degenerate arm of its view over the constant),
+    per seed that ran both; Student's t over the seeds (one seed: no interval, as the per-arm frame bootstrap
+    is not kept per frame)."""
+    per_view, model = [], None
+    for arm in (t, c):
+        got = _probe(arm, summary)
+        if isinstance(got, str):
+            return got
+        per_view.append(dict(zip(got[4], got[3])))
+        model = got[5]["model"]
+    seeds = sorted(set(per_view[0]) & set(per_view[1]))
+    if not seeds:
+        return f"no seed ran both the {t['view']} and the {c['view']} view"
+    values = np.array([per_view[0][s] - per_view[1][s] for s in seeds])
+    half = (
+        float(stats.t.isf(0.025, len(seeds) - 1) * values.std(ddof=1) / np.sqrt(len(seeds)))
+        if len(seeds) > 1
+        else math.nan
+    )
+    mean = float(values.mean())
+    setting = {"arm": t.get("arm"), "threat": t.get("threat", "shadow"), "views": f"{t['view']} - {c['view']}",
+               "model": model, "victim_seeds": len(seeds)}  # fmt: skip
+    return mean, mean - half, mean + half, values, seeds, setting
 
 
 def _gate(t: dict[str, Any], summary: Any):

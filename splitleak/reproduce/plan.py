@@ -12,8 +12,11 @@ from typing import Any, Sequence
 from splitleak.audit.analysis import READOUT_ATTACKS, select
 from splitleak.errors import ConfigError
 from splitleak.reproduce.claims import Claim, ClaimsFile
-from splitleak.reproduce.judge import TRAIN_METRICS, measurable
+from splitleak.reproduce.judge import TRAIN_METRICS, measurable, member_claim
 from splitleak.reproduce.latent import is_latent, plan_jobs
+from splitleak.reproduce.offload import is_offload
+from splitleak.reproduce.offload import plan_jobs as offload_jobs
+from splitleak.reproduce.wire import WIRE_METRICS
 
 
 @dataclass
@@ -129,11 +132,16 @@ def plan_reproduction(
 def _claim_plan(c: Claim, rows: dict[str, Any], trains: dict[str, Any], analogue: str = "") -> ClaimPlan:
     why = measurable(c)
     n = 0
-    if not why and is_latent(c):
-        n = plan_jobs(c, rows[c.spec])
+    if not why and is_latent(c):  # a family's members each select their own arm
+        stats = c.statistic.members() if c.statistic.kind == "family" else [c.statistic]
+        n = sum(plan_jobs(member_claim(c, st), rows[c.spec]) for st in stats)
+    elif not why and is_offload(c):
+        n = offload_jobs(c, rows[c.spec])
     elif not why:
         stats = c.statistic.members() if c.statistic.kind == "family" else [c.statistic]
-        n = sum(_jobs(st, trains[c.spec] if st.metric in TRAIN_METRICS else rows[c.spec]) for st in stats)
+        n = sum(
+            _jobs(st, trains[c.spec] if st.metric in (*TRAIN_METRICS, *WIRE_METRICS) else rows[c.spec]) for st in stats
+        )
     return ClaimPlan(c.id, c.spec, n, why, analogue)
 
 

@@ -24,7 +24,7 @@ def _number(j: Judgement) -> Callable[[float | None], str]:
     own unit, a share in % and a difference of shares in percentage points."""
     st = j.claim.statistic
     kind = st.member if st.kind == "family" else st.kind
-    if kind == "ratio":
+    if kind in ("ratio", "offload", "bound"):  # a factor, a partial R², a share of RMSE saved, a bound: plain numbers
         return lambda x: "n/a" if x is None or math.isnan(x) else f"{x:.3f}"
     if kind == "gate":  # G: a Wilson bound less a rate, in percentage points
         return lambda x: _share(x, True)

@@ -18,6 +18,7 @@ from splitleak.reproduce.judge import N_BOOT, Judgement, assess
 from splitleak.reproduce.plan import ReproductionPlan, plan_reproduction
 from splitleak.reproduce.positions import with_positions
 from splitleak.reproduce.report import write_report
+from splitleak.reproduce.wire import with_wire
 
 RECORD = "reproduction.json"
 
@@ -186,7 +187,7 @@ def reproduce(
         res = run_grid(spec, profile=profile, overrides=plan.overrides[spec], store=store, **(run_grid_kwargs or {}))
         rep.failures[spec], rep.ran[spec] = len(res.failures), res.ran
         rows[spec] = with_positions(read_results(store, "attack", as_rows=True), store)
-        train[spec] = read_results(store, "train", as_rows=True)
+        train[spec] = with_wire(read_results(store, "train", as_rows=True), store)
     latent = {spec: latent_of(rows[spec], train[spec]) for spec in rows}
     for f, _ in files:
         rep.judgements[f.paper] = []
