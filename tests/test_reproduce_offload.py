@@ -64,7 +64,9 @@ def test_a_variance_claim_reads_the_protocols_test_and_turns_with_the_papers_ver
     from splitleak.report.grid import offload_run_rows
 
     runs = offload_run_rows(attack, train, DIGEST)
-    want = analyse_partial_offloading(PROTOCOL.model_copy(update={"tests": [t]}), runs)[0]
+    want = next(
+        r for r in analyse_partial_offloading(PROTOCOL, runs) if r["outcome"] == "delta_u" and r["defence"] == "quant8"
+    )
     assert (j.ours.estimate, j.ours.low, j.ours.high) == (want["partial_r2"], want["low"], want["high"])
     assert want["passes"] and j.ours.setting["victim_seeds"] == 3
     assert judge_claim(_claim("variance", t, "fail"), attack, train).verdict == "disagrees"
@@ -139,6 +141,9 @@ def test_bad_offload_claims_say_why_and_a_store_without_runs_reads_not_run():
     assert "forms" in measurable(_claim("ladder", {"defence": "quant8"}, "pass"))
     j = judge_claim(_claim("variance", {"outcome": "delta_u", "defence": "quant8"}, "pass"), [], [])
     assert j.verdict == "not run" and "no partial-offloading run" in j.reason
+    attack, train = _store([11, 22], effect=0.3, noise=0.02, rng_seed=7)
+    j = judge_claim(_claim("variance", {"outcome": "delta_u", "defence": "quant2"}, "pass"), attack, train)
+    assert j.verdict == "not run" and "pre-registers no test of delta_u under quant2" in j.reason
 
 
 @pytest.mark.unit

@@ -130,9 +130,14 @@ def measure_offload(
         return _placement(claim, runs, seeds, setting)
     if len(models) > 1:
         return f"the store holds partial-offloading runs of {', '.join(models)}: read one model at a time"
-    wanted = tests_of(claim)
-    used = protocol.model_copy(update={"tests": wanted})
-    records = analyse_partial_offloading(used, runs)
+    # the protocol's tests as the grid report runs them (each test's permutations and bootstrap seeded by its place
+    # in the protocol), then the claim's
+    every = {(r["outcome"], r["defence"]): r for r in analyse_partial_offloading(protocol, runs)}
+    wanted = [(t["outcome"], t["defence"]) for t in tests_of(claim)]
+    absent = [w for w in wanted if w not in every]
+    if absent:
+        return f"the protocol {protocol.name} pre-registers no test of {absent[0][0]} under {absent[0][1]}"
+    records = [every[w] for w in wanted]
     missing = [r for r in records if "missing" in r]
     if missing:
         return f"its test {missing[0]['outcome']} under {missing[0]['defence']}: {missing[0]['missing']}"
