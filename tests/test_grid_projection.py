@@ -32,14 +32,17 @@ def test_a_full_job_is_projected_only_from_a_quick_job_with_the_same_attack_para
     grid = _grid_module()
     over = [f"data.path={wikitext_dir}"]
     # decoys' quick profile runs a probe battery of 3 views x 2 models x 1 restart (4 views x the MLP on the
-    # mitigation split); the full one the default 5 x 4 x 3: its 54 probe jobs (18 runs x 3 threat models) have
-    # no measurement; nor have, on the mitigation split, the 14 other jobs per seed the quick profile leaves out
-    # there (the partition rules but the open arm's support rule, the two adaptive attacks); everything else has
+    # mitigation split, the gradient view x the MLP on the ladder); the full one the default 5 x 4 x 3: its 99
+    # probe jobs (33 runs x 3 threat models) have no measurement; nor have, on the mitigation split, the 14 other
+    # jobs per seed the quick profile leaves out there (the partition rules but the open arm's support rule, the
+    # two adaptive attacks), nor the ladder's five arms' 5 others per seed (3 partition rules, 2 adaptive attacks);
+    # everything else has
     missing = _unmatched(grid, "decoys", over)
     probes = [f for f in missing if f["attack"] == "latent-probe"]
     others = [f for f in missing if f["attack"] != "latent-probe"]
-    assert len(probes) == 54 and len(others) == 14 * 3
-    assert all(f["defence"].endswith("-mitigation") for f in others)
+    ladder = {"open-del12", "open-del8", "open-del6", "open-w96", "open-w128"}
+    assert len(probes) == 99 and len(others) == 14 * 3 + 5 * 5 * 3
+    assert all(f["defence"].endswith("-mitigation") or f["defence"] in ladder for f in others)
     assert not any(
         f["defence"] == "open-mitigation" and f["params"] and json.loads(f["params"]) == {"rule": "support"}
         for f in others
