@@ -76,7 +76,9 @@ def train_cmd(
         False, "--answer-only", help="label-shielded: supervise the answer tokens only (--data instructions)"
     ),
     latent_split: Optional[str] = typer.Option(
-        None, "--latent-split", help="latent mode: a named split of the model (main, mitigation), or S/R"
+        None,
+        "--latent-split",
+        help="latent mode: a named split of the model (main, mitigation, ladder-12, ladder-8, ladder-6), or S/R",
     ),
     latent_arg: list[str] = typer.Option(
         [],
@@ -272,7 +274,9 @@ def _latent_options(model: str, named: str | None, args: list[str]) -> dict:
     from splitleak.models.latent import preset_split
 
     if named is None:
-        raise ConfigError("--mode latent needs --latent-split (main, mitigation, or S/R: split after S, resume at R)")
+        raise ConfigError(
+            "--mode latent needs --latent-split (main, mitigation, ladder-12/8/6, or S/R: split after S, resume at R)"
+        )
     if "/" in named:
         try:
             s, r = (int(x) for x in named.split("/"))

@@ -186,7 +186,7 @@ LATENT_LR = 3e-4
 class LatentArm(BaseModel):
     """One configuration of the decoy system's latent mode (002 §2; ``splitleak train --mode latent``):
     a ``label`` (it names the arm in the store's ``defence`` column and in the report), the ``split``
-    (a preset of the model, ``main`` or ``mitigation``, or ``S/R``: split after block S, resume at R),
+    (a preset of the model, ``main``, ``mitigation`` or ``ladder-N``, or ``S/R``: split after block S, resume at R),
     ``lr`` (default 3e-4, the paper's) and any other field of ``LatentConfig`` by name
     (``output_gradient: clip-noise``; the naked control: ``sigma: 0, decoys: 0, gauges: false``)."""
 
