@@ -157,6 +157,22 @@ def test_the_power_column_equals_statsmodels(effect, sd, n):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_seeds_t_interval_equals_statsmodels(seed):
+    """The per-seed readers' Student's t interval (``stats.power.t_half_width``) is statsmodels' over the same units;
+    one unit has none."""
+    from statsmodels.stats.weightstats import DescrStatsW
+
+    from splitleak.stats.power import t_half_width
+
+    x = np.random.default_rng(seed).normal(0.02, 0.01, size=3 + seed)
+    low, high = DescrStatsW(x).tconfint_mean(alpha=0.05)
+    assert (x.mean() - t_half_width(x), x.mean() + t_half_width(x)) == pytest.approx((low, high), rel=1e-12)
+    assert t_half_width(x, 0.01) > t_half_width(x)
+    assert np.isnan(t_half_width(x[:1])) and t_half_width([0.3, 0.3, 0.3]) == 0.0
+
+
+@pytest.mark.unit
 def test_a_claim_whose_jobs_are_missing_fails_at_plan(tiny):
     from typer.testing import CliRunner
 

@@ -132,6 +132,10 @@ def test_a_placement_claim_reads_the_pattern_of_the_means():
     assert judge_claim(_claim("placement", pattern, **{**rule, "threshold": 6.0}), attack, train).verdict == "disagrees"
     leaky, _ = _store([11, 22, 88], effect=0.3, noise=0.01, rng_seed=6, vmi=0.2)
     assert judge_claim(_claim("placement", pattern, **rule), leaky, train).verdict == "disagrees"
+    # seeds whose VMI excess reads exactly alike give Student's t no width: near zero, but no certainty either
+    alike = [dict(r, vmi_token_recovery=0.31) for r in attack]
+    j = judge_claim(_claim("placement", pattern, **rule), alike, train)
+    assert j.verdict == "underpowered" and "0 of 12 placements' VMI excess within" in j.reason, j.reason
 
 
 @pytest.mark.unit

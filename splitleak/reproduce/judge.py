@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
-from scipy import stats
 
 from splitleak.audit.analysis import ATTACK_FIELDS, METRICS, RUN_FIELDS, paired_matrices, score_matrix, select
 from splitleak.errors import ConfigError, DataError
@@ -36,7 +35,7 @@ from splitleak.reproduce.spans import SPAN_RECOVERY, span_matrices
 from splitleak.reproduce.wire import WIRE_METRICS, bound_rule, extreme
 from splitleak.stats.binomial import wilson_interval
 from splitleak.stats.bootstrap import Interval, crossed_bootstrap_ci, paired_difference_ci, paired_ratio_ci
-from splitleak.stats.power import detectable_effect, units_needed
+from splitleak.stats.power import detectable_effect, t_half_width, units_needed
 
 #: the level of every interval in a reproduction (the papers' 95 %)
 ALPHA = 0.05
@@ -358,10 +357,7 @@ def measure_per_seed(claim: Claim, rows: Sequence[dict[str, Any]], alpha: float 
     else:
         units = np.array([arms[0][1][s] - (arms[1][1][s] if len(arms) > 1 else 0.0) for s in seeds])
     est = float(units.mean())
-    if len(units) >= 2:
-        half = float(stats.t.isf(alpha / 2, len(units) - 1) * units.std(ddof=1) / np.sqrt(len(units)))
-    else:
-        half = float("nan")
+    half = t_half_width(units, alpha)
     models = sorted({str(r.get("model")) for r in arms[0][0]})
     return Measured(est, est - half, est + half, units, seeds, 0, models, _setting(arms[0][0]), "victim seeds")
 

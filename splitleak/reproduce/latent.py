@@ -33,6 +33,7 @@ from scipy import stats
 
 from splitleak.reproduce.claims import Claim
 from splitleak.stats.binomial import gate_statistic, wilson_interval
+from splitleak.stats.power import t_half_width
 
 LATENT_ATTACKS = ("support-partition", "latent-probe")
 KEYS = {
@@ -177,11 +178,7 @@ def _view_difference(t: dict[str, Any], c: dict[str, Any], summary: Any):
     if not seeds:
         return f"no seed ran both the {t['view']} and the {c['view']} view"
     values = np.array([per_view[0][s] - per_view[1][s] for s in seeds])
-    half = (
-        float(stats.t.isf(0.025, len(seeds) - 1) * values.std(ddof=1) / np.sqrt(len(seeds)))
-        if len(seeds) > 1
-        else math.nan
-    )
+    half = t_half_width(values)
     mean = float(values.mean())
     setting = {"arm": t.get("arm"), "threat": t.get("threat", "shadow"), "views": f"{t['view']} - {c['view']}",
                "model": model, "victim_seeds": len(seeds)}  # fmt: skip
@@ -280,7 +277,7 @@ def _probe(t: dict[str, Any], summary: Any):
         low = float(np.mean([per_seed[s]["paired_low"] for s in seeds]))
         high = float(np.mean([per_seed[s]["paired_high"] for s in seeds]))
     else:
-        half = float(stats.t.isf(0.025, len(seeds) - 1) * values.std(ddof=1) / np.sqrt(len(seeds)))
+        half = t_half_width(values)
         low, high = float(values.mean()) - half, float(values.mean()) + half
     setting = {"arm": t.get("arm"), "threat": threat, "model": runs[0].model, "victim_seeds": len(seeds)}
     setting["best arms"] = sorted({per_seed[s]["arm"] for s in seeds})

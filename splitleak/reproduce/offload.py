@@ -30,10 +30,10 @@ import math
 from typing import Any, Sequence
 
 import numpy as np
-from scipy import stats
 
 from splitleak.errors import ConfigError
 from splitleak.reproduce.claims import Claim
+from splitleak.stats.power import t_half_width
 
 FORMS = ("variance", "heldout", "placement")
 OUTCOMES = ("delta_u", "leakage_index")
@@ -274,7 +274,9 @@ def _near_zero(runs: Sequence[dict[str, Any]], tol: float) -> tuple[str, str] | 
     verdicts, worst = [], (0.0, 0.0, 0.0, (0, 0))
     for cell, v in sorted(by.items()):
         x = np.asarray(v)
-        half = float(stats.t.isf(ALPHA / 2, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else math.inf
+        half = t_half_width(x, ALPHA)
+        if half == 0:  # seeds that read exactly alike: Student's t has no width, and claims no certainty
+            half = math.nan
         lo, hi = float(x.mean()) - half, float(x.mean()) + half
         verdicts.append("agrees" if -tol <= lo and hi <= tol else "disagrees" if hi < -tol or lo > tol else "under")
         if abs(x.mean()) >= abs(worst[0]):
@@ -282,7 +284,8 @@ def _near_zero(runs: Sequence[dict[str, Any]], tol: float) -> tuple[str, str] | 
     verdict = "disagrees" if "disagrees" in verdicts else "underpowered" if "under" in verdicts else "agrees"
     m, lo, hi, (s, b) = worst
     said = (
-        f"{verdicts.count('agrees')} of {len(verdicts)} placements' VMI excess within ±{tol:g} (95 % over seeds); the "
+        f"{verdicts.count('agrees')} of {len(verdicts)} placements' VMI excess within ±{tol:g}, "
+        f"{verdicts.count('disagrees')} outside (95 % over seeds; seeds that read alike give no interval); the "
         f"farthest s={s} b={b}: {m:+.4f} [{lo:+.4f}, {hi:+.4f}]"
     )
     return verdict, said

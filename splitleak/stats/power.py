@@ -10,7 +10,9 @@ that the package does not depend on statsmodels and pandas for three formulas.
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 from scipy import optimize, stats
 
 from splitleak.stats._checks import check_alpha
@@ -68,3 +70,12 @@ def units_needed(effect: float, sd: float, alpha: float = 0.05, power: float = P
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if enough(mid) else (mid, hi)
     return hi
+
+
+def t_half_width(values: Any, alpha: float = 0.05) -> float:
+    """Half the width of Student's t interval at level 1 - ``alpha`` around the mean of ``values`` (the units,
+    e.g. one value per victim seed); NaN for fewer than two values, which have no interval."""
+    x = np.asarray(values, dtype=float)
+    if x.size < 2:
+        return math.nan
+    return float(stats.t.isf(alpha / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size))
