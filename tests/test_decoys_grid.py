@@ -31,6 +31,9 @@ attacks:
   - {attack: latent-probe, params: {views: "real-rows,gradient", models: "mlp", restarts: 1, epochs: 20, threat: trained-codec}}
 """
 
+#: the grid run below adds the dose ladder on the open arm: its nine coverages, the MLP probe
+DOSED = "  - {attack: dose-ladder, params: {doses: coverage, models: mlp, epochs: 20}, defences: [open]}\n"
+
 
 def write(folder: Path, text: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -92,7 +95,8 @@ def test_a_named_split_resolves_per_model_and_the_shipped_spec_has_the_papers_si
     # gauge-key-search; on the mitigation split what its claims read: the open arm's support partition and the
     # oracle battery; on the open arm the oracle probe of the real rows (002's forward arm); on each of the
     # ladder's five cells the oracle probe of the gradient view
-    assert g.counts() == {"train": 22, "attack": 6 * 8 + 2 + 6 + 2 + 10, "reuse": 0}
+    # and on the open arm the dose ladder (002 Table 4)
+    assert g.counts() == {"train": 22, "attack": 6 * 8 + 2 + 6 + 2 + 10 + 2, "reuse": 0}
     ladder = {"open-del12": (14, 28), "open-del8": (18, 28), "open-del6": (20, 28), "open-w96": (15, 28),
               "open-w128": (15, 28)}  # fmt: skip
     trains = [j for j in g.of_kind("train") if j.fields["defence"] not in ladder]
@@ -111,7 +115,10 @@ def test_a_named_split_resolves_per_model_and_the_shipped_spec_has_the_papers_si
         ("latent-probe", f"{arm}-mitigation") for arm in ("open", "fix", "naked")
     }
     full = plan_grid("decoys")
-    assert full.counts() == {"train": 33, "attack": 33 * 8, "reuse": 0}
+    assert full.counts() == {"train": 33, "attack": 33 * 8 + 3, "reuse": 0}
+    dosed = [j for j in full.of_kind("attack") if j.fields["attack"] == "dose-ladder"]
+    assert sorted(j.fields["victim_seed"] for j in dosed) == [48, 49, 50]
+    assert {j.fields["defence"] for j in dosed} == {"open"}
     # Qwen3's: 11 and 4 delegated, and the ladder's 12, 8 and 6
     assert {split(j) for j in full.of_kind("train")} == {(14, 26), (21, 26), (13, 26), (17, 26), (19, 26)}
     assert {j.config["train"]["seed"] for j in full.of_kind("train")} == {48, 49, 50}
@@ -165,7 +172,7 @@ def latent_grid(tmp_path_factory):
     from splitleak.experiments import run_grid
 
     folder = tmp_path_factory.mktemp("latent-grid")
-    spec = write(folder, LATENT)
+    spec = write(folder, LATENT + DOSED)
     store = folder / "store"
     run_grid(spec, store=store, workers=1, threads=1, device="cpu")
     return spec, store
@@ -256,3 +263,42 @@ def test_the_decoy_section_reads_the_partition_the_probes_and_the_fixs_cost(late
     assert "## The decoy system (002)" in text
     assert "4,096 / 4,096 frames exact" in text and "| open | rule=support | 3 | 24 / 24 | 1.000 |" in text
     assert "no main test and no comparison family" in text  # gate_002 has none; the split sections stand aside
+
+
+@pytest.mark.e2e
+def test_the_dose_ladder_job_is_stored_per_dose_and_frame_and_read_back_by_the_report(latent_grid, tmp_path):
+    from splitleak.attacks import make_attack_config
+    from splitleak.attacks.dose import DOSE_SETS
+    from splitleak.audit.evaluate import run_attack
+    from splitleak.experiments import plan_grid, read_results
+    from splitleak.experiments.store import ResultsStore
+    from splitleak.report.grid import grid_report
+    from splitleak.report.grid_dose import AXES, dose_name, dose_runs
+
+    spec, store = latent_grid
+    rows = read_results(store, "attack", as_rows=True)
+    runs = dose_runs(rows)
+    assert [(r.arm, r.seed, r.frames) for r in runs] == [("open", s, 8) for s in (1, 2, 3)]
+    doses = DOSE_SETS["coverage"]
+    for run in runs:
+        assert [(d["mode"], d["coverage"], d["amplitude"]) for d in run.doses] == list(doses)
+        for d in run.doses:  # each frame holds 8 real rows: the paired effect is the frames' mean difference
+            frames = run.frame_delta[dose_name(d["mode"], d["coverage"], d["amplitude"])]
+            assert len(frames) == 8 and set(frames) == set(run.frame_delta[dose_name(*doses[0])])
+            assert np.mean(list(frames.values())) == pytest.approx(d["token_top1"]["paired_effect"], abs=1e-12)
+        res = json.loads(next(r for r in rows if r["key"] == run.key)["result_json"])
+        assert res["learnt_from"]["threat"] == "oracle" and res["channels_read"] == ["activations"]
+        for metric, by_axis in res["dose"]["onsets"].items():
+            for axis in AXES:
+                assert run.onset(metric, axis) == by_axis[axis], (metric, axis)
+    # the full dose is read on every seed, the zero dose on none
+    for run in runs:
+        assert run.at("coordinate", 1.0, 1.0)["token_top1"]["verdict"] == "detected"
+        assert run.at("coordinate", 0.0, 1.0)["token_top1"]["verdict"] != "detected"
+    # the store holds what the job computes when it is run again on its run
+    job = next(j for j in plan_grid(spec).of_kind("attack") if j.key == runs[0].key)
+    direct = run_attack(ResultsStore(store).run_dir(job.train_key), make_attack_config(**job.config["attack"]))
+    assert direct["dose"]["doses"] == runs[0].doses
+    text = " ".join(grid_report(spec, out=tmp_path / "rep", store=store).markdown.read_text().split())
+    assert "### The instrument's positive control: the dose ladder" in text
+    assert "| coverage | tiny-gpt2 open seed 1 (8 frames) | tiny-gpt2 open seed 2 (8 frames) |" in text

@@ -145,6 +145,28 @@ def test_every_latent_attack_reads_the_same_with_a_permuted_record(runs, tmp_pat
     assert True in moved
 
 
+@pytest.mark.unit
+def test_every_latent_attack_is_checked_blind_or_is_the_dose_ladder():
+    """A latent attack added to the registry is either in the permuted-record check above (a reader of the wires
+    alone) or is the dose ladder, which plants its leak with the record by definition and says so (below)."""
+    checked = {name for name, _ in latent_configs()}
+    for name, info in REGISTRY.items():
+        if "latent" in info.modes:
+            assert name in checked or info.output == "dose", name
+
+
+@pytest.mark.integration
+def test_the_dose_ladder_reads_the_record_and_labels_itself_an_oracle(runs, tmp_path):
+    permuted = _permute_record(runs["open"], tmp_path / "open", 0)
+    cfg = make_attack_config(attack="dose-ladder", params={"doses": "coverage", "models": "mlp", "epochs": 3})
+    a, b = run_attack(runs["open"], cfg, verify=False), run_attack(permuted, cfg, verify=False)
+    assert [r["paired_delta"] for r in a["per_doc"]] != [r["paired_delta"] for r in b["per_doc"]]
+    assert (
+        a["learnt_from"]["threat"] == "oracle"
+        and "never what the traffic gives away" in a["learnt_from"]["upper_bound"]
+    )
+
+
 PLANTED = textwrap.dedent(
     """
     from pathlib import Path

@@ -21,7 +21,7 @@ from typing import Literal, get_args
 
 from splitleak.errors import ConfigError
 
-Output = Literal["tokens", "doc-score", "partition", "labels", "row-tokens"]
+Output = Literal["tokens", "doc-score", "partition", "labels", "row-tokens", "dose"]
 #: the attacker's copy of the client layers: the public pretrained weights, or the run's trained ones
 Copy = Literal["public", "trained"]
 COPIES: tuple[str, ...] = get_args(Copy)
@@ -252,6 +252,16 @@ REGISTRY: dict[str, AttackInfo] = {
             "models), scored against the most-frequent-token control, with their shuffled-label twins",
             reads=("activations", "output-gradient"),
             output="row-tokens",
+            modes=("latent",),
+        ),
+        AttackInfo(
+            "dose-ladder",
+            f"{_A}.dose:DoseLadder",
+            "decoy system, positive control: a known token leak planted in the captured rows at rising dose (002 "
+            "Table 4) and read by probes trained with the client's record; where each metric first detects it (an "
+            "instrument check, never a verdict)",
+            reads=("activations", "output-gradient"),
+            output="dose",
             modes=("latent",),
         ),
         AttackInfo(

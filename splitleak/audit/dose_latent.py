@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from splitleak.attacks.dose import CHANNELS, MODES, PAPER_DOSES
 from splitleak.attacks.partition import LatentTraffic, load_latent_traffic
 from splitleak.attacks.probes import ProbeBattery
 from splitleak.audit.gate import GateThresholds, shipped_thresholds
@@ -48,13 +49,6 @@ from splitleak.runs.truth import load_row_tokens, load_truth
 from splitleak.stats.binomial import wilson_interval
 from splitleak.stats.paired import battery_verdict, score_arms
 
-MODES = ("coordinate", "invariant")
-CHANNELS = {"activations": "x", "output-gradient": "g_out"}
-PAPER_DOSES: tuple[tuple[str, float, float], ...] = (
-    *[("coordinate", c, 1.0) for c in (0.0, 0.005, 0.01, 0.02, 0.04, 0.06, 0.10, 0.30, 1.0)],
-    *[("coordinate", 1.0, a) for a in (0.05, 0.10, 0.15, 0.20, 0.30, 0.50)],
-    *[("invariant", c, 1.0) for c in (0.05, 0.25, 0.50, 1.0)],
-)
 RARE_MAX_COUNT = 1  # ours: a rare token occurs at most once among the probe's training rows
 
 
@@ -127,7 +121,10 @@ def _rare_metric(arm_preds: Sequence[np.ndarray], labels: list[np.ndarray], rare
     right = int(sum((np.asarray(p)[m] == y[m]).sum() for p, y, m in zip(arm_preds, labels, mask)))
     const = int(sum((y[m] == constant).sum() for y, m in zip(labels, mask))) / known
     iv = wilson_interval(right, known)
-    return {"rows": known, "accuracy": right / known, "low": iv.low, "constant": const, "detected": iv.low > const}
+    return {
+        "rows": known, "accuracy": right / known, "low": iv.low, "high": iv.high, "constant": const,
+        "detected": iv.low > const,
+    }  # fmt: skip
 
 
 def dose_ladder(
@@ -140,17 +137,21 @@ def dose_ladder(
     n_boot: int = 2000,
     progress=None,
     thresholds: GateThresholds | None = None,
+    truth_dir=None,
 ) -> dict[str, Any]:
     """Run the probe battery at every dose; returns the per-dose metrics and the onsets. The gate and α
     are ``thresholds``' (``splitleak.audit.gate.GateThresholds``; default: the shipped gate_002's),
-    recorded in the output."""
+    recorded in the output. ``truth_dir``: the folder of the client's record (default ``run_dir``; a
+    server's capture holds none). Each dose's row keeps its best arm's per-frame paired differences
+    (``frame_delta``, over ``frame_ids``)."""
     progress = progress or Silent()
     th = thresholds or shipped_thresholds()
     views = ("gradient",) if channel == "output-gradient" else ("real-rows",)
     params = {"views": views, "models": ("mlp", "graph"), "restarts": 1, **(battery or {})}
     # the instrument read with the record into which the leak was injected: the oracle threat model
     probe = ProbeBattery(**{**params, "shuffle": False, "control": False, "seed": seed, "threat": "oracle"})
-    real, tokens = load_truth(run_dir), load_row_tokens(run_dir)
+    record = run_dir if truth_dir is None else truth_dir
+    real, tokens = load_truth(record), load_row_tokens(record)
     train0, eval0 = load_latent_traffic(run_dir, "train"), load_latent_traffic(run_dir, "capture")
     train_tokens = np.concatenate([tokens[f.frame_id][real[f.frame_id]] for f in train0.frames])
     values, counts = np.unique(train_tokens, return_counts=True)
@@ -167,6 +168,7 @@ def dose_ladder(
         stats, extra = score_arms({a.name: a.predictions for a in arms}, labels, seed=seed, n_boot=n_boot)
         v = battery_verdict(stats, extra["weights"], extra["constant"]["accuracy"], alpha=th.alpha, gate=th.gate)
         best = next((a for a in arms if a.name == v.get("best_arm")), arms[0])
+        delta = next(st.frame_delta for st in stats if st.name == best.name)
         rows.append(
             {
                 "mode": mode,
@@ -177,6 +179,7 @@ def dose_ladder(
                 "rare_token_top1": _rare_metric(best.predictions, labels, rare, extra["constant"]["token"]),
                 "best_arm": v.get("best_arm"),
                 "constant": extra["constant"],
+                "frame_delta": [float(d) for d in delta],
             }
         )
         progress.advance(task)
@@ -189,6 +192,7 @@ def dose_ladder(
             "definition": f"seen at most {RARE_MAX_COUNT} time(s) among the probe's training rows (ours)",
             "count": len(rare),
         },  # fmt: skip
+        "frame_ids": [int(f.frame_id) for f in eval0.frames],
         "doses": rows,
         "onsets": onsets(rows),
         "not_measured": ["token_cross_entropy", "membership_auc"],

@@ -24,7 +24,7 @@ from splitleak.attacks.knowledge import Knowledge, Traffic, load_knowledge, load
 from splitleak.attacks.registry import attack_info, attacks_for_mode
 from splitleak.audit.defaults import CONTROL_BOOT
 from splitleak.audit.extras import TruthJudge
-from splitleak.audit.latent_attacks import run_partition_attack, run_probe_attack
+from splitleak.audit.latent_attacks import run_dose_attack, run_partition_attack, run_probe_attack
 from splitleak.audit.result_files import check_result_out, write_result  # noqa: F401 (write_result: re-exported)
 from splitleak.audit.verdicts import (
     MISPAIRED_CONTROL,
@@ -124,6 +124,8 @@ def run_attack(
         )
     if info.output == "row-tokens":
         return run_probe_attack(run_dir, doc_dir, manifest, config, out_path, protocol_hash, force)
+    if info.output == "dose":
+        return run_dose_attack(run_dir, doc_dir, manifest, config, out_path, protocol_hash, force)
     attack = make_attack(config.attack, **config.attack_params())
     if knowledge is None:
         knowledge = load_knowledge(doc_dir, config.client_copy, with_top=info.needs_top)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from splitleak.attacks.config import AttackConfig
 from splitleak.attacks.core import make_attack
+from splitleak.attacks.dose import DOSE_NOTE, DoseLadder
 from splitleak.attacks.partition import (
     LatentFrame,
     LatentPartition,
@@ -26,6 +27,7 @@ from splitleak.attacks.partition import (
 from splitleak.attacks.probes import ProbeBattery
 from splitleak.attacks.shadow import make_shadow, shadow_plan
 from splitleak.audit.defaults import CONTROL_BOOT
+from splitleak.audit.dose_latent import dose_ladder
 from splitleak.audit.gate import TWIN_PREFIX, latent_verdict, shipped_thresholds
 from splitleak.audit.result_files import write_result
 from splitleak.audit.verdicts import control_interval, mispairing
@@ -63,6 +65,14 @@ def _latent_result(
         "doc_recovery": None,
         "span_recovery": None,
     }
+
+
+def _written(result: dict[str, Any], per_frame: list, out_path: Path | None, force: bool) -> dict[str, Any]:
+    """``result`` written with its per-frame rows where ``out_path`` is given, and returned with them."""
+    if out_path is not None:
+        write_result(out_path, result, per_frame, force=force)
+    result["per_doc"] = per_frame
+    return result
 
 
 def run_partition_attack(
@@ -118,10 +128,7 @@ def run_partition_attack(
          "agreement": agreement(pred, truth[f.frame_id]), "predicted": [int(v) for v in pred]}
         for f, (_, pred) in zip(traffic.frames, parts)
     ]  # fmt: skip
-    if out_path is not None:
-        write_result(out_path, result, per_frame, force=force)
-    result["per_doc"] = per_frame
-    return result
+    return _written(result, per_frame, out_path, force)
 
 
 PARTITION_CONTROL = (
@@ -310,7 +317,52 @@ def run_probe_attack(
         "learnt_from": learnt,
         "probes": {**measured, "negative_control": control},
     }
-    if out_path is not None:
-        write_result(out_path, result, per_frame, force=force)
-    result["per_doc"] = per_frame
-    return result
+    return _written(result, per_frame, out_path, force)
+
+
+def run_dose_attack(
+    run_dir: Path,
+    doc_dir: Path,
+    manifest: dict[str, Any],
+    config: AttackConfig,
+    out_path: Path | None,
+    protocol_hash: str | None = None,
+    force: bool = False,
+) -> dict[str, Any]:
+    """The dose ladder (``splitleak.audit.dose_latent``) on a latent run's capture pass, as a job: a known token
+    leak planted with the client's record at each dose of ``doses`` and read by the oracle probe battery. Its
+    result holds every dose's readings and the onsets; its rows, per dose and frame, the best arm's paired
+    difference over the most-frequent-token control. A positive control of the instrument, never a verdict."""
+    attack = make_attack(config.attack, **config.attack_params())
+    if not isinstance(attack, DoseLadder):
+        raise ConfigError(f"attack {config.attack!r} is registered as a dose ladder but is not a DoseLadder")
+    if config.phase != "capture":
+        raise ConfigError("the dose ladder's probes train on the training frames; it is read on the capture pass only")
+    t0 = time.perf_counter()
+    ladder = dose_ladder(
+        run_dir,
+        doses=attack.dose_points(),
+        channel=attack.channel,
+        battery=attack.battery(),
+        seed=attack.seed,
+        n_boot=attack.n_boot,
+        thresholds=shipped_thresholds(),
+        truth_dir=doc_dir,
+    )
+    seconds = time.perf_counter() - t0
+    frame_ids = ladder["frame_ids"]
+    per_frame = [
+        {"arm": dose_arm(r), "frame_id": f, "paired_delta": d}
+        for r in ladder["doses"]
+        for f, d in zip(frame_ids, r.pop("frame_delta"))
+    ]
+    result = _latent_result(config, attack, run_dir, manifest, len(frame_ids), seconds, protocol_hash) | {
+        "learnt_from": {"threat": "oracle", "upper_bound": DOSE_NOTE},
+        "dose": ladder,
+    }
+    return _written(result, per_frame, out_path, force)
+
+
+def dose_arm(row: dict[str, Any]) -> str:
+    """A dose's name in the store's ``arm`` column: its mode, coverage and amplitude, and the arm it read."""
+    return f"{row['mode']}/coverage={row['coverage']:g}/amplitude={row['amplitude']:g}/{row['best_arm']}"

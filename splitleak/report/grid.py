@@ -23,7 +23,8 @@ as the store's data allows (a section without data says why in one line):
    (What Gradients Add Tables 10 and 5);
 8. the decoy system (002), when the grid trained latent arms: the support partition, the probe
    battery with its shuffled-label twins and seed-level pooling, the held-out loss and the output
-   gradient's cost, beside the paper's numbers (``splitleak.report.grid_latent``);
+   gradient's cost, beside the paper's numbers (``splitleak.report.grid_latent``), and the dose ladder,
+   the probes' positive control (``splitleak.report.grid_dose``);
 9. label-shielded fine-tuning (003), when the grid trained shielded arms: per arm the held-out loss, the
    output gradient's utility and what GMA-SL and BiSR read, the privacy–utility figure and the paper's
    claims of shape checked on the grid's numbers (``splitleak.report.grid_shielded``).
@@ -49,6 +50,7 @@ from splitleak.report.grid_bound import bound_section, run_bounds
 from splitleak.report.grid_common import Ctx, GridReport
 from splitleak.report.grid_controls import controls_section
 from splitleak.report.grid_cost import cost_section
+from splitleak.report.grid_dose import dose_section
 from splitleak.report.grid_header import header_section
 from splitleak.report.grid_latent import is_latent, latent_section
 from splitleak.report.grid_offload import offload_section
@@ -337,6 +339,7 @@ def build_report(
     heatmap_section(doc, ctx, cells)
     offload_section(doc, ctx, run_rows, analysis, error)
     latent_section(doc, latent_rows, latent_train, resolve_thresholds(protocol, protocol_hash))
+    dose_section(doc, latent_rows)
     shielded_section(doc, shielded_rows, shielded_train, out, used.thresholds)
     # every defended run, of every split mode (a label-shielded arm's strongest token reading, its labels included)
     rep.bounds = run_bounds([*train_rows, *shielded_train], [*attack_rows, *shielded_rows], header.get("store"))

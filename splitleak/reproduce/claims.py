@@ -55,7 +55,7 @@ class PaperValue(BaseModel):
         return self
 
 
-Kind = Literal["difference", "level", "ratio", "share", "family", "gate", "offload", "bound", "other"]
+Kind = Literal["difference", "level", "ratio", "share", "family", "gate", "offload", "bound", "dose", "other"]
 
 
 class Statistic(BaseModel):
@@ -70,7 +70,8 @@ class Statistic(BaseModel):
     protocol's threshold itself); ``offload``: 000 §5's partial-offloading tests of the store's runs, the
     treatment naming them by ``outcome`` and ``defence`` and ``form`` the reading (``variance``, ``heldout``,
     ``placement``: ``reproduce.offload``); ``bound``: a bound the paper proves for every realization of a defence,
-    ours the extreme over every row its treatment's runs sent (``reproduce.wire``); ``other``: a form no reader of
+    ours the extreme over every row its treatment's runs sent (``reproduce.wire``); ``dose``: 002's dose ladder, the
+    ``onset`` of a metric or its ``effect`` at one dose (``reproduce.dose``); ``other``: a form no reader of
     the store is built for yet (``form`` says which), reported as not run with that reason."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -91,7 +92,10 @@ class Statistic(BaseModel):
 
     @model_validator(mode="after")
     def _arms(self) -> "Statistic":
-        if self.kind in ("difference", "level", "ratio", "share", "gate", "offload", "bound") and not self.treatment:
+        if (
+            self.kind in ("difference", "level", "ratio", "share", "gate", "offload", "bound", "dose")
+            and not self.treatment
+        ):
             raise ValueError(f"a {self.kind} names its treatment")
         if self.kind in ("difference", "ratio", "share") and not self.control:
             raise ValueError(f"a {self.kind} names its control")

@@ -28,6 +28,7 @@ from splitleak.audit.analysis import ATTACK_FIELDS, METRICS, RUN_FIELDS, paired_
 from splitleak.errors import ConfigError, DataError
 from splitleak.report.grid_common import pp
 from splitleak.reproduce.claims import Claim
+from splitleak.reproduce.dose import is_dose, measure_dose, onset_rule, why_not_dose
 from splitleak.reproduce.latent import is_latent, measure_latent, why_not_latent
 from splitleak.reproduce.offload import is_offload, measure_offload, offload_rule, store_runs, why_not_offload
 from splitleak.reproduce.positions import POSITION_METRICS, first_token_rows, gross_matrices
@@ -111,6 +112,8 @@ def measurable(claim: Claim, member: bool = False) -> str:
     if st.kind == "family":
         whys = [measurable(member_claim(claim, m), member=True) for m in st.members()]
         return "" if not all(whys) else whys[0]
+    if is_dose(claim):
+        return why_not_dose(claim)
     if is_latent(claim):
         return why_not_latent(claim)
     if is_offload(claim):
@@ -155,6 +158,9 @@ def measure(
         return why
     st = claim.statistic
     assert st.treatment is not None
+    if is_dose(claim):
+        got = measure_dose(claim, rows, n_boot, alpha, seed)
+        return got if isinstance(got, str) else Measured(*got)
     if is_latent(claim):
         if latent is None:
             return "the store holds no latent rows"
@@ -388,6 +394,8 @@ def judge(claim: Claim, ours: Measured | str) -> Judgement:
         return Judgement(claim, *_gate_rule(claim, ours), ours)
     if claim.statistic.kind == "offload":  # the protocol's tests' decisions against the paper's
         return Judgement(claim, *offload_rule(claim, ours.detail), ours)
+    if claim.statistic.kind == "dose" and claim.statistic.form == "onset":  # a dose per seed: no power
+        return Judgement(claim, *onset_rule(claim, ours.detail), ours)
     if claim.statistic.kind == "bound":  # an extreme over realizations: no interval, no power
         return Judgement(
             claim, *bound_rule(claim, ours.estimate, ours.setting["rows"], ours.docs, ours.setting["runs"]), ours

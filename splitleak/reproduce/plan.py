@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from splitleak.audit.analysis import READOUT_ATTACKS, select
 from splitleak.errors import ConfigError
 from splitleak.reproduce.claims import Claim, ClaimsFile
+from splitleak.reproduce.dose import dose_jobs, is_dose
 from splitleak.reproduce.judge import TRAIN_METRICS, measurable, member_claim
 from splitleak.reproduce.latent import is_latent, plan_jobs
 from splitleak.reproduce.offload import is_offload
@@ -137,6 +138,8 @@ def _claim_plan(c: Claim, rows: dict[str, Any], trains: dict[str, Any], analogue
         n = sum(plan_jobs(member_claim(c, st), rows[c.spec]) for st in stats)
     elif not why and is_offload(c):
         n = offload_jobs(c, rows[c.spec])
+    elif not why and is_dose(c):
+        n = dose_jobs(c, rows[c.spec])
     elif not why:
         stats = c.statistic.members() if c.statistic.kind == "family" else [c.statistic]
         n = sum(

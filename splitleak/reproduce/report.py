@@ -26,7 +26,9 @@ def _number(j: Judgement) -> Callable[[float | None], str]:
     kind = st.member if st.kind == "family" else st.kind
     if kind in ("ratio", "offload", "bound"):  # a factor, a partial R², a share of RMSE saved, a bound: plain numbers
         return lambda x: "n/a" if x is None or math.isnan(x) else f"{x:.3f}"
-    if kind == "gate":  # G: a Wilson bound less a rate, in percentage points
+    if kind == "dose" and st.form == "onset":  # a dose (coverage or amplitude); inf: no dose read detects
+        return lambda x: "n/a" if x is None or math.isnan(x) else "none" if math.isinf(x) else f"{x:g}"
+    if kind in ("gate", "dose"):  # G: a Wilson bound less a rate; a dose's effect: in percentage points
         return lambda x: _share(x, True)
     if st.metric in TRAIN_METRICS:
         form = "{:+.4f}" if kind == "difference" else "{:.4f}"
