@@ -508,6 +508,17 @@ def test_a_share_of_the_controls_misses_is_the_net_correction_with_a_paired_inte
     every = [{**r, "token_correct": 32} if r["attack"] == "activation" else r for r in rows]
     assert judge_claim(claim(0.55), every, []).verdict == "not run"
 
+    # a ratio whose control reads 0 on every document was measured and is undefined: underpowered, never not run
+    ratio = claim(2.75).model_copy(update={"statistic": claim(2.75).statistic.model_copy(update={"kind": "ratio"})})
+    nothing = [{**r, "token_correct": 0} if r["attack"] == "activation" else r for r in rows]
+    j = judge_claim(ratio, nothing, [])
+    assert j.verdict == "underpowered" and "reads 0 on every one of its 24 documents" in j.reason
+    assert "a positive reading over 0" in j.reason and j.ours is not None and j.ours.estimate == np.inf
+    both = [{**r, "token_correct": 0} for r in rows]
+    assert "(0/0)" in judge_claim(ratio, both, []).reason
+    read = judge_claim(ratio, rows, []).ours
+    assert read is not None and read.estimate == pytest.approx(a.mean() / b.mean())  # a control above 0: the ratio
+
 
 @pytest.mark.unit
 def test_the_decoy_claims_are_read_from_the_grid_reports_latent_summary():

@@ -99,3 +99,48 @@ def test_bound_claims_say_why_when_they_cannot_be_read():
     assert judge_claim(_claim("asnr_min", "above", 0.5), [], []).verdict == "not run"
     j = judge_claim(_claim("asnr_min", "above", 0.5), [], [_row({})])  # a run without its record
     assert j.verdict == "not run" and RECORD in j.reason
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_vmf_fit_reads_draws_at_the_runs_kappa_and_refutes_draws_at_another(seed):
+    """003's metric-DP premise: the sent directions are vMF(kappa) draws around the raw ones. Draws at the kappa the
+    run names sit within sampling error of A_d(kappa); draws at twice it (or half) do not, and the claim disagrees."""
+    import json
+
+    from splitleak.defences.vmf import privatize_rows
+    from splitleak.reproduce.wire import vmf_fit
+
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(8, 50, 64, generator=gen, dtype=torch.float64)
+    g[:, -1] = 0  # rows without a gradient are not read
+    for kappa in (50.0, 1000.0):
+        fit = vmf_fit(g, privatize_rows(g, kappa, gen), kappa)
+        assert fit["vmf_cosine_z"] < 3.29 and fit["vmf_expected_cosine"] == pytest.approx(
+            fit["vmf_mean_cosine"], abs=0.02
+        )
+        for wrong in (2 * kappa, kappa / 2):
+            assert vmf_fit(g, privatize_rows(g, wrong, gen), kappa)["vmf_cosine_z"] > 10
+    claim = _claim("vmf_cosine_z", "below", 3.29)
+    good = vmf_fit(g, privatize_rows(g, 1000.0, gen), 1000.0)
+    bad = vmf_fit(g, privatize_rows(g, 2000.0, gen), 1000.0)
+    rows = [{**_row({**good, "wire_rows": 392, "wire_docs": 8}), "train_config": json.dumps({})}]
+    ok = judge_claim(claim, [], rows)
+    assert ok.verdict == "agrees" and "within sampling error" in ok.reason
+    rows.append(_row({**bad, "wire_rows": 392, "wire_docs": 8}, seed=2))
+    assert judge_claim(claim, [], rows).verdict == "disagrees"
+
+
+@pytest.mark.unit
+def test_only_a_run_of_the_vmf_mechanism_alone_is_read_for_its_fit():
+    import json
+
+    from splitleak.reproduce.wire import _vmf_kappa
+
+    def row(chain):
+        return {"train_config": json.dumps({"defences": chain})}
+
+    assert _vmf_kappa(row([{"name": "vmf", "args": {"kappa": 50.0}}])) == 50.0
+    assert _vmf_kappa(row([{"name": "vmf", "args": {}}])) == 1000.0  # the class's default, read from the class
+    assert _vmf_kappa(row([{"name": "sas", "args": {}}, {"name": "vmf", "args": {}}])) is None
+    assert _vmf_kappa(row([{"name": "mirage", "args": {}}])) is None

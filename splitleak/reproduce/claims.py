@@ -55,7 +55,18 @@ class PaperValue(BaseModel):
         return self
 
 
-Kind = Literal["difference", "level", "ratio", "share", "family", "gate", "offload", "bound", "dose", "other"]
+Kind = Literal[
+    "difference", "level", "ratio", "share", "family", "gate", "offload", "bound", "dose", "ranking", "other"
+]
+
+
+class MemberValue(BaseModel):
+    """The paper's number for the members of a family whose treatment contains ``match`` (a table's cell)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    match: dict[str, Any]
+    estimate: float
+    note: str = ""
 
 
 class Statistic(BaseModel):
@@ -71,7 +82,9 @@ class Statistic(BaseModel):
     treatment naming them by ``outcome`` and ``defence`` and ``form`` the reading (``variance``, ``heldout``,
     ``placement``: ``reproduce.offload``); ``bound``: a bound the paper proves for every realization of a defence,
     ours the extreme over every row its treatment's runs sent (``reproduce.wire``); ``dose``: 002's dose ladder, the
-    ``onset`` of a metric or its ``effect`` at one dose (``reproduce.dose``); ``other``: a form no reader of
+    ``onset`` of a metric or its ``effect`` at one dose (``reproduce.dose``); ``ranking``: the treatment reads more
+    than every rival of ``controls`` at each condition of ``over``, one treatment field's list of values averaged
+    (``reproduce.ranking``); ``other``: a form no reader of
     the store is built for yet (``form`` says which), reported as not run with that reason."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -89,11 +102,14 @@ class Statistic(BaseModel):
     over: dict[str, list[Any]] = Field(default_factory=dict)
     exclude: list[dict[str, dict[str, Any]]] = Field(default_factory=list)
     bonferroni: int | None = Field(None, ge=1)
+    #: family: the paper's number per member where it gives one (a table's cells); a member none matches is judged
+    #: against the claim's own ``paper``
+    papers: list[MemberValue] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _arms(self) -> "Statistic":
         if (
-            self.kind in ("difference", "level", "ratio", "share", "gate", "offload", "bound", "dose")
+            self.kind in ("difference", "level", "ratio", "share", "gate", "offload", "bound", "dose", "ranking")
             and not self.treatment
         ):
             raise ValueError(f"a {self.kind} names its treatment")
@@ -106,13 +122,35 @@ class Statistic(BaseModel):
                 raise ValueError("a family names its treatment (or treatments)")
             if self.member != "level" and not (self.control or self.controls):
                 raise ValueError(f"a family of {self.member}s names its control (or controls)")
-            if not self.members():
+            members = self.members()
+            if not members:
                 raise ValueError("the family has no member left once its exclusions are applied")
+            for v in self.papers:
+                hits = [m for m in members if _contains(m.treatment or {}, v.match)]
+                if not hits:
+                    raise ValueError(f"papers: {v.match} matches no member of the family")
+                if any(len([w for w in self.papers if _contains(m.treatment or {}, w.match)]) > 1 for m in hits):
+                    raise ValueError(f"papers: a member matches {v.match} and another entry; give each member one")
+        elif self.kind == "ranking":
+            if not self.controls:
+                raise ValueError("a ranking names its rivals (controls)")
+            if self.member or self.treatments or self.exclude or self.bonferroni is not None or self.papers:
+                raise ValueError("a ranking takes a treatment, its rivals (controls) and conditions (over) only")
         elif (
-            self.member or self.treatments or self.controls or self.over or self.exclude or self.bonferroni is not None
+            self.member
+            or self.treatments
+            or self.controls
+            or self.over
+            or self.exclude
+            or self.bonferroni is not None
+            or self.papers
         ):
-            raise ValueError("member, treatments, controls, over, exclude and bonferroni belong to a family")
+            raise ValueError("member, treatments, controls, over, exclude, bonferroni and papers belong to a family")
         return self
+
+    def member_paper(self, member: "Statistic") -> "MemberValue | None":
+        """The paper's number for ``member`` of this family (``papers``), or None where it gives none."""
+        return next((v for v in self.papers if _contains(member.treatment or {}, v.match)), None)
 
     def members(self) -> list["Statistic"]:
         """A family's members, in order: each treatment against each control at every combination of ``over``'s

@@ -4,8 +4,12 @@ Ours is read from the store's attack rows as ``protocol analyse`` reads them (``
 ``score_matrix``: victim seeds x documents, attack seeds averaged): a ``difference`` by the paired crossed
 bootstrap, a ``level`` by the crossed bootstrap of the treatment's scores, at level ``ALPHA``. A metric recorded
 once per job or run (label recovery, ROUGE, held-out loss) is read per victim seed (``measure_per_seed``), the
-decoy system's claims through the grid report's latent summary (``reproduce.latent``), and 000 §5's
-partial-offloading claims through the protocol's own tests of the store's runs (``reproduce.offload``).
+decoy system's claims through the grid report's latent summary (``reproduce.latent``) and its dose ladder's
+records (``reproduce.dose``), 000 §5's partial-offloading claims through the protocol's own tests of the store's
+runs (``reproduce.offload``), a defence's bounds from each run's record of its wire (``reproduce.wire``) and a
+ranking of attacks by the paired differences of their copy-averaged readings (``reproduce.ranking``). A ratio
+whose control reads 0 on every document was measured, and is undefined: underpowered. A family may carry the
+paper's number per member (a table's cells, ``Statistic.papers``).
 
 Verdicts: *agrees*, *disagrees*, *underpowered* (our interval straddles what would decide), *not run* (nothing
 measured it: no reader of its statistic is built yet, or the store holds none of its jobs) and *no number*
@@ -26,12 +30,12 @@ import numpy as np
 
 from splitleak.audit.analysis import ATTACK_FIELDS, METRICS, RUN_FIELDS, paired_matrices, score_matrix, select
 from splitleak.errors import ConfigError, DataError
-from splitleak.report.grid_common import pp
 from splitleak.reproduce.claims import Claim
 from splitleak.reproduce.dose import is_dose, measure_dose, onset_rule, why_not_dose
-from splitleak.reproduce.latent import is_latent, measure_latent, why_not_latent
+from splitleak.reproduce.latent import gate_rule, is_latent, measure_latent, why_not_latent
 from splitleak.reproduce.offload import is_offload, measure_offload, offload_rule, store_runs, why_not_offload
 from splitleak.reproduce.positions import POSITION_METRICS, first_token_rows, gross_matrices
+from splitleak.reproduce.ranking import is_ranking, measure_ranking, ranking_rule, why_not_ranking
 from splitleak.reproduce.spans import SPAN_RECOVERY, span_matrices
 from splitleak.reproduce.wire import WIRE_METRICS, bound_rule, extreme
 from splitleak.stats.binomial import wilson_interval
@@ -46,6 +50,8 @@ N_BOOT = 20_000
 VERDICTS = ("agrees", "disagrees", "underpowered", "not run", "no number")
 #: the slack of the comparisons with a rule's bounds (float rounding only)
 EPS = 1e-9
+#: readers of kinds of their own: (is it theirs, why they do not read it, measure(claim, rows, n_boot, alpha, seed))
+OWN_READERS = ((is_dose, why_not_dose, measure_dose), (is_ranking, why_not_ranking, measure_ranking))
 
 
 @dataclass
@@ -100,8 +106,13 @@ DERIVED = {"ce_increase_over_pretrained": ("heldout_ce", "pretrained_ce")}
 
 
 def member_claim(claim: Claim, statistic: Any) -> Claim:
-    """One member of a family claim: the claim with the member's statistic (its rule, paper and spec kept)."""
-    return claim.model_copy(update={"statistic": statistic})
+    """One member of a family claim: the claim with the member's statistic (its rule and spec kept), and the
+    paper's number for that member where the family gives one (``Statistic.papers``), else the claim's."""
+    value = claim.statistic.member_paper(statistic) if claim.statistic.kind == "family" else None
+    if value is None:
+        return claim.model_copy(update={"statistic": statistic})
+    paper = claim.paper.model_copy(update={"estimate": value.estimate, "low": None, "high": None, "range": None})
+    return claim.model_copy(update={"statistic": statistic, "paper": paper})
 
 
 def measurable(claim: Claim, member: bool = False) -> str:
@@ -112,8 +123,9 @@ def measurable(claim: Claim, member: bool = False) -> str:
     if st.kind == "family":
         whys = [measurable(member_claim(claim, m), member=True) for m in st.members()]
         return "" if not all(whys) else whys[0]
-    if is_dose(claim):
-        return why_not_dose(claim)
+    for mine, why_not, _ in OWN_READERS:
+        if mine(claim):
+            return why_not(claim)
     if is_latent(claim):
         return why_not_latent(claim)
     if is_offload(claim):
@@ -158,9 +170,10 @@ def measure(
         return why
     st = claim.statistic
     assert st.treatment is not None
-    if is_dose(claim):
-        got = measure_dose(claim, rows, n_boot, alpha, seed)
-        return got if isinstance(got, str) else Measured(*got)
+    for mine, _, reader in OWN_READERS:
+        if mine(claim):
+            got = reader(claim, rows, n_boot, alpha, seed)
+            return got if isinstance(got, str) else Measured(*got)
     if is_latent(claim):
         if latent is None:
             return "the store holds no latent rows"
@@ -273,8 +286,13 @@ def _paired(st: Any, rows: Sequence[dict[str, Any]], metric: str, n_boot: int, a
     if isinstance(paired, str):
         return paired
     a, b, seeds, docs = paired
-    if st.kind == "ratio" and b.mean() == 0:
-        return "its control reads 0: the ratio is undefined"
+    if st.kind == "ratio" and b.mean() == 0:  # 0/0, or a positive reading over 0: measured, and undefined
+        return (
+            Interval(math.nan if a.mean() == 0 else math.inf, math.nan, math.nan, 0, alpha),
+            np.array([]),
+            seeds,
+            docs,
+        )
     if st.kind == "share" and b.mean() == 1:
         return "its control reads every unit right: it has no miss to correct"
     if st.kind == "ratio":  # no paired t-test for a ratio: no power column
@@ -391,11 +409,13 @@ def judge(claim: Claim, ours: Measured | str) -> Judgement:
     if isinstance(ours, str):
         return Judgement(claim, "not run", ours)
     if claim.statistic.kind == "gate":  # a decision per seed, not an interval: no power either
-        return Judgement(claim, *_gate_rule(claim, ours), ours)
+        return Judgement(claim, *gate_rule(claim, ours), ours)
     if claim.statistic.kind == "offload":  # the protocol's tests' decisions against the paper's
         return Judgement(claim, *offload_rule(claim, ours.detail), ours)
     if claim.statistic.kind == "dose" and claim.statistic.form == "onset":  # a dose per seed: no power
         return Judgement(claim, *onset_rule(claim, ours.detail), ours)
+    if claim.statistic.kind == "ranking":  # every comparison's side
+        return Judgement(claim, *ranking_rule(claim, ours.detail), ours)
     if claim.statistic.kind == "bound":  # an extreme over realizations: no interval, no power
         return Judgement(
             claim, *bound_rule(claim, ours.estimate, ours.setting["rows"], ours.docs, ours.setting["runs"]), ours
@@ -487,45 +507,14 @@ def _side(low: float, high: float, threshold: float, direction: str) -> str:
     return "agrees" if above else "disagrees" if below else "underpowered"
 
 
-def _gate_rule(claim: Claim, m: Measured) -> tuple[str, str]:
-    """A gate claim: the paper's G against its pass mark (above: the gate breaks) and ours per seed, each seed's
-    decision as the protocol reads its battery. Agrees where every seed decides the paper's way, disagrees where
-    one decides the other way, and is underpowered where a seed's battery cannot decide (fewer family arms than
-    declared, holding the gate). A claim of the threshold itself agrees where our protocol's equals the paper's."""
-    a, p = claim.agreement, claim.paper
-    decisions = m.setting.get("decisions")
-    if decisions is None:
-        if p.estimate is None:
-            return "no number", f"ours: the gate at {pp(m.estimate)} pp; the seed text gives no threshold"
-        same = abs(m.estimate - p.estimate) <= EPS
-        return ("agrees" if same else "disagrees"), (
-            f"our protocol {m.setting['protocol']} breaks the gate above {pp(m.estimate)} pp; the paper's gate is "
-            f"{pp(p.estimate)} pp"
-        )
-    if a.rule != "pass-mark" or a.pass_mark is None:
-        raise ConfigError(f"claim {claim.id}: a gate is judged by the paper's pass mark (rule: pass-mark)")
-    mark = a.pass_mark
-    per_seed = "; ".join(f"seed {s} G {pp(g)} pp {decisions[s]}" for s, g in zip(m.seeds, m.units))
-    theirs = [x for x in (p.estimate, p.low, p.high, *(p.range or ())) if x is not None]
-    if not theirs:
-        return "no number", f"ours: {per_seed}; the seed text gives no G to compare with"
-    if all(x > mark for x in theirs):
-        side, other = "breaks", "holds"
-    elif all(x <= mark for x in theirs):
-        side, other = "holds", "breaks"
-    else:
-        return "no number", f"ours: {per_seed}; the paper's cells fall on both sides of {pp(mark)} pp"
-    said = f"ours: {per_seed}; the paper's G {side} the {pp(mark)} pp gate"
-    ds = list(decisions.values())
-    if other in ds:
-        return "disagrees", said
-    if all(d == side for d in ds):
-        return "agrees", said
-    return "underpowered", said + " (a battery of fewer family arms than the protocol declares cannot hold it)"
-
-
 def _rule(claim: Claim, m: Measured) -> tuple[str, str]:
     a, p = claim.agreement, claim.paper
+    if claim.statistic.kind == "ratio" and not math.isfinite(m.estimate):
+        what = "0/0" if math.isnan(m.estimate) else "a positive reading over 0"
+        return "underpowered", (
+            f"its control reads 0 on every one of its {m.docs} documents, so the ratio is undefined ({what}); "
+            "more documents would resolve it"
+        )
     if math.isnan(m.low) or math.isnan(m.high):
         return (
             "underpowered",

@@ -31,6 +31,8 @@ from typing import Any, Sequence
 import numpy as np
 from scipy import stats
 
+from splitleak.errors import ConfigError
+from splitleak.report.grid_common import pp
 from splitleak.reproduce.claims import Claim
 from splitleak.stats.binomial import gate_statistic, wilson_interval
 from splitleak.stats.power import t_half_width
@@ -45,6 +47,8 @@ TWIN = "shuffled-label"
 #: a level claim of this form reads the between-seed heterogeneity I² of a view (002 §5.3)
 HETEROGENEITY = "heterogeneity"
 CONSTANT = "most-frequent-token constant baseline"
+#: the slack of a threshold's comparison with the paper's (float rounding only)
+EPS = 1e-9
 
 
 def is_latent(claim: Claim) -> bool:
@@ -282,3 +286,40 @@ def _probe(t: dict[str, Any], summary: Any):
     setting = {"arm": t.get("arm"), "threat": threat, "model": runs[0].model, "victim_seeds": len(seeds)}
     setting["best arms"] = sorted({per_seed[s]["arm"] for s in seeds})
     return float(values.mean()), float(low), float(high), values, seeds, setting
+
+
+def gate_rule(claim: Claim, m: Any) -> tuple[str, str]:
+    """A gate claim: the paper's G against its pass mark (above: the gate breaks) and ours per seed, each seed's
+    decision as the protocol reads its battery. Agrees where every seed decides the paper's way, disagrees where
+    one decides the other way, and is underpowered where a seed's battery cannot decide (fewer family arms than
+    declared, holding the gate). A claim of the threshold itself agrees where our protocol's equals the paper's."""
+    a, p = claim.agreement, claim.paper
+    decisions = m.setting.get("decisions")
+    if decisions is None:
+        if p.estimate is None:
+            return "no number", f"ours: the gate at {pp(m.estimate)} pp; the seed text gives no threshold"
+        same = abs(m.estimate - p.estimate) <= EPS
+        return ("agrees" if same else "disagrees"), (
+            f"our protocol {m.setting['protocol']} breaks the gate above {pp(m.estimate)} pp; the paper's gate is "
+            f"{pp(p.estimate)} pp"
+        )
+    if a.rule != "pass-mark" or a.pass_mark is None:
+        raise ConfigError(f"claim {claim.id}: a gate is judged by the paper's pass mark (rule: pass-mark)")
+    mark = a.pass_mark
+    per_seed = "; ".join(f"seed {s} G {pp(g)} pp {decisions[s]}" for s, g in zip(m.seeds, m.units))
+    theirs = [x for x in (p.estimate, p.low, p.high, *(p.range or ())) if x is not None]
+    if not theirs:
+        return "no number", f"ours: {per_seed}; the seed text gives no G to compare with"
+    if all(x > mark for x in theirs):
+        side, other = "breaks", "holds"
+    elif all(x <= mark for x in theirs):
+        side, other = "holds", "breaks"
+    else:
+        return "no number", f"ours: {per_seed}; the paper's cells fall on both sides of {pp(mark)} pp"
+    said = f"ours: {per_seed}; the paper's G {side} the {pp(mark)} pp gate"
+    ds = list(decisions.values())
+    if other in ds:
+        return "disagrees", said
+    if all(d == side for d in ds):
+        return "agrees", said
+    return "underpowered", said + " (a battery of fewer family arms than the protocol declares cannot hold it)"

@@ -17,6 +17,7 @@ from splitleak.reproduce.judge import TRAIN_METRICS, measurable, member_claim
 from splitleak.reproduce.latent import is_latent, plan_jobs
 from splitleak.reproduce.offload import is_offload
 from splitleak.reproduce.offload import plan_jobs as offload_jobs
+from splitleak.reproduce.ranking import is_ranking, ranking_jobs
 from splitleak.reproduce.wire import WIRE_METRICS
 
 
@@ -140,6 +141,8 @@ def _claim_plan(c: Claim, rows: dict[str, Any], trains: dict[str, Any], analogue
         n = offload_jobs(c, rows[c.spec])
     elif not why and is_dose(c):
         n = dose_jobs(c, rows[c.spec])
+    elif not why and is_ranking(c):
+        n = ranking_jobs(c, rows[c.spec])
     elif not why:
         stats = c.statistic.members() if c.statistic.kind == "family" else [c.statistic]
         n = sum(

@@ -51,6 +51,8 @@ def paper_cell(j: Judgement) -> str:
         return _interval(j, p.estimate, p.low, p.high if p.low is not None else None)
     if p.range is not None:
         return f"{_number(j)(p.range[0])} to {_number(j)(p.range[1])}"
+    if j.claim.statistic.papers:
+        return f"{len(j.claim.statistic.papers)} of its cells (below)"
     return p.verdict or "no number in the seed text"
 
 
@@ -188,7 +190,33 @@ def build_document(
         ]
         head = ["claim", "where", "paper", "ours [95 %]", "verdict", "why", *names, "strongest reader", "power"]
         doc.add(Table([*head, "setting"], table, numeric=[False, False, True, True] + [False] * (len(head) - 3)))
+        for j in judgements[f.paper]:
+            if j.claim.statistic.kind == "family" and j.claim.statistic.papers and j.members:
+                doc.add(member_table(j))
     return doc
+
+
+def member_table(j: Judgement) -> Table:
+    """A family whose members carry the paper's own numbers (a table's cells): each member beside its number."""
+    st = j.claim.statistic
+    varied = [k for k in dict.fromkeys(k for m in st.members() for k in (m.treatment or {}))
+              if len({repr((m.treatment or {}).get(k)) for m in st.members()}) > 1]  # fmt: skip
+    rows = [
+        [
+            ", ".join(f"{k} {(m.claim.statistic.treatment or {}).get(k)}" for k in varied),
+            paper_cell(m) if m.claim.paper.estimate is not None else "—",
+            ours_cell(m),
+            m.verdict,
+            m.reason,
+        ]
+        for m in j.members
+    ]
+    return Table(
+        ["member", "paper", "ours [95 %]", "verdict", "why"],
+        rows,
+        caption=f"{j.claim.id}, member by member: the paper's number where its text gives one ({j.claim.where}).",
+        numeric=[False, True, True, False, False],
+    )
 
 
 def judgement_record(j: Judgement) -> dict[str, Any]:
@@ -212,6 +240,7 @@ def judgement_record(j: Judgement) -> dict[str, Any]:
                 "control": m.claim.statistic.control,
                 "verdict": m.verdict,
                 "reason": m.reason,
+                "paper": m.claim.paper.estimate,
                 "ours": None
                 if m.ours is None
                 else {"estimate": m.ours.estimate, "low": m.ours.low, "high": m.ours.high},
