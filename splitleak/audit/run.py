@@ -114,7 +114,9 @@ AUDIT_ENTRIES = frozenset(
 )
 
 
-def check_audit_out(out: Path, force: bool, resume: bool = False) -> bool:
+def check_audit_out(
+    out: Path, force: bool, resume: bool = False, entries: frozenset[str] = AUDIT_ENTRIES, what: str = "an audit folder"
+) -> bool:
     """Refuse an ``--out`` that the audit must not write into (one line): one that exists and is not
     empty without ``force`` or ``resume``; with either, a link (whatever it leads to) or a folder that is
     not an audit folder splitleak wrote (its run, or only what an audit writes). True when ``out`` is to
@@ -130,10 +132,10 @@ def check_audit_out(out: Path, force: bool, resume: bool = False) -> bool:
             "it again, or choose another --out"
         )
     names = {p.name for p in out.iterdir() if not p.name.endswith(".tmp")} if out.is_dir() else {out.name}
-    ours = out.is_dir() and names <= AUDIT_ENTRIES and (not (out / "run").exists() or is_run_dir(out / "run"))
+    ours = out.is_dir() and names <= entries and (not (out / "run").exists() or is_run_dir(out / "run"))
     if not ours:
         raise SplitleakError(
-            f"{out} is not an audit folder (it holds {', '.join(sorted(names - AUDIT_ENTRIES)[:3]) or 'a run that splitleak did not write'}, "
+            f"{out} is not {what} (it holds {', '.join(sorted(names - entries)[:3]) or 'a run that splitleak did not write'}, "
             f"which an audit never writes), and {'--force deletes' if force else '--resume continues'} only what "
             "splitleak wrote; choose another --out"
         )
@@ -240,8 +242,12 @@ def check_options(
 ) -> None:
     """Refuse, in one line and before anything is trained or written, options the audit cannot run with."""
     check_certify(certify)
+    if mode == "latent":
+        raise ConfigError(
+            "the latent audit is splitleak.audit.latent_audit.run_latent_audit (`splitleak audit --mode latent`)"
+        )
     if mode not in AUDIT_MODES:
-        raise ConfigError(f"unknown --mode {mode!r}; the audit runs in {', '.join(AUDIT_MODES)}")
+        raise ConfigError(f"unknown --mode {mode!r}; the audit runs in {', '.join(AUDIT_MODES)} (and latent)")
     if control_docs and control_docs < 2:
         raise ConfigError(f"--control-docs takes 0 (no controls) or at least 2 documents, got {control_docs}")
     if server_capture is not None and connect is None:

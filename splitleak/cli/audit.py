@@ -208,11 +208,17 @@ def audit_cmd(
     ),
     draws: str = DrawsOpt,
     n_calib: int = typer.Option(N_CALIB, "--n-calib"),
-    n_train: int = typer.Option(
-        AUDIT_N_TRAIN, "--n-train", help=f"training documents, one step each per pass (the study's: {N_TRAIN})"
+    n_train: Optional[int] = typer.Option(
+        None,
+        "--n-train",
+        help=f"training documents, one step each per pass (default {AUDIT_N_TRAIN}; --mode latent: 64; the study's: "
+        f"{N_TRAIN})",
     ),
-    n_eval: int = typer.Option(
-        AUDIT_N_EVAL, "--n-eval", help=f"evaluation documents the attacks read (the study's: {N_EVAL})"
+    n_eval: Optional[int] = typer.Option(
+        None,
+        "--n-eval",
+        help=f"evaluation documents the attacks read (default {AUDIT_N_EVAL}; --mode latent: 32 capture frames; the "
+        f"study's: {N_EVAL})",
     ),
     force: bool = typer.Option(
         False, "--force", help="delete the audit folder --out (only one an audit wrote) and start the audit again"
@@ -245,7 +251,13 @@ def audit_cmd(
         help="the split: plain (the labels cross to the server for its loss), u-shape (the server runs the "
         "blocks from --depth to the second-to-last; the client keeps the last block, the head and the labels) "
         "or label-shielded (003: Bottom of --depth blocks and a Top of up to 5 on the client, the Trunk on the "
-        "server)",
+        "server), or latent (002's decoy system: its partition, its probes and their positive control)",
+    ),
+    latent_split: str = typer.Option(
+        "main", "--latent-split", help="--mode latent: a named split of the model (main, mitigation, ...) or S/R"
+    ),
+    latent_arg: list[str] = typer.Option(
+        [], "--latent-arg", help="--mode latent: KEY=VALUE of the decoy system (output_gradient=clip-noise: 002's fix)"
     ),
     control_docs: int = typer.Option(
         CONTROL_DOCS,
@@ -276,6 +288,16 @@ def audit_cmd(
             )
         if out is None:
             out = Path("runs") / f"audit-{datetime.now():%Y%m%d-%H%M%S}"
+        if mode == "latent":
+            given = {"--depth": depth is not None, "--defence": defence != ["none"], "--connect": connect is not None,
+                     "--server-capture": server_capture is not None, "--epochs": epochs is not None,
+                     "--certify": certify != "32", "--no-twin": no_twin, "--n-calib": n_calib != N_CALIB,
+                     "--control-docs": control_docs != CONTROL_DOCS}  # fmt: skip
+            _latent_audit(out, model, model_path, latent_split, latent_arg, data, data_path, seed, steps, n_train,
+                          n_eval, force, resume, device, threads, quiet, [k for k, v in given.items() if v])  # fmt: skip
+            return
+        if latent_arg or latent_split != "main":
+            raise ConfigError("--latent-split and --latent-arg are for --mode latent")
         with progress(quiet) as prog:
             res = run_audit(
                 out,
@@ -291,8 +313,8 @@ def audit_cmd(
                 epochs=epochs,
                 draws=draws,
                 n_calib=n_calib,
-                n_train=n_train,
-                n_eval=n_eval,
+                n_train=AUDIT_N_TRAIN if n_train is None else n_train,
+                n_eval=AUDIT_N_EVAL if n_eval is None else n_eval,
                 force=force,
                 resume=resume,
                 device=device,
@@ -323,3 +345,30 @@ def audit_cmd(
         console.print(f"[bold]{res.verdict}[/]")
         for p in written[:2]:
             console.print(f"report: {p}", highlight=False)
+
+
+def _latent_audit(out, model, model_path, split, args, data, data_path, seed, steps, n_train, n_eval, force, resume,
+                  device, threads, quiet, refused) -> None:  # fmt: skip
+    """``splitleak audit --mode latent`` (``splitleak.audit.latent_audit``)."""
+    # lazy: torch stays out of `splitleak --help`
+    from splitleak.audit.latent_audit import run_latent_audit
+    from splitleak.defences import parse_defence_args
+    from splitleak.report.latent_audit import write_latent_audit_report
+
+    if refused:
+        raise ConfigError(
+            f"{', '.join(refused)} do(es) not apply to --mode latent (the split is --latent-split, its settings "
+            "--latent-arg, and the run trains --steps); drop them"
+        )
+    with progress(quiet) as prog:
+        res = run_latent_audit(
+            out, model=model, model_path=str(model_path) if model_path else None, split=split,
+            latent_args=parse_defence_args(args), data=data, data_path=str(data_path) if data_path else None,
+            seed=seed, steps=steps, n_train=n_train, n_eval=n_eval, force=force, resume=resume, device=device,
+            threads=threads, progress=prog,
+            say=console.print,
+        )  # fmt: skip
+    written = write_latent_audit_report(res.out)
+    console.print(f"[bold]{res.verdict}[/]" + "".join(f"\n  {p}" for p in res.report["verdict_parts"]))
+    for p in written:
+        console.print(f"report: {p}", highlight=False)

@@ -271,19 +271,13 @@ def _latent_options(model: str, named: str | None, args: list[str]) -> dict:
     """The latent config from ``--latent-split`` (a preset name or S/R) and ``--latent-arg KEY=VALUE``."""
     # lazy: torch stays out of `splitleak --help`
     from splitleak.defences import parse_defence_args
-    from splitleak.models.latent import preset_split
+    from splitleak.models.latent import resolve_split
 
     if named is None:
         raise ConfigError(
             "--mode latent needs --latent-split (main, mitigation, ladder-12/8/6, or S/R: split after S, resume at R)"
         )
-    if "/" in named:
-        try:
-            s, r = (int(x) for x in named.split("/"))
-        except ValueError:
-            raise ConfigError(f"--latent-split {named}: write S/R with two block indices, e.g. 15/28") from None
-    else:
-        s, r = preset_split(model, named)
+    s, r = resolve_split(model, named)
     return {"split_after": s, "resume_at": r, **parse_defence_args(args)}
 
 

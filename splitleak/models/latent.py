@@ -107,6 +107,17 @@ def preset_split(model: str, name: str) -> tuple[int, int]:
     return table[name]
 
 
+def resolve_split(model: str, split: str) -> tuple[int, int]:
+    """``split``: a named split of ``model`` (``preset_split``) or S/R (split after block S, resume at R)."""
+    if "/" not in split:
+        return preset_split(model, split)
+    try:
+        s, r = (int(x) for x in split.split("/"))
+    except ValueError:
+        raise ConfigError(f"--latent-split {split}: write S/R with two block indices, e.g. 15/28") from None
+    return s, r
+
+
 class Encoder(nn.Module):
     """H → D: LayerNorm → Linear(H, 2D) → GELU → Linear(2D, D) → tanh."""
 

@@ -99,6 +99,11 @@ def load_summary(path: str | Path) -> RunSummary:
             "pass folders written by `splitleak train` or `splitleak audit`"
         )
     manifest, metrics = read_run_json(run, "manifest.json"), read_run_json(run, "metrics.json")
+    if (manifest.get("config") or {}).get("latent") is not None:
+        raise SplitleakError(
+            f"{path} is a latent-mode run (002's decoy system), which reads no tokens per document to compare; its "
+            "audit is its own report (`splitleak audit --mode latent`). Compare split runs and their audits"
+        )
     v = verify_run(run)  # metrics.json edited (a held-out CE of 0.123, NaN) is not what the run measured
     unverified = None if v.ok and v.status == "complete" else (v.message if not v.ok else f"the run {v.status}")
     if unverified is None:  # a resumed run: what it trained on is whole only with the runs it continues
