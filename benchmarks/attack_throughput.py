@@ -14,6 +14,13 @@ model smollm2-135m at depth 6). The script
 4. counts the batched search's multiply-adds (token-forwards x 2 x client-block parameters, plus
    attention) and reports wall time against the floor that FLOPs / measured throughput gives.
 
+With ``--command`` (and ``--attack activation``, ``joint`` or ``sipit``) it times the whole ``splitleak attack``
+command as a user runs it, from outside, ``--repeat`` times (the process's start, its imports, the model load, the
+fit, the search and the result's write), and sets the median wall against the same floor: the attack's FLOPs over
+the reference rate (the search counted as below for activation and joint plus what ``torch.utils.flop_counter``
+counts outside it; for SipIt everything it computes, counted in an untimed pass). The row goes to the table "Whole
+commands against their floor".
+
 With ``--attack gma-sl`` (or ``gma-sl-aware``) on a label-shielded run it times GMA-SL's label matching against
 its floor: the FLOPs of the whole matching (the proxy Top's forward once per chunk, then per step the
 vector-Jacobian product and its double backward), counted by ``torch.utils.flop_counter`` on untimed passes of
@@ -184,6 +191,64 @@ def whole_attack(a) -> None:
         record("### Whole attacks against their floor", row)
 
 
+def attack_flops(kn, traffic, name: str, k: int, budget: int) -> float:
+    """Every FLOP the attack computes once its model is loaded (fit and reconstruct), for the command's floor."""
+    if name == "sipit":
+        from torch.utils.flop_counter import FlopCounterMode
+
+        with FlopCounterMode(display=False) as counter:
+            make_attack("sipit", budget=budget).fit(dataclasses.replace(kn)).reconstruct(traffic)
+        return float(counter.get_total_flops())
+    n, T = traffic.activations.shape[:2]
+    rest, _ = outside_search_flops(kn, traffic, name, k)
+    return search_flops(kn.client, n, T, k, 2) + rest
+
+
+def whole_command(a) -> None:
+    """``--command``: the whole ``splitleak attack`` command against the attack's floor (module docstring)."""
+    import statistics
+    import subprocess
+    import tempfile
+
+    reference = MatmulReference(a.rounds)
+    kn = load_knowledge(a.run, "public")
+    traffic = load_traffic(a.run)
+    n = traffic.activations.shape[0]
+    flops = attack_flops(kn, traffic, a.attack, a.k, a.budget)
+    del kn, traffic
+    exe = Path(sys.executable).parent / "splitleak"
+    size = ["--budget", str(a.budget)] if a.attack == "sipit" else ["--k", str(a.k)]
+    walls = []
+    reference.measure()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(a.repeat):
+            cmd = [str(exe), "attack", str(a.run), "--attack", a.attack, *size, "--out", f"{tmp}/R{i}.json", "--quiet"]
+            cmd += ["--threads", str(a.threads)] if a.threads else []
+            t0 = time.perf_counter()
+            subprocess.run(cmd, check=True, capture_output=True)
+            walls.append(time.perf_counter() - t0)
+    reference.measure()
+    wall = statistics.median(walls)
+    floor = flops / (reference.best * 1e9)
+    res = {
+        "attack": a.attack,
+        **row_head(a.run, n, a.budget if a.attack == "sipit" else a.k, reference),
+        "walls_s": walls,
+        "median_wall_s": wall,
+        "tflop": flops / 1e12,
+        "floor_s": floor,
+        "wall_over_floor": wall / floor,
+    }
+    print(json.dumps(res, indent=2))
+    if a.record:
+        row = (
+            f"| {date.today().isoformat()} | {a.attack} | {res['model']} | {res['cut']} | {n} | {res['k']} | "
+            f"{device_cell()} | {reference.cell()} | {flops / 1e12:.2f} | {', '.join(f'{w:.1f}' for w in walls)} | "
+            f"{wall:.1f} | {floor:.1f} | {wall / floor:.2f} |"
+        )
+        record("### Whole commands against their floor", row)
+
+
 def _matching_flops(kn, traffic, name: str, steps: int, params: dict) -> float:
     """The FLOPs of GMA-SL's matching capped at ``steps`` steps per chunk (its stop rule cannot act so early)."""
     from splitleak.experiments.worker import _flop_counter  # module hooks off: autograd.grad on a leaf
@@ -243,8 +308,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", required=True)
     ap.add_argument(
-        "--attack", default=None, choices=["activation", "joint", "joint-adaptive", "gma-sl", "gma-sl-aware"]
+        "--attack", default=None, choices=["activation", "joint", "joint-adaptive", "sipit", "gma-sl", "gma-sl-aware"]
     )
+    ap.add_argument("--command", action="store_true", help="time the whole `splitleak attack` command (--repeat runs)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--budget", type=int, default=32, help="SipIt's checks per position")
     ap.add_argument("--k", type=int, default=32)
     ap.add_argument("--naive-docs", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
@@ -258,6 +326,11 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     allocator()
+    if a.command:
+        if a.attack not in ("activation", "joint", "sipit"):
+            ap.error("--command times activation, joint or sipit (--attack)")
+        whole_command(a)
+        return
     if a.attack in ("gma-sl", "gma-sl-aware"):
         label_attack(a)
         return
