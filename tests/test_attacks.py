@@ -386,6 +386,7 @@ def test_registry_names_match_cli_contract():
         "bisr-f",
         "bisr",
         "latent-probe",
+        "dose-ladder",
         "decoy-history",
         "gauge-key-search",
         "sipit-aware",

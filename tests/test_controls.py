@@ -253,8 +253,10 @@ def test_the_audit_names_the_server_as_a_reader_and_runs_where_the_labels_stay_h
     assert report["utility_baseline"]["source"] == "the all-local baseline run"
     write_audit_report(tmp_path / "u")
     assert "U-shape (blocks 1–2 on the server" in (tmp_path / "u" / "report.md").read_text()
-    with pytest.raises(Exception, match="unknown --mode 'latent'"):
+    with pytest.raises(Exception, match="the latent audit is splitleak.audit.latent_audit.run_latent_audit"):
         run_audit(tmp_path / "x", mode="latent", **small)
+    with pytest.raises(Exception, match="unknown --mode 'sideways'"):
+        run_audit(tmp_path / "x", mode="sideways", **small)
     with pytest.raises(Exception, match="pass a smaller --depth"):
         run_audit(tmp_path / "y", mode="label-shielded", **{**small, "depth": 3})
 
