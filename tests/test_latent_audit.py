@@ -110,6 +110,9 @@ def test_the_latent_audit_reads_the_open_gradient_as_an_exact_partition_and_resu
                                      "--resume"])  # fmt: skip
     assert again.exit_code == 0 and "the run in" in again.output and "probes reused" in again.output
     assert json.loads((out / "report.json").read_text()) == rep
+    # a split audit's --resume does not continue a latent one
+    plain = CliRunner().invoke(app, ["audit", "--out", str(out), *TINY, "--resume"])
+    assert plain.exit_code != 0 and "holds a latent audit" in " ".join(plain.output.split())
     # compare reads split runs: a latent audit is refused in one line
     c = CliRunner().invoke(app, ["compare", str(out)])
     assert c.exit_code != 0 and "is a latent-mode run" in " ".join(c.output.split())

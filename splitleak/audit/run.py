@@ -133,6 +133,8 @@ def check_audit_out(
         )
     names = {p.name for p in out.iterdir() if not p.name.endswith(".tmp")} if out.is_dir() else {out.name}
     ours = out.is_dir() and names <= entries and (not (out / "run").exists() or is_run_dir(out / "run"))
+    if ours and resume and what == "an audit folder" and _latent_report(out):
+        raise SplitleakError(f"{out} holds a latent audit; continue it with `splitleak audit --mode latent --resume`")
     if not ours:
         raise SplitleakError(
             f"{out} is not {what} (it holds {', '.join(sorted(names - entries)[:3]) or 'a run that splitleak did not write'}, "
@@ -140,6 +142,14 @@ def check_audit_out(
             "splitleak wrote; choose another --out"
         )
     return force
+
+
+def _latent_report(out: Path) -> bool:
+    """Whether ``out`` holds a latent audit's record (``splitleak.audit.latent_audit``)."""
+    try:
+        return json.loads((out / "report.json").read_text()).get("mode") == "latent"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def run_audit(
