@@ -15,7 +15,8 @@ model smollm2-135m at depth 6). The script
    attention) and reports wall time against the floor that FLOPs / measured throughput gives.
 
 With ``--command`` (and ``--attack activation``, ``joint`` or ``sipit``) it times the whole ``splitleak attack``
-command as a user runs it, from outside, ``--repeat`` times (the process's start, its imports, the model load, the
+command as a user runs it (``--control-docs 0``: the mis-paired twin, on by default, is a second search the floor
+does not count), from outside, ``--repeat`` times (the process's start, its imports, the model load, the
 fit, the search and the result's write), and sets the median wall against the same floor: the attack's FLOPs over
 the reference rate (the search counted as below for activation and joint plus what ``torch.utils.flop_counter``
 counts outside it; for SipIt everything it computes, counted in an untimed pass). The row goes to the table "Whole
@@ -222,7 +223,9 @@ def whole_command(a) -> None:
     reference.measure()
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.repeat):
+            # the attack alone: its mis-paired twin (on by default) would search again, outside the floor's FLOPs
             cmd = [str(exe), "attack", str(a.run), "--attack", a.attack, *size, "--out", f"{tmp}/R{i}.json", "--quiet"]
+            cmd += ["--control-docs", "0"]
             cmd += ["--threads", str(a.threads)] if a.threads else []
             t0 = time.perf_counter()
             subprocess.run(cmd, check=True, capture_output=True)
