@@ -20,7 +20,10 @@ does not count), from outside, ``--repeat`` times (the process's start, its impo
 fit, the search and the result's write), and sets the median wall against the same floor: the attack's FLOPs over
 the reference rate (the search counted as below for activation and joint plus what ``torch.utils.flop_counter``
 counts outside it; for SipIt everything it computes, counted in an untimed pass). The row goes to the table "Whole
-commands against their floor".
+commands against their floor". With ``--worker`` as well, the commands run in a warm worker of the benchmark's own
+(``splitleak worker start``, its folder in a temporary one): the worker's start and the first command (which loads the
+model into it) are timed apart, then ``--repeat`` commands as above; the row goes to the table "Whole commands in the
+warm worker". The worker's log must name every timed command, or no row is written.
 
 With ``--attack gma-sl`` (or ``gma-sl-aware``) on a label-shielded run it times GMA-SL's label matching against
 its floor: the FLOPs of the whole matching (the proxy Top's forward once per chunk, then per step the
@@ -207,6 +210,7 @@ def attack_flops(kn, traffic, name: str, k: int, budget: int) -> float:
 
 def whole_command(a) -> None:
     """``--command``: the whole ``splitleak attack`` command against the attack's floor (module docstring)."""
+    import os
     import statistics
     import subprocess
     import tempfile
@@ -222,20 +226,38 @@ def whole_command(a) -> None:
     walls = []
     reference.measure()
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(a.repeat):
-            # the attack alone: its mis-paired twin (on by default) would search again, outside the floor's FLOPs
-            cmd = [str(exe), "attack", str(a.run), "--attack", a.attack, *size, "--out", f"{tmp}/R{i}.json", "--quiet"]
-            cmd += ["--control-docs", "0"]
-            cmd += ["--threads", str(a.threads)] if a.threads else []
+        env = {**os.environ, "SPLITLEAK_WORKER": "on" if a.worker else "off", "SPLITLEAK_WORKER_DIR": f"{tmp}/w"}
+        start = first = None
+        if a.worker:  # the worker's start, then one command that loads the model into it, each timed apart
             t0 = time.perf_counter()
-            subprocess.run(cmd, check=True, capture_output=True)
-            walls.append(time.perf_counter() - t0)
+            subprocess.run([str(exe), "worker", "start", "--idle", "600"], env=env, check=True, capture_output=True)
+            start = time.perf_counter() - t0
+        try:
+            for i in range(a.repeat + (1 if a.worker else 0)):
+                # the attack alone: its mis-paired twin (on by default) would search again, outside the floor's FLOPs
+                cmd = [str(exe), "attack", str(a.run), "--attack", a.attack, *size, "--out", f"{tmp}/R{i}.json"]
+                cmd += ["--quiet", "--control-docs", "0"]
+                cmd += ["--threads", str(a.threads)] if a.threads else []
+                t0 = time.perf_counter()
+                subprocess.run(cmd, check=True, capture_output=True, env=env)
+                walls.append(time.perf_counter() - t0)
+        finally:
+            if a.worker:
+                subprocess.run([str(exe), "worker", "stop"], env=env, capture_output=True)
+                served = Path(tmp, "w", "worker.log").read_text().count("'attack ")
+                if served != len(walls):
+                    raise SystemExit(f"the worker ran {served} of the {len(walls)} commands: not a worker's row")
+        if a.worker:
+            first, walls = walls[0], walls[1:]
     reference.measure()
     wall = statistics.median(walls)
     floor = flops / (reference.best * 1e9)
     res = {
         "attack": a.attack,
         **row_head(a.run, n, a.budget if a.attack == "sipit" else a.k, reference),
+        "worker": a.worker,
+        "worker_start_s": start,
+        "first_command_s": first,
         "walls_s": walls,
         "median_wall_s": wall,
         "tflop": flops / 1e12,
@@ -244,12 +266,13 @@ def whole_command(a) -> None:
     }
     print(json.dumps(res, indent=2))
     if a.record:
-        row = (
-            f"| {date.today().isoformat()} | {a.attack} | {res['model']} | {res['cut']} | {n} | {res['k']} | "
-            f"{device_cell()} | {reference.cell()} | {flops / 1e12:.2f} | {', '.join(f'{w:.1f}' for w in walls)} | "
-            f"{wall:.1f} | {floor:.1f} | {wall / floor:.2f} |"
-        )
-        record("### Whole commands against their floor", row)
+        head = f"| {date.today().isoformat()} | {a.attack} | {res['model']} | {res['cut']} | {n} | {res['k']} | "
+        head += f"{device_cell()} | {reference.cell()} | {flops / 1e12:.2f} | "
+        tail = f"{', '.join(f'{w:.1f}' for w in walls)} | {wall:.1f} | {floor:.1f} | {wall / floor:.2f} |"
+        if a.worker:
+            record("### Whole commands in the warm worker", f"{head}{start:.1f} | {first:.1f} | {tail}")
+        else:
+            record("### Whole commands against their floor", head + tail)
 
 
 def _matching_flops(kn, traffic, name: str, steps: int, params: dict) -> float:
@@ -315,6 +338,9 @@ def main() -> None:
     )
     ap.add_argument("--command", action="store_true", help="time the whole `splitleak attack` command (--repeat runs)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument(
+        "--worker", action="store_true", help="with --command: in a warm worker (`splitleak worker start`) of its own"
+    )
     ap.add_argument("--budget", type=int, default=32, help="SipIt's checks per position")
     ap.add_argument("--k", type=int, default=32)
     ap.add_argument("--naive-docs", type=int, default=2)

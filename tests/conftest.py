@@ -6,6 +6,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the hub is not reachable here; fail fast instead of retrying
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+#: the commands the tests start run in their own processes, never in a warm worker the user may have running
+#: (splitleak.warm); tests/test_warm.py turns it on for its own workers
+os.environ["SPLITLEAK_WORKER"] = "off"
 #: under pytest-xdist (`make test`, `make check`: two workers on two cores) each worker, and each process a
 #: test starts without --threads, computes on one torch thread, so the workers do not oversubscribe the cores;
 #: the tokenizers' Rust library (WikiText-2's 4,000 passages per load) encodes on one thread too

@@ -234,7 +234,7 @@ def plain_conversion(path: Path, cache: Path) -> tuple[str, str, str]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(presets, "_gguf_parsed_once", contextlib.nullcontext)
         mp.setenv("SPLITLEAK_CACHE", "off")
-        model, tok = presets._load_gguf(path, torch.float32)
+        model, tok, _ = presets._load_gguf(path, torch.float32)
     return model_fingerprint(model), tokenizer_digest(tok), _digest(_config_dict(model))
 
 
@@ -256,8 +256,11 @@ def test_the_converted_smollm2_is_cached_checked_and_reconverted_when_damaged(sm
     assert cache is not None and (cache / "model.safetensors").is_file()
     got = (first.fingerprint(), tokenizer_digest(first.tokenizer), _digest(_config_dict(first.model)))
     assert got == plain_conversion(Path(first.source), cache)
+    assert first.loaded_fingerprint is None  # converted: not fingerprinted by the load
     second = load_model("smollm2-135m")  # read back
     assert second.fingerprint() == first.fingerprint()
+    # the cache's check fingerprinted the weights it read: the same value, recomputed by no caller
+    assert second.loaded_fingerprint == second.fingerprint() == second.fingerprint(as_loaded=True)
     assert tokenizer_digest(second.tokenizer) == tokenizer_digest(first.tokenizer)
     ids = torch.tensor([first.tokenizer("Born 12 May 1984 in Lyon.", add_special_tokens=False).input_ids])
     with torch.no_grad():

@@ -405,10 +405,11 @@ def _public_model(m: dict[str, Any], run_dir, lm=None):
             model_path=cfg.get("model_path"),
         )
     want = (m.get("model") or {}).get("fingerprint")
-    if want is not None and lm.fingerprint() != want:
+    got = want if want is None else lm.fingerprint(as_loaded=True)  # loaded just now, or a pristine copy
+    if got != want:
         raise IntegrityError(
-            f"the public model loaded for {run_dir} (fingerprint {lm.fingerprint()[:12]}) is not the one the run "
-            f"started from ({want[:12]}): another version of the weights, or a tiny-model run written before "
+            f"the public model loaded for {run_dir} (fingerprint {str(got)[:12]}) is not the one the run "
+            f"started from ({str(want)[:12]}): another version of the weights, or a tiny-model run written before "
             "splitleak derived the model's init seed from the run seed (train it again)"
         )
     return lm

@@ -5,7 +5,7 @@ One module per group of commands; importing this package registers them all on `
 from __future__ import annotations
 
 from splitleak.attacks.registry import load_plugins
-from splitleak.cli import audit, catalogue, deploy, experiment, protocol, reproduce, runs, tune  # noqa: F401  (each registers its commands)
+from splitleak.cli import audit, catalogue, deploy, experiment, protocol, reproduce, runs, tune, worker  # noqa: F401  (each registers its commands)
 from splitleak.cli.common import app, parse_defences, user_errors
 from splitleak.runtime import keep_freed_memory
 

@@ -25,6 +25,13 @@ console = Console() if sys.stdout.isatty() else Console(width=160)  # wide table
 err = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=160)
 
 
+def reset_consoles() -> None:
+    """Look at the standard streams again, as at import: the warm worker (``splitleak.warm``) runs each command on its
+    client's streams, a terminal or not."""
+    for c, stream, stderr in ((console, sys.stdout, False), (err, sys.stderr, True)):
+        c.__init__(stderr=stderr) if stream.isatty() else c.__init__(stderr=stderr, width=160)  # type: ignore[misc]
+
+
 @contextmanager
 def user_errors():
     """The project's own errors become one red line on stderr (never wrapped, however long its paths) and exit

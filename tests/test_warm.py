@@ -1,0 +1,133 @@
+"""The warm worker (``splitleak worker``, ``splitleak.warm``): an attack command it runs reads what the same command
+reads in a fresh process, bit for bit; a worker started from other code or settings is not used; nothing is handed
+over where it should not be."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from splitleak import warm
+from splitleak.training import make_train_config, run_training
+
+EXE = str(Path(sys.executable).parent / "splitleak")
+BASE = dict(model="tiny-gpt2", depth=2, n_calib=16, n_train=8, n_eval=6, all_local_baseline=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("warm") / "run"
+    run_training(make_train_config(**BASE, seed=5), run, device="cpu")
+    return run
+
+
+def _cli(args, env, cwd=None, timeout=180):
+    return subprocess.run([EXE, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def worker(tmp_path):
+    """A worker of its own (its folder in tmp_path), stopped (or killed) after the test."""
+    env = {**os.environ, "SPLITLEAK_WORKER": "on", warm.DIR_ENV: str(tmp_path / "w")}
+    started = _cli(["worker", "start", "--idle", "120"], env)
+    assert started.returncode == 0, started.stdout + started.stderr
+    pid = int(started.stdout.split()[2])
+    yield env, tmp_path / "w" / "worker.log"
+    _cli(["worker", "stop"], env, timeout=60)
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+
+
+def _same_result(a: Path, b: Path) -> None:
+    ra, rb = json.loads(a.read_text()), json.loads(b.read_text())
+    for r in (ra, rb):  # what differs between two runs of one command: its clock, and the file it was told to write
+        r.pop("seconds")
+        r.pop("predictions")
+        r["control"].pop("seconds")
+    assert ra == rb
+    assert pq.read_table(a.with_suffix(".parquet")).equals(pq.read_table(b.with_suffix(".parquet")))
+
+
+@pytest.mark.integration
+def test_an_attack_in_the_warm_worker_reads_what_a_fresh_process_reads(tiny_run, worker, tmp_path):
+    env, log = worker
+    args = ["attack", str(tiny_run), "--attack", "joint", "--k", "8", "--quiet"]
+    fresh = _cli([*args, "--out", str(tmp_path / "fresh.json")], {**env, "SPLITLEAK_WORKER": "off"})
+    assert fresh.returncode == 0, fresh.stderr
+    assert "'attack " not in log.read_text()  # the fresh process did not reach the worker
+    # the first command loads the model, the second (after one on one thread) reads the kept copy; a relative --out
+    # lands in the command's own folder
+    for name, extra in (("w1.json", []), ("one.json", ["--threads", "1"]), ("w2.json", [])):
+        got = _cli([*args, "--out", name, *extra], env, cwd=tmp_path)
+        assert got.returncode == 0, got.stderr
+    ran = [line for line in log.read_text().splitlines() if "'attack " in line]
+    assert len(ran) == 3 and all(": exit 0 in " in line for line in ran)
+    for name in ("w1.json", "one.json", "w2.json"):
+        _same_result(tmp_path / "fresh.json", tmp_path / name)
+    status = _cli(["worker", "status"], env)
+    assert status.returncode == 0 and "3 commands" in status.stdout and "tiny-gpt2 (float32)" in status.stdout
+    # a refused command: the same exit status and message as in a fresh process, and the worker goes on
+    bad = [*args[:3], "--attack", "jiont", "--out", str(tmp_path / "bad.json")]
+    here, there = _cli(bad, {**env, "SPLITLEAK_WORKER": "off"}), _cli(bad, env)
+    assert (there.returncode, there.stderr) == (here.returncode, here.stderr) and here.returncode == 2
+    assert "jiont" in here.stderr and not (tmp_path / "bad.json").exists()
+    assert _cli(["worker", "status"], env).returncode == 0
+
+
+@pytest.mark.integration
+def test_a_worker_started_from_other_settings_stops_and_the_command_runs_here(tiny_run, worker, tmp_path):
+    env, log = worker
+    other = {**env, "PYTHONHASHSEED": "7"}  # read once at a process's start: the worker's is unset
+    got = _cli(
+        ["attack", str(tiny_run), "--attack", "activation", "--k", "8", "--out", "r.json", "--quiet"], other, tmp_path
+    )
+    assert got.returncode == 0, got.stderr
+    said = f"stderr: {got.stderr}\nlog: {log.read_text()}"
+    assert "started from other code or settings" in got.stderr and (tmp_path / "r.json").is_file(), said
+    assert "stale" in log.read_text() and "'attack " not in log.read_text(), said
+    status = _cli(["worker", "status"], env)
+    assert status.returncode == 1, f"{said}\nstatus: {status.stdout}"  # it stopped
+
+
+@pytest.mark.unit
+def test_only_attack_commands_are_handed_over_and_only_to_a_private_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(warm.DIR_ENV, str(tmp_path / "w"))
+    monkeypatch.setenv(warm.WORKER_ENV, "on")
+    assert warm.hand_over(["attack", "run", "--attack", "joint"]) is None  # no worker listens
+    (tmp_path / "w").mkdir(mode=0o755)
+    (tmp_path / "w").chmod(0o755)
+    assert warm.connect() is None  # a folder others can enter is not trusted
+    monkeypatch.setenv(warm.WORKER_ENV, "off")
+    assert warm.hand_over(["attack", "run"]) is None
+    monkeypatch.setenv(warm.WORKER_ENV, "on")
+    assert warm.hand_over(["train", "--out", "x"]) is None and warm.hand_over(["attack", "--help"]) is None
+    assert warm.hand_over([]) is None
+
+
+@pytest.mark.unit
+def test_the_code_digest_follows_the_package_files_and_the_start_settings(monkeypatch, tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "sub" / "m.py").write_text("x = 1\n")
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    first = warm.code_digest(package)
+    assert warm.code_digest(package) == first and warm.code_digest() != first
+    monkeypatch.setenv("PYTHONHASHSEED", "3")
+    assert warm.code_digest(package) != first
+    monkeypatch.delenv("PYTHONHASHSEED")
+    (package / "sub" / "m.py").write_text("x = 22\n")  # another size
+    assert warm.code_digest(package) != first
+    (package / "sub" / "m.py").write_text("x = 1\n")
+    st = (package / "sub" / "m.py").stat()
+    os.utime(package / "sub" / "m.py", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the same size, rewritten later
+    second = warm.code_digest(package)
+    assert second != first
+    (package / "sub" / "__pycache__").mkdir()
+    (package / "sub" / "__pycache__" / "m.pyc").write_bytes(b"compiled")  # not source
+    assert warm.code_digest(package) == second
