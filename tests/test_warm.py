@@ -95,6 +95,23 @@ def test_a_worker_started_from_other_settings_stops_and_the_command_runs_here(ti
     assert status.returncode == 1, f"{said}\nstatus: {status.stdout}"  # it stopped
 
 
+@pytest.mark.integration
+def test_a_worker_loads_the_models_it_is_asked_to_before_the_first_command(tmp_path):
+    """While it imports and loads, `start`'s pings time out and go away unanswered: the worker outlives them (it
+    once exited on the first answer it could not send)."""
+    env = {**os.environ, "SPLITLEAK_WORKER": "on", warm.DIR_ENV: str(tmp_path / "w")}
+    bad = _cli(["worker", "start", "--preload", "no-such-model"], env)
+    assert bad.returncode == 1 and "no-such-model" in bad.stderr  # the log's last line: the loader's error
+    assert _cli(["worker", "status"], env).returncode == 1
+    started = _cli(["worker", "start", "--preload", "tiny-gpt2"], env)
+    try:
+        assert started.returncode == 0, started.stderr
+        status = _cli(["worker", "status"], env)
+        assert "0 commands" in status.stdout and "models kept: tiny-gpt2 (float32)" in status.stdout
+    finally:
+        assert "stopped" in _cli(["worker", "stop"], env).stdout
+
+
 @pytest.mark.unit
 def test_only_attack_commands_are_handed_over_and_only_to_a_private_folder(tmp_path, monkeypatch):
     monkeypatch.setenv(warm.DIR_ENV, str(tmp_path / "w"))

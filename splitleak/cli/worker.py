@@ -21,7 +21,8 @@ import typer
 
 from splitleak import warm
 from splitleak.attacks.registry import load_plugins
-from splitleak.cli.common import app, console, err, reset_consoles
+from splitleak.cli.common import app, console, err, reset_consoles, user_errors
+from splitleak.errors import ConfigError
 from splitleak.runtime import keep_freed_memory
 
 worker_app = typer.Typer(
@@ -34,6 +35,9 @@ app.add_typer(worker_app, name="worker")
 @worker_app.command("start")
 def start_cmd(
     idle: float = typer.Option(900.0, "--idle", help="stop after this many seconds without a command"),
+    preload: list[str] = typer.Option(
+        [], "--preload", help="a model to load before the first command (a preset, e.g. smollm2-135m; repeatable)"
+    ),
     wait: float = typer.Option(120.0, "--wait", help="seconds to wait for it to listen"),
 ) -> None:
     """Start the worker, detached (its log: worker.log beside its socket). While it runs, `splitleak attack` commands
@@ -48,7 +52,8 @@ def start_cmd(
     warm.private_dir(warm.worker_dir())
     with open(warm.log_path(), "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "splitleak.cli", "worker", "serve", "--idle", str(idle)],
+            [sys.executable, "-m", "splitleak.cli", "worker", "serve", "--idle", str(idle)]
+            + [arg for name in preload for arg in ("--preload", name)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -65,8 +70,12 @@ def start_cmd(
         time.sleep(0.1)
     if proc.poll() is None:
         proc.kill()
+    said = [line for line in warm.log_path().read_text(errors="replace").splitlines() if line.strip()][-1:]
     err.print(
-        f"[bold red]error:[/] the worker did not start (exit {proc.poll()}); see {warm.log_path()}", highlight=False
+        f"[bold red]error:[/] the worker did not start (exit {proc.poll()}); its log ({warm.log_path()}) ends: "
+        f"{said[0] if said else '(nothing)'}",
+        highlight=False,
+        soft_wrap=True,
     )
     raise typer.Exit(1)
 
@@ -74,13 +83,16 @@ def start_cmd(
 @worker_app.command("serve")
 def serve_cmd(
     idle: float = typer.Option(900.0, "--idle", help="stop after this many seconds without a command"),
+    preload: list[str] = typer.Option(
+        [], "--preload", help="a model to load before the first command (a preset, e.g. smollm2-135m; repeatable)"
+    ),
 ) -> None:
     """Be the worker, in the foreground (`start` runs this detached): serve `splitleak attack` commands until --idle
     seconds pass without one, or `splitleak worker stop`."""
     if idle <= 0:
         err.print(f"[bold red]error:[/] --idle must be > 0 seconds, got {idle:g}", highlight=False)
         raise typer.Exit(2)
-    raise typer.Exit(serve(idle))
+    raise typer.Exit(serve(idle, preload))
 
 
 @worker_app.command("status")
@@ -188,9 +200,10 @@ def _run(app: Any, request: dict[str, Any], fds: list[int], baseline: _Baseline)
     return code
 
 
-def serve(idle: float) -> int:
+def serve(idle: float, preload: list[str] | None = None) -> int:
     """Listen on ``warm.socket_path`` until ``idle`` seconds pass without a command or a ``stop``; 0, or 1 where another
-    worker listens already."""
+    worker listens already. Before the first command: torch's and transformers' imports, and the models ``preload``
+    names (float32; the first command that loads another model loads it then)."""
     digest = warm.code_digest()
     warm.private_dir(warm.worker_dir())
     if warm.ask("ping", timeout=2.0) is not None:
@@ -201,31 +214,51 @@ def serve(idle: float) -> int:
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(str(path))
     srv.listen(8)
-    import torch  # lazy: torch stays out of `splitleak --help`; the worker imports it once, before the first command
+    try:
+        return _listen(srv, path, idle, preload or [], digest)
+    finally:
+        srv.close()
+        path.unlink(missing_ok=True)
 
-    from splitleak.models.presets import keep_models, kept_models  # lazy: as torch
+
+def _listen(srv: socket.socket, path: Any, idle: float, preload: list[str], digest: str) -> int:
+    """``serve``'s imports, preloads and loop, on a bound socket."""
+    import torch  # lazy: torch stays out of `splitleak --help`; the worker imports it once, before the first command
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: F401  (lazy: as torch)
+
+    from splitleak.models.presets import keep_models, kept_models, load_model  # lazy: as torch
 
     keep_freed_memory()
     load_plugins()
     keep_models(warm.KEEP_MODELS)
+    with user_errors():  # an unknown or missing model: the error in one line, and no worker
+        if len(preload) > warm.KEEP_MODELS:
+            raise ConfigError(f"--preload names {len(preload)} models; a worker keeps at most {warm.KEEP_MODELS}")
+        for name in preload:
+            load_model(name)
     baseline = _Baseline()
     state = {"pid": os.getpid(), "digest": digest, "since": time.time(), "served": 0, "idle_s": idle}
-    print(f"worker {os.getpid()} listening on {path} (torch {torch.__version__}, idle {idle:g} s)", flush=True)
-    try:
-        while True:
-            srv.settimeout(idle)
-            try:
-                conn, _ = srv.accept()
-            except TimeoutError:
-                print(f"idle for {idle:g} s: stopping", flush=True)
+    print(
+        f"worker {os.getpid()} listening on {path} (torch {torch.__version__}, idle {idle:g} s, models kept: "
+        f"{', '.join(kept_models()) or 'none'})",
+        flush=True,
+    )
+    while True:
+        srv.settimeout(idle)
+        try:
+            conn, _ = srv.accept()
+        except TimeoutError:
+            print(f"idle for {idle:g} s: stopping", flush=True)
+            return 0
+        with conn:
+            conn.settimeout(None)
+            if not _serve_one(conn, app, baseline, state, kept_models):
                 return 0
-            with conn:
-                conn.settimeout(None)
-                if not _serve_one(conn, app, baseline, state, kept_models):
-                    return 0
-    finally:
-        srv.close()
-        path.unlink(missing_ok=True)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _serve_one(conn: socket.socket, app: Any, baseline: _Baseline, state: dict[str, Any], kept) -> bool:
@@ -242,25 +275,27 @@ def _serve_one(conn: socket.socket, app: Any, baseline: _Baseline, state: dict[s
     if request is None:
         return True
     op = request.get("op")
-    if op == "ping":
-        warm.send(conn, {**state, "models": kept()})
-        return True
-    if op == "stop":
-        warm.send(conn, {"stopping": True})
-        print(f"stopped by pid {pid}", flush=True)
-        return False
-    if op != "run" or len(fds) != 3:
-        for fd in fds:
-            os.close(fd)
+    if op == "run" and len(fds) == 3:
+        answer: dict[str, Any] = {"pid": os.getpid()} if request.get("digest") == state["digest"] else {"stale": True}
+    elif op in ("ping", "stop"):
+        answer = {**state, "models": kept()} if op == "ping" else {"stopping": True}
+    else:
+        _close(fds)
         print(f"an unknown request from pid {pid}: {op!r}", flush=True)
         return True
-    if request.get("digest") != state["digest"]:
-        for fd in fds:
-            os.close(fd)
-        warm.send(conn, {"stale": True})
-        print(f"stale: pid {pid} runs other code or settings; stopping", flush=True)
+    try:
+        warm.send(conn, answer)
+        sent = True
+    except OSError:  # the client went away before the answer (it waited too long)
+        sent = False
+        print(f"pid {pid} went away before its answer to {op!r}", flush=True)
+    if op == "stop" or "stale" in answer:
+        _close(fds)
+        print(f"stopped by pid {pid}" if op == "stop" else f"stale: pid {pid} runs other code or settings", flush=True)
         return False
-    warm.send(conn, {"pid": os.getpid()})
+    if op == "ping" or not sent:  # a command whose client went away is not run
+        _close(fds)
+        return True
     t0 = time.perf_counter()
     code = _run(app, request, fds, baseline)
     state["served"] += 1
