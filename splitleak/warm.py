@@ -101,7 +101,8 @@ def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = N
     if fds:
         sent = socket.send_fds(sock, [data], fds)
         data = data[sent:]
-    sock.sendall(data)
+    if data:  # nothing left: no second send, which fails where the peer has answered and closed already
+        sock.sendall(data)
 
 
 def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
@@ -177,12 +178,17 @@ def hand_over(argv: list[str]) -> int | None:
         try:
             send(sock, request, [0, 1, 2])
             started, _ = receive(sock)
-        except OSError:
-            return None
-        if started is None or started.get("stale"):
+        except OSError as exc:  # the worker runs a command only once it has said so: this one it did not run
+            started = {"lost": f"{type(exc).__name__}: {exc}"}
+        if started is None or "pid" not in started:
+            why = (
+                "was started from other code or settings and has stopped"
+                if started is not None and started.get("stale")
+                else f"did not take the command ({(started or {}).get('lost', 'it closed the connection')})"
+            )
             print(
-                "splitleak: the warm worker was started from other code or settings and has stopped; running the "
-                "command here (start a new one with `splitleak worker start`)",
+                f"splitleak: the warm worker {why}; running the command here (start a new one with `splitleak worker "
+                "start`)",
                 file=sys.stderr,
             )
             return None

@@ -148,3 +148,56 @@ def test_the_code_digest_follows_the_package_files_and_the_start_settings(monkey
     (package / "sub" / "__pycache__").mkdir()
     (package / "sub" / "__pycache__" / "m.pyc").write_bytes(b"compiled")  # not source
     assert warm.code_digest(package) == second
+
+
+@pytest.mark.unit
+def test_kept_models_hand_out_pristine_copies_with_their_fingerprint_as_loaded():
+    import torch
+
+    from splitleak.experiments import worker
+    from splitleak.models.presets import keep_models, kept_models, load_model
+
+    keep_models(1)
+    try:
+        a, b = load_model("tiny-gpt2", seed=4), load_model("tiny-gpt2", seed=4)
+        assert a.model is not b.model and kept_models() == ["tiny-gpt2 (float32)"]
+        assert a.loaded_fingerprint == b.loaded_fingerprint == a.fingerprint() == b.fingerprint()
+        assert load_model("tiny-gpt2", seed=5).fingerprint() != a.fingerprint()  # another seed, another model
+        with torch.no_grad():
+            next(a.model.parameters()).add_(1.0)  # a command changes its copy
+        assert a.fingerprint() != a.fingerprint(as_loaded=True)
+        assert load_model("tiny-gpt2", seed=4).fingerprint() == b.fingerprint()  # not the kept one
+    finally:
+        keep_models(0)
+    assert kept_models() == [] and load_model("tiny-gpt2", seed=4).loaded_fingerprint is None
+    # a grid worker's copies carry it too; a model taken to be trained does not
+    worker._MODELS.clear()
+    c, d = worker.cached_model("tiny-gpt2", "float32", 3, None), worker.cached_model("tiny-gpt2", "float32", 3, None)
+    assert c.model is not d.model and c.loaded_fingerprint == d.fingerprint() == c.fingerprint()
+    assert worker.cached_model("tiny-gpt2", "float32", 3, None, take=True).loaded_fingerprint is None
+    worker._MODELS.clear()
+
+
+@pytest.mark.unit
+def test_a_message_sent_whole_with_its_descriptors_is_not_sent_again(monkeypatch):
+    """The worker may answer and close as soon as the request is in: nothing may be sent after it (an empty second
+    send once failed there with a broken pipe, and the command ran without the worker, silently)."""
+    import socket
+
+    client, worker = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    real = socket.send_fds
+
+    def send_then_close(sock, buffers, fds):
+        sent = real(sock, buffers, fds)
+        got, fds_in = warm.receive(worker, max_fds=3)
+        assert got == {"op": "run", "argv": ["attack"]} and len(fds_in) == 3
+        warm.send(worker, {"stale": True})
+        worker.close()
+        for fd in fds_in:
+            os.close(fd)
+        return sent
+
+    monkeypatch.setattr(socket, "send_fds", send_then_close)
+    with client:
+        warm.send(client, {"op": "run", "argv": ["attack"]}, [0, 1, 2])  # before: BrokenPipeError
+        assert warm.receive(client) == ({"stale": True}, [])

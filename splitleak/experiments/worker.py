@@ -29,7 +29,6 @@ job the worker collects what the job held and gives the freed heap back to the s
 from __future__ import annotations
 
 import contextlib
-import copy
 import gc
 import json
 import os
@@ -57,7 +56,7 @@ from splitleak.experiments.sharing import Shared
 from splitleak.experiments.shipping import outputs_parcel, scratch_root, unpack_run
 from splitleak.experiments.store import ResultsStore, attack_rows, format_error, train_row
 from splitleak.files import write_atomic
-from splitleak.models import LoadedModel, load_model
+from splitleak.models import load_model
 from splitleak.models.presets import PRESETS
 from splitleak.runs.manifest import read_manifest
 from splitleak.runs.verify import verify_run
@@ -222,18 +221,21 @@ def cached_model(name: str, precision: str, run_seed: int, model_path: str | Non
             lm = _MODELS.pop(key, None)
             if lm is None:
                 lm = load_model(name, precision=precision, seed=model_init_seed(run_seed), model_path=model_path)
+            lm.loaded_fingerprint = (
+                None  # the taker changes the weights: their fingerprint as loaded is no longer theirs
+            )
             return lm
         lm = _MODELS.get(key)
         if lm is None:
             lm = load_model(name, precision=precision, seed=model_init_seed(run_seed), model_path=model_path)
+            if lm.loaded_fingerprint is None:  # once, so that each job's check reads it (``pristine_copy``)
+                lm.loaded_fingerprint = lm.fingerprint()
             _MODELS[key] = lm
             while len(_MODELS) > _MODEL_CACHE_SIZE:
                 _MODELS.popitem(last=False)
         else:
             _MODELS.move_to_end(key)
-        return LoadedModel(
-            lm.name, copy.deepcopy(lm.model), lm.tokenizer, lm.precision, lm.source, copy.deepcopy(lm.info)
-        )
+        return lm.pristine_copy()
 
 
 def _train(job: dict[str, Any], store, device: str, threads: int | None, progress) -> None:
