@@ -144,6 +144,14 @@ def connect(timeout: float | None = None) -> socket.socket | None:
     return sock
 
 
+def listening() -> bool:
+    """Whether a worker listens (answering or busy with a command: a worker answers one connection at a time)."""
+    sock = connect(1.0)
+    if sock is not None:
+        sock.close()
+    return sock is not None
+
+
 def ask(op: str, timeout: float = 10.0) -> dict[str, Any] | None:
     """``ping`` (the worker's state) or ``stop``: the worker's answer, or None where none listens."""
     sock = connect(timeout)
@@ -180,6 +188,8 @@ def hand_over(argv: list[str]) -> int | None:
             started, _ = receive(sock)
         except OSError as exc:  # the worker runs a command only once it has said so: this one it did not run
             started = {"lost": f"{type(exc).__name__}: {exc}"}
+        except KeyboardInterrupt:  # while the worker ran another command: this one never started there
+            return 130
         if started is None or "pid" not in started:
             why = (
                 "was started from other code or settings and has stopped"

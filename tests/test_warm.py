@@ -96,6 +96,23 @@ def test_a_worker_started_from_other_settings_stops_and_the_command_runs_here(ti
 
 
 @pytest.mark.integration
+def test_a_busy_worker_is_neither_replaced_nor_held_by_a_silent_client(worker, tmp_path):
+    import socket
+
+    env, log = worker
+    hold = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hold.connect(str(tmp_path / "w" / "worker.sock"))  # connects and says nothing: the worker waits for it, busy
+    try:
+        again = _cli(["worker", "start"], env)
+        assert again.returncode == 0 and "runs already" in again.stdout, again.stdout + again.stderr
+    finally:
+        hold.close()
+    status = _cli(["worker", "status"], env)
+    assert status.returncode == 0 and "0 commands" in status.stdout
+    assert log.read_text().count("listening on") == 1  # no second worker took the socket over
+
+
+@pytest.mark.integration
 def test_a_worker_loads_the_models_it_is_asked_to_before_the_first_command(tmp_path):
     """While it imports and loads, `start`'s pings time out and go away unanswered: the worker outlives them (it
     once exited on the first answer it could not send)."""

@@ -25,6 +25,9 @@ from splitleak.cli.common import app, console, err, reset_consoles, user_errors
 from splitleak.errors import ConfigError
 from splitleak.runtime import keep_freed_memory
 
+#: ours: how long the worker waits for a connection's request before it drops the connection
+REQUEST_TIMEOUT_S = 5.0
+
 worker_app = typer.Typer(
     help="The warm worker: one process that keeps the imports and the loaded models of `splitleak attack` commands "
     "(each command then skips its start, imports and model load)."
@@ -45,9 +48,10 @@ def start_cmd(
     if idle <= 0:
         err.print(f"[bold red]error:[/] --idle must be > 0 seconds, got {idle:g}", highlight=False)
         raise typer.Exit(2)
-    state = warm.ask("ping")
-    if state is not None:
-        console.print(f"a worker runs already: pid {state['pid']} on {warm.socket_path()}", highlight=False)
+    if warm.listening():
+        state = warm.ask("ping")
+        pid = f"pid {state['pid']}" if state else "busy with a command"
+        console.print(f"a worker runs already ({pid}) on {warm.socket_path()}", highlight=False)
         return
     warm.private_dir(warm.worker_dir())
     with open(warm.log_path(), "ab") as log:
@@ -100,8 +104,14 @@ def status_cmd() -> None:
     """Whether a worker runs: its pid, since when, the commands it ran, the models it keeps. Exit 1 where none runs."""
     state = warm.ask("ping")
     if state is None:
-        console.print(f"no worker listens on {warm.socket_path()}", highlight=False)
-        raise typer.Exit(1)
+        busy = warm.listening()
+        what = (
+            "a worker listens on {} but ran a command for over 10 s without answering"
+            if busy
+            else "no worker listens on {}"
+        )
+        console.print(what.format(warm.socket_path()), highlight=False)
+        raise typer.Exit(0 if busy else 1)
     since = datetime.datetime.fromtimestamp(state["since"]).isoformat(timespec="seconds")
     stale = state["digest"] != warm.code_digest()
     console.print(
@@ -115,10 +125,13 @@ def status_cmd() -> None:
 @worker_app.command("stop")
 def stop_cmd(wait: float = typer.Option(30.0, "--wait", help="seconds to wait for it to exit")) -> None:
     """Stop the worker (after the command it runs, if any)."""
-    state = warm.ask("ping")
-    if state is None or warm.ask("stop", timeout=wait) is None:
+    if not warm.listening():
         console.print("no worker was running", highlight=False)
         return
+    state = warm.ask("ping", timeout=wait)
+    if state is None or warm.ask("stop", timeout=wait) is None:
+        err.print(f"the worker did not answer in {wait:g} s (a command still runs); try again later", highlight=False)
+        raise typer.Exit(1)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline and _alive(state["pid"]):
         time.sleep(0.05)
@@ -206,7 +219,7 @@ def serve(idle: float, preload: list[str] | None = None) -> int:
     names (float32; the first command that loads another model loads it then)."""
     digest = warm.code_digest()
     warm.private_dir(warm.worker_dir())
-    if warm.ask("ping", timeout=2.0) is not None:
+    if warm.listening():  # answering or busy: its socket is not a stale one to replace
         print(f"a worker listens on {warm.socket_path()} already", file=sys.stderr)
         return 1
     path = warm.socket_path()
@@ -251,7 +264,7 @@ def _listen(srv: socket.socket, path: Any, idle: float, preload: list[str], dige
             print(f"idle for {idle:g} s: stopping", flush=True)
             return 0
         with conn:
-            conn.settimeout(None)
+            conn.settimeout(REQUEST_TIMEOUT_S)  # a client that connects and says nothing holds the worker no longer
             if not _serve_one(conn, app, baseline, state, kept_models):
                 return 0
 
@@ -269,6 +282,7 @@ def _serve_one(conn: socket.socket, app: Any, baseline: _Baseline, state: dict[s
         return True
     try:
         request, fds = warm.receive(conn, max_fds=3)
+        conn.settimeout(None)  # a command may run for hours; its client waits as long
     except (OSError, ValueError) as exc:
         print(f"a malformed request from pid {pid}: {exc}", flush=True)
         return True
