@@ -221,9 +221,8 @@ def cached_model(name: str, precision: str, run_seed: int, model_path: str | Non
             lm = _MODELS.pop(key, None)
             if lm is None:
                 lm = load_model(name, precision=precision, seed=model_init_seed(run_seed), model_path=model_path)
-            lm.loaded_fingerprint = (
-                None  # the taker changes the weights: their fingerprint as loaded is no longer theirs
-            )
+            # the taker changes the weights: their fingerprint as loaded is no longer theirs
+            lm.loaded_fingerprint = None
             return lm
         lm = _MODELS.get(key)
         if lm is None:
