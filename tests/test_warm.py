@@ -4,8 +4,10 @@ over where it should not be."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -30,13 +32,22 @@ def _cli(args, env, cwd=None, timeout=180):
 
 
 @pytest.fixture
-def worker(tmp_path):
-    """A worker of its own (its folder in tmp_path), stopped (or killed) after the test."""
-    env = {**os.environ, "SPLITLEAK_WORKER": "on", warm.DIR_ENV: str(tmp_path / "w")}
+def short_dir():
+    """A folder with a short path for a worker's socket (a Unix socket's path holds at most 107 bytes; tmp_path can
+    be longer on another machine), removed after the test."""
+    path = Path(tempfile.mkdtemp(prefix="slw-", dir="/tmp"))
+    yield path / "w"
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def worker(short_dir):
+    """A worker of its own, stopped (or killed) after the test."""
+    env = {**os.environ, "SPLITLEAK_WORKER": "on", warm.DIR_ENV: str(short_dir)}
     started = _cli(["worker", "start", "--idle", "120"], env)
     assert started.returncode == 0, started.stdout + started.stderr
     pid = int(started.stdout.split()[2])
-    yield env, tmp_path / "w" / "worker.log"
+    yield env, short_dir / "worker.log"
     _cli(["worker", "stop"], env, timeout=60)
     try:
         os.kill(pid, 9)
@@ -101,7 +112,7 @@ def test_a_busy_worker_is_neither_replaced_nor_held_by_a_silent_client(worker, t
 
     env, log = worker
     hold = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    hold.connect(str(tmp_path / "w" / "worker.sock"))  # connects and says nothing: the worker waits for it, busy
+    hold.connect(str(log.parent / "worker.sock"))  # connects and says nothing: the worker waits for it, busy
     try:
         again = _cli(["worker", "start"], env)
         assert again.returncode == 0 and "runs already" in again.stdout, again.stdout + again.stderr
@@ -113,10 +124,12 @@ def test_a_busy_worker_is_neither_replaced_nor_held_by_a_silent_client(worker, t
 
 
 @pytest.mark.integration
-def test_a_worker_loads_the_models_it_is_asked_to_before_the_first_command(tmp_path):
+def test_a_worker_loads_the_models_it_is_asked_to_before_the_first_command(short_dir):
     """While it imports and loads, `start`'s pings time out and go away unanswered: the worker outlives them (it
     once exited on the first answer it could not send)."""
-    env = {**os.environ, "SPLITLEAK_WORKER": "on", warm.DIR_ENV: str(tmp_path / "w")}
+    env = {**os.environ, "SPLITLEAK_WORKER": "on", warm.DIR_ENV: str(short_dir)}
+    too_long = _cli(["worker", "start"], {**env, warm.DIR_ENV: str(short_dir / ("d" * 100))})
+    assert too_long.returncode == 1 and warm.DIR_ENV in too_long.stderr  # the log's last line names the fix
     bad = _cli(["worker", "start", "--preload", "no-such-model"], env)
     assert bad.returncode == 1 and "no-such-model" in bad.stderr  # the log's last line: the loader's error
     assert _cli(["worker", "status"], env).returncode == 1

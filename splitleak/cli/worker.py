@@ -25,6 +25,8 @@ from splitleak.cli.common import app, console, err, reset_consoles, user_errors
 from splitleak.errors import ConfigError
 from splitleak.runtime import keep_freed_memory
 
+#: the longest path a Unix socket binds to on Linux (sun_path's 108 bytes, less the terminating NUL)
+_SOCKET_PATH_BYTES = 107
 #: ours: how long the worker waits for a connection's request before it drops the connection
 REQUEST_TIMEOUT_S = 5.0
 
@@ -223,6 +225,13 @@ def serve(idle: float, preload: list[str] | None = None) -> int:
         print(f"a worker listens on {warm.socket_path()} already", file=sys.stderr)
         return 1
     path = warm.socket_path()
+    if len(os.fsencode(path)) > _SOCKET_PATH_BYTES:
+        print(
+            f"the worker's socket {path} is longer than a Unix socket's path may be ({_SOCKET_PATH_BYTES} bytes); set "
+            f"{warm.DIR_ENV} to a shorter folder",
+            file=sys.stderr,
+        )
+        return 2
     path.unlink(missing_ok=True)  # left by a worker that was killed
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(str(path))
