@@ -128,6 +128,8 @@ def test_a_worker_loads_the_models_it_is_asked_to_before_the_first_command(short
     """While it imports and loads, `start`'s pings time out and go away unanswered: the worker outlives them (it
     once exited on the first answer it could not send)."""
     env = {**os.environ, "SPLITLEAK_WORKER": "on", warm.DIR_ENV: str(short_dir)}
+    zero = _cli(["worker", "start", "--idle", "0"], env)
+    assert zero.returncode == 2 and "--idle must be > 0" in zero.stderr
     too_long = _cli(["worker", "start"], {**env, warm.DIR_ENV: str(short_dir / ("d" * 100))})
     assert too_long.returncode == 1 and warm.DIR_ENV in too_long.stderr  # the log's last line names the fix
     bad = _cli(["worker", "start", "--preload", "no-such-model"], env)
@@ -200,12 +202,17 @@ def test_kept_models_hand_out_pristine_copies_with_their_fingerprint_as_loaded()
     finally:
         keep_models(0)
     assert kept_models() == [] and load_model("tiny-gpt2", seed=4).loaded_fingerprint is None
-    # a grid worker's copies carry it too; a model taken to be trained does not
-    worker._MODELS.clear()
+    # a grid worker keeps its own: its copies carry the fingerprint too; a model taken to be trained does not, and
+    # the next copy is loaded afresh
+    worker._MODELS.resize(0)
+    worker._MODELS.resize(3)
     c, d = worker.cached_model("tiny-gpt2", "float32", 3, None), worker.cached_model("tiny-gpt2", "float32", 3, None)
     assert c.model is not d.model and c.loaded_fingerprint == d.fingerprint() == c.fingerprint()
-    assert worker.cached_model("tiny-gpt2", "float32", 3, None, take=True).loaded_fingerprint is None
-    worker._MODELS.clear()
+    assert worker._MODELS.names() == ["tiny-gpt2 (float32)"] and kept_models() == []  # not the process's keep
+    taken = worker.cached_model("tiny-gpt2", "float32", 3, None, take=True)
+    assert taken.loaded_fingerprint is None and worker._MODELS.names() == []
+    worker._MODELS.resize(0)
+    worker._MODELS.resize(3)
 
 
 @pytest.mark.unit

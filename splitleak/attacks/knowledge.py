@@ -29,8 +29,8 @@ from splitleak.data import Document
 from splitleak.defences import build_defence
 from splitleak.errors import ConfigError, IntegrityError
 from splitleak.models import load_model
-from splitleak.models.presets import _NORM_NAMES, find_blocks
 from splitleak.models.split import SplitModel
+from splitleak.models.structure import _NORM_NAMES, find_blocks
 from splitleak.runs.captures import Capture, load_capture
 from splitleak.runs.journal import read_tensors_and_metadata
 from splitleak.runs.manifest import read_calibration, read_manifest, run_mode

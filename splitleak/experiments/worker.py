@@ -40,7 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -56,8 +55,7 @@ from splitleak.experiments.sharing import Shared
 from splitleak.experiments.shipping import outputs_parcel, scratch_root, unpack_run
 from splitleak.experiments.store import ResultsStore, attack_rows, format_error, train_row
 from splitleak.files import write_atomic
-from splitleak.models import load_model
-from splitleak.models.presets import PRESETS
+from splitleak.models.presets import ModelKeep
 from splitleak.runs.manifest import read_manifest
 from splitleak.runs.verify import verify_run
 from splitleak.runtime import die_with_parent, keep_freed_memory, trim_heap
@@ -65,9 +63,7 @@ from splitleak.seeds import model_init_seed
 from splitleak.training import config_from_record, run_training
 
 _QUEUE: Any = None  # progress queue, set by init_worker (local pool) or per Ray task
-_MODELS: "OrderedDict[tuple, Any]" = OrderedDict()
-_MODEL_CACHE_SIZE = 3
-_LOCK = threading.Lock()
+_MODELS = ModelKeep(3)
 PROGRESS_INTERVAL_S = 0.3
 FLOPS_ENV = "SPLITLEAK_COUNT_FLOPS"
 
@@ -210,31 +206,11 @@ class QueueProgress:
 
 def cached_model(name: str, precision: str, run_seed: int, model_path: str | None, *, take: bool = False):
     """A fresh copy of a model's pristine weights for a run with ``run_seed`` (loaded at most once
-    per process and key). ``take``: hand over the cached weights themselves and forget them (or load
+    per process and key: ``_MODELS``). ``take``: hand over the cached weights themselves and forget them (or load
     them, uncached), for a job that would otherwise hold the cache and a copy of it at once: a train
     job, whose optimiser state makes it a worker's largest."""
-    preset = PRESETS.get(name)
-    seeded = preset is not None and preset.kind == "tiny"  # only the random tiny model depends on the seed
-    key = (name, precision, run_seed if seeded else None, model_path)
-    with _LOCK:
-        if take:
-            lm = _MODELS.pop(key, None)
-            if lm is None:
-                lm = load_model(name, precision=precision, seed=model_init_seed(run_seed), model_path=model_path)
-            # the taker changes the weights: their fingerprint as loaded is no longer theirs
-            lm.loaded_fingerprint = None
-            return lm
-        lm = _MODELS.get(key)
-        if lm is None:
-            lm = load_model(name, precision=precision, seed=model_init_seed(run_seed), model_path=model_path)
-            if lm.loaded_fingerprint is None:  # once, so that each job's check reads it (``pristine_copy``)
-                lm.loaded_fingerprint = lm.fingerprint()
-            _MODELS[key] = lm
-            while len(_MODELS) > _MODEL_CACHE_SIZE:
-                _MODELS.popitem(last=False)
-        else:
-            _MODELS.move_to_end(key)
-        return lm.pristine_copy()
+    fetch = _MODELS.take if take else _MODELS.load
+    return fetch(name, precision=precision, seed=model_init_seed(run_seed), model_path=model_path)
 
 
 def _train(job: dict[str, Any], store, device: str, threads: int | None, progress) -> None:

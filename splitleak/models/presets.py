@@ -35,6 +35,7 @@ from safetensors.torch import load_model as load_weights
 from safetensors.torch import save_model as save_weights
 
 from splitleak.errors import ConfigError, ModelError
+from splitleak.models.structure import find_blocks
 
 PRECISIONS = {"float32": torch.float32, "float64": torch.float64}
 
@@ -417,31 +418,92 @@ def _load_pretrained(ref: str, dtype: torch.dtype, preset: Preset | None) -> tup
     )
 
 
-#: ``keep_models``: how many models this process keeps, and those it keeps (key -> the model as loaded, which no
-#: caller is given: each gets a copy), the most recently used last
-_KEEP = 0
-_KEPT: collections.OrderedDict[tuple[Any, ...], LoadedModel] = collections.OrderedDict()
-_KEPT_LOCK = threading.Lock()
+class ModelKeep:
+    """The ``n`` models loaded last through it, each handed out as a copy of its weights as loaded
+    (``LoadedModel.pristine_copy``: bit for bit those a fresh load reads, its fingerprint computed once and carried
+    over) instead of being loaded again. A grid worker keeps its own (``experiments.worker.cached_model``);
+    ``keep_models`` puts one behind every ``load_model`` of a process (the warm worker, ``splitleak.warm``)."""
+
+    def __init__(self, n: int):
+        self._kept: collections.OrderedDict[tuple[Any, ...], LoadedModel] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.n = 0
+        self.resize(n)
+
+    def resize(self, n: int) -> None:
+        if n < 0:
+            raise ConfigError(f"a model keep holds a count >= 0 of models, got {n}")
+        with self._lock:
+            self.n = n
+            while len(self._kept) > n:
+                self._kept.popitem(last=False)
+
+    @staticmethod
+    def _key(name: str, precision: str, seed: int, model_path: str | Path | None) -> tuple[Any, ...]:
+        preset = PRESETS.get(name)
+        seeded = preset is not None and preset.kind == "tiny"  # only the random tiny model depends on the seed
+        return (name, precision, seed if seeded else None, None if model_path is None else os.fspath(model_path))
+
+    def load(
+        self, name: str, *, precision: str = "float32", seed: int = 0, model_path: str | Path | None = None
+    ) -> LoadedModel:
+        """A copy of the kept model, loaded first where it is not kept (the least recently used then goes)."""
+        key = self._key(name, precision, seed, model_path)
+        with self._lock:  # held through a load: two threads asking for one model load it once
+            lm = self._kept.get(key)
+            if lm is None:
+                lm = _load(name, precision, seed, model_path)
+                if lm.loaded_fingerprint is None:
+                    lm.loaded_fingerprint = lm.fingerprint()
+                if not self.n:
+                    return lm
+                self._kept[key] = lm
+                while len(self._kept) > self.n:
+                    self._kept.popitem(last=False)
+            self._kept.move_to_end(key)
+            return lm.pristine_copy()
+
+    def take(
+        self, name: str, *, precision: str = "float32", seed: int = 0, model_path: str | Path | None = None
+    ) -> LoadedModel:
+        """The kept model itself, forgotten here (or loaded, not kept), for a caller that changes its weights and
+        would otherwise hold the kept weights and a copy at once (a grid's train job); its fingerprint as loaded is
+        dropped, since the weights will not stay as loaded."""
+        with self._lock:
+            lm = self._kept.pop(self._key(name, precision, seed, model_path), None)
+        if lm is None:
+            lm = _load(name, precision, seed, model_path)
+        lm.loaded_fingerprint = None
+        return lm
+
+    def names(self) -> list[str]:
+        """The models kept, as ``name (precision)``, the most recently used last."""
+        with self._lock:
+            return [f"{lm.name} ({lm.precision})" for lm in self._kept.values()]
+
+
+#: the keep behind every ``load_model`` of this process (``keep_models``); None: none, each load reads the weights
+_PROCESS_KEEP: ModelKeep | None = None
 
 
 def keep_models(n: int) -> None:
-    """From now on keep the ``n`` models this process loaded last, and answer a later ``load_model`` of one of them with
-    a copy of its weights as loaded (``LoadedModel.pristine_copy``: bit for bit those a fresh load reads, its
-    fingerprint carried over) instead of loading it again. For a process that serves many commands (the warm worker,
-    ``splitleak.warm``); 0 (the default) keeps none."""
-    global _KEEP
+    """From now on keep the ``n`` models this process loaded last (``ModelKeep``), and answer a later ``load_model``
+    of one of them with a copy instead of loading it again. For a process that serves many commands (the warm
+    worker, ``splitleak.warm``); 0 (the default) keeps none."""
+    global _PROCESS_KEEP
     if n < 0:
         raise ConfigError(f"keep_models takes a count >= 0, got {n}")
-    with _KEPT_LOCK:
-        _KEEP = n
-        while len(_KEPT) > n:
-            _KEPT.popitem(last=False)
+    if n == 0:
+        _PROCESS_KEEP = None
+    elif _PROCESS_KEEP is None:
+        _PROCESS_KEEP = ModelKeep(n)
+    else:
+        _PROCESS_KEEP.resize(n)
 
 
 def kept_models() -> list[str]:
     """The models ``keep_models`` keeps, as ``name (precision)``, the most recently used last."""
-    with _KEPT_LOCK:
-        return [f"{lm.name} ({lm.precision})" for lm in _KEPT.values()]
+    return [] if _PROCESS_KEEP is None else _PROCESS_KEEP.names()
 
 
 def load_model(
@@ -451,24 +513,11 @@ def load_model(
     seed: int = 0,
     model_path: str | Path | None = None,
 ) -> LoadedModel:
-    """Load a preset or any Hugging Face causal LM, in float32 or float64, in eval mode (from the models this process
-    keeps, where it keeps one: ``keep_models``)."""
-    if not _KEEP:
+    """Load a preset or any Hugging Face causal LM, in float32 or float64, in eval mode (a copy of a kept one where
+    this process keeps models: ``keep_models``)."""
+    if _PROCESS_KEEP is None:
         return _load(name, precision, seed, model_path)
-    preset = PRESETS.get(name)
-    seeded = preset is not None and preset.kind == "tiny"  # only the random tiny model depends on the seed
-    key = (name, precision, seed if seeded else None, None if model_path is None else os.fspath(model_path))
-    with _KEPT_LOCK:
-        lm = _KEPT.get(key)
-        if lm is None:
-            lm = _load(name, precision, seed, model_path)
-            if lm.loaded_fingerprint is None:
-                lm.loaded_fingerprint = lm.fingerprint()
-            _KEPT[key] = lm
-            while len(_KEPT) > _KEEP:
-                _KEPT.popitem(last=False)
-        _KEPT.move_to_end(key)
-        return lm.pristine_copy()
+    return _PROCESS_KEEP.load(name, precision=precision, seed=seed, model_path=model_path)
 
 
 def _load(name: str, precision: str, seed: int, model_path: str | Path | None) -> LoadedModel:
@@ -518,39 +567,6 @@ def _disable_dropout(model: torch.nn.Module) -> None:
     for attr in ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout"):
         if hasattr(model.config, attr) and isinstance(getattr(model.config, attr), float):
             setattr(model.config, attr, 0.0)
-
-
-# --------------------------------------------------------------------------- structure
-
-_BLOCK_PATHS = (("transformer", "h"), ("model", "layers"), ("gpt_neox", "layers"), ("model", "decoder", "layers"))
-_NORM_NAMES = ("ln_f", "norm", "final_layernorm", "final_layer_norm")
-
-
-def find_blocks(model: torch.nn.Module) -> tuple[Any, torch.nn.ModuleList, str]:
-    """(the module that owns the block list, the list, the attribute name) or a ModelError. The owner
-    is the transformers base model (``get_input_embeddings``, ``config``), reached by attribute path."""
-    for path in _BLOCK_PATHS:
-        owner: Any = model
-        ok = True
-        for part in path[:-1]:
-            owner = getattr(owner, part, None)
-            if owner is None:
-                ok = False
-                break
-        if ok and isinstance(getattr(owner, path[-1], None), torch.nn.ModuleList):
-            return owner, getattr(owner, path[-1]), path[-1]
-    raise ModelError(
-        f"cannot cut {type(model).__name__}: splitleak needs the decoder blocks as a ModuleList at "
-        f"transformer.h (GPT-2) or model.layers (Llama, Qwen, Gemma, Mistral); this model has neither"
-    )
-
-
-def find_final_norm(owner: torch.nn.Module) -> torch.nn.Module:
-    for name in _NORM_NAMES:
-        mod = getattr(owner, name, None)
-        if isinstance(mod, torch.nn.Module):
-            return mod
-    raise ModelError(f"cannot find the final norm of {type(owner).__name__} (looked for {', '.join(_NORM_NAMES)})")
 
 
 def preset_available(name: str) -> tuple[bool, str]:

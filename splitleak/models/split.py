@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from splitleak.errors import ConfigError, ModelError
-from splitleak.models.presets import LoadedModel, find_blocks, find_final_norm
+from splitleak.models.presets import LoadedModel
+from splitleak.models.structure import find_blocks, find_final_norm
 
 
 class _StopTrace(Exception):

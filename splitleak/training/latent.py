@@ -50,8 +50,8 @@ from splitleak.defences.decoys import DecoyPool, derived_seed, gaussian_row_epsi
 from splitleak.defences.gauges import Gauge, frame_gauge
 from splitleak.errors import ConfigError
 from splitleak.models.latent import Decoder, Encoder, GaugeSurrogate, LatentSpec, check_no_wide_parameters, latent_spec
-from splitleak.models.presets import find_blocks
 from splitleak.models.split import SplitModel, next_token_loss
+from splitleak.models.structure import find_blocks
 from splitleak.progress import Progress, Silent, end
 from splitleak.training.config import LatentConfig
 from splitleak.training.loop import ids_tensor, training_order
