@@ -36,20 +36,27 @@ worker_app = typer.Typer(
 )
 app.add_typer(worker_app, name="worker")
 
+IdleOpt = typer.Option(900.0, "--idle", help="stop after this many seconds without a command")
+PreloadOpt = typer.Option(
+    [], "--preload", help="a model to load before the first command (a preset, e.g. smollm2-135m; repeatable)"
+)
+
+
+def _check_idle(idle: float) -> None:
+    if idle <= 0:
+        err.print(f"[bold red]error:[/] --idle must be > 0 seconds, got {idle:g}", highlight=False)
+        raise typer.Exit(2)
+
 
 @worker_app.command("start")
 def start_cmd(
-    idle: float = typer.Option(900.0, "--idle", help="stop after this many seconds without a command"),
-    preload: list[str] = typer.Option(
-        [], "--preload", help="a model to load before the first command (a preset, e.g. smollm2-135m; repeatable)"
-    ),
+    idle: float = IdleOpt,
+    preload: list[str] = PreloadOpt,
     wait: float = typer.Option(120.0, "--wait", help="seconds to wait for it to listen"),
 ) -> None:
     """Start the worker, detached (its log: worker.log beside its socket). While it runs, `splitleak attack` commands
     run in it; SPLITLEAK_WORKER=off runs one in its own process."""
-    if idle <= 0:
-        err.print(f"[bold red]error:[/] --idle must be > 0 seconds, got {idle:g}", highlight=False)
-        raise typer.Exit(2)
+    _check_idle(idle)
     if warm.listening():
         state = warm.ask("ping")
         pid = f"pid {state['pid']}" if state else "busy with a command"
@@ -88,16 +95,12 @@ def start_cmd(
 
 @worker_app.command("serve")
 def serve_cmd(
-    idle: float = typer.Option(900.0, "--idle", help="stop after this many seconds without a command"),
-    preload: list[str] = typer.Option(
-        [], "--preload", help="a model to load before the first command (a preset, e.g. smollm2-135m; repeatable)"
-    ),
+    idle: float = IdleOpt,
+    preload: list[str] = PreloadOpt,
 ) -> None:
     """Be the worker, in the foreground (`start` runs this detached): serve `splitleak attack` commands until --idle
     seconds pass without one, or `splitleak worker stop`."""
-    if idle <= 0:
-        err.print(f"[bold red]error:[/] --idle must be > 0 seconds, got {idle:g}", highlight=False)
-        raise typer.Exit(2)
+    _check_idle(idle)
     raise typer.Exit(serve(idle, preload))
 
 
