@@ -25,6 +25,11 @@ commands against their floor". With ``--worker`` as well, the commands run in a 
 model into it) are timed apart, then ``--repeat`` commands as above; the row goes to the table "Whole commands in the
 warm worker". The worker's log must name every timed command, or no row is written.
 
+With ``--breakdown`` (and ``--attack activation``, ``joint`` or ``sipit``) it runs the attack once as the worker does
+with the model loaded (fit and reconstruct), then once more with every ATen operation timed (``op_time.OpTimes``), and
+sets the time of the operations the floor counts (those with a FLOP formula) against the same floor: the lowest ratio
+reachable if every other operation were free. The row goes to the table "What the floor leaves out".
+
 With ``--attack gma-sl`` (or ``gma-sl-aware``) on a label-shielded run it times GMA-SL's label matching against
 its floor: the FLOPs of the whole matching (the proxy Top's forward once per chunk, then per step the
 vector-Jacobian product and its double backward), counted by ``torch.utils.flop_counter`` on untimed passes of
@@ -275,6 +280,58 @@ def whole_command(a) -> None:
             record("### Whole commands against their floor", head + tail)
 
 
+def breakdown(a) -> None:
+    """``--breakdown``: one pass of the attack (fit and reconstruct, the model loaded) with every operation timed
+    (``op_time.OpTimes``), against the floor of ``--command``: the counted operations' seconds over the floor is
+    the lowest ratio reachable with every uncounted operation free."""
+    from op_time import OpTimes
+
+    reference = MatmulReference(a.rounds)
+    kn = load_knowledge(a.run, "public")
+    traffic = load_traffic(a.run)
+    n = traffic.activations.shape[0]
+    flops = attack_flops(kn, traffic, a.attack, a.k, a.budget)
+    size = {"budget": a.budget} if a.attack == "sipit" else {"k": a.k}
+    reference.measure()
+    t0 = time.perf_counter()
+    plain = make_attack(a.attack, **size).fit(dataclasses.replace(kn)).reconstruct(traffic)
+    wall = time.perf_counter() - t0
+    with OpTimes() as ops:
+        t0 = time.perf_counter()
+        timed = make_attack(a.attack, **size).fit(dataclasses.replace(kn)).reconstruct(traffic)
+        timed_wall = time.perf_counter() - t0
+    reference.measure()
+    if not torch.equal(plain.tokens, timed.tokens):
+        raise SystemExit("the timed pass read other tokens than the plain one: not the same pass")
+    floor = flops / (reference.best * 1e9)
+    counted_rate = ops.counted_flops / ops.counted_s / 1e9
+    res = {
+        "attack": a.attack,
+        **row_head(a.run, n, a.budget if a.attack == "sipit" else a.k, reference),
+        "tflop_floor": flops / 1e12,
+        "tflop_counted": ops.counted_flops / 1e12,
+        "floor_s": floor,
+        "wall_s": wall,
+        "timed_wall_s": timed_wall,
+        "counted_s": ops.counted_s,
+        "counted_gflops": counted_rate,
+        "uncounted_s": ops.uncounted_s,
+        "wall_over_floor": wall / floor,
+        "counted_over_floor": ops.counted_s / floor,
+        "largest_uncounted": ops.largest_uncounted(),
+    }
+    print(json.dumps(res, indent=2))
+    if a.record:
+        largest = ", ".join(f"{k} {s:.2f}" for k, s in ops.largest_uncounted(4))
+        row = (
+            f"| {date.today().isoformat()} | {a.attack} | {res['model']} | {res['cut']} | {n} | {res['k']} | "
+            f"{device_cell()} | {reference.cell()} | {flops / 1e12:.2f} | {floor:.1f} | {wall:.1f} | "
+            f"{wall / floor:.2f} | {ops.counted_s:.1f} | {counted_rate:.0f} | **{ops.counted_s / floor:.2f}** | "
+            f"{ops.uncounted_s:.1f} | {largest} | {timed_wall:.1f} |"
+        )
+        record("### What the floor leaves out: each operation timed", row)
+
+
 def _matching_flops(kn, traffic, name: str, steps: int, params: dict) -> float:
     """The FLOPs of GMA-SL's matching capped at ``steps`` steps per chunk (its stop rule cannot act so early)."""
     from splitleak.experiments.worker import _flop_counter  # module hooks off: autograd.grad on a leaf
@@ -339,6 +396,9 @@ def main() -> None:
     ap.add_argument("--command", action="store_true", help="time the whole `splitleak attack` command (--repeat runs)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument(
+        "--breakdown", action="store_true", help="one pass with every operation timed, against the floor (op_time)"
+    )
+    ap.add_argument(
         "--worker", action="store_true", help="with --command: in a warm worker (`splitleak worker start`) of its own"
     )
     ap.add_argument("--budget", type=int, default=32, help="SipIt's checks per position")
@@ -359,6 +419,11 @@ def main() -> None:
         if a.attack not in ("activation", "joint", "sipit"):
             ap.error("--command times activation, joint or sipit (--attack)")
         whole_command(a)
+        return
+    if a.breakdown:
+        if a.attack not in ("activation", "joint", "sipit"):
+            ap.error("--breakdown times activation, joint or sipit (--attack)")
+        breakdown(a)
         return
     if a.attack in ("gma-sl", "gma-sl-aware"):
         label_attack(a)

@@ -72,3 +72,44 @@ def test_the_beam_floor_counts_what_the_beam_search_computes(seed, k):
         beam_search(client, obs, candidates, 2)
     floor = bench.search_flops(client, 6, 10, k, 2)
     assert 1.0 <= floor / counter.get_total_flops() <= 1.03, (floor, counter.get_total_flops())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_op_timer_splits_counted_from_uncounted_work(seed):
+    """``op_time.OpTimes`` puts an operation with a FLOP formula (a product) on the counted side with its exact
+    FLOPs, and an elementwise one or a reduction on the other; the two sides' seconds add up to what the ops took."""
+    op_time = _bench("op_time")
+    g = torch.Generator().manual_seed(seed)
+    rows, d, f = 16 + 8 * seed, 24, 40
+    x, w = torch.randn(rows, d, generator=g), torch.randn(f, d, generator=g)
+    with op_time.OpTimes() as ops:
+        y = torch.relu(torch.nn.functional.linear(x, w)).sum()
+    assert torch.isfinite(y)
+    assert ops.counted_flops == 2 * rows * d * f
+    assert ops.counted == {"mm"}  # linear without a bias: a transpose (uncounted, no FLOPs) and mm
+    assert {"relu", "sum"} <= set(ops.seconds) - ops.counted
+    assert ops.calls["mm"] == 1 and ops.calls["relu"] == 1
+    assert ops.counted_s + ops.uncounted_s == pytest.approx(sum(ops.seconds.values()))
+    assert [name for name, _ in ops.largest_uncounted(10)] == sorted(
+        set(ops.seconds) - ops.counted, key=lambda n: -ops.seconds[n]
+    )
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_op_timer_counts_the_beam_search_as_torch_does(seed):
+    """Over a beam search the timer's counted FLOPs equal torch's flop counter's: the split the breakdown reports
+    rests on the same formulas as the floor."""
+    op_time = _bench("op_time")
+    client = ClientCopy(load_model("tiny-gpt2", seed=seed).model, 2)
+    g = torch.Generator().manual_seed(seed)
+    obs = client.activations(torch.randint(0, client.vocab_size, (4, 8), generator=g))
+    candidates = torch.randint(0, client.vocab_size, (4, 8, 6), generator=g)
+    with FlopCounterMode(display=False) as counter:
+        plain = beam_search(client, obs, candidates, 2)
+    with op_time.OpTimes() as ops:
+        timed = beam_search(client, obs, candidates, 2)
+    assert torch.equal(plain.tokens, timed.tokens)
+    assert ops.counted_flops == counter.get_total_flops() > 0
+    assert ops.counted_s > 0 and ops.uncounted_s > 0
