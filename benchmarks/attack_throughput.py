@@ -303,6 +303,11 @@ def breakdown(a) -> None:
     reference.measure()
     if not torch.equal(plain.tokens, timed.tokens):
         raise SystemExit("the timed pass read other tokens than the plain one: not the same pass")
+    if abs(ops.counted_flops / flops - 1) > 0.05:  # e.g. a result kept from the plain pass: nothing computed again
+        raise SystemExit(
+            f"the timed pass computed {ops.counted_flops / 1e12:.3f} TFLOP against the floor's {flops / 1e12:.3f}: "
+            "not the pass the floor counts"
+        )
     floor = flops / (reference.best * 1e9)
     counted_rate = ops.counted_flops / ops.counted_s / 1e9
     res = {
