@@ -149,10 +149,10 @@ def search_flops(client, n_docs: int, T: int, k: int, width: int) -> float:
 def outside_search_flops(kn, traffic, name: str, k: int) -> tuple[float, torch.Tensor]:
     """The FLOPs an attack computes outside its beam search (fit on a fresh knowledge, then its candidate
     lists), counted by torch's flop counter, and the candidates."""
-    from torch.utils.flop_counter import FlopCounterMode
+    from splitleak.experiments.worker import _flop_counter  # torch's formulas and the CPU attention kernels
 
     attack = make_attack(name, k=k)
-    with FlopCounterMode(display=False) as counter:
+    with _flop_counter() as counter:
         cand = attack.fit(dataclasses.replace(kn)).candidates(traffic)
     return float(counter.get_total_flops()), cand
 
@@ -203,9 +203,9 @@ def whole_attack(a) -> None:
 def attack_flops(kn, traffic, name: str, k: int, budget: int) -> float:
     """Every FLOP the attack computes once its model is loaded (fit and reconstruct), for the command's floor."""
     if name == "sipit":
-        from torch.utils.flop_counter import FlopCounterMode
+        from splitleak.experiments.worker import _flop_counter  # torch's formulas and the CPU attention kernels
 
-        with FlopCounterMode(display=False) as counter:
+        with _flop_counter() as counter:
             make_attack("sipit", budget=budget).fit(dataclasses.replace(kn)).reconstruct(traffic)
         return float(counter.get_total_flops())
     n, T = traffic.activations.shape[:2]

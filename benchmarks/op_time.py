@@ -19,19 +19,13 @@ import time
 from collections import Counter
 from typing import Any
 
-import torch
 from torch.utils import flop_counter as fc
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_ATEN = torch.ops.aten
+from splitleak.experiments.worker import CPU_SDPA_FORMULAS
 
-#: torch's formulas, and the CPU kernels of scaled-dot-product attention that its table lacks, counted with its own
-#: attention formulas (as ``splitleak.experiments.worker`` counts a grid job's FLOPs)
-FORMULAS: dict[Any, Any] = {
-    **fc.flop_registry,
-    _ATEN._scaled_dot_product_flash_attention_for_cpu: fc.sdpa_flop,
-    _ATEN._scaled_dot_product_flash_attention_for_cpu_backward: fc.sdpa_backward_flop,
-}
+#: torch's formulas, and the CPU attention kernels its table lacks, as a grid job's FLOPs are counted
+FORMULAS: dict[Any, Any] = {**fc.flop_registry, **CPU_SDPA_FORMULAS}
 
 
 class OpTimes(TorchDispatchMode):

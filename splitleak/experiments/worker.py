@@ -300,15 +300,16 @@ def _as_is(formula: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
+#: the CPU kernels of scaled-dot-product attention, missing from torch's formula table (the CUDA ones are there),
+#: with torch's own attention formulas (already taking tensors to shapes), so CPU and GPU counts agree
+CPU_SDPA_FORMULAS: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: fc.sdpa_flop,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: fc.sdpa_backward_flop,
+}
+
+
 def _flop_counter():
-    aten = torch.ops.aten
-    # the CPU kernels of scaled-dot-product attention are missing from torch's formula table (the
-    # CUDA ones are there); count them with its own attention formulas so CPU and GPU counts agree
-    cpu_sdpa = {
-        aten._scaled_dot_product_flash_attention_for_cpu: _as_is(fc.sdpa_flop),
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: _as_is(fc.sdpa_backward_flop),
-    }
-    counter = fc.FlopCounterMode(display=False, custom_mapping=cpu_sdpa)
+    counter = fc.FlopCounterMode(display=False, custom_mapping={op: _as_is(f) for op, f in CPU_SDPA_FORMULAS.items()})
     # torch's module tracker hooks backward passes in a way that autograd.grad on a leaf tensor (the
     # server returning the gradient of its input) rejects; a job's total needs no per-module split
     counter.mod_tracker = _GlobalOnly()
